@@ -1,0 +1,230 @@
+"""Engine: validates and admits requests, and runs steps (plan -> execute -> update -> detokenize -> outputs).
+
+Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server. The synchronous
+`generate` is the small Python API for scripts and tests.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from appliance.engine.attention import make_backend
+from appliance.engine.detokenizer import Detokenizer
+from appliance.engine.kv_cache import KVCache, PagePool
+from appliance.engine.request import Request, RequestOutput, SamplingParams
+from appliance.engine.runner import ModelRunner
+from appliance.engine.scheduler import PLANNERS, Scheduler, StepPlan
+from appliance.errors import CapacityError, ConfigError, RequestError
+from appliance.model_zoo.llama import DecoderForCausalLM
+from appliance.model_zoo.loader import load_model
+from appliance.model_zoo.tokenizer import Tokenizer
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None            # explicit pool size; else from kv_cache_memory / memory fraction
+    kv_cache_memory: int | None = None      # bytes for the KV cache
+    gpu_memory_utilization: float = 0.9     # fraction of device memory muxd may use in total (CUDA only)
+    max_num_seqs: int = 256                 # requests prefilling or decoding at once
+    max_model_len: int | None = None        # prompt + output tokens per request; default: the model's limit
+    max_prefill_tokens: int = 8192          # prompt tokens admitted per step (at least one request always)
+    max_waiting: int = 4096                 # queued requests before add_request refuses with CapacityError
+    enable_prefix_caching: bool = True
+    planner: str = "serial"
+    layers_per_step: int = 1                # for the layerwise planner
+    attention_backend: str = "torch"
+
+    def validate(self) -> None:
+        if self.planner not in PLANNERS:
+            raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
+        for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_waiting", "layers_per_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class Completion:
+    """Result of the synchronous API for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+class Engine:
+    def __init__(self, model: DecoderForCausalLM, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        config.validate()
+        self.model, self.tokenizer = model, tokenizer
+        mcfg = model.config
+        param = next(model.parameters())
+        num_pages = self._pool_size(param.device, param.dtype)
+        self.kv_cache = KVCache(mcfg, num_pages, config.page_size, param.dtype, param.device)
+        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        capacity = num_pages * config.page_size
+        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
+        if self.max_model_len > capacity:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV cache ({num_pages} pages of "
+                              f"{config.page_size} = {capacity} tokens); lower it or give the cache more memory")
+        planner_cls = PLANNERS[config.planner]
+        planner = (planner_cls(config.layers_per_step, config.max_prefill_tokens) if config.planner == "layerwise"
+                   else planner_cls(config.max_prefill_tokens))
+        self.scheduler = Scheduler(self.pool, mcfg.num_layers, planner, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.kv_cache, make_backend(config.attention_backend))
+        self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids)
+        self._detok: dict[str, Detokenizer] = {}
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype | None = None,
+                        device: str | torch.device = "cpu", load_format: str = "auto",
+                        config: EngineConfig | None = None) -> "Engine":
+        model = load_model(path, dtype=dtype, device=device, load_format=load_format)
+        tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        return cls(model, tokenizer, config)
+
+    def _pool_size(self, device: torch.device, dtype: torch.dtype) -> int:
+        cfg = self.config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        per_page = KVCache.bytes_per_page(self.model.config, cfg.page_size, dtype)
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(cfg.gpu_memory_utilization * total) - (total - free)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        if budget < per_page:
+            raise ConfigError(f"KV cache budget of {budget} bytes holds no page ({per_page} bytes per page of "
+                              f"{cfg.page_size} tokens); raise --kv-cache-memory or --gpu-memory-utilization")
+        return budget // per_page
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, add_special_tokens: bool = True) -> Request:
+        """Tokenize and validate; raises RequestError naming the bad field. Touches no engine state."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; send token ids", "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        if not ids:
+            raise RequestError("prompt is empty", "prompt")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none", "stop")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                               "and at least one must be left to generate", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
+                               f"context of {self.max_model_len} tokens", "max_tokens")
+        rid = request_id if request_id is not None else f"req-{next(self._counter)}"
+        return Request(rid, ids, params)
+
+    def submit(self, request: Request) -> str:
+        if request.request_id in self.scheduler.requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use", "request_id")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise CapacityError(f"{len(self.scheduler.waiting)} requests are waiting (limit "
+                                f"{self.config.max_waiting}); retry later")
+        if self.tokenizer is not None:
+            self._detok[request.request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids,
+                                                          request.sampling.stop)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        return self.submit(self.make_request(prompt, params, request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free all its pages now; False if it is not (or no longer) here."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish(request, "abort", aborted=True)
+        self.runner.release(request_id)
+        self._detok.pop(request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- steps ------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        for rid in self.scheduler.drain_preempted():
+            self.runner.release(rid)
+        if plan.empty:
+            if self.scheduler.has_work():
+                raise RuntimeError(f"planner {self.scheduler.planner.name!r} planned nothing with "
+                                   f"{len(self.scheduler.requests)} requests pending")
+            return []
+        return self._apply(plan, self.runner.execute(plan, self.scheduler.requests))
+
+    def _apply(self, plan: StepPlan, sampled: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
+        for request, token in self.scheduler.update(plan, sampled):
+            outputs.append(self._output(request, token))
+        return outputs
+
+    def _output(self, r: Request, token: int) -> RequestOutput:
+        sp = r.sampling
+        detok = self._detok.get(r.request_id)
+        stop_token = token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
+        stop_string = detok.push(token, visible=not stop_token) if detok else False
+        reason = None
+        if stop_token or stop_string:
+            reason = "stop"
+        elif len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
+            reason = "length"
+        text = ""
+        if detok:
+            if reason and not stop_string:
+                detok.flush()
+            text = detok.delta(finished=reason is not None)
+        if reason:
+            self.scheduler.finish(r, reason)
+            self._detok.pop(r.request_id, None)
+        return RequestOutput(
+            request_id=r.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,
+            finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
+            num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None)
+
+    # ---- synchronous API --------------------------------------------------------------------------------------
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Run prompts to completion (continuously batched) and return them in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, plist)]
+        for r in requests:
+            self.submit(r)
+        texts = {r.request_id: "" for r in requests}
+        while any(not r.status.done for r in requests):
+            for out in self.step():
+                if out.request_id in texts:  # other requests may be in flight too
+                    texts[out.request_id] += out.new_text
+        return [Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids), texts[r.request_id],
+                           r.finish_reason, r.num_cached_tokens or 0) for r in requests]

@@ -1,0 +1,169 @@
+"""The paged KV cache: the tensor that holds every layer's K/V pages, and the page pool that hands pages to requests.
+
+The pool keeps a free list, a block table per request, and a prefix cache: every full page is keyed by a hash chain
+of the token ids up to its end; a new request reuses the longest cached chain; pages are reference-counted, and cached
+pages nobody references stay reusable until evicted, least recently freed first.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from appliance.model_zoo.config import ModelConfig
+
+
+class KVCache:
+    """One tensor [layers, 2 (K, V), pages, page_size, kv_heads, head_dim] holding every layer's pages."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: str | torch.device) -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        self.data = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+@dataclass
+class PageTable:
+    """A request's pages in order, and the hash chain of its full pages as far as it has been computed."""
+
+    pages: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0  # leading pages already entered in (or found in) the prefix cache
+
+
+def _page_hash(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class PagePool:
+    """Hands out fixed-size pages; shares full pages between requests with equal prefixes."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"page pool needs num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_pages
+        self._hash_of: list[bytes | None] = [None] * num_pages
+        self._page_of: dict[bytes, int] = {}
+        self._free: deque[int] = deque(range(num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+
+    # ---- accounting -------------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a new request could get: never used, or cached but referenced by nobody."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_of)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_pages / self.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------------------------
+    def _extend_hashes(self, table: PageTable, token_ids: list[int], num_tokens: int) -> None:
+        size = self.page_size
+        for i in range(len(table.hashes), num_tokens // size):
+            parent = table.hashes[-1] if table.hashes else b""
+            table.hashes.append(_page_hash(parent, token_ids[i * size:(i + 1) * size]))
+
+    def cached_prefix(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Pages holding the longest cached prefix of token_ids[:num_tokens], leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        table = PageTable()
+        self._extend_hashes(table, token_ids, num_tokens - 1)
+        hit = []
+        for h in table.hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            hit.append(page)
+        return hit
+
+    # ---- allocation -------------------------------------------------------------------------------------------
+    def allocate(self, table: PageTable, token_ids: list[int], num_tokens: int) -> int | None:
+        """Give an empty table pages for num_tokens tokens, reusing cached prefix pages.
+
+        Returns the number of tokens whose KV is already cached, or None (nothing changed) when the pool is short.
+        """
+        assert not table.pages, "allocate() takes a request without pages"
+        hit = self.cached_prefix(token_ids, num_tokens)
+        needed = self.pages_for(num_tokens) - len(hit)
+        reclaimable = self.num_free_pages - sum(1 for p in hit if p in self._evictable)
+        if needed > reclaimable:
+            return None
+        for page in hit:
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+            self._refcount[page] += 1
+        table.pages = hit + [self._take_page() for _ in range(needed)]
+        table.hashes = [self._hash_of[p] for p in hit]  # type: ignore[misc]
+        table.num_registered = len(hit)
+        return len(hit) * self.page_size
+
+    def grow(self, table: PageTable, num_tokens: int) -> bool:
+        """Make room for num_tokens tokens in total (one more page at most per call); False if the pool is empty."""
+        if self.pages_for(num_tokens) <= len(table.pages):
+            return True
+        if self.num_free_pages == 0:
+            return False
+        table.pages.append(self._take_page())
+        return True
+
+    def register(self, table: PageTable, token_ids: list[int], num_computed: int) -> None:
+        """Enter the table's pages that are full and fully computed into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self._extend_hashes(table, token_ids, num_computed)
+        for i in range(table.num_registered, num_computed // self.page_size):
+            page, h = table.pages[i], table.hashes[i]
+            if self._hash_of[page] is None and h not in self._page_of:
+                self._hash_of[page] = h
+                self._page_of[h] = page
+        table.num_registered = max(table.num_registered, num_computed // self.page_size)
+
+    def free(self, table: PageTable) -> None:
+        """Drop the table's references; unreferenced cached pages stay reusable, tail pages evicted first."""
+        for page in reversed(table.pages):
+            self._refcount[page] -= 1
+            assert self._refcount[page] >= 0, f"page {page} freed twice"
+            if self._refcount[page] == 0:
+                if self._hash_of[page] is not None:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+        table.pages, table.hashes, table.num_registered = [], [], 0
+
+    def _take_page(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._hash_of[page]]  # type: ignore[arg-type]
+            self._hash_of[page] = None
+        self._refcount[page] = 1
+        return page
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page that nobody references (e.g. after weights change)."""
+        while self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._hash_of[page]]  # type: ignore[arg-type]
+            self._hash_of[page] = None
+            self._free.append(page)

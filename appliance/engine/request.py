@@ -1,0 +1,110 @@
+"""A request's sampling parameters, lifecycle state and what the engine reports about it after each step."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from appliance.engine.kv_cache import PageTable
+from appliance.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k cut
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}", "top_k")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+class Request:
+    """One generation: prompt, generated tokens, KV pages, progress of its (possibly layer-split) prefill."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.status = RequestStatus.WAITING
+        self.page_table = PageTable()
+        self.num_computed_tokens = 0   # tokens whose KV is in the cache for every layer
+        self.prefill_target = 0        # tokens the current prefill must compute up to (prompt + recomputed output)
+        self.prefill_layer = 0         # first layer the current prefill chunk has not run yet
+        self.num_cached_tokens: int | None = None  # prefix reused from the cache at first admission
+        self.num_preemptions = 0
+        self.start_seq = -1            # admission order; the youngest request is preempted first
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas), plus its running totals for usage reporting."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    text: str | None = None  # the whole output text so far (set on the final output)

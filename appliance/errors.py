@@ -1,0 +1,30 @@
+"""The one error hierarchy of muxd.
+
+Every error a user can cause derives from ApplianceError; its message names the file, field or value that is wrong
+and, where it helps, what would be right.
+"""
+from __future__ import annotations
+
+
+class ApplianceError(Exception):
+    """Base of every error muxd raises on purpose."""
+
+
+class ConfigError(ApplianceError):
+    """A configuration value (flag, config.json field, YAML key) is missing or invalid."""
+
+
+class ModelLoadError(ApplianceError):
+    """A model directory cannot be loaded: missing file, unsupported architecture, missing or misshapen tensor."""
+
+
+class RequestError(ApplianceError):
+    """A request is invalid (bad sampling parameter, prompt too long, ...). `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class CapacityError(ApplianceError):
+    """The engine cannot take more work right now (waiting queue full); the caller may retry later."""

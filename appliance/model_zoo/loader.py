@@ -1,0 +1,126 @@
+"""Loads a decoder from a local Hugging Face directory (safetensors, single or sharded) or with dummy weights.
+
+The module tree is built on the meta device and materialised once on the target device, so a checkpoint is never held
+twice in memory. Every problem is a ModelLoadError naming the file and the tensor or field.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from appliance.errors import ModelLoadError
+from appliance.model_zoo.config import ModelConfig, parse_dtype
+from appliance.model_zoo.layers import MergedLinear
+from appliance.model_zoo.llama import DecoderForCausalLM
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# tensors some checkpoints carry that the model recomputes
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: model directory not found")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a directory (expected a Hugging Face model directory with config.json)")
+    return path
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+               load_format: str = "auto", seed: int = 0) -> DecoderForCausalLM:
+    """Build the model described by `path`/config.json and fill its weights.
+
+    dtype: None keeps the checkpoint's torch_dtype. load_format: 'auto'/'safetensors' read the weights, 'dummy' draws
+    random weights of the right shapes (seeded) for benchmarking sizes without a checkpoint.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    path = resolve_model_dir(path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    if dtype is not None:
+        cfg = replace(cfg, dtype=parse_dtype(dtype, "--dtype"))
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg)
+    model = model.to(cfg.dtype).to_empty(device=device)
+    model.model.rotary.reset_buffers()
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+    else:
+        _load_safetensors(model, path)
+    return model.eval().requires_grad_(False)
+
+
+def _fill_dummy(model: DecoderForCausalLM, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.data.zero_()
+        else:
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
+            param.data.copy_(values)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory, from the shard index when there is one."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index}: not a valid shard index (needs a 'weight_map' object): {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: shard named in {index.name} not found")
+        return files
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json (use --load-format dummy "
+                         "for random weights)")
+
+
+def _load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    # each merged layer's shards, keyed by the checkpoint's names (…q_proj.weight -> qkv_proj.weight rows)
+    shard_targets: dict[str, tuple[str, int, int]] = {}
+    for mod_name, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            for shard, (offset, size) in module.shards.items():
+                for kind in ("weight", "bias"):
+                    if getattr(module, kind) is not None:
+                        shard_targets[f"{mod_name.rsplit('.', 1)[0]}.{shard}.{kind}"] = (
+                            f"{mod_name}.{kind}", offset, size)
+    expected = {n for n in params if n not in {t for t, _, _ in shard_targets.values()}} | set(shard_targets)
+    loaded: set[str] = set()
+    tied = model.config.tie_word_embeddings
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if name in shard_targets:
+                    target, offset, size = shard_targets[name]
+                    dest = params[target].data.narrow(0, offset, size)
+                elif name in params:
+                    dest = params[name].data
+                else:
+                    raise ModelLoadError(f"{file}: unexpected tensor {name!r} for {model.config.architecture} "
+                                         "(does config.json match the weights?)")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ModelLoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
+                                         f"implies {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{path}: checkpoint lacks tensor(s) {shown}")

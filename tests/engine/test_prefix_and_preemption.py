@@ -1,0 +1,106 @@
+"""Prefix reuse across requests and preemption under KV-pool exhaustion, end to end through the engine."""
+from __future__ import annotations
+
+import torch
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def first_logits(engine: Engine, rid: str) -> torch.Tensor:
+    """Step until `rid` gets its first logits; returns them (the engine keeps running normally)."""
+    inner, box = engine.runner.forward_logits, {}
+
+    def spy(plan, requests):
+        out = inner(plan, requests)
+        if rid in out and rid not in box:
+            box[rid] = out[rid].clone()
+        return out
+
+    engine.runner.forward_logits = spy
+    while rid not in box:
+        engine.step()
+    engine.runner.forward_logits = inner
+    return box[rid]
+
+
+def run_to_end(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_second_request_reuses_three_cached_pages(llama_checkpoint):
+    path, _ = llama_checkpoint
+    shared = prompt(0, 48)  # exactly three pages of 16
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=32))
+    first = engine.add_request(shared + prompt(1, 10), GREEDY)
+    engine.step()
+    first_pages = list(engine.scheduler.requests[first].page_table.pages)
+    run_to_end(engine)
+    free_before = engine.pool.num_free_pages
+    assert free_before == 32
+
+    second = engine.add_request(shared + prompt(2, 12), GREEDY)
+    works = []
+    inner = engine.runner.forward_logits
+    engine.runner.forward_logits = lambda plan, reqs: (works.extend(plan.prefill), inner(plan, reqs))[1]
+    logits = first_logits(engine, second)
+    request = engine.scheduler.requests[second]
+    pages = request.page_table.pages
+    assert request.num_cached_tokens == 48
+    assert pages[:3] == first_pages[:3]
+    assert len(pages) == 4 and pages[3] not in first_pages[:3]  # one new page for 60 tokens
+    assert [(w.token_start, w.token_end) for w in works] == [(48, 60)]  # only the suffix was computed
+    run_to_end(engine)
+    assert engine.pool.num_free_pages == free_before
+
+    fresh = Engine.from_pretrained(path, config=EngineConfig(num_pages=32, enable_prefix_caching=False))
+    rid = fresh.add_request(shared + prompt(2, 12), GREEDY)
+    reference = first_logits(fresh, rid)
+    assert ((logits - reference).abs().max() / reference.abs().max()).item() <= 1e-5
+    assert engine.generate(shared + prompt(2, 12), GREEDY)[0].token_ids == \
+        fresh.generate(shared + prompt(2, 12), GREEDY)[0].token_ids
+
+
+def test_pool_exhaustion_preempts_and_every_request_matches_its_solo_run(llama_checkpoint):
+    path, _ = llama_checkpoint
+    prompts = [prompt(10 + i, 18 + 3 * i) for i in range(8)]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(8)]
+    solo = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
+    alone = [solo.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+
+    # every request needs 3-5 pages; 12 pages cannot hold all 8 at once
+    tight = Engine.from_pretrained(path, config=EngineConfig(num_pages=12, enable_prefix_caching=False))
+    preemptions = []
+    inner = tight.scheduler.preempt
+    tight.scheduler.preempt = lambda r: (preemptions.append(r.request_id), inner(r))[1]
+    together = tight.generate(prompts, params)
+    assert preemptions, "the pool was never exhausted; the test lost its point"
+    assert [c.token_ids for c in together] == alone
+    assert all(c.finish_reason == "length" for c in together)
+    assert tight.pool.num_free_pages == 12
+
+
+def test_abort_frees_every_page_at_once(llama_checkpoint):
+    path, _ = llama_checkpoint
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=40, planner="layerwise"))
+    ids = [engine.add_request(prompt(20 + i, 30), SamplingParams(max_tokens=50, ignore_eos=True))
+           for i in range(4)]
+    for _ in range(6):
+        engine.step()
+    assert engine.pool.num_free_pages < 40
+    for rid in ids:
+        assert engine.abort(rid)
+    assert not engine.abort(ids[0])
+    assert engine.pool.num_free_pages == 40
+    assert not engine.has_unfinished()
+    assert engine.runner._partials == {}
