@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints of each supported family, built with transformers on CPU."""
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -57,3 +58,40 @@ def llama_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     model = build_tiny_checkpoint("llama", path)
     return path, model
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+SPECIALS = ["<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "def main():\n    return 0\n",
+    "Hello, world! Gr\u00fc\u00dfe aus K\u00f6ln. \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001F600",
+    "import os\nimport sys\nprint(os.path.join('a', 'b'))", "stop here STOP now and then continue.",
+] * 20
+
+
+def write_tiny_tokenizer(path: Path, vocab_size: int = 320) -> int:
+    """Train a byte-level BPE tokenizer into `path` (tokenizer.json + tokenizer_config.json); returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE}))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory):
+    """A tiny llama with a real byte-level BPE tokenizer and chat template (eos = <|end|>)."""
+    path = tmp_path_factory.mktemp("tiny-text")
+    vocab = write_tiny_tokenizer(path)
+    build_tiny_checkpoint("llama", path, vocab_size=vocab)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    return path

@@ -149,7 +149,8 @@ class ModelConfig:
         """Parameter count (for sizing and logs)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
+        attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias + 2 * self.head_dim * self.qk_norm
+        per_layer = attn + 3 * h * i + (2 * i + h) * self.mlp_bias + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
 

@@ -1,0 +1,155 @@
+"""AsyncEngine: runs an Engine's step loop on a background thread and gives each request an async token stream.
+
+Requests are validated on the caller's thread (so bad input fails before any streaming starts) and handed to the engine
+thread through an inbox; aborts travel the same way. Closing a stream early (client gone) aborts its request, which
+frees its KV pages on the engine's next loop turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from appliance.engine.engine import Engine
+from appliance.engine.request import Request, RequestOutput, SamplingParams
+from appliance.errors import RequestError
+
+log = logging.getLogger("muxd.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an unexpected error; no request can be served any more."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+        self.stats = {"num_waiting": 0, "num_running": 0, "kv_usage": 0.0, "free_pages": engine.pool.num_free_pages}
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from inside the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="muxd-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     add_special_tokens: bool = True) -> Request:
+        """Validate and tokenize now (raises RequestError); stream it later with `stream`."""
+        return self.engine.make_request(prompt, params, request_id, add_special_tokens)
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Submit a request made by `make_request` and yield its outputs until it finishes.
+
+        Leaving the iteration early (or cancellation) aborts the request.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        rid = request.request_id
+        if rid in self._streams:
+            raise RequestError(f"request id {rid!r} is already in use", "request_id")
+        outputs: asyncio.Queue = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        self._streams[rid] = outputs
+        self._inbox.put(("add", request, done))
+        self._wake.set()
+        finished = submitted = False
+        try:
+            await done  # raises the engine's refusal (duplicate id, queue full) here, before any output
+            submitted = True
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            if self._streams.get(rid) is outputs:
+                del self._streams[rid]
+            if submitted and not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    self._publish_stats()
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                else:
+                    self._publish_stats()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - the loop must report every failure to the waiting clients
+            log.exception("engine loop failed")
+            self.error = exc
+            dead = EngineDeadError(f"engine stopped: {exc!r}")
+            self._loop.call_soon_threadsafe(self._fail_all, dead)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item, done = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.submit(item)
+                    self._loop.call_soon_threadsafe(_resolve, done, None)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    self._loop.call_soon_threadsafe(_resolve, done, exc)
+            else:
+                self.engine.abort(item)
+
+    def _publish_stats(self) -> None:
+        sched, pool = self.engine.scheduler, self.engine.pool
+        self.stats = {"num_waiting": len(sched.waiting), "num_running": sched.num_running,
+                      "kv_usage": pool.usage, "free_pages": pool.num_free_pages}
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for q in self._streams.values():
+            q.put_nowait(exc)
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)

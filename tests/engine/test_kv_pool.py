@@ -1,0 +1,93 @@
+"""PagePool bookkeeping: allocation, prefix hits, reference counts, LRU eviction of cached pages."""
+from __future__ import annotations
+
+from appliance.engine.kv_cache import PagePool, PageTable
+
+S = 4
+
+
+def tokens(n: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def test_allocate_grow_free_roundtrip():
+    pool = PagePool(8, S)
+    t = PageTable()
+    assert pool.allocate(t, tokens(10), 10) == 0
+    assert len(t.pages) == 3 and pool.num_free_pages == 5
+    assert pool.grow(t, 12) and len(t.pages) == 3  # still fits
+    assert pool.grow(t, 13) and len(t.pages) == 4
+    pool.free(t)
+    assert pool.num_free_pages == 8 and t.pages == []
+
+
+def test_prefix_hit_shares_pages_and_refcounts():
+    pool = PagePool(8, S)
+    a = PageTable()
+    pool.allocate(a, tokens(9), 9)
+    pool.register(a, tokens(9), 9)  # two full pages cached
+    assert pool.num_cached_pages == 2
+    b = PageTable()
+    prompt_b = tokens(8) + [99, 98, 97]
+    assert pool.allocate(b, prompt_b, 11) == 8
+    assert b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2]
+    pool.free(a)
+    # the shared pages are still held by b
+    assert pool.num_free_pages == 8 - 3
+    pool.free(b)
+    assert pool.num_free_pages == 8 and pool.num_cached_pages == 2
+
+
+def test_full_hit_still_computes_the_last_token():
+    pool = PagePool(8, S)
+    a = PageTable()
+    pool.allocate(a, tokens(8), 8)
+    pool.register(a, tokens(8), 8)
+    pool.free(a)
+    b = PageTable()
+    assert pool.allocate(b, tokens(8), 8) == 4  # second page recomputed so the last token yields logits
+
+
+def test_short_pool_changes_nothing():
+    pool = PagePool(3, S)
+    t = PageTable()
+    assert pool.allocate(t, tokens(13), 13) is None
+    assert t.pages == [] and pool.num_free_pages == 3
+
+
+def test_lru_eviction_prefers_least_recently_freed_and_tail_pages():
+    pool = PagePool(4, S)
+    a, b = PageTable(), PageTable()
+    pool.allocate(a, tokens(8, 0), 8)
+    pool.register(a, tokens(8, 0), 8)
+    pool.allocate(b, tokens(8, 100), 8)
+    pool.register(b, tokens(8, 100), 8)
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_cached_pages == 4
+    c = PageTable()
+    pool.allocate(c, tokens(4, 500), 4)  # takes a's tail page (freed first, tail first)
+    assert len(pool.cached_prefix(tokens(8, 100) + [1], 9)) == 2  # b untouched
+    assert len(pool.cached_prefix(tokens(8, 0) + [1], 9)) == 1
+
+
+def test_duplicate_content_keeps_one_cached_copy():
+    pool = PagePool(8, S)
+    a, b = PageTable(), PageTable()
+    pool.allocate(a, tokens(5), 5)
+    pool.allocate(b, tokens(5), 5)  # admitted together: neither is cached yet
+    pool.register(a, tokens(5), 5)
+    pool.register(b, tokens(5), 5)
+    assert pool.num_cached_pages == 1
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_free_pages == 8
+
+
+def test_prefix_caching_off():
+    pool = PagePool(8, S, enable_prefix_caching=False)
+    a = PageTable()
+    pool.allocate(a, tokens(9), 9)
+    pool.register(a, tokens(9), 9)
+    pool.free(a)
+    assert pool.num_cached_pages == 0 and pool.allocate(PageTable(), tokens(9), 9) == 0

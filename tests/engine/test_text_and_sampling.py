@@ -1,0 +1,157 @@
+"""Detokenization, stop conditions, request validation, sampling parameters and the async stream API."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.detokenizer import Detokenizer
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.request import SamplingParams
+from appliance.errors import CapacityError, RequestError
+from appliance.model_zoo.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(text_checkpoint):
+    return Engine.from_pretrained(text_checkpoint, config=EngineConfig(num_pages=64, max_model_len=256))
+
+
+def stream_text(detok: Detokenizer, ids: list[int]) -> tuple[list[str], bool]:
+    pieces, hit = [], False
+    for t in ids:
+        hit = detok.push(t)
+        pieces.append(detok.delta(finished=hit))
+        if hit:
+            break
+    if not hit:
+        detok.flush()
+        pieces.append(detok.delta(finished=True))
+    return pieces, hit
+
+
+def test_incremental_detokenization_handles_multibyte_characters(text_checkpoint):
+    tok = Tokenizer(text_checkpoint)
+    text = "Gr\u00fc\u00dfe aus K\u00f6ln \u65e5\u672c\u8a9e \U0001F600 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces, hit = stream_text(Detokenizer(tok, tok.encode("Hello"), []), ids)
+    assert not hit
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_cuts_text_and_is_never_streamed(text_checkpoint):
+    tok = Tokenizer(text_checkpoint)
+    ids = tok.encode("stop here STOP now and then", add_special_tokens=False)
+    pieces, hit = stream_text(Detokenizer(tok, [], ["STOP", "never"]), ids)
+    assert hit
+    assert "".join(pieces) == "stop here "
+    assert not any("S" in p for p in pieces)
+
+
+def test_stop_strings_and_stop_token_ids_end_generation(engine):
+    prompt = "The quick brown fox"
+    free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    [base] = engine.generate(prompt, free)
+    assert base.finish_reason == "length" and len(base.token_ids) == 40
+    # stop token id: the 6th generated token
+    stop_tok = base.token_ids[5]
+    [c] = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[stop_tok]))
+    first = base.token_ids.index(stop_tok)
+    assert c.token_ids == base.token_ids[:first + 1] and c.finish_reason == "stop"
+    # stop string: a piece of the unconstrained text
+    text = base.text
+    needle = text[len(text) // 2:len(text) // 2 + 3]
+    if needle.strip():
+        [s] = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[needle]))
+        assert s.finish_reason == "stop"
+        assert s.text == text[:text.index(needle)]
+
+
+def test_eos_from_generation_config_stops_unless_ignored(text_checkpoint, tmp_path, engine):
+    [base] = engine.generate("import os", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    eos = base.token_ids[3]
+    d = shutil.copytree(text_checkpoint, tmp_path / "eos")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
+    e = Engine.from_pretrained(d, config=EngineConfig(num_pages=64))
+    [c] = e.generate("import os", SamplingParams(max_tokens=12, temperature=0))
+    assert c.finish_reason == "stop" and c.token_ids == base.token_ids[:base.token_ids.index(eos) + 1]
+    [ignored] = e.generate("import os", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert ignored.token_ids == base.token_ids
+
+
+@pytest.mark.parametrize("params, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-3), "top_k"), (dict(max_tokens=300), "max_tokens"), (dict(stop=[""]), "stop"),
+])
+def test_bad_sampling_parameters_name_the_field(engine, params, field):
+    with pytest.raises(RequestError) as info:
+        engine.make_request("hello", SamplingParams(**params))
+    assert info.value.param == field and field in str(info.value)
+
+
+def test_bad_prompts(engine):
+    with pytest.raises(RequestError, match="empty"):
+        engine.make_request("", SamplingParams())
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.make_request([5, 10_000], SamplingParams())
+    with pytest.raises(RequestError, match="context") as info:
+        engine.make_request([5] * 256, SamplingParams(max_tokens=1))
+    assert info.value.param == "prompt"
+
+
+def test_waiting_queue_limit(text_checkpoint):
+    e = Engine.from_pretrained(text_checkpoint, config=EngineConfig(num_pages=16, max_waiting=2))
+    e.add_request("a"), e.add_request("b")
+    with pytest.raises(CapacityError, match="waiting"):
+        e.add_request("c")
+
+
+def test_sampling_seeded_reproducible_and_greedy_equivalents(engine):
+    prompt = "def main"
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    [a] = engine.generate(prompt, seeded)
+    # same seed inside a batch with other random requests: same tokens
+    batch = engine.generate([prompt, "hello", prompt], [seeded, SamplingParams(max_tokens=16, temperature=1.0),
+                                                       SamplingParams(max_tokens=16, temperature=1.0, seed=8,
+                                                                      ignore_eos=True)])
+    assert batch[0].token_ids == a.token_ids
+    assert batch[2].token_ids != a.token_ids
+    greedy = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
+    top1 = engine.generate(prompt, SamplingParams(max_tokens=16, top_k=1, seed=3, ignore_eos=True))[0].token_ids
+    tiny_p = engine.generate(prompt, SamplingParams(max_tokens=16, top_p=1e-6, seed=3, ignore_eos=True))[0].token_ids
+    assert greedy == top1 == tiny_p
+
+
+def test_async_stream_delivers_and_early_close_aborts(text_checkpoint):
+    e = Engine.from_pretrained(text_checkpoint, config=EngineConfig(num_pages=64))
+    total = e.pool.num_free_pages
+
+    async def main():
+        ae = AsyncEngine(e)
+        ae.start()
+        try:
+            req = ae.make_request("hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            outs = [o async for o in ae.stream(req)]
+            assert [len(o.new_token_ids) for o in outs] == [1] * 8
+            assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 8
+            assert "".join(o.new_text for o in outs) == outs[-1].text
+            long = ae.make_request("hello", SamplingParams(max_tokens=200, ignore_eos=True))
+            agen = ae.stream(long)
+            async for out in agen:
+                if out.num_output_tokens == 3:
+                    break
+            await agen.aclose()
+            for _ in range(200):
+                if ae.stats["free_pages"] == total and ae.stats["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert ae.stats["free_pages"] == total and not e.has_unfinished()
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
