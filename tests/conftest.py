@@ -11,6 +11,11 @@ import torch
 # tiny models gain nothing from intra-op threads, and CI machines have two cores shared with the server under test
 torch.set_num_threads(1)
 
+def pytest_addoption(parser):
+    parser.addoption("--serve-model", default="embedded",
+                     help="model directory the server tests serve (default: the embedded model)")
+
+
 FAMILIES = {
     # Llama-3.1 style: GQA and llama3 rope scaling (short original context so the scaling matters)
     "llama": dict(cls="LlamaForCausalLM", cfg="LlamaConfig", extra=dict(

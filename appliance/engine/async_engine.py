@@ -58,10 +58,11 @@ class AsyncEngine:
         """Validate and tokenize now (raises RequestError); stream it later with `stream`."""
         return self.engine.make_request(prompt, params, request_id, add_special_tokens)
 
-    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit a request made by `make_request` and yield its outputs until it finishes.
+    async def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Hand a request made by `make_request` to the engine; returns its output stream once accepted.
 
-        Leaving the iteration early (or cancellation) aborts the request.
+        Raises here (before any output) when the engine refuses it: CapacityError when the waiting queue is full.
+        Iterate the stream to the end or close it: leaving early aborts the request and frees its pages.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
@@ -69,27 +70,39 @@ class AsyncEngine:
         if rid in self._streams:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
         outputs: asyncio.Queue = asyncio.Queue()
-        done = asyncio.get_running_loop().create_future()
+        accepted = asyncio.get_running_loop().create_future()
         self._streams[rid] = outputs
-        self._inbox.put(("add", request, done))
+        self._inbox.put(("add", request, accepted))
         self._wake.set()
-        finished = submitted = False
         try:
-            await done  # raises the engine's refusal (duplicate id, queue full) here, before any output
-            submitted = True
-            while True:
+            await accepted
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        return self._outputs(rid, outputs)
+
+    async def _outputs(self, rid: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
                 out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
                 yield out
-                if finished:
-                    break
         finally:
-            if self._streams.get(rid) is outputs:
-                del self._streams[rid]
-            if submitted and not finished:
+            self._streams.pop(rid, None)
+            if not finished:
                 self.abort(rid)
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """submit() and iterate in one: yields the request's outputs until it finishes."""
+        outputs = await self.submit(request)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))

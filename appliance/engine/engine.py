@@ -22,7 +22,7 @@ from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
 from appliance.model_zoo.tokenizer import Tokenizer
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_DEFAULT_KV_BYTES = 512 << 20
 
 
 @dataclass

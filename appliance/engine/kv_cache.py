@@ -22,7 +22,9 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: str | torch.device) -> None:
         self.num_pages, self.page_size = num_pages, page_size
-        self.data = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+        # empty, not zeros: attention never reads a slot before writing it, and on CPU zeroing a large cache
+        # would touch every page of it at start-up
+        self.data = torch.empty(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
 
     @staticmethod

@@ -1,0 +1,4 @@
+"""`python -m appliance` is the `muxd` command."""
+from appliance.cli import main
+
+main()

@@ -1,0 +1,135 @@
+"""The `muxd` command line: serve (OpenAI-compatible server), generate (one prompt, streamed to the terminal),
+version. Flags become one ServeConfig, validated before anything slow happens.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+from appliance import __version__
+from appliance.config import ServeConfig
+from appliance.errors import ApplianceError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
+
+MODEL_HELP = "Hugging Face model directory (config.json, safetensors, tokenizer.json), or 'embedded' for the small " \
+             "model shipped inside muxd."
+
+
+def _fail(exc: ApplianceError) -> None:
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("embedded", "--model", "-m", help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; use 0.0.0.0 to accept connections from other "
+                                               "machines."),
+    port: int = typer.Option(8000, help="TCP port."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model name clients send in 'model' (default: "
+                                                               "the directory name, or muxd-embedded)."),
+    dtype: str = typer.Option("auto", help="Weights and KV dtype: auto (checkpoint's on GPU, float32 on CPU), "
+                                           "bfloat16, float16, float32."),
+    load_format: str = typer.Option("auto", help="auto/safetensors reads the weights; dummy draws random ones of "
+                                                 "the right shapes (for benchmarking without a checkpoint)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    max_num_seqs: int = typer.Option(256, help="Requests prefilling or decoding at once."),
+    max_model_len: Optional[int] = typer.Option(None, help="Prompt + output tokens per request (default: the "
+                                                           "model's limit, capped by the KV cache)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV-cache size, e.g. 8GiB (default: what "
+                                                             "--gpu-memory-utilization leaves on GPU, 512MiB on CPU)."),
+    gpu_memory_utilization: float = typer.Option(0.9, help="Fraction of GPU memory muxd may use in total."),
+    max_waiting: int = typer.Option(4096, help="Queued requests beyond which new ones get HTTP 429."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse KV pages of equal "
+                                                                              "prompt prefixes."),
+    planner: str = typer.Option("serial", help="Step planner: serial (prefill first) or layerwise."),
+    log_level: str = typer.Option("info", help="debug, info, warning, error."),
+) -> None:
+    """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /ready, /metrics)."""
+    import uvicorn
+
+    from appliance.server.api import create_app
+
+    cfg = ServeConfig(model=model, served_model_name=served_model_name, host=host, port=port, device=device,
+                      dtype=dtype, load_format=load_format, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting)
+    try:
+        cfg.validate()
+    except ApplianceError as exc:
+        _fail(exc)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, on_fatal), host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    typer.echo(f"muxd {__version__}: serving {cfg.model_name} on http://{host}:{port} (loading the model; "
+               "GET /ready turns 200 when it is up)")
+    server.run()
+    if fatal:
+        typer.secho(f"error: start-up failed: {fatal[0]}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    model: str = typer.Option("embedded", "--model", "-m", help=MODEL_HELP),
+    max_tokens: int = typer.Option(64, help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, help="0 for greedy decoding."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the chat template."),
+    dtype: str = typer.Option("auto", help="See `muxd serve --help`."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    load_format: str = typer.Option("auto", help="auto/safetensors or dummy."),
+) -> None:
+    """Generate from one prompt and stream the text to the terminal."""
+    from appliance.engine.request import SamplingParams
+
+    cfg = ServeConfig(model=model, dtype=dtype, device=device, load_format=load_format, max_num_seqs=1)
+    try:
+        cfg.validate()
+        engine = cfg.build_engine()
+        text: str | list[int] = prompt
+        if chat:
+            if engine.tokenizer is None:
+                raise ApplianceError("--chat needs a tokenizer; this model directory has no tokenizer.json")
+            rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            text = engine.tokenizer.encode(rendered, add_special_tokens=False)
+        rid = engine.add_request(text, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                                      seed=seed))
+    except ApplianceError as exc:
+        _fail(exc)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.new_text if engine.tokenizer else f"{out.new_token_ids[0]} ")
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+@app.command()
+def version() -> None:
+    """Print the muxd version."""
+    typer.echo(f"muxd {__version__}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
