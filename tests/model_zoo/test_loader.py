@@ -13,7 +13,7 @@ from appliance.errors import ApplianceError, ConfigError, ModelLoadError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
-from conftest import build_tiny_checkpoint
+from tiny_models import build_tiny_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 # parameter counts published with each model
