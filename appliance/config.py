@@ -14,7 +14,7 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.scheduler import PLANNERS
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
-from appliance.model_zoo.loader import LOAD_FORMATS, resolve_model_dir
+from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
@@ -88,6 +88,8 @@ class ServeConfig:
             parse_size(self.kv_cache_memory)
         path = resolve_model_dir(self.model_dir)
         cfg = ModelConfig.from_file(path / "config.json")
+        if self.load_format != "dummy":
+            checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         return cfg

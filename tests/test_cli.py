@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -50,9 +51,11 @@ def test_generate_chat_mode(text_checkpoint):
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["--planner", "magic"], "--planner"),
     (["--port", "70000"], "--port"),
+    (["--model", str(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3.1-8b")],
+     "--load-format dummy"),
 ])
 def test_serve_rejects_bad_flags_before_starting(text_checkpoint, args, message):
-    if args[0] != "--model":
+    if "--model" not in args:
         args = ["--model", str(text_checkpoint), *args]
     result = runner.invoke(app, ["serve", *args])
     assert result.exit_code == 2
