@@ -33,7 +33,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
-        self.stats = {"num_waiting": 0, "num_running": 0, "kv_usage": 0.0, "free_pages": engine.pool.num_free_pages}
+        self.stats: dict[str, float] = {}
+        self._publish_stats()
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -16,7 +16,7 @@ from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.runner import ModelRunner
-from appliance.engine.scheduler import PLANNERS, Scheduler, StepPlan
+from appliance.engine.scheduler import PLANNERS, Scheduler
 from appliance.errors import CapacityError, ConfigError, RequestError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
@@ -180,13 +180,8 @@ class Engine:
                 raise RuntimeError(f"planner {self.scheduler.planner.name!r} planned nothing with "
                                    f"{len(self.scheduler.requests)} requests pending")
             return []
-        return self._apply(plan, self.runner.execute(plan, self.scheduler.requests))
-
-    def _apply(self, plan: StepPlan, sampled: dict[str, int]) -> list[RequestOutput]:
-        outputs = []
-        for request, token in self.scheduler.update(plan, sampled):
-            outputs.append(self._output(request, token))
-        return outputs
+        sampled = self.runner.execute(plan, self.scheduler.requests)
+        return [self._output(request, token) for request, token in self.scheduler.update(plan, sampled)]
 
     def _output(self, r: Request, token: int) -> RequestOutput:
         sp = r.sampling

@@ -84,10 +84,11 @@ class PagePool:
             parent = table.hashes[-1] if table.hashes else b""
             table.hashes.append(_page_hash(parent, token_ids[i * size:(i + 1) * size]))
 
-    def cached_prefix(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        """Pages holding the longest cached prefix of token_ids[:num_tokens], leaving at least one token to compute."""
+    def _lookup(self, token_ids: list[int], num_tokens: int) -> tuple[list[bytes], list[int]]:
+        """Hash chain of the full pages of token_ids[:num_tokens - 1] and the cached pages of its longest prefix
+        (at least one token is always left to compute, so the request gets logits)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], []
         table = PageTable()
         self._extend_hashes(table, token_ids, num_tokens - 1)
         hit = []
@@ -96,7 +97,11 @@ class PagePool:
             if page is None:
                 break
             hit.append(page)
-        return hit
+        return table.hashes, hit
+
+    def cached_prefix(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Pages holding the longest cached prefix of token_ids[:num_tokens], leaving at least one token to compute."""
+        return self._lookup(token_ids, num_tokens)[1]
 
     # ---- allocation -------------------------------------------------------------------------------------------
     def allocate(self, table: PageTable, token_ids: list[int], num_tokens: int) -> int | None:
@@ -105,7 +110,7 @@ class PagePool:
         Returns the number of tokens whose KV is already cached, or None (nothing changed) when the pool is short.
         """
         assert not table.pages, "allocate() takes a request without pages"
-        hit = self.cached_prefix(token_ids, num_tokens)
+        hashes, hit = self._lookup(token_ids, num_tokens)
         needed = self.pages_for(num_tokens) - len(hit)
         reclaimable = self.num_free_pages - sum(1 for p in hit if p in self._evictable)
         if needed > reclaimable:
@@ -115,7 +120,7 @@ class PagePool:
                 del self._evictable[page]
             self._refcount[page] += 1
         table.pages = hit + [self._take_page() for _ in range(needed)]
-        table.hashes = [self._hash_of[p] for p in hit]  # type: ignore[misc]
+        table.hashes = hashes  # kept for register(): these pages' hashes need not be computed again
         table.num_registered = len(hit)
         return len(hit) * self.page_size
 

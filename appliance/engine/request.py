@@ -69,7 +69,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.page_table = PageTable()
         self.num_computed_tokens = 0   # tokens whose KV is in the cache for every layer
-        self.prefill_target = 0        # tokens the current prefill must compute up to (prompt + recomputed output)
         self.prefill_layer = 0         # first layer the current prefill chunk has not run yet
         self.num_cached_tokens: int | None = None  # prefix reused from the cache at first admission
         self.num_preemptions = 0

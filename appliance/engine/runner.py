@@ -83,7 +83,7 @@ class ModelRunner:
                 self._partials[w.request_id] = _Partial(h, r, end)
             return {}
         last = torch.tensor(sizes, device=self.device).cumsum(0) - 1
-        done = [i for i, (w, r) in enumerate(zip(works, reqs)) if w.token_end == r.prefill_target]
+        done = [i for i, (w, r) in enumerate(zip(works, reqs)) if w.token_end == r.num_tokens]
         if not done:
             return {}
         rows = last[done]

@@ -79,18 +79,19 @@ class Scheduler:
 
     # ---- mechanisms for planners ------------------------------------------------------------------------------
     def admit(self, request: Request) -> bool:
-        """Move a waiting request to prefilling with pages for all its tokens (cached prefix reused)."""
+        """Move a waiting request to prefilling with pages for all its tokens (cached prefix reused).
+
+        Its prefill computes every token it has: the prompt, and after a preemption the output so far.
+        """
         assert request.status is RequestStatus.WAITING
         if self.num_running >= self.max_num_seqs:
             return False
-        target = request.num_tokens
-        cached = self.pool.allocate(request.page_table, request.all_token_ids, target)
+        cached = self.pool.allocate(request.page_table, request.all_token_ids, request.num_tokens)
         if cached is None:
             return False
         self.waiting.remove(request)
         request.status = RequestStatus.PREFILLING
         request.num_computed_tokens = cached
-        request.prefill_target = target
         request.prefill_layer = 0
         if request.num_cached_tokens is None:
             request.num_cached_tokens = cached
@@ -146,7 +147,7 @@ class Scheduler:
             r.prefill_layer = 0
             r.num_computed_tokens = work.token_end
             self.pool.register(r.page_table, r.all_token_ids, r.num_computed_tokens)
-            if work.token_end == r.prefill_target:
+            if work.token_end == r.num_tokens:
                 self.prefilling.remove(r)
                 self.decoding.append(r)
                 r.status = RequestStatus.DECODING
@@ -178,7 +179,7 @@ def _admit_fcfs(sched: Scheduler, token_budget: int) -> list[Request]:
             break
         if not sched.admit(r):
             break
-        token_budget -= r.prefill_target - r.num_computed_tokens
+        token_budget -= r.num_tokens - r.num_computed_tokens
         admitted.append(r)
     return admitted
 
@@ -204,7 +205,7 @@ class SerialPlanner:
         _admit_fcfs(sched, self.max_prefill_tokens)
         if sched.prefilling:
             return StepPlan(prefill=tuple(
-                PrefillWork(r.request_id, r.num_computed_tokens, r.prefill_target, r.prefill_layer, sched.num_layers)
+                PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, r.prefill_layer, sched.num_layers)
                 for r in sched.prefilling))
         return StepPlan(decode=_reserve_all(sched, list(sched.decoding)))
 
@@ -229,7 +230,7 @@ class LayerwisePlanner:
         if not sched.prefilling:
             _admit_fcfs(sched, self.max_prefill_tokens)
         works = tuple(
-            PrefillWork(r.request_id, r.num_computed_tokens, r.prefill_target, r.prefill_layer,
+            PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, r.prefill_layer,
                         min(r.prefill_layer + self.layers_per_step, sched.num_layers))
             for r in sched.prefilling)
         return StepPlan(decode=decode, prefill=works)
