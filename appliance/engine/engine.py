@@ -96,6 +96,8 @@ class Engine:
         return cls(model, tokenizer, config)
 
     def _pool_size(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Pages for the KV cache: explicit, or what the memory budget holds, but no more than twice what
+        max_num_seqs requests of full length need (a small model on a large GPU would otherwise take it all)."""
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
@@ -110,7 +112,9 @@ class Engine:
         if budget < per_page:
             raise ConfigError(f"KV cache budget of {budget} bytes holds no page ({per_page} bytes per page of "
                               f"{cfg.page_size} tokens); raise --kv-cache-memory or --gpu-memory-utilization")
-        return budget // per_page
+        model_len = cfg.max_model_len or self.model.config.max_position_embeddings
+        useful = 2 * cfg.max_num_seqs * -(-model_len // cfg.page_size)
+        return min(budget // per_page, useful)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
