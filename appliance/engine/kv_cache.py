@@ -166,11 +166,3 @@ class PagePool:
             self._hash_of[page] = None
         self._refcount[page] = 1
         return page
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached page that nobody references (e.g. after weights change)."""
-        while self._evictable:
-            page, _ = self._evictable.popitem(last=False)
-            del self._page_of[self._hash_of[page]]  # type: ignore[arg-type]
-            self._hash_of[page] = None
-            self._free.append(page)

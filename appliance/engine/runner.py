@@ -82,11 +82,10 @@ class ModelRunner:
             for w, h, r in zip(works, hidden.split(sizes), res_parts):
                 self._partials[w.request_id] = _Partial(h, r, end)
             return {}
-        last = torch.tensor(sizes, device=self.device).cumsum(0) - 1
         done = [i for i, (w, r) in enumerate(zip(works, reqs)) if w.token_end == r.num_tokens]
         if not done:
             return {}
-        rows = last[done]
+        rows = (torch.tensor(sizes, device=self.device).cumsum(0) - 1)[done]
         logits = self.model.compute_logits(hidden[rows], None if residual is None else residual[rows])
         return {works[i].request_id: logits[j] for j, i in enumerate(done)}
 
