@@ -54,6 +54,8 @@ class ModelRunner:
     def forward_logits(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
         """Run the plan's forwards; fp32 next-token logits of every request that decoded or finished its prefill."""
         out: dict[str, torch.Tensor] = {}
+        if plan.mixed:
+            return self._mixed(plan, requests)
         if plan.decode:
             reqs = [requests[i] for i in plan.decode]
             spans = [(r.num_tokens - 1, r.num_tokens) for r in reqs]
@@ -62,6 +64,27 @@ class ModelRunner:
         for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
             out.update(self._prefill(list(group), requests, start, end))
         return out
+
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
+        """Decode rows and whole-model prefill chunks in one forward; logits for the decode rows and the chunks that
+        end their request's prompt."""
+        for w in plan.prefill:
+            if (w.layer_start, w.layer_end) != (0, self.num_layers):
+                raise RuntimeError(f"a mixed step runs prefills over all layers; {w.request_id} asks for "
+                                   f"[{w.layer_start}, {w.layer_end})")
+        dec = [requests[i] for i in plan.decode]
+        pre = [requests[w.request_id] for w in plan.prefill]
+        spans = [(r.num_tokens - 1, r.num_tokens) for r in dec] + [(w.token_start, w.token_end) for w in plan.prefill]
+        hidden, residual = self._run(dec + pre, spans, 0, self.num_layers, None)
+        ends = torch.tensor([b - a for a, b in spans]).cumsum(0) - 1
+        picked = list(range(len(dec))) + [len(dec) + i for i, (w, r) in enumerate(zip(plan.prefill, pre))
+                                          if w.token_end == r.num_tokens]
+        if not picked:
+            return {}
+        rows = ends[picked].to(self.device)
+        logits = self.model.compute_logits(hidden[rows], None if residual is None else residual[rows])
+        ids = list(plan.decode) + [w.request_id for w in plan.prefill]
+        return {ids[i]: logits[j] for j, i in enumerate(picked)}
 
     def _prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int,
                  end: int) -> dict[str, torch.Tensor]:

@@ -31,8 +31,13 @@ class PrefillWork:
 
 @dataclass(frozen=True)
 class StepPlan:
+    """One step's work. With `mixed`, the decode rows and the prefill works (each over all layers) run as one
+    forward over one flat token batch (Sarathi-style chunked prefill); otherwise decode and each layer range of
+    prefill run as separate forwards."""
+
     decode: tuple[str, ...] = ()
     prefill: tuple[PrefillWork, ...] = ()
+    mixed: bool = False
 
     @property
     def empty(self) -> bool:
