@@ -12,9 +12,12 @@ import typer
 from appliance import __version__
 from appliance.config import ServeConfig
 from appliance.errors import ApplianceError
+from appliance.slo.cli import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
+
+app.add_typer(slo_app, name="slo")
 
 MODEL_HELP = "Hugging Face model directory (config.json, safetensors, tokenizer.json), or 'embedded' for the small " \
              "model shipped inside muxd."
