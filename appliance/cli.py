@@ -50,7 +50,13 @@ def serve(
     max_waiting: int = typer.Option(4096, help="Queued requests beyond which new ones get HTTP 429."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse KV pages of equal "
                                                                               "prompt prefixes."),
-    planner: str = typer.Option("serial", help="Step planner: serial (prefill first) or layerwise."),
+    planner: str = typer.Option("serial", "--policy", "--planner",
+                                help="Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
+                                     "budget, the vLLM/SGLang default), serial (prefill first) or layerwise."),
+    slo: Optional[str] = typer.Option(None, help="SLO contract (YAML, see configs/slo/); default: p99 TBT 50 ms."),
+    profile: Optional[str] = typer.Option(None, help="Latency profile of this model on this GPU for --policy mux; "
+                                                     "missing or mismatched: the roofline prior (with a warning)."),
+    chunk_budget: Optional[int] = typer.Option(None, help="Tokens per step for --policy chunked (default 2048)."),
     log_level: str = typer.Option("info", help="debug, info, warning, error."),
 ) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -62,7 +68,8 @@ def serve(
     cfg = ServeConfig(model=model, served_model_name=served_model_name, host=host, port=port, device=device,
                       dtype=dtype, load_format=load_format, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting)
+                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting,
+                      slo=slo, profile=profile, chunk_budget=chunk_budget)
     try:
         cfg.validate()
     except ApplianceError as exc:

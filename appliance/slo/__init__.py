@@ -1,0 +1,1 @@
+"""SLO contract, the `mux` dispatcher, and the planner factory for every policy."""
