@@ -1,5 +1,5 @@
 """The `muxd` command line: serve (OpenAI-compatible server), generate (one prompt, streamed to the terminal),
-version. Flags become one ServeConfig, validated before anything slow happens.
+bench (appliance/bench/cli.py), version. Flags become one ServeConfig, validated before anything slow happens.
 """
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from typing import Optional
 import typer
 
 from appliance import __version__
+from appliance.bench.cli import app as bench_app
 from appliance.config import ServeConfig
 from appliance.errors import ApplianceError
 from appliance.slo.cli import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
+app.add_typer(bench_app, name="bench")
 
 app.add_typer(slo_app, name="slo")
 

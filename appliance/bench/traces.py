@@ -57,9 +57,9 @@ def detect_format(path: str | Path) -> str:
     if first == "{":
         return "mooncake"
     columns = {c.strip() for c in line.split(",")}
-    if {"ContextTokens", "GeneratedTokens"} <= columns:
+    if columns & {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}:
         return "azure"
-    if {"Request tokens", "Response tokens"} <= columns:
+    if columns & {"Request tokens", "Response tokens"}:
         return "burstgpt"
     raise ConfigError(f"{path}: cannot tell the trace format from its first line {line[:80]!r}; pass --trace-format "
                       f"with one of {', '.join(FORMATS)}")
