@@ -6,6 +6,7 @@ measured samples, scales it to the real engine (Bullet, DuetServe).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,6 +28,7 @@ class DeviceSpec:
     flops: float
     bandwidth: float
     bw_knee_sms: int
+    memory_bytes: float = 80e9
     granularity: int = 8
     layer_overhead_ms: float = 0.01
     contention: float = 0.3
@@ -43,9 +45,9 @@ class DeviceSpec:
 # same GEMM rate; its knee is assumed to scale with its bandwidth. The CPU entry only lets CPU runs plan something:
 # the CPU runner ignores partitions.
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("H100", 132, 790e12, 3.0e12, 44),
-    "h200": DeviceSpec("H200", 132, 790e12, 4.3e12, 63),
-    "cpu": DeviceSpec("CPU", 16, 1e12, 50e9, 4, granularity=4, layer_overhead_ms=0.05),
+    "h100": DeviceSpec("H100", 132, 790e12, 3.0e12, 44, memory_bytes=80e9),
+    "h200": DeviceSpec("H200", 132, 790e12, 4.3e12, 63, memory_bytes=141e9),
+    "cpu": DeviceSpec("CPU", 16, 1e12, 50e9, 4, memory_bytes=16e9, granularity=4, layer_overhead_ms=0.05),
 }
 
 
@@ -73,14 +75,14 @@ class RooflineModel:
     dtype_bytes: int = 2
 
     # ---- model shape ------------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def _linear_params(self) -> int:
         m = self.model
         per_layer = m.hidden_size * (m.q_size + 2 * m.kv_size) + m.q_size * m.hidden_size
         per_layer += 3 * m.hidden_size * m.intermediate_size
         return m.num_layers * per_layer
 
-    @property
+    @functools.cached_property
     def _head_params(self) -> int:
         return self.model.vocab_size * self.model.hidden_size
 

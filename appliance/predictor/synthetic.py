@@ -4,6 +4,7 @@ with the prefill's share of the SMs and its size. `sample_grid` measures it the 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -28,7 +29,7 @@ class SyntheticGPU:
     contention: float = 0.3
     saturation_tokens: int = 4096
 
-    @property
+    @functools.cached_property
     def roofline(self) -> RooflineModel:
         return RooflineModel(self.model, self.device)
 

@@ -28,7 +28,7 @@ class Deadlines:
     def _lookup(self, r: Request) -> int:
         """Tokens of a waiting request the prefix cache holds, as found on first sight."""
         if r.request_id not in self._cached:
-            pages = self.pool.cached_prefix(r.all_token_ids, r.num_tokens)
+            pages = self.pool.cached_prefix(r.all_token_ids, r.num_tokens, r.page_table)
             self._cached[r.request_id] = len(pages) * self.pool.page_size
         return self._cached[r.request_id]
 

@@ -10,6 +10,7 @@ flight from the scheduler (`launched_layer`) and never relaunches it.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from appliance.engine.request import Request, RequestStatus
@@ -18,6 +19,8 @@ from appliance.predictor.predictor import Predictor
 from appliance.predictor.workload import DecodeLoad, PrefillItem
 from appliance.slo.admission import Deadlines, reorder
 from appliance.slo.contract import Contract
+
+PREEMPT_CANDIDATES = 8  # waiting prompts, most urgent first, considered for preempting the running batch
 
 
 @dataclass
@@ -41,7 +44,7 @@ class MuxStats:
     preemptions: int = 0
     shed: int = 0
     last_mode: str = ""
-    decode_sms: list[int] = field(default_factory=list)
+    decode_sms: Counter = field(default_factory=Counter)  # spatial steps per decode partition
 
 
 class MuxPlanner:
@@ -56,6 +59,7 @@ class MuxPlanner:
         self._deadlines: Deadlines | None = None
         self._prefill_sms = predictor.sm_count  # of the last step, for predictions outside a step
         self._steps = 0
+        self._preempt_seen: tuple = ()
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def plan(self, sched: Scheduler) -> StepPlan:
@@ -112,7 +116,7 @@ class MuxPlanner:
             return self._decode_only(sched, decode, load, tbt)
         self.stats.spatial_steps += 1
         self.stats.last_mode = "spatial"
-        self.stats.decode_sms.append(d)
+        self.stats.decode_sms[d] += 1
         self._prefill_sms = p.sm_count - d
         queued = len(sched.inflight.get(batch[0].request_id, ()))
         works: tuple[PrefillWork, ...] = ()
@@ -142,13 +146,15 @@ class MuxPlanner:
         candidates = self._order(sched, now)
         budget = self.options.max_prefill_tokens
         for r in candidates:
+            if sched.num_running >= sched.max_num_seqs:
+                break
             work = self._dl(sched).item(r).new
             if self.batch and work > budget:
                 break
-            if not self._admit(sched, r):
-                break
-            self.batch.append(r.request_id)
-            budget -= work
+            # a prompt the KV pool cannot hold yet does not block the ones behind it (it stays first in line)
+            if self._admit(sched, r):
+                self.batch.append(r.request_id)
+                budget -= work
 
     def _maybe_preempt(self, sched: Scheduler, now: float) -> None:
         """MuxWise: the most urgent waiting prompt preempts the running batch at its next layer boundary when it
@@ -156,20 +162,28 @@ class MuxPlanner:
         its own. The preempting batch is never preempted itself."""
         if not sched.waiting:
             return
+        # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
+        # remaining time alike)
+        seen = (len(sched.waiting), sched.waiting[-1].request_id, tuple(self.batch))
+        if seen == self._preempt_seen:
+            return
+        self._preempt_seen = seen
         dl, p = self._dl(sched), self.predictor
         batch = [sched.requests[rid] for rid in self.batch]
         done = min(r.prefill_layer for r in batch)
         if done == 0 and not any(r.request_id in sched.inflight for r in batch):
             return  # not started: nothing to preempt, it simply waits its turn
         remaining = p.prefill_ms([dl.item(r) for r in batch], self._prefill_sms) * (1 - done / p.num_layers) / 1e3
-        w = self._order(sched, now)[0]
-        own = p.prefill_ms([dl.item(w)], self._prefill_sms) / 1e3
-        deadline = dl.deadline(w)
-        if not (own < remaining and now + remaining + own > deadline >= now + own):
-            return
-        if any(now + own + remaining > dl.deadline(r) for r in batch):
-            return
-        if not self._admit(sched, w):
+        for w in self._order(sched, now)[:PREEMPT_CANDIDATES]:
+            own = p.prefill_ms([dl.item(w)], self._prefill_sms) / 1e3
+            deadline = dl.deadline(w)
+            if not (own < remaining and now + remaining + own > deadline >= now + own):
+                continue  # long, or fine behind the batch, or late anyway
+            if any(now + own + remaining > dl.deadline(r) for r in batch):
+                return  # the batch cannot spare the time of the most urgent candidate
+            if self._admit(sched, w):
+                break
+        else:
             return
         self.paused, self.batch = self.batch, [w.request_id]
         self.stats.preemptions += 1
@@ -220,6 +234,9 @@ class MuxPlanner:
                       if live(rid) and sched.launched_layer(sched.requests[rid]) < self.predictor.num_layers]
         if not self.batch and self.paused:
             self.batch, self.paused = self.paused, []
+        if not self.batch:  # prefills admitted by someone else (another planner before this one): adopt them
+            pending = [(r, layer) for r, layer in sched.pending_prefills() if r.request_id not in self.paused]
+            self.batch = [r.request_id for r, layer in pending if layer == pending[0][1]] if pending else []
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _works(self, batch: list[Request], start: int, end: int) -> tuple[PrefillWork, ...]:
