@@ -160,6 +160,8 @@ def _slo(goodput: list[str], contract: Optional[Path]) -> SLO | None:
         raise ConfigError("give either --goodput or --slo, not both")
     if contract is None:
         return parse_goodput(goodput)
+    if not contract.is_file():
+        raise ConfigError(f"--slo {contract}: file not found")
     try:
         module = importlib.import_module("appliance.slo.contract")
     except ImportError:
@@ -187,13 +189,18 @@ def _percentiles(text: str) -> tuple[float, ...]:
 
 
 # ---- shared steps -------------------------------------------------------------------------------------------------
-def _prompts(opts: BenchOptions, synth: Any, specs: list[RequestSpec]) -> list[str | list[int]]:
-    if synth is None:
-        if any(s.prompt is None for s in specs):
-            raise ConfigError("--url: pass --tokenizer DIR (the served model's Hugging Face directory) so prompts "
-                              "of the recorded lengths can be built")
-        return [s.prompt for s in specs]
-    return [synth.prompt(s, i) for i, s in enumerate(specs)]
+def _workload(opts: BenchOptions) -> tuple[Any, list[RequestSpec]]:
+    """The prompt builder and the requests, checked before any server starts."""
+    synth = prompt_synth(opts)
+    raw = load_workload(opts, synth)
+    if synth is None and any(s.prompt is None for s in raw):
+        raise ConfigError("--url: pass --tokenizer DIR (the served model's Hugging Face directory) so prompts of "
+                          "the recorded lengths can be built")
+    return synth, raw
+
+
+def _prompts(synth: Any, specs: list[RequestSpec]) -> list[str | list[int]]:
+    return [s.prompt if synth is None else synth.prompt(s, i) for i, s in enumerate(specs)]
 
 
 def _replay(session: Session, specs: list[RequestSpec], prompts: list, show: bool, what: str):
@@ -216,7 +223,7 @@ def _timeline_plot(session: Session, out_dir: Path, notes: list[str]) -> None:
     if events is None:
         notes.append("no SM-partition timeline: the target has no GET /debug/timeline")
         return
-    if plots.timeline_plot(events, out_dir / f"timeline-{report._slug(session.label)}.png") is None:
+    if plots.timeline_plot(events, out_dir / f"timeline-{report.slug(session.label)}.png") is None:
         notes.append("GET /debug/timeline returned no span to draw")
 
 
@@ -234,13 +241,12 @@ def bench(ctx: typer.Context, opts: BenchOptions) -> None:
     if ctx.invoked_subcommand is not None:
         return
     show = ctx.params.get("progress", True)
-    synth = prompt_synth(opts)
-    raw = load_workload(opts, synth)
+    synth, raw = _workload(opts)
     results, runs = [], {}
     for policy in opts.policies or [None]:
         with Session(opts, policy) as session:
             specs, notes = shape(raw, opts, session.max_model_len)
-            prompts = _prompts(opts, synth, specs)
+            prompts = _prompts(synth, specs)
             result = _replay(session, specs, prompts, show, f"replaying on {session.label}")
             if opts.result_dir is not None and not opts.in_process:
                 _timeline_plot(session, opts.result_dir, notes)
@@ -261,7 +267,7 @@ def sweep(
     attainment: float = typer.Option(0.9, help="Fraction of requests that must be good for a rate to pass."),
     start_rate: Optional[float] = typer.Option(None, help="First rate tried (default: the trace's own rate, "
                                                           "else 1 req/s)."),
-    min_rate: float = typer.Option(0.01, help="Lowest rate tried."),
+    min_rate: Optional[float] = typer.Option(None, help="Lowest rate tried (default: the first rate / 64)."),
     max_rate: float = typer.Option(math.inf, help="Highest rate tried."),
     tolerance: float = typer.Option(0.05, help="Stop bisecting when (fail - pass) / pass is at most this."),
     max_points: int = typer.Option(12, help="Replays at most, per policy."),
@@ -272,13 +278,12 @@ def sweep(
         raise ConfigError("muxd bench sweep needs an SLO: --goodput ttft:MS tpot:MS e2el:MS (or --slo FILE)")
     show = ctx.params.get("progress", True)
     out_dir = opts.result_dir or Path(f"bench-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
-    synth = prompt_synth(opts)
-    raw = load_workload(opts, synth)
+    synth, raw = _workload(opts)
     sweeps = []
     for policy in opts.policies or [None]:
         with Session(opts, policy) as session:
             base, notes = shape(raw, opts, session.max_model_len)
-            prompts = _prompts(opts, synth, base)
+            prompts = _prompts(synth, base)
             own = wl.offered_rate(base)
             first = start_rate or (own if math.isfinite(own) else 1.0)
 
@@ -287,8 +292,8 @@ def sweep(
                 result = _replay(session, specs, prompts, show, f"{session.label} at {rate:.3g} req/s")
                 return session.summarize(result, specs, notes, rate)
 
-            sweeps.append(find_capacity(measure, attainment, first, tolerance, max_points, min_rate, max_rate,
-                                        label=session.label))
+            sweeps.append(find_capacity(measure, attainment, first, tolerance, max_points, min_rate or first / 64,
+                                        max_rate, label=session.label))
     console.print(report.sweep_table(sweeps))
     for line in report.capacity_lines(sweeps):
         console.print(line)

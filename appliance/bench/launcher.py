@@ -85,11 +85,9 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.start()
         try:
-            self._wait_ready()
+            self.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -98,7 +96,15 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _wait_ready(self) -> None:
+    def start(self) -> None:
+        """Launch without waiting (the model loads meanwhile); `wait_ready` blocks until /ready answers 200."""
+        if self.proc is None:
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            with self.log.open("w") as log:
+                self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None, "start() first"
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -93,7 +93,7 @@ def write_results(out_dir: Path, results: Sequence[dict[str, Any]]) -> list[Path
         return [path]
     paths = []
     for r in results:
-        path = out_dir / f"result-{_slug(str(r['label']))}.json"
+        path = out_dir / f"result-{slug(str(r['label']))}.json"
         path.write_text(json.dumps(r, indent=2))
         paths.append(path)
     base = results[0]
@@ -106,7 +106,7 @@ def write_results(out_dir: Path, results: Sequence[dict[str, Any]]) -> list[Path
     return paths + [path]
 
 
-def _slug(label: str) -> str:
+def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "target"
 
 

@@ -19,6 +19,10 @@ AZURE = DATA / "azure_code_2023_head200.csv"
 MOONCAKE = DATA / "mooncake_conversation_head200.jsonl"
 
 
+def triples(specs: list[RequestSpec]) -> list[tuple[float, int, int]]:
+    return [(s.arrival, s.prompt_len, s.output_len) for s in specs]
+
+
 def write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -41,9 +45,8 @@ def test_azure_2024_schema_with_utc_offsets(tmp_path):
                                        "2024-05-10 00:00:01+00:00,5,3\n"
                                        "2024-05-10 00:00:00.009930+00:00,10,2\n"
                                        "2024-05-10 02:00:02.5+02:00,7,1\n")
-    specs = load_trace(path)
-    assert [(s.arrival, s.prompt_len, s.output_len) for s in specs] == [
-        (0.0, 10, 2), (pytest.approx(0.99007), 5, 3), (pytest.approx(2.49007), 7, 1)]
+    assert triples(load_trace(path)) == [(0.0, 10, 2), (pytest.approx(0.99007), 5, 3),
+                                         (pytest.approx(2.49007), 7, 1)]
 
 
 def test_mooncake_slice_keeps_hash_ids_and_ms_times():
@@ -62,9 +65,8 @@ def test_burstgpt_drops_failed_rows(tmp_path):
                                         "5,ChatGPT,472,18,490,Conversation log\n"
                                         "45,ChatGPT,1087,0,1087,Conversation log\n"
                                         "118,GPT-4,417,276,693,API log\n")
-    specs = load_trace(path)
     assert detect_format(path) == "burstgpt"
-    assert [(s.arrival, s.prompt_len, s.output_len) for s in specs] == [(0.0, 472, 18), (113.0, 417, 276)]
+    assert triples(load_trace(path)) == [(0.0, 472, 18), (113.0, 417, 276)]
 
 
 def test_sharegpt_first_two_turns(tmp_path):
