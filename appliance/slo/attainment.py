@@ -43,7 +43,11 @@ class ContractReport:
     ttft_ok: float             # requests meeting their TTFT target / all requests
     tbt_ms: float              # the TBT percentile of the contract over every gap of every request
     summary: dict[str, Any]    # the bench summary (vLLM keys: p99_ttft_ms, p99_itl_ms, request_goodput, ...)
-    reasons: list[str] = field(default_factory=list)
+    misses: dict[str, str] = field(default_factory=dict)  # "attainment" / "tbt" / "ttft" -> why it was missed
+
+    @property
+    def reasons(self) -> list[str]:
+        return list(self.misses.values())
 
 
 def evaluate(contract: Contract, timelines: Sequence[RequestTimeline], specs: Sequence[RequestSpec],
@@ -55,14 +59,14 @@ def evaluate(contract: Contract, timelines: Sequence[RequestTimeline], specs: Se
     tbt = float(np.percentile(np.asarray(gaps) * 1e3, s.tbt_percentile)) if gaps else 0.0
     ttft_ok = np.mean(good_flags(timelines, _OnlyTTFT(slo), specs)) if timelines else 0.0
     attainment = summary["slo_attainment"] or 0.0
-    reasons = []
+    misses = {}
     if attainment < contract.attainment:
-        reasons.append(f"attainment {attainment:.1%} < {contract.attainment:.1%}")
+        misses["attainment"] = f"attainment {attainment:.1%} < {contract.attainment:.1%}"
     if tbt > s.tbt_ms:
-        reasons.append(f"p{s.tbt_percentile:g} TBT {tbt:.1f} ms > {s.tbt_ms:g} ms")
+        misses["tbt"] = f"p{s.tbt_percentile:g} TBT {tbt:.1f} ms > {s.tbt_ms:g} ms"
     if ttft_ok < s.ttft_percentile / 100:
-        reasons.append(f"TTFT met by {ttft_ok:.1%} < {s.ttft_percentile:g} %")
-    return ContractReport(not reasons, attainment, float(ttft_ok), tbt, summary, reasons)
+        misses["ttft"] = f"TTFT met by {ttft_ok:.1%} < {s.ttft_percentile:g} %"
+    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses)
 
 
 class _OnlyTTFT:

@@ -88,6 +88,17 @@ class Contract(_Strict):
     def class_names(self) -> list[str]:
         return list(self.classes)
 
+    # the bench's SLO interface (appliance.bench.metrics.SLO)
+    def targets_for(self, spec: Any) -> dict[str, float]:
+        """Per-request targets in ms of the default class; the TTFT target for the whole prompt, as a client
+        cannot know what the server's prefix cache held (the simulator judges by the uncached part)."""
+        from appliance.slo.attainment import ContractSLO
+
+        return ContractSLO(self).targets_for(spec)
+
+    def describe(self) -> str:
+        return f"contract {self.name}"
+
 
 @dataclass(frozen=True)
 class ClassSLO:
