@@ -3,7 +3,7 @@ the SLO contract, and search the highest request rate that keeps it (the bench's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from appliance.bench import workload as wl
@@ -47,6 +47,8 @@ class SimulatedBench:
     sim: SimConfig
     truth: StepTimer | None = None
     options: PolicyOptions | None = None
+    _prompts: dict = field(default_factory=dict, repr=False)  # shared by the replays of one trace
+    _runs: dict = field(default_factory=dict, repr=False)
 
     def planner(self, policy: str) -> Any:
         options = self.options or PolicyOptions()
@@ -62,11 +64,18 @@ class SimulatedBench:
         return self.truth if self.truth is not None else self.predictor
 
     def run(self, policy: str, specs: Sequence[RequestSpec], rate: float | None = None) -> PolicyRun:
-        """Replay `specs` (re-timed to `rate` req/s when given) under `policy`."""
+        """Replay `specs` (re-timed to `rate` req/s when given) under `policy`; a replay asked for again (a capacity
+        search revisiting a rate) is not simulated twice."""
+        key = (policy, rate, tuple((s.arrival, s.prompt_len, s.output_len, s.hash_ids) for s in specs))
+        if key not in self._runs:
+            self._runs[key] = self._run(policy, specs, rate)
+        return self._runs[key]
+
+    def _run(self, policy: str, specs: Sequence[RequestSpec], rate: float | None) -> PolicyRun:
         if rate is not None:
             specs = wl.retime(list(specs), rate=rate)
         planner = self.planner(policy)
-        result = Simulator(planner, self.timer, self.sim).run(specs)
+        result = Simulator(planner, self.timer, self.sim, prompts=self._prompts).run(specs)
         uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0) for s, r in zip(specs, result.requests)}
         report = evaluate(self.contract, result.timelines, specs, lambda s: uncached[id(s)])
         report.summary.update(policy=policy, request_rate=rate, offered_rate=wl.offered_rate(list(specs)),

@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 
 from appliance.bench.metrics import RequestTimeline
 from appliance.bench.traces import RequestSpec
-from appliance.engine.kv_cache import PagePool
+from appliance.engine.kv_cache import PagePool, PageTable
 from appliance.engine.request import Request, RequestStatus, SamplingParams
 from appliance.engine.scheduler import Planner, PrefillWork, Scheduler, StepPlan
 from appliance.errors import CapacityError, ConfigError
@@ -95,6 +95,7 @@ class Simulator:
     timer: StepTimer
     config: SimConfig
     clock: _Clock = field(default_factory=_Clock)
+    prompts: dict = field(default_factory=dict)  # (index, prompt_len, block, hash_ids) -> (tokens, hashes)
     _next_arrival: float | None = None
 
     def run(self, specs: Sequence[RequestSpec]) -> SimResult:
@@ -145,8 +146,19 @@ class Simulator:
         if spec.prompt_len < 1 or spec.output_len < 1:
             raise ConfigError(f"request {index} of the trace has {spec.prompt_len} prompt and {spec.output_len} "
                               "output tokens; both must be >= 1")
-        return Request(f"sim-{index}", prompt_tokens(spec, index),
-                       SamplingParams(max_tokens=spec.output_len, ignore_eos=True), arrival_time=spec.arrival)
+        # replays of one trace at many rates share its prompts and their page hashes (the pool's own hash chain,
+        # computed once: hashing long prompts would otherwise dominate a replay)
+        key = (index, spec.prompt_len, spec.block_size, spec.hash_ids)
+        if key not in self.prompts:
+            tokens = prompt_tokens(spec, index)
+            scratch = PageTable()
+            self.sched.pool.cached_prefix(tokens, len(tokens), scratch)
+            self.prompts[key] = (tokens, scratch.hashes)
+        tokens, hashes = self.prompts[key]
+        r = Request(f"sim-{index}", tokens, SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
+                    arrival_time=spec.arrival)
+        r.page_table.hashes = list(hashes)
+        return r
 
     def _submit(self, r: Request) -> str | None:
         """Hand a request to the scheduler as Engine.submit would; returns why it was refused, if it was."""
