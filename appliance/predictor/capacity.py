@@ -66,7 +66,8 @@ class SimulatedBench:
     def run(self, policy: str, specs: Sequence[RequestSpec], rate: float | None = None) -> PolicyRun:
         """Replay `specs` (re-timed to `rate` req/s when given) under `policy`; a replay asked for again (a capacity
         search revisiting a rate) is not simulated twice."""
-        key = (policy, rate, tuple((s.arrival, s.prompt_len, s.output_len, s.hash_ids) for s in specs))
+        key = (policy, repr(self.options), rate,
+               tuple((s.arrival, s.prompt_len, s.output_len, s.hash_ids) for s in specs))
         if key not in self._runs:
             self._runs[key] = self._run(policy, specs, rate)
         return self._runs[key]
