@@ -80,6 +80,8 @@ def _jump_is_safe(queue: Sequence[Request], c: Request, t: float, cost: Callable
     for r in queue:
         if r is c:
             return True
+        if deadline(r) == float("-inf"):
+            return False  # a preempted request recomputing its tokens: its stream is stalled, nobody passes it
         t += cost(r)
         if t <= deadline(r) < t + extra:  # met in arrival order, missed behind c
             return False

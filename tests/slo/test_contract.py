@@ -112,3 +112,24 @@ def test_slo_check_cli(tmp_path):
     result = runner.invoke(app, ["slo", "check", str(bad)], env={"COLUMNS": "200"})
     assert result.exit_code == 1
     assert f"{bad}:5: targets.tbt.ms" in result.output and f"{bad}:12: overload.mode" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slo", "BAD"], "bad.yaml:5: targets.tbt.ms"),
+    (["--slo", "/nonexistent.yaml"], "cannot read"),
+    (["--policy", "fastest"], "mux, chunked, serial, layerwise"),
+    (["--policy", "chunked", "--chunk-budget", "0"], "--chunk-budget"),
+])
+def test_serve_checks_contract_and_policy_before_starting(text_checkpoint, tmp_path, args, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(VALID.replace("{ms: 50}", "{ms: 0}"))
+    args = [str(bad) if a == "BAD" else a for a in args]
+    result = CliRunner().invoke(app, ["serve", "--model", str(text_checkpoint), *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_serve_help_lists_policy_flags():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    for flag in ("--policy", "--planner", "--slo", "--profile", "--chunk-budget", "mux"):
+        assert flag in result.output

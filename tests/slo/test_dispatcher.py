@@ -277,3 +277,13 @@ def test_decode_alone_on_all_sms_when_no_split_holds_tbt():
     plan = rig.plan()
     assert plan.prefill == () and plan.decode_sms is None and len(plan.decode) == 8
     assert math.isclose(rig.predictor.decode_ms(rig.planner._load(rig.sched, plan.decode)), 40.0)
+
+
+def test_nobody_passes_a_request_recomputing_after_preemption():
+    rig = Rig(max_prefill_tokens=1)
+    rig.decoding(1)
+    stalled = rig.request(20_000)
+    stalled.output_token_ids.extend([0] * 3)  # it had decoded three tokens before losing its pages
+    short = rig.request(1_000)
+    plan = rig.plan()
+    assert [w.request_id for w in plan.prefill] == [stalled.request_id] and short.status is RequestStatus.WAITING
