@@ -38,6 +38,60 @@ def host_profile(engine, steps: int) -> str:
     return out.getvalue()
 
 
+def host_breakdown(engine, steps: int) -> str:
+    """Wall time of each host phase of a step (perf_counter around the engine's own functions), per step."""
+    import time
+    from collections import defaultdict
+
+    totals: dict[str, float] = defaultdict(float)
+    runner, sched = engine.runner, engine.scheduler
+    wrapped = []
+
+    def wrap(obj, name, label):
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                totals[label] += time.perf_counter() - t
+        setattr(obj, name, timed)
+        wrapped.append((obj, name))
+
+    graphs = runner.graphs
+    size = graphs.padded_size(len(sched.decoding))
+    wrap(sched, "schedule", "schedule (planner)")
+    wrap(runner.batches, "build", "batch build")
+    wrap(graphs._graphs[size][1], "prepare", "attention plan")
+    wrap(graphs._graphs[size][0], "replay", "graph launch")
+    wrap(sched, "update", "scheduler update")
+    wrap(engine, "_output", "outputs + detokenize")
+    import appliance.engine.runner as runner_mod
+    inner_sample = runner_mod.sample_tensor
+
+    def timed_sample(*a, **k):
+        t = time.perf_counter()
+        try:
+            return inner_sample(*a, **k)
+        finally:
+            totals["sampling launch"] += time.perf_counter() - t
+    runner_mod.sample_tensor = timed_sample
+    wait0 = runner.gpu_wait_s
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    runner_mod.sample_tensor = inner_sample
+    for obj, name in wrapped:
+        del obj.__dict__[name]
+    wait = runner.gpu_wait_s - wait0
+    lines = [f"step wall {wall / steps * 1e3:.3f} ms, waiting for the device {wait / steps * 1e3:.3f} ms, "
+             f"host {(wall - wait) / steps * 1e3:.3f} ms"]
+    lines += [f"  {k}: {v / steps * 1e3:.3f} ms" for k, v in totals.items()]
+    return "\n".join(lines)
+
+
 def attention_microbench(cfg, batch: int, context: int, copy_bw: float) -> str:
     import flashinfer
 
@@ -90,7 +144,7 @@ def main() -> None:
     cfg = engine.model.config
     print(attention_microbench(cfg, 64, args.context, ceilings.copy_bytes_per_s))
     print(gemv_microbench(cfg, ceilings.copy_bytes_per_s))
-    bench = EngineBench(engine, ceilings, iters=60)
+    bench = EngineBench(engine, ceilings, iters=150)
     for b in batches:
         reqs = bench.seat(b, args.context)
         for graphs in (False, True):
@@ -99,8 +153,8 @@ def main() -> None:
                 engine.step()
             print(f"==== kernels, batch {b}, graphs={graphs} (3 steps)")
             print(kernel_table(engine, 3))
-        print(f"==== host profile, batch {b}, graphs (50 steps)")
-        print(host_profile(engine, 50))
+        print(f"==== host breakdown, batch {b}, graphs (100 steps)")
+        print(host_breakdown(engine, 100))
         bench.clear(reqs)
 
 

@@ -73,19 +73,20 @@ class FlashInferAttention:
         self._active = None
 
     def prepare(self, m: AttentionMetadata) -> None:
-        indptr, indices = torch.from_numpy(m.kv_indptr), torch.from_numpy(m.kv_indices)
-        last = torch.from_numpy(m.last_page_len)
+        # plain host tensors: staging them through pinned memory measured 25-35 us slower per plan (H200)
+        qo_indptr, indptr, indices, last, seq_lens = (torch.from_numpy(a) for a in (
+            m.qo_indptr, m.kv_indptr, m.kv_indices, m.last_page_len, m.seq_lens))
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
         if m.decode_only:
             self.decode.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, m.page_size,
-                             seq_lens=torch.from_numpy(m.seq_lens), **common)
+                             seq_lens=seq_lens, **common)
             self._active = self.decode
-            return
-        if self.prefill is None:
+        elif self.prefill is None:
             raise RuntimeError("a CUDA-graph attention backend runs decode batches only")
-        self.prefill.plan(torch.from_numpy(m.qo_indptr), indptr, indices, last, self.num_heads, self.num_kv_heads,
-                          self.head_dim, m.page_size, causal=True, **common)
-        self._active = self.prefill
+        else:
+            self.prefill.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
+                              m.page_size, causal=True, **common)
+            self._active = self.prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

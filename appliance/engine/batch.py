@@ -1,5 +1,5 @@
 """Builds the flat token batch of one forward from requests and token spans: token ids, positions and attention
-metadata, computed with vectorised numpy and sent to the device in one copy from pinned memory.
+metadata, computed with vectorised numpy on the host and sent to the device in one copy from pinned memory.
 
 Each request's page list is mirrored in a numpy array that grows as pages are appended, so a step costs O(new pages),
 never a Python loop over every token or page.
@@ -12,7 +12,27 @@ import numpy as np
 import torch
 
 from appliance.attention import AttentionMetadata, page_layout
+from appliance.attention.pinned import PinnedRing
 from appliance.engine.request import Request
+
+
+@dataclass
+class HostBatch:
+    """A batch's layout on the host (numpy): what attention plans from and what is copied to the device."""
+
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    last_page_len: np.ndarray
+    seq_lens: np.ndarray
+    positions: np.ndarray      # int64, one per row
+    slots: np.ndarray          # int64, one per row
+    input_ids: np.ndarray | None
+
+    def metadata(self, page_size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
+                                 last_page_len=self.last_page_len, seq_lens=self.seq_lens, page_size=page_size,
+                                 slot_mapping=slot_mapping)
 
 
 @dataclass
@@ -46,46 +66,11 @@ class _PageMirror:
         self.size = 0
 
 
-class PinnedStager:
-    """Host->device copies of small int64 arrays through a ring of pinned buffers (one copy per batch).
-
-    A buffer is reused only after the copy that last read it has completed (an event per slot).
-    """
-
-    def __init__(self, device: torch.device, slots: int = 4) -> None:
-        self.device = device
-        self.pinned = device.type == "cuda"
-        self._bufs: list[torch.Tensor | None] = [None] * slots
-        self._events: list[torch.cuda.Event | None] = [None] * slots
-        self._next = 0
-
-    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        sizes = [len(a) for a in arrays]
-        packed = np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
-        if not self.pinned:
-            return list(torch.from_numpy(packed.copy()).split(sizes))
-        slot = self._next
-        self._next = (slot + 1) % len(self._bufs)
-        if self._events[slot] is not None:
-            self._events[slot].synchronize()
-        buf = self._bufs[slot]
-        if buf is None or buf.numel() < len(packed):
-            buf = torch.empty(max(len(packed), 4096) * 2, dtype=torch.int64, pin_memory=True)
-            self._bufs[slot] = buf
-        host = buf[:len(packed)]
-        host.numpy()[:] = packed
-        dev = host.to(self.device, non_blocking=True)
-        event = self._events[slot] or torch.cuda.Event()
-        event.record()
-        self._events[slot] = event
-        return list(dev.split(sizes))
-
-
 class BatchBuilder:
     def __init__(self, page_size: int, device: torch.device) -> None:
         self.page_size, self.device = page_size, device
         self._mirrors: dict[str, _PageMirror] = {}
-        self.stager = PinnedStager(device)
+        self.staging = PinnedRing(torch.int64, pinned=device.type == "cuda")
 
     def release(self, request_id: str) -> None:
         self._mirrors.pop(request_id, None)
@@ -108,26 +93,40 @@ class BatchBuilder:
 
     def build(self, reqs: list[Request], spans: list[tuple[int, int]], with_ids: bool = True, pad_rows: int = 0,
               pad_page: int = 0) -> TokenBatch:
-        """The batch computing tokens [a, b) of each request; with_ids=False leaves input_ids empty (the hidden
-        state is carried over from an earlier layer range). pad_rows extra one-token sequences (token 0 at position
-        0 of page pad_page) fill a batch up to a captured CUDA-graph size."""
+        """The batch computing tokens [a, b) of each request, on the device; with_ids=False leaves input_ids empty
+        (the hidden state is carried over from an earlier layer range)."""
+        return self.to_device(self.layout(reqs, spans, pad_rows, pad_page, with_ids))
+
+    def layout(self, reqs: list[Request], spans: list[tuple[int, int]], pad_rows: int = 0,
+               pad_page: int = 0, with_ids: bool = True) -> HostBatch:
+        """The host arrays of the batch computing tokens [a, b) of each request, plus pad_rows one-token padding
+        sequences (token 0 at position 0 of page pad_page) that fill a batch up to a captured CUDA-graph size."""
         starts = np.array([a for a, _ in spans] + [0] * pad_rows, dtype=np.int64)
         ends = np.array([b for _, b in spans] + [1] * pad_rows, dtype=np.int64)
         pages = [self.pages(r) for r in reqs] + [np.array([pad_page], np.int32)] * pad_rows
         ids = None
         if with_ids:
             ids = [t for r, (a, b) in zip(reqs, spans) for t in span_tokens(r, a, b)] + [0] * pad_rows
-        return self.build_raw(starts, ends, pages, ids)
+        return self.layout_raw(starts, ends, pages, ids)
+
+    def layout_raw(self, starts: np.ndarray, ends: np.ndarray, pages: list[np.ndarray],
+                   ids: list[int] | None) -> HostBatch:
+        qo, kv_indptr, kv_indices, last_len, positions, slots = page_layout(starts, ends, pages, self.page_size)
+        return HostBatch(qo, kv_indptr, kv_indices, last_len, ends.astype(np.int32), positions, slots,
+                         None if ids is None else np.asarray(ids, dtype=np.int64))
 
     def build_raw(self, starts: np.ndarray, ends: np.ndarray, pages: list[np.ndarray],
                   ids: list[int] | None) -> TokenBatch:
         """The batch of sequences computing tokens [starts[i], ends[i]) with page arrays pages[i]."""
-        qo, kv_indptr, kv_indices, last_len, positions, slots = page_layout(starts, ends, pages, self.page_size)
-        arrays = [positions, slots]
-        if ids is not None:
-            arrays.append(np.asarray(ids, dtype=np.int64))
-        dev = self.stager.to_device(arrays)
-        meta = AttentionMetadata(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last_len,
-                                 seq_lens=ends.astype(np.int32), page_size=self.page_size, slot_mapping=dev[1])
-        input_ids = dev[2] if ids is not None else dev[0][:0]
-        return TokenBatch(input_ids=input_ids, positions=dev[0], metadata=meta, last_rows=qo[1:] - 1)
+        return self.to_device(self.layout_raw(starts, ends, pages, ids))
+
+    def to_device(self, host: HostBatch) -> TokenBatch:
+        """Positions, slots and token ids to the device in one copy; the layout stays on the host for planning."""
+        arrays = [host.positions, host.slots] + ([host.input_ids] if host.input_ids is not None else [])
+        packed, _ = self.staging.stage(arrays)
+        dev = packed.to(self.device, non_blocking=True)
+        self.staging.done()
+        n = len(host.positions)
+        meta = host.metadata(self.page_size, dev[n:2 * n])
+        input_ids = dev[2 * n:] if host.input_ids is not None else dev[:0]
+        return TokenBatch(input_ids=input_ids, positions=dev[:n], metadata=meta, last_rows=host.qo_indptr[1:] - 1)

@@ -112,6 +112,10 @@ class Engine:
             if graphs is not None:
                 self.startup["graph_capture_s"] = time.perf_counter() - start
                 self.startup["graph_memory_bytes"] = graphs.memory_bytes
+        graphs = self.runner.graphs
+        log.info("engine: attention %s, compiled %s, decode graphs %s, %d KV pages of %d tokens",
+                 self.runner.backend_name, self.compiled,
+                 f"{graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "off", num_pages, config.page_size)
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids)
         self._detok: dict[str, Detokenizer] = {}
         self._counter = itertools.count()

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, page_layout
-from appliance.engine.batch import TokenBatch
+from appliance.attention.pinned import PinnedRing
+from appliance.engine.batch import HostBatch
 from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.llama import DecoderForCausalLM
 
@@ -40,11 +41,12 @@ class DecodeGraphs:
         self.stream = stream
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         device = kv_cache.data.device
+        n = self.max_batch
         with torch.inference_mode():  # like every batch tensor: compiled layers guard on the dispatch keys
-            self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-            self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-            self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-            self.logits = torch.empty(self.max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
+            # one device buffer per size's inputs [positions | slots | token ids], filled by one copy per step
+            self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
+            self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.staging = PinnedRing(torch.int64, pinned=True)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, AttentionBackend]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
@@ -57,6 +59,10 @@ class DecodeGraphs:
                 return s
         return None
 
+    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, slots, token ids) of a size-row batch: views fixed at capture."""
+        return self.inputs[:size], self.inputs[size:2 * size], self.inputs[2 * size:3 * size]
+
     def _static_metadata(self, size: int) -> AttentionMetadata:
         """Layout of `size` padding rows (one token at position 0 of the scratch page), planned at capture."""
         page = self.kv_cache.scratch_page
@@ -65,19 +71,18 @@ class DecodeGraphs:
             self.kv_cache.page_size)
         return AttentionMetadata(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last,
                                  seq_lens=np.ones(size, np.int32), page_size=self.kv_cache.page_size,
-                                 slot_mapping=self.slots[:size])
+                                 slot_mapping=self._views(size)[1])
 
     def _forward(self, size: int) -> None:
         model = self.model
-        hidden = model.embed(self.input_ids[:size])
-        hidden, residual = model.forward_layers(self.positions[:size], hidden, None, 0, model.num_layers)
+        positions, _, ids = self._views(size)
+        hidden = model.embed(ids)
+        hidden, residual = model.forward_layers(positions, hidden, None, 0, model.num_layers)
         self.logits[:size].copy_(model.compute_logits(hidden, residual))
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, so that smaller graphs reuse the pool's memory."""
-        self.positions.zero_()
-        self.slots.fill_(self.kv_cache.scratch_page * self.kv_cache.page_size)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
@@ -85,6 +90,10 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             backend = self.make_backend(size)
             meta = self._static_metadata(size)
+            positions, slots, ids = self._views(size)
+            positions.zero_()  # capture on a valid batch: token 0 at position 0 of the scratch page, every row
+            ids.zero_()
+            slots.fill_(self.kv_cache.scratch_page * self.kv_cache.page_size)
             ctx = ForwardContext(backend, meta, self.kv_cache.data)
             with forward_context(ctx):
                 with torch.cuda.stream(stream):
@@ -100,17 +109,17 @@ class DecodeGraphs:
         log.info("captured %d decode graphs (batch %d..%d) in %.1f s, %.0f MiB", len(self.sizes), self.sizes[0],
                  self.sizes[-1], self.capture_seconds, self.memory_bytes / 2**20)
 
-    def run(self, batch: TokenBatch, num_rows: int) -> torch.Tensor:
+    def run(self, batch: HostBatch, num_rows: int) -> torch.Tensor:
         """Replay the graph of batch's (padded) size; batch holds num_rows real rows then padding rows.
 
         Returns the fp32 logits of the real rows (a view of a persistent buffer, valid until the next replay).
         """
-        size = batch.num_tokens
+        size = len(batch.positions)
         graph, backend = self._graphs[size]
-        self.input_ids[:size].copy_(batch.input_ids)
-        self.positions[:size].copy_(batch.positions)
-        self.slots[:size].copy_(batch.metadata.slot_mapping)
-        backend.prepare(batch.metadata)
+        packed, _ = self.staging.stage([batch.positions, batch.slots, batch.input_ids])
+        self.inputs[:3 * size].copy_(packed, non_blocking=True)
+        self.staging.done()
+        backend.prepare(batch.metadata(self.kv_cache.page_size, self._views(size)[1]))
         graph.replay()
         self.replays += 1
         return self.logits[:num_rows]

@@ -131,8 +131,8 @@ class ModelRunner:
         spans = [(r.num_tokens - 1, r.num_tokens) for r in reqs]
         size = self.graphs.padded_size(len(reqs)) if (self.graphs is not None and self.use_graphs) else None
         if size is not None:
-            batch = self.batches.build(reqs, spans, pad_rows=size - len(reqs), pad_page=self.kv_cache.scratch_page)
-            return ids, self.graphs.run(batch, len(reqs))
+            host = self.batches.layout(reqs, spans, pad_rows=size - len(reqs), pad_page=self.kv_cache.scratch_page)
+            return ids, self.graphs.run(host, len(reqs))
         batch = self.batches.build(reqs, spans)
         hidden, residual = self._layers(batch, 0, self.num_layers, None)
         return ids, self.model.compute_logits(hidden, residual)
