@@ -12,6 +12,7 @@ import typer
 from appliance import __version__
 from appliance.bench.cli import app as bench_app
 from appliance.config import ServeConfig
+from appliance.bench.engine_cli import engine_bench_command
 from appliance.errors import ApplianceError
 from appliance.slo.cli import app as slo_app
 
@@ -59,6 +60,12 @@ def serve(
     profile: Optional[str] = typer.Option(None, help="Latency profile of this model on this GPU for --policy mux; "
                                                      "missing or mismatched: the roofline prior (with a warning)."),
     chunk_budget: Optional[int] = typer.Option(None, help="Tokens per step for --policy chunked (default 2048)."),
+    attention_backend: str = typer.Option("auto", help="auto (flashinfer on CUDA where it supports the model, "
+                                                       "else torch), flashinfer or torch."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile each decoder layer "
+                                           "(default: on with CUDA, off on CPU)."),
+    cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Replay decode steps as CUDA "
+                                    "graphs (CUDA with the flashinfer backend); off for debugging."),
     log_level: str = typer.Option("info", help="debug, info, warning, error."),
 ) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -71,7 +78,8 @@ def serve(
                       dtype=dtype, load_format=load_format, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                       enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting,
-                      slo=slo, profile=profile, chunk_budget=chunk_budget)
+                      slo=slo, profile=profile, chunk_budget=chunk_budget,
+                      attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph)
     try:
         cfg.validate()
     except ApplianceError as exc:
@@ -131,6 +139,11 @@ def generate(
                 sys.stdout.write(out.new_text if engine.tokenizer else f"{out.new_token_ids[0]} ")
                 sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: `muxd bench engine` times the engine itself.")
+engine_bench_command(bench_app)
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from appliance.attention import BACKEND_NAMES
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
@@ -51,6 +52,9 @@ class ServeConfig:
     slo: str | None = None
     profile: str | None = None
     chunk_budget: int | None = None
+    attention_backend: str = "auto"
+    compile: bool | None = None     # None: on CUDA, off on CPU
+    cuda_graph: bool = True
 
     @property
     def model_dir(self) -> Path:
@@ -89,6 +93,9 @@ class ServeConfig:
             raise ConfigError(f"--chunk-budget must be >= 1, got {self.chunk_budget}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
+                              f"got {self.attention_backend!r}")
         device = self.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
@@ -108,7 +115,8 @@ class ServeConfig:
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
             planner=self.planner, max_waiting=self.max_waiting, slo=self.slo, profile=self.profile,
-            chunk_budget=self.chunk_budget)
+            chunk_budget=self.chunk_budget, attention_backend=self.attention_backend,
+            compile=self.compile, cuda_graph=self.cuda_graph)
 
     def build_engine(self) -> Engine:
         """Load the model and tokenizer and size the KV cache (the slow part of start-up)."""

@@ -140,6 +140,17 @@ class Scheduler:
         self.prefilling.append(request)
         return True
 
+    def seat_decoding(self, request: Request) -> bool:
+        """Admit a waiting request straight into decoding, taking its prompt's KV as computed (the pages hold
+        whatever they hold). For benchmarks and profiling: decode at a given context without paying its prefill."""
+        if not self.admit(request):
+            return False
+        self.prefilling.remove(request)
+        request.num_computed_tokens = request.num_tokens
+        request.status = RequestStatus.DECODING
+        self.decoding.append(request)
+        return True
+
     def reserve_decode(self, request: Request) -> bool:
         """Make room for the request's next token, preempting the youngest running request while the pool is empty.
 
@@ -186,6 +197,7 @@ class Scheduler:
     def update_decode(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
         """Record the plan's decode step."""
         out = []
+        page_size = self.pool.page_size
         for rid in plan.decode:
             r = self.requests[rid]
             r.num_computed_tokens = r.num_tokens
