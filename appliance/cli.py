@@ -11,15 +11,15 @@ import typer
 
 from appliance import __version__
 from appliance.bench.cli import app as bench_app
-from appliance.config import ServeConfig
 from appliance.bench.engine_cli import engine_bench_command
+from appliance.config import ServeConfig
 from appliance.errors import ApplianceError
 from appliance.slo.cli import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
+engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
 app.add_typer(bench_app, name="bench")
-
 app.add_typer(slo_app, name="slo")
 
 MODEL_HELP = "Hugging Face model directory (config.json, safetensors, tokenizer.json), or 'embedded' for the small " \
@@ -140,10 +140,6 @@ def generate(
                 sys.stdout.flush()
     sys.stdout.write("\n")
 
-
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: `muxd bench engine` times the engine itself.")
-engine_bench_command(bench_app)
-app.add_typer(bench_app, name="bench")
 
 
 @app.command()
