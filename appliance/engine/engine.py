@@ -6,6 +6,7 @@ Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thr
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from appliance.model_zoo.loader import load_model
 from appliance.model_zoo.tokenizer import Tokenizer
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,12 +74,17 @@ class Engine:
         param = next(model.parameters())
         num_pages = self._pool_size(param.device, param.dtype)
         self.kv_cache = KVCache(mcfg, num_pages, config.page_size, param.dtype, param.device)
-        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        # dynamic NTK rotates a prompt's K by the prompt's length, so equal prefixes need not share pages
+        prefix_caching = config.enable_prefix_caching and not mcfg.rope.length_dependent
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: with %s rope scaling K depends on the sequence length", mcfg.rope.type)
+        self.pool = PagePool(num_pages, config.page_size, prefix_caching)
         capacity = num_pages * config.page_size
-        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
+        self.max_model_len = config.max_model_len or min(mcfg.max_model_len, capacity)
         if self.max_model_len > capacity:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV cache ({num_pages} pages of "
                               f"{config.page_size} = {capacity} tokens); lower it or give the cache more memory")
+        mcfg.check_max_model_len(self.max_model_len)
         planner_cls = PLANNERS[config.planner]
         planner = (planner_cls(config.layers_per_step, config.max_prefill_tokens) if config.planner == "layerwise"
                    else planner_cls(config.max_prefill_tokens))
@@ -112,7 +119,7 @@ class Engine:
         if budget < per_page:
             raise ConfigError(f"KV cache budget of {budget} bytes holds no page ({per_page} bytes per page of "
                               f"{cfg.page_size} tokens); raise --kv-cache-memory or --gpu-memory-utilization")
-        model_len = cfg.max_model_len or self.model.config.max_position_embeddings
+        model_len = cfg.max_model_len or self.model.config.max_model_len
         useful = 2 * cfg.max_num_seqs * -(-model_len // cfg.page_size)
         return min(budget // per_page, useful)
 

@@ -16,6 +16,7 @@ from appliance.engine.request import Request
 from appliance.engine.sampler import sample
 from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.model_zoo.llama import DecoderForCausalLM
+from appliance.model_zoo.rope import dynamic_lengths, rope_lengths
 
 
 @dataclass
@@ -122,7 +123,10 @@ class ModelRunner:
             residual = None
         else:
             hidden, residual = carried
-        with forward_context(ForwardContext(self.backend, meta, self.kv_cache.data)):
+        lengths = None
+        if self.model.config.rope.length_dependent:
+            lengths = dynamic_lengths(positions, [r.num_prompt_tokens for r in reqs], meta.query_lens)
+        with forward_context(ForwardContext(self.backend, meta, self.kv_cache.data)), rope_lengths(lengths):
             return self.model.forward_layers(positions, hidden, residual, start, end)
 
     def _metadata(self, reqs: list[Request], spans: list[tuple[int, int]]):
