@@ -11,6 +11,7 @@ import typer
 
 from appliance import __version__
 from appliance.config import ServeConfig
+from appliance.bench.engine_cli import engine_bench_command
 from appliance.errors import ApplianceError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -48,6 +49,12 @@ def serve(
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse KV pages of equal "
                                                                               "prompt prefixes."),
     planner: str = typer.Option("serial", help="Step planner: serial (prefill first) or layerwise."),
+    attention_backend: str = typer.Option("auto", help="auto (flashinfer on CUDA where it supports the model, "
+                                                       "else torch), flashinfer or torch."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile each decoder layer "
+                                           "(default: on with CUDA, off on CPU)."),
+    cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Replay decode steps as CUDA "
+                                    "graphs (CUDA with the flashinfer backend); off for debugging."),
     log_level: str = typer.Option("info", help="debug, info, warning, error."),
 ) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -59,7 +66,8 @@ def serve(
     cfg = ServeConfig(model=model, served_model_name=served_model_name, host=host, port=port, device=device,
                       dtype=dtype, load_format=load_format, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting)
+                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting,
+                      attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph)
     try:
         cfg.validate()
     except ApplianceError as exc:
@@ -119,6 +127,11 @@ def generate(
                 sys.stdout.write(out.new_text if engine.tokenizer else f"{out.new_token_ids[0]} ")
                 sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: `muxd bench engine` times the engine itself.")
+engine_bench_command(bench_app)
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()

@@ -12,6 +12,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import torch
+
 
 def _find(env: str, candidates: tuple[str, ...]) -> tuple[str | None, str]:
     """(path of the compiler, what was looked for); the environment variable wins when set, as in Triton/Inductor."""
@@ -34,9 +36,12 @@ def python_include_dir() -> Path:
     return Path(sysconfig.get_paths(scheme=scheme)["include"])
 
 
-def compile_unavailable_reason(device: str = "cuda") -> str | None:
-    """None when torch.compile can build code for `device` ('cuda' or 'cpu') here; otherwise one sentence saying
-    what is missing and how to get it."""
+def compile_unavailable_reason(device: str | torch.device | None = None) -> str | None:
+    """None when torch.compile can build code for `device` here (default: CUDA when available, else CPU);
+    otherwise one sentence saying what is missing and how to get it."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(device)
     if getattr(sys, "frozen", False):
         return ("muxd runs from a frozen single binary, which carries no C compiler or Python headers for "
                 "torch.compile; install muxd with pip to compile")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from appliance.engine.attention import paged_attention
+from appliance.attention import paged_attention
 from appliance.model_zoo.config import ModelConfig, RopeConfig
 from appliance.model_zoo.rope import rope_cos_sin, rope_inv_freq
 
@@ -104,7 +104,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, self.layer)
+        out = paged_attention(q, k, v)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

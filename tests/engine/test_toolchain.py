@@ -79,6 +79,13 @@ def test_missing_python_headers_are_named(bare_path, tmp_path, monkeypatch, with
     assert compile_unavailable_reason("cpu") is None
 
 
+def test_default_device_is_the_one_torch_would_use(bare_path, monkeypatch):
+    monkeypatch.setattr(toolchain.torch.cuda, "is_available", lambda: False)
+    assert "C++ compiler" in compile_unavailable_reason()
+    monkeypatch.setattr(toolchain.torch.cuda, "is_available", lambda: True)
+    assert compile_unavailable_reason() == compile_unavailable_reason("cuda:0")
+
+
 def test_cuda_needs_triton(monkeypatch):
     real = toolchain.importlib.util.find_spec
     monkeypatch.setattr(toolchain.importlib.util, "find_spec", lambda name: None if name == "triton" else real(name))
