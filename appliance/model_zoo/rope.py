@@ -124,7 +124,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, rope: RopeConf
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [num_tokens, head_dim] for the rows at `positions`, computed in fp32 and cast to `dtype`."""
     if rope.type == "dynamic":
-        # without lengths from the runner each row counts as the end of its sequence (exact for decode rows)
+        # without lengths from the runner each row counts as the end of its sequence: exact for decode rows, so
+        # decode forwards (and CUDA graphs of them) need none; prefills of prompt tokens do
         lengths = _row_lengths if _row_lengths is not None else positions + 1
         freqs = positions.float().unsqueeze(-1) * dynamic_inv_freq(2 * inv_freq.numel(), rope, lengths)
         # rows within the original context keep the unscaled frequencies bit for bit
