@@ -34,9 +34,9 @@ def _fail(exc: ApplianceError) -> None:
 @app.command()
 def serve(
     model: str = typer.Option("embedded", "--model", "-m", help=MODEL_HELP),
-    host: str = typer.Option("127.0.0.1", help="Address to bind; use 0.0.0.0 to accept connections from other "
-                                               "machines."),
-    port: int = typer.Option(8000, help="TCP port."),
+    host: str = typer.Option("127.0.0.1", envvar="MUXD_HOST", help="Address to bind; use 0.0.0.0 to accept "
+                                                                   "connections from other machines."),
+    port: int = typer.Option(8000, envvar="MUXD_PORT", help="TCP port."),
     served_model_name: Optional[str] = typer.Option(None, help="Model name clients send in 'model' (default: "
                                                                "the directory name, or muxd-embedded)."),
     dtype: str = typer.Option("auto", help="Weights and KV dtype: auto (checkpoint's on GPU, float32 on CPU), "

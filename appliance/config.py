@@ -107,6 +107,7 @@ class ServeConfig:
             checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        cfg.check_max_model_len(self.max_model_len or cfg.max_model_len)
         return cfg
 
     def engine_config(self) -> EngineConfig:

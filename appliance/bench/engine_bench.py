@@ -45,6 +45,7 @@ class EngineBenchResult:
     startup: dict
     rows: list[Row] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
+    bench: "EngineBench | None" = field(default=None, repr=False)  # the engine, for follow-up measurements
 
     def to_json(self) -> dict:
         return {"ceilings": self.ceilings, "model": self.model, "startup": self.startup, "extras": self.extras,
@@ -194,9 +195,10 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
     if engine.kv_cache.data.is_cuda:
         engine.kv_cache.data.normal_()  # random KV: never time attention over uninitialised memory
     result = EngineBenchResult(ceilings.as_dict(), str(model_dir), startup)
+    bench = EngineBench(engine, ceilings, iters=iters)
+    result.bench = bench
     if startup_only:
         return result
-    bench = EngineBench(engine, ceilings, iters=iters)
     for context in contexts:
         for batch in batches:
             result.rows.append(bench.decode(batch, context))
@@ -209,6 +211,19 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
     if engine.runner.graphs is not None:
         result.extras["graph_memory_MiB"] = engine.runner.graphs.memory_bytes / 2**20
     return result
+
+
+def run_multiplex(result: EngineBenchResult, granularity: int, batch: int, context: int, prefill_tokens: int,
+                  iters: int) -> str:
+    """The --multiplex table on the engine `result` was measured with; also stored in result.extras."""
+    from appliance.bench import multiplex_bench
+    from appliance.multiplex.partitions import PartitionSet
+
+    partitions = PartitionSet.create(result.bench.engine.kv_cache.data.device, granularity)
+    rows, extras = multiplex_bench.run(result.bench, partitions, batch, context, prefill_tokens, iters)
+    result.extras["multiplex"] = {"rows": [dict(asdict(r), slowdown=r.slowdown) for r in rows], **extras}
+    return (f"device: {result.ceilings['device']}\n\n"
+            + multiplex_bench.render(rows, extras, batch, context, prefill_tokens))
 
 
 def render(result: EngineBenchResult) -> str:
@@ -230,7 +245,8 @@ def render(result: EngineBenchResult) -> str:
     lines.append("start-up: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in result.startup.items()))
     if result.extras:
-        lines.append("extras: " + ", ".join(f"{k} {v:.2f}" for k, v in result.extras.items()))
+        lines.append("extras: " + ", ".join(f"{k} {v:.2f}" for k, v in result.extras.items()
+                                            if isinstance(v, float)))
     return "\n".join(lines)
 
 

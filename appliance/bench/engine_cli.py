@@ -44,6 +44,9 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
         startup_only: bool = typer.Option(False, "--startup-only", help="Only build the engine and report "
                                                                        "start-up times (run twice: cold, warm)."),
+        multiplex: bool = typer.Option(False, "--multiplex", help="Instead of the rows above: decode on each SM "
+                                       "partition alone and beside an 8k prefill, graph memory, switch cost."),
+        granularity: int = typer.Option(16, help="--multiplex: decode partitions are multiples of this many SMs."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the result as JSON here."),
         markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the Markdown table here."),
     ) -> None:
@@ -58,12 +61,17 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
             typer.secho("error: muxd bench engine needs a CUDA device", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
         bs, ctx, pre = _ints(batches, "--batches"), _ints(contexts, "--contexts"), _prefills(prefill)
-        config = EngineConfig(max_num_seqs=max(bs), max_prefill_tokens=max(n for n, _ in pre),
+        config = EngineConfig(max_num_seqs=max(bs) + multiplex,  # + the concurrent prefill
+                              max_prefill_tokens=max(n for n, _ in pre),
                               max_model_len=max(max(n + c for n, c in pre), max(ctx)) + iters + 64,
                               attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,
-                                  prefills=pre, iters=iters, config=config, startup_only=startup_only)
+                                  prefills=pre, iters=iters, config=config,
+                                  startup_only=startup_only or multiplex)
         table = engine_bench.render(result)
+        if multiplex:
+            table = engine_bench.run_multiplex(result, granularity, batch=max(bs), context=ctx[0],
+                                               prefill_tokens=max(n for n, _ in pre), iters=iters)
         if json_out:
             engine_bench.save(result, json_out)
         if markdown_out:

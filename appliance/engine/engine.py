@@ -89,6 +89,8 @@ class Engine:
         config.validate()
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
+        # before compile and warm-up: a sliding window shorter than the context is refused at once
+        mcfg.check_max_model_len(config.max_model_len or mcfg.max_model_len)
         param = next(model.parameters())
         device, cuda = param.device, param.device.type == "cuda"
         self.startup: dict[str, float] = {}
@@ -102,9 +104,13 @@ class Engine:
             self.startup["warm_up_s"] = time.perf_counter() - start
         num_pages = self._pool_size(device, param.dtype, reserve)
         self.kv_cache = KVCache(mcfg, num_pages, config.page_size, param.dtype, device)
-        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        # dynamic NTK rotates a prompt's K by the prompt's length, so equal prefixes need not share pages
+        prefix_caching = config.enable_prefix_caching and not mcfg.rope.length_dependent
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: with %s rope scaling K depends on the sequence length", mcfg.rope.type)
+        self.pool = PagePool(num_pages, config.page_size, prefix_caching)
         capacity = num_pages * config.page_size
-        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
+        self.max_model_len = config.max_model_len or min(mcfg.max_model_len, capacity)
         if self.max_model_len > capacity:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV cache ({num_pages} pages of "
                               f"{config.page_size} = {capacity} tokens); lower it or give the cache more memory")
@@ -199,7 +205,7 @@ class Engine:
         if budget < per_page:
             raise ConfigError(f"KV cache budget of {budget} bytes holds no page ({per_page} bytes per page of "
                               f"{cfg.page_size} tokens); raise --kv-cache-memory or --gpu-memory-utilization")
-        model_len = cfg.max_model_len or self.model.config.max_position_embeddings
+        model_len = cfg.max_model_len or self.model.config.max_model_len
         useful = 2 * cfg.max_num_seqs * -(-model_len // cfg.page_size)
         return min(budget // per_page, useful)
 

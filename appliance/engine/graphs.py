@@ -34,9 +34,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache,
                  make_backend: Callable[[int], AttentionBackend], max_batch: int,
-                 stream: torch.cuda.Stream | None = None, pool=None) -> None:
+                 stream: torch.cuda.Stream | None = None, pool=None, sizes: list[int] | None = None) -> None:
         self.model, self.kv_cache, self.make_backend = model, kv_cache, make_backend
-        self.sizes = capture_sizes(max_batch)
+        self.sizes = sorted(sizes) if sizes else capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.stream = stream
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()

@@ -15,12 +15,18 @@ python3 -m appliance bench engine "${bench_args[@]}" --json "$out/engine-bench.j
     --markdown "$out/engine-bench.md" 2>&1 | tee "$out/engine-bench.log"
 bench=${PIPESTATUS[0]}
 python3 -m appliance bench engine --startup-only --json "$out/startup-warm.json" > "$out/startup-warm.log" 2>&1
+python3 -m appliance bench engine --multiplex --batches 64 --contexts 1024 --prefill 8192 --iters 30 \
+    --json "$out/multiplex.json" --markdown "$out/multiplex.md" > "$out/multiplex.log" 2>&1
+mux=$?
 echo
 echo "| suite | result |"
 echo "| --- | --- |"
 echo "| tests/gpu | $(tail -n 1 "$out/gpu-tests.log") |"
 echo "| bench engine | exit $bench |"
 echo "| warm start | $(grep -o 'start-up: .*' "$out/startup-warm.log") |"
+echo "| bench engine --multiplex | exit $mux |"
+echo
+cat "$out/multiplex.md" 2>/dev/null
 echo
 cat "$out/engine-bench.md" 2>/dev/null
-[ "$tests" = 0 ] && [ "$bench" = 0 ]
+[ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$mux" = 0 ]
