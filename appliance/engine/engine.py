@@ -19,7 +19,7 @@ from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.runner import ModelRunner
-from appliance.engine.scheduler import PLANNERS, Scheduler
+from appliance.engine.scheduler import Scheduler
 from appliance.errors import CapacityError, ConfigError, RequestError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
@@ -41,21 +41,28 @@ class EngineConfig:
     max_prefill_tokens: int = 8192          # prompt tokens admitted per step (at least one request always)
     max_waiting: int = 4096                 # queued requests before add_request refuses with CapacityError
     enable_prefix_caching: bool = True
-    planner: str = "serial"
+    planner: str = "serial"                 # policy: mux, chunked, serial, layerwise
     layers_per_step: int = 1                # for the layerwise planner
+    chunk_budget: int | None = None         # tokens per step of the chunked planner (default 2048)
+    slo: str | None = None                  # SLO contract file; None: the built-in default contract
+    profile: str | None = None              # latency profile for mux; None or mismatched: the roofline prior
     attention_backend: str = "auto"        # auto: flashinfer on CUDA when installed, else torch
     compile: bool | None = None             # torch.compile each layer; None: on CUDA, off on CPU
     cuda_graph: bool = True                 # capture decode CUDA graphs (CUDA and a graph-capable backend only)
     max_graph_batch: int | None = None      # largest captured decode batch; default min(max_num_seqs, 256)
 
     def validate(self) -> None:
+        from appliance.slo.policies import POLICIES
+
         if self.attention_backend not in BACKEND_NAMES:
             raise ConfigError(f"attention backend {self.attention_backend!r} is unknown; choose one of "
                               f"{', '.join(BACKEND_NAMES)}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:
             raise ConfigError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
-        if self.planner not in PLANNERS:
-            raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
+        if self.planner not in POLICIES:
+            raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(POLICIES)}")
+        if self.chunk_budget is not None and self.chunk_budget < 1:
+            raise ConfigError(f"chunk_budget must be >= 1, got {self.chunk_budget}")
         for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_waiting", "layers_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -107,10 +114,7 @@ class Engine:
         if self.max_model_len > capacity:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV cache ({num_pages} pages of "
                               f"{config.page_size} = {capacity} tokens); lower it or give the cache more memory")
-        planner_cls = PLANNERS[config.planner]
-        planner = (planner_cls(config.layers_per_step, config.max_prefill_tokens) if config.planner == "layerwise"
-                   else planner_cls(config.max_prefill_tokens))
-        self.scheduler = Scheduler(self.pool, mcfg.num_layers, planner, config.max_num_seqs)
+        self.scheduler = Scheduler(self.pool, mcfg.num_layers, self._planner(device), config.max_num_seqs)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
         if cuda and config.cuda_graph:
             start = time.perf_counter()
@@ -125,6 +129,29 @@ class Engine:
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids)
         self._detok: dict[str, Detokenizer] = {}
         self._counter = itertools.count()
+
+    def _planner(self, device: torch.device):
+        """The policy's planner; the contract (and for mux the predictor) come from the config's files."""
+        from appliance.predictor.profile import load_predictor
+        from appliance.slo.contract import default_contract, load_contract
+        from appliance.slo.policies import PolicyOptions, build_planner
+
+        cfg = self.config
+        self.contract = load_contract(cfg.slo) if cfg.slo else default_contract()
+        self.predictor = None
+        if cfg.planner == "mux":
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            self.predictor = load_predictor(cfg.profile, self.model.config, gpu)
+        options = PolicyOptions(max_prefill_tokens=cfg.max_prefill_tokens, layers_per_step=cfg.layers_per_step,
+                                chunk_budget=cfg.chunk_budget)
+        return build_planner(cfg.planner, options, self.contract, self.predictor)
+
+    def slo_class(self, name: str | None) -> str | None:
+        """Check a request's SLO class against the contract (RequestError naming the classes when unknown)."""
+        if name is not None and name not in self.contract.classes:
+            raise RequestError(f"SLO class {name!r} is not in contract {self.contract.name!r}; classes: "
+                               f"{', '.join(self.contract.classes)}", "slo_class")
+        return name
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype | None = None,
@@ -214,9 +241,17 @@ class Engine:
     def submit(self, request: Request) -> str:
         if request.request_id in self.scheduler.requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", "request_id")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise CapacityError(f"{len(self.scheduler.waiting)} requests are waiting (limit "
-                                f"{self.config.max_waiting}); retry later")
+        self.slo_class(request.slo_class)
+        limit = self.config.max_waiting
+        if self.config.slo:
+            limit = min(limit, self.contract.overload.queue_limit)
+        if len(self.scheduler.waiting) >= limit:
+            raise CapacityError(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit}); retry later")
+        admission = getattr(self.scheduler.planner, "admission_check", None)
+        retry = admission(self.scheduler, request) if admission is not None else None
+        if retry is not None:
+            raise CapacityError(f"the server is too busy to meet this request's TTFT target (SLO contract "
+                                f"{self.contract.name!r} sheds load); retry after {retry:.0f} s", retry_after=retry)
         if self.tokenizer is not None:
             self._detok[request.request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids,
                                                           request.sampling.stop)
