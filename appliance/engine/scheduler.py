@@ -266,6 +266,12 @@ def _admit_fcfs(sched: Scheduler, token_budget: int) -> list[Request]:
     return admitted
 
 
+def chunk_end(r: Request, max_tokens: int) -> int:
+    """End of the request's next prefill chunk: at most max_tokens new tokens, so that a long prompt's activations
+    stay within what the engine sized its memory for (the chunk's end stays fixed while its layers run)."""
+    return min(r.num_tokens, r.num_computed_tokens + max_tokens)
+
+
 def _reserve_all(sched: Scheduler, requests: Iterable[Request]) -> tuple[str, ...]:
     """Reserve a decode slot for each request, oldest first, skipping those preempted on the way."""
     batch = []
@@ -276,7 +282,8 @@ def _reserve_all(sched: Scheduler, requests: Iterable[Request]) -> tuple[str, ..
 
 
 class SerialPlanner:
-    """Prefill first: whole prompts through all layers before any decode step (vLLM's classic default)."""
+    """Prefill first: prompts through all layers before any decode step (vLLM's classic default), in chunks of at
+    most max_prefill_tokens new tokens per step."""
 
     name = "serial"
 
@@ -285,11 +292,15 @@ class SerialPlanner:
 
     def plan(self, sched: Scheduler) -> StepPlan:
         _admit_fcfs(sched, self.max_prefill_tokens)
-        pending = sched.pending_prefills()
-        if pending:
-            return StepPlan(prefill=tuple(
-                PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, layer, sched.num_layers)
-                for r, layer in pending))
+        works, budget = [], self.max_prefill_tokens
+        for r, layer in sched.pending_prefills():  # oldest first, within the step's token budget (one at least)
+            if works and budget <= 0:
+                break
+            end = chunk_end(r, max(budget, 1))
+            works.append(PrefillWork(r.request_id, r.num_computed_tokens, end, layer, sched.num_layers))
+            budget -= end - r.num_computed_tokens
+        if works:
+            return StepPlan(prefill=tuple(works))
         return StepPlan(decode=_reserve_all(sched, list(sched.decoding)))
 
 
@@ -313,7 +324,7 @@ class LayerwisePlanner:
         if not sched.prefilling:
             _admit_fcfs(sched, self.max_prefill_tokens)
         works = tuple(
-            PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, layer,
+            PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, self.max_prefill_tokens), layer,
                         min(layer + self.layers_per_step, sched.num_layers))
             for r, layer in sched.pending_prefills())
         return StepPlan(decode=decode, prefill=works)
