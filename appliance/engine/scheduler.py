@@ -312,6 +312,7 @@ class LayerwisePlanner:
     """
 
     name = "layerwise"
+    MAX_QUEUED = 2
 
     def __init__(self, layers_per_step: int = 1, max_prefill_tokens: int = 8192, decode_sms: int = 64) -> None:
         if layers_per_step < 1:
@@ -324,10 +325,12 @@ class LayerwisePlanner:
         decode = _reserve_all(sched, list(sched.decoding))
         if not sched.prefilling:
             _admit_fcfs(sched, self.max_prefill_tokens)
+        # at most MAX_QUEUED launches in flight per request: the prefill stream stays busy, and when decode moves
+        # back onto a partition only a few layers are still queued on the all-SM stream
         works = tuple(
             PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, self.max_prefill_tokens), layer,
                         min(layer + self.layers_per_step, sched.num_layers))
-            for r, layer in sched.pending_prefills())
+            for r, layer in sched.pending_prefills() if len(sched.inflight.get(r.request_id, ())) < self.MAX_QUEUED)
         # a fixed split while both phases run; executors without partitions ignore it
         return StepPlan(decode=decode, prefill=works,
                         decode_sms=self.decode_sms if decode and (works or sched.has_inflight()) else None)

@@ -109,6 +109,8 @@ class Executor:
         part = self.partition_for(plan)
         if part is not self.current:
             self.switches += 1
+            self.timeline.instant("partition switch", part.name, previous=self.current.name,
+                                  decode_sms=part.decode_sms, prefill_sms=part.prefill_sms)
             self.current = part
         if plan.mixed:
             return self._mixed(plan, requests, part)
@@ -181,9 +183,11 @@ class Executor:
                 if self._last.get(w.request_id) is launch:
                     del self._last[w.request_id]
             if launch.event is not None:
-                self.timeline.span("prefill", launch.partition, launch.launched_at, time.perf_counter(),
-                                   works=len(launch.works),
+                now = time.perf_counter()
+                self.timeline.span("prefill", launch.partition, launch.launched_at, now, works=len(launch.works),
                                    layers=f"{launch.works[0].layer_start}-{launch.works[0].layer_end}")
+                if launch.ids:  # these prompts are done: their requests join the decode batch
+                    self.timeline.instant("merge", launch.partition, now, requests=len(launch.ids))
         self._inflight = pending
         return done
 

@@ -39,8 +39,14 @@ class Timeline:
         out += [dict(e, tid=ids[e["tid"]]) for e in events]
         return {"traceEvents": out, "displayTimeUnit": "ms"}
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.chrome_trace()))
+    def save(self, path: str | Path, last_seconds: float | None = None) -> None:
+        """Write the trace (only its last `last_seconds` when given, to keep a file small)."""
+        trace = self.chrome_trace()
+        if last_seconds is not None:
+            spans = [e["ts"] for e in trace["traceEvents"] if e["ph"] != "M"]
+            cut = max(spans, default=0.0) - last_seconds * 1e6
+            trace["traceEvents"] = [e for e in trace["traceEvents"] if e["ph"] == "M" or e["ts"] >= cut]
+        Path(path).write_text(json.dumps(trace))
 
     def __len__(self) -> int:
         return len(self._events)

@@ -1,0 +1,49 @@
+"""The executor on the null partition (CPU, or multiplexing off): the same code path as on SM partitions, run
+synchronously; its timeline is valid Chrome-trace JSON; multiplexing without a GPU is refused clearly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.request import SamplingParams
+from appliance.errors import ConfigError
+from appliance.multiplex.partitions import PartitionSet
+from appliance.multiplex.timeline import Timeline
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+def test_null_partition_layerwise_equals_serial_and_records_a_timeline(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    prompts = [[3 + i * 7 % 200 for i in range(n)] for n in (12, 30, 5)]
+    serial = Engine.from_pretrained(path, config=EngineConfig(num_pages=64)).generate(prompts, GREEDY)
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="layerwise", layers_per_step=1))
+    assert not engine.executor.multiplexed and engine.partitions.full.is_null
+    out = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in out] == [c.token_ids for c in serial]
+    assert engine.executor.layers_launched >= engine.model.num_layers  # one layer a step, every layer once
+    assert not engine.executor.has_inflight()
+    engine.executor.timeline.save(tmp_path / "t.json")
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"]}
+    assert {"decode", "prefill launch", "thread_name"} <= names
+    assert all(e["ph"] in ("X", "i", "M") for e in trace["traceEvents"])
+
+
+def test_timeline_keeps_its_last_seconds_and_is_bounded(tmp_path):
+    timeline = Timeline(capacity=10)
+    for i in range(30):
+        timeline.span("decode", "full", i * 1.0, i * 1.0 + 0.5, batch=1)
+    assert len(timeline) == 10
+    timeline.save(tmp_path / "t.json", last_seconds=3)
+    spans = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 4  # starts at 26, 27, 28, 29 s are within 3 s of the last
+
+
+def test_multiplexing_needs_a_gpu(llama_checkpoint):
+    path, _ = llama_checkpoint
+    with pytest.raises(ConfigError, match="CUDA"):
+        Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="layerwise", multiplex=True))
+    assert PartitionSet.null().for_decode(64).is_null
