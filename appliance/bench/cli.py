@@ -199,8 +199,8 @@ def _workload(opts: BenchOptions) -> tuple[Any, list[RequestSpec]]:
     return synth, raw
 
 
-def _prompts(synth: Any, specs: list[RequestSpec]) -> list[str | list[int]]:
-    return [s.prompt if synth is None else synth.prompt(s, i) for i, s in enumerate(specs)]
+def _prompts(synth: Any, specs: list[RequestSpec], salt: int = 0) -> list[str | list[int]]:
+    return [s.prompt if synth is None else synth.prompt(s, i, salt) for i, s in enumerate(specs)]
 
 
 def _replay(session: Session, specs: list[RequestSpec], prompts: list, show: bool, what: str):
@@ -283,12 +283,14 @@ def sweep(
     for policy in opts.policies or [None]:
         with Session(opts, policy) as session:
             base, notes = shape(raw, opts, session.max_model_len)
-            prompts = _prompts(synth, base)
             own = wl.offered_rate(base)
             first = start_rate or (own if math.isfinite(own) else 1.0)
+            salts = iter(range(1, max_points + 1))
 
             def measure(rate: float) -> dict[str, Any]:
                 specs = wl.retime(base, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
+                # fresh prompts per point: the server's prefix cache must not carry over from the previous point
+                prompts = _prompts(synth, specs, next(salts))
                 result = _replay(session, specs, prompts, show, f"{session.label} at {rate:.3g} req/s")
                 return session.summarize(result, specs, notes, rate)
 
