@@ -11,12 +11,16 @@ import typer
 
 from appliance import __version__
 from appliance.bench.cli import app as bench_app
+from appliance.bench.engine_cli import engine_bench_command
 from appliance.config import ServeConfig
 from appliance.errors import ApplianceError
+from appliance.slo.cli import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
+engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
 app.add_typer(bench_app, name="bench")
+app.add_typer(slo_app, name="slo")
 
 MODEL_HELP = "Hugging Face model directory (config.json, safetensors, tokenizer.json), or 'embedded' for the small " \
              "model shipped inside muxd."
@@ -30,9 +34,9 @@ def _fail(exc: ApplianceError) -> None:
 @app.command()
 def serve(
     model: str = typer.Option("embedded", "--model", "-m", help=MODEL_HELP),
-    host: str = typer.Option("127.0.0.1", help="Address to bind; use 0.0.0.0 to accept connections from other "
-                                               "machines."),
-    port: int = typer.Option(8000, help="TCP port."),
+    host: str = typer.Option("127.0.0.1", envvar="MUXD_HOST", help="Address to bind; use 0.0.0.0 to accept "
+                                                                   "connections from other machines."),
+    port: int = typer.Option(8000, envvar="MUXD_PORT", help="TCP port."),
     served_model_name: Optional[str] = typer.Option(None, help="Model name clients send in 'model' (default: "
                                                                "the directory name, or muxd-embedded)."),
     dtype: str = typer.Option("auto", help="Weights and KV dtype: auto (checkpoint's on GPU, float32 on CPU), "
@@ -49,7 +53,19 @@ def serve(
     max_waiting: int = typer.Option(4096, help="Queued requests beyond which new ones get HTTP 429."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse KV pages of equal "
                                                                               "prompt prefixes."),
-    planner: str = typer.Option("serial", help="Step planner: serial (prefill first) or layerwise."),
+    planner: str = typer.Option("serial", "--policy", "--planner",
+                                help="Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
+                                     "budget, the vLLM/SGLang default), serial (prefill first) or layerwise."),
+    slo: Optional[str] = typer.Option(None, help="SLO contract (YAML, see configs/slo/); default: p99 TBT 50 ms."),
+    profile: Optional[str] = typer.Option(None, help="Latency profile of this model on this GPU for --policy mux; "
+                                                     "missing or mismatched: the roofline prior (with a warning)."),
+    chunk_budget: Optional[int] = typer.Option(None, help="Tokens per step for --policy chunked (default 2048)."),
+    attention_backend: str = typer.Option("auto", help="auto (flashinfer on CUDA where it supports the model, "
+                                                       "else torch), flashinfer or torch."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile each decoder layer "
+                                           "(default: on with CUDA, off on CPU)."),
+    cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Replay decode steps as CUDA "
+                                    "graphs (CUDA with the flashinfer backend); off for debugging."),
     log_level: str = typer.Option("info", help="debug, info, warning, error."),
 ) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -61,7 +77,9 @@ def serve(
     cfg = ServeConfig(model=model, served_model_name=served_model_name, host=host, port=port, device=device,
                       dtype=dtype, load_format=load_format, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting)
+                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting,
+                      slo=slo, profile=profile, chunk_budget=chunk_budget,
+                      attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph)
     try:
         cfg.validate()
     except ApplianceError as exc:
@@ -121,6 +139,7 @@ def generate(
                 sys.stdout.write(out.new_text if engine.tokenizer else f"{out.new_token_ids[0]} ")
                 sys.stdout.flush()
     sys.stdout.write("\n")
+
 
 
 @app.command()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from appliance.attention import BACKEND_NAMES
 from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.scheduler import PLANNERS
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
@@ -47,8 +47,14 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.9
     page_size: int = 16
     enable_prefix_caching: bool = True
-    planner: str = "serial"
+    planner: str = "serial"                 # the policy (--policy, alias --planner)
     max_waiting: int = 4096
+    slo: str | None = None
+    profile: str | None = None
+    chunk_budget: int | None = None
+    attention_backend: str = "auto"
+    compile: bool | None = None     # None: on CUDA, off on CPU
+    cuda_graph: bool = True
 
     @property
     def model_dir(self) -> Path:
@@ -77,10 +83,19 @@ class ServeConfig:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.planner not in PLANNERS:
-            raise ConfigError(f"--planner must be one of {', '.join(PLANNERS)}, got {self.planner!r}")
+        from appliance.slo.contract import load_contract
+        from appliance.slo.policies import check_policy
+
+        check_policy(self.planner)
+        if self.slo is not None:
+            load_contract(self.slo)  # every problem of the contract, with its line, before the model loads
+        if self.chunk_budget is not None and self.chunk_budget < 1:
+            raise ConfigError(f"--chunk-budget must be >= 1, got {self.chunk_budget}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
+                              f"got {self.attention_backend!r}")
         device = self.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
@@ -92,6 +107,7 @@ class ServeConfig:
             checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        cfg.check_max_model_len(self.max_model_len or cfg.max_model_len)
         return cfg
 
     def engine_config(self) -> EngineConfig:
@@ -99,7 +115,9 @@ class ServeConfig:
             page_size=self.page_size, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
-            planner=self.planner, max_waiting=self.max_waiting)
+            planner=self.planner, max_waiting=self.max_waiting, slo=self.slo, profile=self.profile,
+            chunk_budget=self.chunk_budget, attention_backend=self.attention_backend,
+            compile=self.compile, cuda_graph=self.cuda_graph)
 
     def build_engine(self) -> Engine:
         """Load the model and tokenizer and size the KV cache (the slow part of start-up)."""

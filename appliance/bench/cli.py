@@ -101,6 +101,19 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "save_detailed": (Annotated[bool, typer.Option("--save-detailed", help="Add per-request arrays to the JSON "
                                                                            "(ttfts, itls, input/output lens).",
                                                    rich_help_panel=_O)], False),
+    "spread_ties": (Annotated[bool, typer.Option("--spread-ties", help="Spread requests that share a timestamp "
+                                                                       "(traces recorded in coarse steps, e.g. "
+                                                                       "Mooncake's 3 s) over the gap to the next.",
+                                                 rich_help_panel=_W)], False),
+    "simulate": (Annotated[bool, typer.Option("--simulate", help="No server and no GPU: replay each --policies "
+                                                                 "entry on the simulated executor, judge it against "
+                                                                 "--slo and search its capacity.",
+                                              rich_help_panel=_T)], False),
+    "profile": (Annotated[Optional[Path], typer.Option(help="--simulate: latency profile of --model on --gpu "
+                                                            "(default: the roofline prior).",
+                                                       rich_help_panel=_T)], None),
+    "gpu": (Annotated[str, typer.Option(help="--simulate: the GPU to plan for (h100, h200).", rich_help_panel=_T)],
+            "h100"),
     "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
                                               rich_help_panel=_O)], True),
 }
@@ -133,6 +146,8 @@ def with_common_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _options(**kw: Any) -> BenchOptions:
     """Flags -> BenchOptions, refusing contradictory combinations before anything starts."""
+    if kw["simulate"] and (kw["url"] or kw["in_process"]):
+        raise ConfigError("--simulate replays on the simulated executor; --url and --in-process run a real one")
     if kw["url"] and (kw["policies"] or kw["in_process"]):
         raise ConfigError("--url targets a running server; --policies and --in-process start their own")
     if kw["serve_args"] and (kw["url"] or kw["in_process"]):
@@ -239,6 +254,11 @@ def _targets(opts: BenchOptions) -> dict[str, float] | None:
 def bench(ctx: typer.Context, opts: BenchOptions) -> None:
     """Replay one workload and report latency, attainment and goodput (one column per --policies entry)."""
     if ctx.invoked_subcommand is not None:
+        return
+    if opts.simulate:
+        from appliance.predictor.bench_cli import run_simulated
+
+        run_simulated(opts, opts.gpu, console)
         return
     show = ctx.params.get("progress", True)
     synth, raw = _workload(opts)

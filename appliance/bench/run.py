@@ -52,6 +52,10 @@ class BenchOptions:
     percentiles: tuple[float, ...] = PERCENTILES
     result_dir: Path | None = None
     save_detailed: bool = False
+    spread_ties: bool = False           # spread requests sharing a timestamp over the gap to the next one
+    simulate: bool = False              # replay on the simulated executor (no server, no GPU)
+    profile: Path | None = None         # latency profile for --simulate (default: the roofline prior)
+    gpu: str = "h100"                   # the GPU --simulate plans for
 
     @property
     def model_or_default(self) -> str:
@@ -82,7 +86,8 @@ def load_workload(opts: BenchOptions, synth: PromptSynth | None) -> list[Request
         return wl.select(specs, opts.window, opts.skip, opts.max_requests)
     count = (lambda text: len(synth.tokenizer.encode(text))) if synth and synth.tokenizer else None
     specs = load_trace(opts.trace, opts.trace_format, count_tokens=count)
-    return wl.select(specs, opts.window, opts.skip, opts.max_requests)
+    specs = wl.select(specs, opts.window, opts.skip, opts.max_requests)
+    return wl.spread_ties(specs, opts.seed) if opts.spread_ties else specs
 
 
 def shape(raw: list[RequestSpec], opts: BenchOptions, max_model_len: int | None,

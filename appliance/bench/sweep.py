@@ -38,13 +38,15 @@ class SweepResult:
 
 def find_capacity(measure: Callable[[float], dict[str, Any]], target: float, start_rate: float,
                   tolerance: float = 0.05, max_points: int = 12, min_rate: float = 0.01,
-                  max_rate: float = math.inf, label: str = "") -> SweepResult:
+                  max_rate: float = math.inf, label: str = "",
+                  passes: Callable[[dict[str, Any]], bool] | None = None) -> SweepResult:
     """measure(rate) runs one replay at `rate` requests/s and returns its summary (with `slo_attainment`).
 
     Bracketing: double the rate while it passes, halve it while it fails, until one passing and one failing rate
     are known (or min_rate/max_rate is reached); then bisect until (fail - pass) / pass <= tolerance. Attainment is
     assumed to fall as the rate rises; each point is one measurement, so noise near the capacity can move it by
-    about the tolerance.
+    about the tolerance. `passes(summary)`, when given, adds a condition a rate must also meet (e.g. an SLO
+    contract's percentile targets).
     """
     if not 0 < target <= 1:
         raise ConfigError(f"--attainment must be in (0, 1], got {target}")
@@ -61,7 +63,7 @@ def find_capacity(measure: Callable[[float], dict[str, Any]], target: float, sta
         attainment = summary.get("slo_attainment")
         if attainment is None:
             raise ConfigError("a capacity sweep needs an SLO: pass --goodput (or --slo)")
-        point = SweepPoint(rate, attainment, attainment >= target, summary)
+        point = SweepPoint(rate, attainment, attainment >= target and (passes is None or passes(summary)), summary)
         result.points.append(point)
         return point.passed
 

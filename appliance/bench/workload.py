@@ -143,6 +143,23 @@ def retime(specs: list[RequestSpec], rate: float | None = None, speedup: float |
     return [replace(s, arrival=(s.arrival - t0) * scale) for s in specs]
 
 
+def spread_ties(specs: list[RequestSpec], seed: int = 0) -> list[RequestSpec]:
+    """Spread requests that share an arrival time uniformly (seeded) over the gap to the next distinct time.
+
+    For traces recorded at a coarse resolution: Mooncake's timestamps come in 3 s steps, so about ten requests of
+    each step carry the same millisecond; replayed as is they arrive as one burst. The last group spreads over the
+    trace's median gap. Order within the result is by the new arrival time."""
+    if len(specs) < 2:
+        return list(specs)
+    times = sorted({s.arrival for s in specs})
+    gaps = np.diff(times)
+    tail = float(np.median(gaps)) if len(gaps) else 0.0
+    width = {t: (gaps[i] if i < len(gaps) else tail) for i, t in enumerate(times)}
+    rng = np.random.default_rng(seed)
+    moved = [replace(s, arrival=s.arrival + float(rng.uniform(0.0, width[s.arrival]))) for s in specs]
+    return sorted(moved, key=lambda s: s.arrival)
+
+
 def offered_rate(specs: list[RequestSpec]) -> float:
     """The average arrival rate (n - 1) / span in requests/s (inf when everything arrives at once)."""
     span = specs[-1].arrival - specs[0].arrival if specs else 0.0

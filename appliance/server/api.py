@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -107,7 +108,8 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
 
     @app.exception_handler(CapacityError)
     async def _busy(_: Request, exc: CapacityError):
-        return error_response(429, str(exc), "rate_limit_error", None, "queue_full", headers={"Retry-After": "1"})
+        return error_response(429, str(exc), "rate_limit_error", None, "queue_full",
+                              headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
 
     @app.exception_handler(_NotReady)
     async def _not_ready(_: Request, exc: _NotReady):

@@ -37,6 +37,7 @@ class _SamplingRequest(BaseModel):
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    slo_class: str | None = None  # muxd extension: request class of the SLO contract (or the X-SLO-Class header)
 
     def check_supported(self) -> None:
         if self.n != 1:
