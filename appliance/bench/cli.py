@@ -75,8 +75,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "policies": (Annotated[Optional[str], typer.Option(help="Comma-separated scheduling policies: start muxd serve "
                                                             "once per policy and compare them.",
                                                        rich_help_panel=_T)], None),
-    "serve_args": (Annotated[Optional[str], typer.Option(help="Extra flags for the muxd serve started by bench, "
-                                                              "e.g. '--max-num-seqs 64'.", rich_help_panel=_T)], None),
+    "serve_args": (Annotated[Optional[str], typer.Option(help="Extra `muxd serve` flags for the server bench starts "
+                                                              "or the in-process engine, e.g. '--max-num-seqs 64 "
+                                                              "--load-format dummy'.", rich_help_panel=_T)], None),
     "in_process": (Annotated[bool, typer.Option("--in-process", help="Drive the engine in this process (no HTTP).",
                                                 rich_help_panel=_T)], False),
     "ready_timeout": (Annotated[float, typer.Option(help="Seconds to wait for a started server's /ready.",
@@ -150,8 +151,8 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError("--simulate replays on the simulated executor; --url and --in-process run a real one")
     if kw["url"] and (kw["policies"] or kw["in_process"]):
         raise ConfigError("--url targets a running server; --policies and --in-process start their own")
-    if kw["serve_args"] and (kw["url"] or kw["in_process"]):
-        raise ConfigError("--serve-args only applies to the muxd serve that bench starts (not --url/--in-process)")
+    if kw["serve_args"] and kw["url"]:
+        raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
     if kw["endpoint"] not in ("completions", "chat"):
         raise ConfigError(f"--endpoint must be completions or chat, got {kw['endpoint']!r}")
     if kw["trace_format"] not in ("auto", *FORMATS):
@@ -314,8 +315,10 @@ def sweep(
                 result = _replay(session, specs, prompts, show, f"{session.label} at {rate:.3g} req/s")
                 return session.summarize(result, specs, notes, rate)
 
+            # with a YAML contract a rate must also keep the contract's percentile targets
             sweeps.append(find_capacity(measure, attainment, first, tolerance, max_points, min_rate or first / 64,
-                                        max_rate, label=session.label))
+                                        max_rate, label=session.label,
+                                        passes=lambda summary: summary.get("contract_met", True)))
     console.print(report.sweep_table(sweeps))
     for line in report.capacity_lines(sweeps):
         console.print(line)
