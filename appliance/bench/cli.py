@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 import time
@@ -178,20 +177,9 @@ def _slo(goodput: list[str], contract: Optional[Path]) -> SLO | None:
         return parse_goodput(goodput)
     if not contract.is_file():
         raise ConfigError(f"--slo {contract}: file not found")
-    try:
-        module = importlib.import_module("appliance.slo.contract")
-    except ImportError:
-        raise ConfigError("--slo: this muxd has no SLO contract support yet; use --goodput ttft:MS tpot:MS e2el:MS"
-                          ) from None
-    loader = getattr(module, "load_contract", None) or getattr(getattr(module, "SLOContract", None), "from_file",
-                                                                None)
-    if loader is None:
-        raise ConfigError("--slo: appliance.slo.contract offers no load_contract(path); use --goodput")
-    loaded = loader(contract)
-    if not callable(getattr(loaded, "targets_for", None)):
-        raise ConfigError(f"--slo {contract}: the contract does not give per-request targets (targets_for); "
-                          "use --goodput")
-    return loaded
+    from appliance.slo.contract import load_contract
+
+    return load_contract(contract)  # a Contract gives per-request targets (targets_for) and a verdict on the run
 
 
 def _percentiles(text: str) -> tuple[float, ...]:
