@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 import time
@@ -75,8 +74,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "policies": (Annotated[Optional[str], typer.Option(help="Comma-separated scheduling policies: start muxd serve "
                                                             "once per policy and compare them.",
                                                        rich_help_panel=_T)], None),
-    "serve_args": (Annotated[Optional[str], typer.Option(help="Extra flags for the muxd serve started by bench, "
-                                                              "e.g. '--max-num-seqs 64'.", rich_help_panel=_T)], None),
+    "serve_args": (Annotated[Optional[str], typer.Option(help="Extra `muxd serve` flags for the server bench starts "
+                                                              "or the in-process engine, e.g. '--max-num-seqs 64 "
+                                                              "--load-format dummy'.", rich_help_panel=_T)], None),
     "in_process": (Annotated[bool, typer.Option("--in-process", help="Drive the engine in this process (no HTTP).",
                                                 rich_help_panel=_T)], False),
     "ready_timeout": (Annotated[float, typer.Option(help="Seconds to wait for a started server's /ready.",
@@ -150,8 +150,8 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError("--simulate replays on the simulated executor; --url and --in-process run a real one")
     if kw["url"] and (kw["policies"] or kw["in_process"]):
         raise ConfigError("--url targets a running server; --policies and --in-process start their own")
-    if kw["serve_args"] and (kw["url"] or kw["in_process"]):
-        raise ConfigError("--serve-args only applies to the muxd serve that bench starts (not --url/--in-process)")
+    if kw["serve_args"] and kw["url"]:
+        raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
     if kw["endpoint"] not in ("completions", "chat"):
         raise ConfigError(f"--endpoint must be completions or chat, got {kw['endpoint']!r}")
     if kw["trace_format"] not in ("auto", *FORMATS):
@@ -177,20 +177,9 @@ def _slo(goodput: list[str], contract: Optional[Path]) -> SLO | None:
         return parse_goodput(goodput)
     if not contract.is_file():
         raise ConfigError(f"--slo {contract}: file not found")
-    try:
-        module = importlib.import_module("appliance.slo.contract")
-    except ImportError:
-        raise ConfigError("--slo: this muxd has no SLO contract support yet; use --goodput ttft:MS tpot:MS e2el:MS"
-                          ) from None
-    loader = getattr(module, "load_contract", None) or getattr(getattr(module, "SLOContract", None), "from_file",
-                                                                None)
-    if loader is None:
-        raise ConfigError("--slo: appliance.slo.contract offers no load_contract(path); use --goodput")
-    loaded = loader(contract)
-    if not callable(getattr(loaded, "targets_for", None)):
-        raise ConfigError(f"--slo {contract}: the contract does not give per-request targets (targets_for); "
-                          "use --goodput")
-    return loaded
+    from appliance.slo.contract import load_contract
+
+    return load_contract(contract)  # a Contract gives per-request targets (targets_for) and a verdict on the run
 
 
 def _percentiles(text: str) -> tuple[float, ...]:
@@ -214,8 +203,8 @@ def _workload(opts: BenchOptions) -> tuple[Any, list[RequestSpec]]:
     return synth, raw
 
 
-def _prompts(synth: Any, specs: list[RequestSpec]) -> list[str | list[int]]:
-    return [s.prompt if synth is None else synth.prompt(s, i) for i, s in enumerate(specs)]
+def _prompts(synth: Any, specs: list[RequestSpec], salt: int = 0) -> list[str | list[int]]:
+    return [s.prompt if synth is None else synth.prompt(s, i, salt) for i, s in enumerate(specs)]
 
 
 def _replay(session: Session, specs: list[RequestSpec], prompts: list, show: bool, what: str):
@@ -303,17 +292,21 @@ def sweep(
     for policy in opts.policies or [None]:
         with Session(opts, policy) as session:
             base, notes = shape(raw, opts, session.max_model_len)
-            prompts = _prompts(synth, base)
             own = wl.offered_rate(base)
             first = start_rate or (own if math.isfinite(own) else 1.0)
+            salts = iter(range(1, max_points + 1))
 
             def measure(rate: float) -> dict[str, Any]:
                 specs = wl.retime(base, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
+                # fresh prompts per point: the server's prefix cache must not carry over from the previous point
+                prompts = _prompts(synth, specs, next(salts))
                 result = _replay(session, specs, prompts, show, f"{session.label} at {rate:.3g} req/s")
                 return session.summarize(result, specs, notes, rate)
 
+            # with a YAML contract a rate must also keep the contract's percentile targets
             sweeps.append(find_capacity(measure, attainment, first, tolerance, max_points, min_rate or first / 64,
-                                        max_rate, label=session.label))
+                                        max_rate, label=session.label,
+                                        passes=lambda summary: summary.get("contract_met", True)))
     console.print(report.sweep_table(sweeps))
     for line in report.capacity_lines(sweeps):
         console.print(line)

@@ -111,17 +111,18 @@ class HttpTarget:
 
 
 def _carries_token(chunk: dict[str, Any], endpoint: str) -> bool:
-    """A chunk with generated text (or the finishing chunk) marks a token arrival; a role-only chat chunk does not."""
+    """Every chunk with a choice marks a token arrival (vLLM's client counts the same way, so a token whose text is
+    still held back arrives with the next chunk), except a chat chunk that only announces the assistant role: servers
+    may send it before any token exists."""
     choices = chunk.get("choices") or []
     if not choices:
         return False
     c = choices[0]
-    if endpoint == "chat":
+    if endpoint == "chat" and c.get("finish_reason") is None:
         delta = c.get("delta") or {}
-        text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
-    else:
-        text = c.get("text")
-    return bool(text) or c.get("finish_reason") is not None
+        if "role" in delta and not (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")):
+            return False
+    return True
 
 
 def _error_message(raw: bytes) -> str:

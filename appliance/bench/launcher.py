@@ -3,7 +3,6 @@
 """
 from __future__ import annotations
 
-import importlib
 import os
 import shlex
 import socket
@@ -21,19 +20,10 @@ _RESERVED = ("--port", "--host", "--planner", "--policy", "--model", "-m")
 
 
 def known_policies() -> dict[str, list[str]]:
-    """Policy name -> the `muxd serve` flags that select it: every planner (`--planner NAME`), and the names of a
-    `POLICIES` registry (`--policy NAME`) where the SLO dispatcher publishes one."""
-    from appliance.engine import scheduler
+    """Policy name -> the `muxd serve` flags that select it."""
+    from appliance.slo.policies import POLICIES
 
-    flags = {name: ["--planner", name] for name in scheduler.PLANNERS}
-    for module in ("appliance.engine.scheduler", "appliance.slo"):
-        try:
-            registry = getattr(importlib.import_module(module), "POLICIES", None)
-        except ImportError:
-            registry = None
-        for name in registry or ():
-            flags[name] = ["--policy", name]
-    return flags
+    return {name: ["--policy", name] for name in POLICIES}
 
 
 def parse_policies(text: str) -> list[str]:

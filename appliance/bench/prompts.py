@@ -26,7 +26,9 @@ class PromptSynth:
 
     Text is built from "word" tokens (a space and letters, each its own token and re-encoding to itself), so the
     concatenation tokenizes to exactly the tokens drawn; the count includes the special tokens the server adds
-    (e.g. BOS), so the server sees exactly spec.prompt_len tokens. Drawing is seeded per request (or per hash id).
+    (e.g. BOS), so the server sees exactly spec.prompt_len tokens. Drawing is seeded per request (or per hash id) and
+    per `salt`: replays of one workload with different salts share no prefix, so a server's prefix cache does not
+    carry over from one replay to the next (a capacity sweep salts each point).
     """
 
     def __init__(self, tokenizer: Tokenizer | None = None, vocab_size: int | None = None, seed: int = 0) -> None:
@@ -36,7 +38,7 @@ class PromptSynth:
         self.seed = seed
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or 0
-        self._blocks: dict[int, list[int]] = {}
+        self._blocks: dict[tuple[int, int], list[int]] = {}
         self._words: list[int] = []
         self._text: dict[int, str] = {}
         self.num_special = 0
@@ -68,18 +70,18 @@ class PromptSynth:
     def uses_text(self) -> bool:
         return self.tokenizer is not None
 
-    def prompt(self, spec: RequestSpec, index: int) -> str | list[int]:
+    def prompt(self, spec: RequestSpec, index: int, salt: int = 0) -> str | list[int]:
         if spec.prompt is not None:
             return spec.prompt
         body = max(1, spec.prompt_len - self.num_special) if self.uses_text else spec.prompt_len
-        ids = self._body(spec, index, body)
+        ids = self._body(spec, index, body, salt)
         if not self.uses_text:
             return ids
         return self._exact_text(ids, spec.prompt_len)
 
-    def token_ids(self, spec: RequestSpec, index: int) -> list[int]:
+    def token_ids(self, spec: RequestSpec, index: int, salt: int = 0) -> list[int]:
         """The prompt's tokens as the server will see them (special tokens included)."""
-        prompt = self.prompt(spec, index)
+        prompt = self.prompt(spec, index, salt)
         if isinstance(prompt, list):
             return prompt
         if self.tokenizer is None:
@@ -87,19 +89,20 @@ class PromptSynth:
         return self.tokenizer.encode(prompt)
 
     # ---- internals ------------------------------------------------------------------------------------------------
-    def _body(self, spec: RequestSpec, index: int, length: int) -> list[int]:
+    def _body(self, spec: RequestSpec, index: int, length: int, salt: int) -> list[int]:
         if not spec.hash_ids:
-            return self._draw(np.random.default_rng((self.seed, 1, index)), length)
+            return self._draw(np.random.default_rng((self.seed, salt, 1, index)), length)
         ids: list[int] = []
         for h in spec.hash_ids:
-            block = self._blocks.get(h)
+            block = self._blocks.get((salt, h))
             if block is None:
-                block = self._blocks[h] = self._draw(np.random.default_rng((self.seed, 0, h)), spec.block_size)
+                rng = np.random.default_rng((self.seed, salt, 0, h))
+                block = self._blocks[(salt, h)] = self._draw(rng, spec.block_size)
             ids.extend(block)
             if len(ids) >= length:
                 break
         if len(ids) < length:  # a prompt longer than its blocks (clipped specs never are): pad deterministically
-            ids.extend(self._draw(np.random.default_rng((self.seed, 1, index)), length - len(ids)))
+            ids.extend(self._draw(np.random.default_rng((self.seed, salt, 1, index)), length - len(ids)))
         return ids[:length]
 
     def _draw(self, rng: np.random.Generator, n: int) -> list[int]:

@@ -24,6 +24,7 @@ _HEAD = [("Successful requests", "completed", "{:d}"), ("Failed requests", "fail
 _SERIES = [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "TBT (every gap)"), ("e2el", "E2E latency")]
 _TAIL = [("Client lag mean (ms)", "mean_client_lag_ms", "{:.2f}"), ("Client lag max (ms)", "max_client_lag_ms",
                                                                      "{:.2f}")]
+_CONTRACT = [("Contract kept", "contract_met", "yesno"), ("Contract TBT percentile (ms)", "contract_tbt_ms", "{:.2f}")]
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -33,12 +34,14 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         stats = [k for k in result if re.fullmatch(rf"(mean|median|p[\d.]+)_{key}_ms", k) and not k.startswith("p50_")]
         for k in stats:
             rows.append((f"{name} {k.split('_')[0]} (ms)", k, "{:.2f}"))
-    return rows + _TAIL
+    return rows + _TAIL + (_CONTRACT if "contract_met" in result else [])
 
 
 def _fmt(value: Any, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if fmt == "yesno":
+        return "yes" if value else "no"
     if fmt == "pct":
         return f"{100 * value:.1f}"
     if fmt == "{:d}":
@@ -74,7 +77,8 @@ def print_results(console: Console, results: Sequence[dict[str, Any]]) -> None:
     console.print(result_table(results, f"muxd bench: {first['trace']}, {first['num_prompts']} requests, offered "
                                         f"{_rate_text(first['offered_rate'])}{slo}"))
     for r in results:
-        for note in [*r.get("notes", []), client_lag_note(r)]:
+        misses = [f"contract missed: {m}" for m in r.get("contract_misses") or []]
+        for note in [*misses, *r.get("notes", []), client_lag_note(r)]:
             if note:
                 console.print(f"[yellow]note ({r['label']}): {note}[/yellow]")
 

@@ -137,10 +137,9 @@ class Session:
     async def _open(self) -> None:
         opts = self.opts
         if opts.in_process:
-            from appliance.config import ServeConfig
             from appliance.engine.async_engine import AsyncEngine
 
-            cfg = ServeConfig(model=opts.model_or_default, planner=self.policy or "serial")
+            cfg = in_process_config(opts.model_or_default, self.policy, opts.serve_args)
             cfg.validate()
             engine = await asyncio.to_thread(cfg.build_engine)
             self.engine = AsyncEngine(engine)
@@ -205,9 +204,47 @@ class Session:
         out.update(summarize(result.timelines, result.duration, opts.slo, specs, opts.percentiles,
                              opts.save_detailed))
         out["short_outputs"] = result.short_outputs
+        out.update(contract_verdict(opts.slo, result.timelines, specs))
         out["notes"] = notes + result.notes
         return out
 
 
 def _rate_value(rate: float | None) -> float | str | None:
     return "inf" if rate is not None and math.isinf(rate) else rate
+
+
+def in_process_config(model: str, policy: str | None, serve_args: list[str]) -> Any:
+    """The ServeConfig `muxd serve --model MODEL --policy POLICY <serve_args>` would build, for the in-process
+    engine: the flags are parsed by the serve command itself, so both modes accept the same ones."""
+    import dataclasses
+
+    import typer
+
+    from appliance.cli import app
+    from appliance.config import ServeConfig
+
+    command = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    try:
+        params = command.make_context("serve", list(serve_args)).params
+    except Exception as exc:  # a usage error of click (or of the click that typer bundles)
+        if not hasattr(exc, "format_message"):
+            raise
+        raise ConfigError(f"--serve-args: {exc.format_message()}") from None
+    fields = {f.name for f in dataclasses.fields(ServeConfig)}
+    kw = {k: v for k, v in params.items() if k in fields and k not in ("host", "port")}
+    kw.update(model=model, enable_prefix_caching=not params.get("no_prefix_caching", False))
+    if policy:
+        kw["planner"] = policy
+    return ServeConfig(**kw)
+
+
+def contract_verdict(slo: SLO | None, timelines: list[RequestTimeline], specs: list[RequestSpec]) -> dict[str, Any]:
+    """With a YAML contract as the SLO: whether the whole replay kept it (attainment, the TTFT percentile and the
+    TBT percentile over every gap) and why not; nothing for other SLOs."""
+    from appliance.slo.attainment import evaluate
+    from appliance.slo.contract import Contract
+
+    if not isinstance(slo, Contract):
+        return {}
+    report = evaluate(slo, timelines, specs)
+    return {"contract_met": report.met, "contract_tbt_ms": report.tbt_ms, "contract_misses": report.reasons}

@@ -107,6 +107,26 @@ def test_mooncake_replay_exercises_the_prefix_cache(server):
     assert cached() - before >= 5 * 512
 
 
+def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint  # a tiny random Llama: config.json and weights, no tokenizer.json
+    result = bench("--in-process", "--model", str(path), "--num-prompts", "6", "--input-len", "20", "--output-len", "5",
+                   "--request-rate", "50", "--policies", "serial,chunked", "--serve-args", "--max-num-seqs 2",
+                   "--goodput", "e2el:60000", "--result-dir", str(tmp_path))
+    for policy in ("serial", "chunked"):
+        r = json.loads((tmp_path / f"result-{policy}.json").read_text())
+        assert (r["completed"], r["total_input_tokens"], r["total_output_tokens"]) == (6, 120, 30)
+        assert r["backend"] == "in-process" and r["slo_attainment"] == 1.0
+    assert "chunked / serial" in result.output
+    # a YAML contract as the SLO: per-request targets plus the verdict on the whole run
+    contract = Path(__file__).resolve().parents[2] / "configs" / "slo" / "chat.yaml"
+    result = bench("--in-process", "--model", str(path), "--num-prompts", "4", "--input-len", "20", "--output-len",
+                   "5", "--slo", str(contract), "--result-dir", str(tmp_path / "contract"))
+    r = json.loads((tmp_path / "contract" / "result.json").read_text())
+    assert r["slo"] == "contract chat" and r["good_requests"] is not None
+    assert isinstance(r["contract_met"], bool) and r["contract_met"] == (not r["contract_misses"])
+    assert "Contract kept" in result.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--policies", "serial,warp"], "warp not available in this muxd; it serves"),
     (["--url", "http://127.0.0.1:9", "--policies", "serial"], "--policies and --in-process start their own"),
@@ -114,6 +134,7 @@ def test_mooncake_replay_exercises_the_prefix_cache(server):
     (["--goodput", "ttft"], "--goodput"),
     (["--endpoint", "grpc"], "--endpoint"),
     (["--serve-args", "--port 9000"], "set by muxd bench"),
+    (["--in-process", "--serve-args", "--max-num-seqs lots"], "--serve-args"),
     (["--trace", "/nonexistent.csv", "--in-process"], "trace file not found"),
     (["--url", "http://127.0.0.1:9", "--trace", str(DATA / "azure_code_2023_head200.csv")], "--tokenizer"),
     (["--window", "9:3"], "--window"),

@@ -64,6 +64,10 @@ def test_mooncake_hash_prefixes_become_token_prefixes(synth):
             checked += 1
             deep += k >= 2
     assert checked > 100 and deep >= 5  # the slice has multi-turn reuse beyond the shared system block
+    # another salt (the next point of a sweep): the sharing pattern stays, the tokens change
+    salted = [synth.token_ids(s, i, salt=1) for i, s in enumerate(specs[:2])]
+    assert salted[0][:special + 512] == salted[1][:special + 512]
+    assert salted[0][special:special + 512] != tokens[0][special:special + 512]
 
 
 def test_token_id_prompts_for_models_without_tokenizer():

@@ -85,6 +85,20 @@ def test_replay_draws_the_timeline_a_server_exposes(tmp_path):
     assert not math.isnan(report["mean_ttft_ms"])
 
 
+def test_timeline_plot_reads_the_executor_timeline(tmp_path):
+    from appliance.bench.plots import timeline_plot
+    from appliance.multiplex.timeline import Timeline
+
+    timeline = Timeline()
+    for step in range(4):
+        t = step * 0.01
+        timeline.span("decode", "decode partition", t, t + 0.004)
+        timeline.span("prefill L0-2", "prefill partition", t, t + 0.009)
+    timeline.instant("merge", "prefill partition")
+    assert timeline_plot(timeline.chrome_trace()["traceEvents"], tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert timeline_plot([{"ph": "i", "ts": 1.0, "pid": 1, "tid": 0}], tmp_path / "none.png") is None
+
+
 def test_sweep_needs_an_slo():
     result = CliRunner().invoke(app, ["bench", "sweep", "--url", "http://127.0.0.1:9", "--tokenizer", "embedded"])
     assert result.exit_code == 2 and "needs an SLO" in result.output
