@@ -88,12 +88,13 @@ class Tokenizer:
 
     def _max_bytes_per_token(self, spec: dict[str, Any]) -> int | None:
         """The most UTF-8 bytes of (normalized) text one token can stand for, where such a bound exists: a BPE model
-        that never fuses unknown characters, a pre-tokenizer that drops nothing, no added token that swallows
-        whitespace. Vocabulary strings are never shorter than the bytes they cover (byte-level and byte-fallback
+        that never fuses runs of unknown characters into one token, a pre-tokenizer that drops nothing, no added
+        token that swallows whitespace. Vocabulary strings are never shorter than the bytes they cover (byte-level and byte-fallback
         spellings are longer), so their longest UTF-8 length bounds it."""
         model = spec.get("model") or {}
         added = spec.get("added_tokens") or []
-        if model.get("type") != "BPE" or model.get("fuse_unk") or not _keeps_all_text(spec.get("pre_tokenizer")):
+        fused_unknowns = model.get("fuse_unk") and not model.get("byte_fallback")  # byte fallback leaves no unk
+        if model.get("type") != "BPE" or fused_unknowns or not _keeps_all_text(spec.get("pre_tokenizer")):
             return None
         if any(t.get("lstrip") or t.get("rstrip") for t in added):
             return None
@@ -130,7 +131,10 @@ class Tokenizer:
         return template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch API releases the GIL while it works; `encode` holds it, which stalls every other thread (the
+        # server's event loop included) for seconds on a multi-megabyte text. The fast variant skips offsets.
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

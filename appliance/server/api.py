@@ -8,19 +8,16 @@ import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from appliance.config import ServeConfig
 from appliance.engine.async_engine import EngineDeadError
-from appliance.errors import ApplianceError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
 from appliance.server import openapi
 from appliance.server import protocol as p
 from appliance.server import responses as r
-from appliance.server.errors import error_response, response_for, validation_error
+from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
 from appliance.server.lifecycle import ServerState
 
@@ -47,15 +44,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
                        max_in_flight=cfg.max_num_seqs + cfg.max_waiting)
     openapi.install(app, api_key=cfg.api_key is not None)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        return validation_error(list(exc.errors()))
-
-    async def _known(_: Request, exc: Exception):
-        return response_for(exc)
-
-    for kind in (ApplianceError, EngineDeadError, StarletteHTTPException):
-        app.add_exception_handler(kind, _known)
+    install_handlers(app)
 
     @app.get("/health", response_model=r.HealthStatus, responses=openapi.errors(500),
              summary="Liveness: 200 while the process and its engine run (also while loading and draining).")

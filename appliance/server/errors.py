@@ -7,6 +7,8 @@ import json
 import re
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
@@ -84,8 +86,15 @@ def validation_error(errors: list[dict[str, Any]]) -> JSONResponse:
         return error_response(400, f"request body is not valid JSON: {detail}", "invalid_request_error",
                               None, "invalid_json")
     messages: dict[str, str] = {}
-    for e in errors:
-        where = _where(tuple(e.get("loc", ())))
+    located = [(_where(tuple(e.get("loc", ()))), e) for e in errors]
+    deeper = {where for where, _ in located}
+    for where, e in located:
+        if any(other.startswith(where + ".") for other in deeper):
+            continue  # a union member failed deeper inside: that error is the one that explains
+        if not where and e.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            messages[where] = ("request body must be a JSON object, sent with the header 'Content-Type: "
+                               "application/json'")
+            continue
         if where in messages:
             continue  # a union reports one error per member; the first says enough
         if e.get("type") == "extra_forbidden":
@@ -99,3 +108,17 @@ def validation_error(errors: list[dict[str, Any]]) -> JSONResponse:
     param = next(iter(messages), None) or None
     return error_response(400, "; ".join(messages.values()) or "invalid request", "invalid_request_error", param,
                           "invalid_value")
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Route every known exception kind to its OpenAI-style body (the gate catches the unknown ones)."""
+
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors()))
+
+    async def known(_: Request, exc: Exception) -> JSONResponse:
+        return response_for(exc)
+
+    app.add_exception_handler(RequestValidationError, invalid)
+    for kind in (ApplianceError, EngineDeadError, HTTPException):
+        app.add_exception_handler(kind, known)
