@@ -8,7 +8,7 @@ import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse
 
 from appliance.config import ServeConfig
 from appliance.engine.async_engine import EngineDeadError
@@ -23,6 +23,10 @@ from appliance.server.lifecycle import ServerState
 
 log = logging.getLogger("muxd.server")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class PrometheusResponse(PlainTextResponse):
+    media_type = PROMETHEUS_TEXT
 
 
 def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -60,13 +64,13 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
         state.require_ready()
         return r.ReadyStatus(model=cfg.model_name)
 
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (muxd:*).",
+    @app.get("/metrics", response_class=PrometheusResponse, summary="Prometheus metrics (muxd:*).",
              responses={200: {"content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}},
                               "description": "Prometheus text exposition format 0.0.4."}})
     async def metrics():
         stats = state.engine.stats if state.engine is not None else {
             "num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "free_pages": 0}
-        return Response(state.metrics.render(stats), media_type=PROMETHEUS_TEXT)
+        return PrometheusResponse(state.metrics.render(stats))
 
     @app.get("/v1/models", response_model=r.ModelList, responses=openapi.errors(401, 500, 503))
     async def models():
