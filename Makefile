@@ -10,8 +10,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch unless a CUDA driver is present (the pyproject range alone would pull CUDA wheels).
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
-	$(BIN)/pip install -q -e '.[test]'
+	# With a CUDA driver, the gpu extra (flashinfer) as well.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e '.[test,gpu]'; \
+	else $(BIN)/pip install -q torch==2.13.0 && $(BIN)/pip install -q -e '.[test]'; fi
 	touch $(STAMP)
 
 venv: $(STAMP)

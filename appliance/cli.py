@@ -11,6 +11,7 @@ import typer
 
 from appliance import __version__
 from appliance.config import ServeConfig
+from appliance.bench.engine_cli import engine_bench_command
 from appliance.errors import ApplianceError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -64,6 +65,12 @@ def serve(
                                                         "ones get HTTP 413."),
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT, seconds running requests may take to "
                                                       "finish (new ones get 503) before they are ended."),
+    attention_backend: str = typer.Option("auto", help="auto (flashinfer on CUDA where it supports the model, "
+                                                       "else torch), flashinfer or torch."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile each decoder layer "
+                                           "(default: on with CUDA, off on CPU)."),
+    cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Replay decode steps as CUDA "
+                                    "graphs (CUDA with the flashinfer backend); off for debugging."),
     log_level: str = typer.Option("info", help="debug, info, warning, error."),
 ) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -79,7 +86,8 @@ def serve(
                       enable_prefix_caching=enable_prefix_caching and not no_prefix_caching, planner=planner,
                       max_waiting=max_waiting, max_num_batched_tokens=max_num_batched_tokens, page_size=block_size,
                       seed=seed, chat_template=chat_template, api_key=api_key, max_request_bytes=max_request_bytes,
-                      shutdown_timeout=shutdown_timeout)
+                      shutdown_timeout=shutdown_timeout, attention_backend=attention_backend, compile=compile,
+                      cuda_graph=cuda_graph)
     try:
         cfg.validate()
     except ApplianceError as exc:
@@ -148,6 +156,11 @@ def generate(
                 sys.stdout.write(out.new_text if engine.tokenizer else f"{out.new_token_ids[0]} ")
                 sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: `muxd bench engine` times the engine itself.")
+engine_bench_command(bench_app)
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()

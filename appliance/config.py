@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from appliance.attention import BACKEND_NAMES
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.scheduler import PLANNERS
 from appliance.errors import ConfigError
@@ -56,6 +57,9 @@ class ServeConfig:
     api_key: str | None = None
     max_request_bytes: str = "16MiB"
     shutdown_timeout: float = 30.0
+    attention_backend: str = "auto"
+    compile: bool | None = None     # None: on CUDA, off on CPU
+    cuda_graph: bool = True
 
     @property
     def model_dir(self) -> Path:
@@ -88,6 +92,9 @@ class ServeConfig:
             raise ConfigError(f"--planner must be one of {', '.join(PLANNERS)}, got {self.planner!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
+                              f"got {self.attention_backend!r}")
         device = self.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
@@ -136,7 +143,8 @@ class ServeConfig:
             page_size=self.page_size, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
-            planner=self.planner, max_waiting=self.max_waiting, max_prefill_tokens=self.max_num_batched_tokens)
+            planner=self.planner, max_waiting=self.max_waiting, max_prefill_tokens=self.max_num_batched_tokens,
+            attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph)
 
     def build_engine(self) -> Engine:
         """Load the model and tokenizer and size the KV cache (the slow part of start-up)."""

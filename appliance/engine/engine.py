@@ -6,12 +6,15 @@ Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thr
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from appliance.engine.attention import make_backend
+from appliance.attention import BACKEND_NAMES
+from appliance.engine.compile import compile_layers
 from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.request import Request, RequestOutput, SamplingParams
@@ -24,6 +27,8 @@ from appliance.model_zoo.tokenizer import Tokenizer
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for prompt + max_tokens over the context
+GRAPH_RESERVE_BYTES = 512 << 20  # graph pool, attention workspaces of the captured sizes
+log = logging.getLogger("muxd.engine")
 
 
 @dataclass
@@ -39,9 +44,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     planner: str = "serial"
     layers_per_step: int = 1                # for the layerwise planner
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"        # auto: flashinfer on CUDA when installed, else torch
+    compile: bool | None = None             # torch.compile each layer; None: on CUDA, off on CPU
+    cuda_graph: bool = True                 # capture decode CUDA graphs (CUDA and a graph-capable backend only)
+    max_graph_batch: int | None = None      # largest captured decode batch; default min(max_num_seqs, 256)
 
     def validate(self) -> None:
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ConfigError(f"attention backend {self.attention_backend!r} is unknown; choose one of "
+                              f"{', '.join(BACKEND_NAMES)}")
+        if self.max_graph_batch is not None and self.max_graph_batch < 1:
+            raise ConfigError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.planner not in PLANNERS:
             raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
         for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_waiting", "layers_per_step"):
@@ -71,8 +84,18 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         param = next(model.parameters())
-        num_pages = self._pool_size(param.device, param.dtype)
-        self.kv_cache = KVCache(mcfg, num_pages, config.page_size, param.dtype, param.device)
+        device, cuda = param.device, param.device.type == "cuda"
+        self.startup: dict[str, float] = {}
+        self.compiled = False
+        if config.compile if config.compile is not None else cuda:
+            self.compiled = compile_layers(model)
+        reserve = 0
+        if cuda or self.compiled:
+            start = time.perf_counter()
+            reserve = self._profile_activations(config.max_prefill_tokens if cuda else 32)
+            self.startup["warm_up_s"] = time.perf_counter() - start
+        num_pages = self._pool_size(device, param.dtype, reserve)
+        self.kv_cache = KVCache(mcfg, num_pages, config.page_size, param.dtype, device)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         capacity = num_pages * config.page_size
         self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
@@ -83,7 +106,17 @@ class Engine:
         planner = (planner_cls(config.layers_per_step, config.max_prefill_tokens) if config.planner == "layerwise"
                    else planner_cls(config.max_prefill_tokens))
         self.scheduler = Scheduler(self.pool, mcfg.num_layers, planner, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.kv_cache, make_backend(config.attention_backend))
+        self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
+        if cuda and config.cuda_graph:
+            start = time.perf_counter()
+            graphs = self.runner.capture_graphs(self.max_graph_batch)
+            if graphs is not None:
+                self.startup["graph_capture_s"] = time.perf_counter() - start
+                self.startup["graph_memory_bytes"] = graphs.memory_bytes
+        graphs = self.runner.graphs
+        log.info("engine: attention %s, compiled %s, decode graphs %s, %d KV pages of %d tokens",
+                 self.runner.backend_name, self.compiled,
+                 f"{graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "off", num_pages, config.page_size)
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids)
         self._detok: dict[str, Detokenizer] = {}
         self._counter = itertools.count()
@@ -97,9 +130,36 @@ class Engine:
         tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         return cls(model, tokenizer, config)
 
-    def _pool_size(self, device: torch.device, dtype: torch.dtype) -> int:
-        """Pages for the KV cache: explicit, or what the memory budget holds, but no more than twice what
-        max_num_seqs requests of full length need (a small model on a large GPU would otherwise take it all)."""
+    @property
+    def max_graph_batch(self) -> int:
+        return self.config.max_graph_batch or min(self.config.max_num_seqs, 256)
+
+    def _profile_activations(self, num_tokens: int) -> int:
+        """Run the warm-up forwards (compiling the layers) on a throw-away KV cache of a few pages and return the
+        device memory the largest prefill step needs beyond the weights, plus sampling and graph headroom."""
+        mcfg, cfg = self.model.config, self.config
+        param = next(self.model.parameters())
+        tmp = KVCache(mcfg, -(-num_tokens // cfg.page_size) + 1, cfg.page_size, param.dtype, param.device)
+        cuda = param.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(param.device)
+            base = torch.cuda.memory_allocated(param.device)
+        runner = ModelRunner(self.model, tmp, cfg.attention_backend)
+        runner.warm_up(num_tokens)
+        if not cuda:
+            return 0
+        peak = torch.cuda.max_memory_allocated(param.device) - base
+        del runner, tmp
+        torch.cuda.empty_cache()
+        sampling = cfg.max_num_seqs * mcfg.vocab_size * 4 * 6  # logits, probs, sort values + indices, noise
+        graphs = self.max_graph_batch * mcfg.vocab_size * 4 + GRAPH_RESERVE_BYTES if cfg.cuda_graph else 0
+        return peak + sampling + graphs
+
+    def _pool_size(self, device: torch.device, dtype: torch.dtype, reserve: int = 0) -> int:
+        """Pages for the KV cache: explicit, or what the memory budget holds after `reserve` bytes for activations,
+        but no more than twice what max_num_seqs requests of full length need (a small model on a large GPU would
+        otherwise take it all)."""
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
@@ -108,7 +168,7 @@ class Engine:
             budget = cfg.kv_cache_memory
         elif device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            budget = int(cfg.gpu_memory_utilization * total) - (total - free)
+            budget = int(cfg.gpu_memory_utilization * total) - (total - free) - reserve
         else:
             budget = CPU_DEFAULT_KV_BYTES
         if budget < per_page:
@@ -207,6 +267,7 @@ class Engine:
             text = detok.delta(finished=reason is not None)
         if reason:
             self.scheduler.finish(r, reason)
+            self.runner.release(r.request_id)
             self._detok.pop(r.request_id, None)
         return RequestOutput(
             request_id=r.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,

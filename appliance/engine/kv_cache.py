@@ -17,14 +17,18 @@ from appliance.model_zoo.config import ModelConfig
 
 
 class KVCache:
-    """One tensor [layers, 2 (K, V), pages, page_size, kv_heads, head_dim] holding every layer's pages."""
+    """One tensor [layers, 2 (K, V), pages + 1, page_size, kv_heads, head_dim] holding every layer's pages.
+
+    The last page is scratch, never handed out by the pool: padded rows of a CUDA-graph batch write and read it.
+    """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: str | torch.device) -> None:
         self.num_pages, self.page_size = num_pages, page_size
+        self.scratch_page = num_pages
         # empty, not zeros: attention never reads a slot before writing it, and on CPU zeroing a large cache
         # would touch every page of it at start-up
-        self.data = torch.empty(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+        self.data = torch.empty(cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
 
     @staticmethod

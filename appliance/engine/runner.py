@@ -1,21 +1,29 @@
-"""ModelRunner: executes a StepPlan on the model — builds token batches and attention metadata, runs decode and
-layer-range prefill forwards, keeps unfinished prefills' hidden states between steps, and samples.
+"""ModelRunner: executes a StepPlan on the model — builds token batches and attention metadata, runs decode (a CUDA
+graph replay where one is captured) and layer-range prefill forwards, keeps unfinished prefills' activations between
+steps, and samples.
 
 It decides nothing: which requests run, over which tokens and layers, comes from the plan.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import groupby
 
+import numpy as np
 import torch
 
-from appliance.engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
+from appliance.attention import (ForwardContext, forward_context, make_backend, new_workspace,
+                                 resolve_backend_name)
+from appliance.engine.batch import BatchBuilder, TokenBatch
+from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.request import Request
-from appliance.engine.sampler import sample
+from appliance.engine.sampler import sample_tensor
 from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.model_zoo.llama import DecoderForCausalLM
+
+Logits = tuple[list[str], torch.Tensor]  # request ids and their fp32 next-token logits rows
 
 
 @dataclass
@@ -28,44 +36,108 @@ class _Partial:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, backend: AttentionBackend) -> None:
-        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, attention_backend: str = "auto") -> None:
+        self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.data.device
+        self.dtype = next(model.parameters()).dtype
         self.num_layers = model.num_layers
+        self.backend_name = resolve_backend_name(attention_backend, model.config, self.dtype, self.device)
+        self.backend = make_backend(self.backend_name, model.config, self.dtype, self.device)
+        self.batches = BatchBuilder(kv_cache.page_size, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.use_graphs = True  # replay captured graphs when a batch fits (off: the same forward, eagerly)
+        self.gpu_wait_s = 0.0   # time the host spent blocked on the device (reading sampled tokens)
         self._partials: dict[str, _Partial] = {}
 
-    def release(self, request_id: str) -> None:
-        """Forget a request's unfinished prefill (it was preempted or aborted)."""
-        self._partials.pop(request_id, None)
+    # ---- set-up -----------------------------------------------------------------------------------------------
+    def capture_graphs(self, max_batch: int, stream: torch.cuda.Stream | None = None) -> DecodeGraphs | None:
+        """Capture decode graphs up to max_batch rows on `stream`; None when the device or backend cannot."""
+        if self.device.type != "cuda" or not self.backend.supports_cuda_graph:
+            return None
 
+        workspace = new_workspace(self.backend_name, self.device)
+
+        def backend_for(size: int):
+            return make_backend(self.backend_name, self.model.config, self.dtype, self.device,
+                                graph_batch_size=size, max_pages=self.kv_cache.num_pages + 1,
+                                shared_workspace=workspace)
+
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream)
+        self.graphs.capture()
+        return self.graphs
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> None:
+        """Dummy forwards on the scratch page (a prefill of num_tokens rows, decodes of 1 and 2 rows) so that
+        compilation, kernel loading and library handles happen before serving and before graph capture."""
+        for lens in ([num_tokens], [1], [1, 1]):
+            batch = self._scratch_batch(lens)
+            hidden, residual = self._layers(batch, 0, self.num_layers, None)
+            self._logits_at(hidden, residual, batch.last_rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _scratch_batch(self, lens: list[int]) -> TokenBatch:
+        """Sequences of token 0 whose every page is the scratch page."""
+        page, size = self.kv_cache.scratch_page, self.kv_cache.page_size
+        pages = [np.full(-(-n // size), page, np.int32) for n in lens]
+        return self.batches.build_raw(np.zeros(len(lens), np.int64), np.array(lens, np.int64), pages,
+                                      [0] * sum(lens))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's executor state (it finished, was preempted or aborted)."""
+        self._partials.pop(request_id, None)
+        self.batches.release(request_id)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, int]:
         """Run the plan; returns the sampled token of every request that finished a prefill or decoded."""
-        logits = self.forward_logits(plan, requests)
-        if not logits:
+        ids, logits = self.forward(plan, requests)
+        if not ids:
             return {}
-        ids = list(logits)
         reqs = [requests[i] for i in ids]
-        tokens = sample(torch.stack([logits[i] for i in ids]), [r.sampling for r in reqs],
-                        [len(r.output_token_ids) for r in reqs])
-        return dict(zip(ids, tokens))
+        tokens = sample_tensor(logits, [r.sampling for r in reqs], [len(r.output_token_ids) for r in reqs])
+        start = time.perf_counter()
+        out = tokens.tolist()
+        self.gpu_wait_s += time.perf_counter() - start
+        return dict(zip(ids, out))
 
     @torch.inference_mode()
     def forward_logits(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
-        """Run the plan's forwards; fp32 next-token logits of every request that decoded or finished its prefill."""
-        out: dict[str, torch.Tensor] = {}
-        if plan.mixed:
-            return self._mixed(plan, requests)
-        if plan.decode:
-            reqs = [requests[i] for i in plan.decode]
-            spans = [(r.num_tokens - 1, r.num_tokens) for r in reqs]
-            hidden, residual = self._run(reqs, spans, 0, self.num_layers, None)
-            out.update(zip(plan.decode, self.model.compute_logits(hidden, residual)))
-        for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
-            out.update(self._prefill(list(group), requests, start, end))
-        return out
+        """The plan's next-token logits keyed by request id (for tests and tools; execute() uses forward())."""
+        ids, logits = self.forward(plan, requests)
+        return dict(zip(ids, logits)) if ids else {}
 
-    def _mixed(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
+    def forward(self, plan: StepPlan, requests: dict[str, Request]) -> Logits:
+        """Run the plan's forwards; fp32 next-token logits of every request that decoded or finished its prefill."""
+        parts: list[Logits] = []
+        if plan.mixed:
+            parts.append(self._mixed(plan, requests))
+        else:
+            if plan.decode:
+                parts.append(self._decode([requests[i] for i in plan.decode]))
+            for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
+                parts.append(self._prefill(list(group), requests, start, end))
+        parts = [p for p in parts if p[0]]
+        if not parts:
+            return [], torch.empty(0)
+        if len(parts) == 1:
+            return parts[0]
+        return [i for ids, _ in parts for i in ids], torch.cat([logits for _, logits in parts])
+
+    def _decode(self, reqs: list[Request]) -> Logits:
+        ids = [r.request_id for r in reqs]
+        spans = [(r.num_tokens - 1, r.num_tokens) for r in reqs]
+        size = self.graphs.padded_size(len(reqs)) if (self.graphs is not None and self.use_graphs) else None
+        if size is not None:
+            host = self.batches.layout(reqs, spans, pad_rows=size - len(reqs), pad_page=self.kv_cache.scratch_page)
+            return ids, self.graphs.run(host, len(reqs))
+        batch = self.batches.build(reqs, spans)
+        hidden, residual = self._layers(batch, 0, self.num_layers, None)
+        return ids, self.model.compute_logits(hidden, residual)
+
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request]) -> Logits:
         """Decode rows and whole-model prefill chunks in one forward; logits for the decode rows and the chunks that
         end their request's prompt."""
         for w in plan.prefill:
@@ -75,19 +147,14 @@ class ModelRunner:
         dec = [requests[i] for i in plan.decode]
         pre = [requests[w.request_id] for w in plan.prefill]
         spans = [(r.num_tokens - 1, r.num_tokens) for r in dec] + [(w.token_start, w.token_end) for w in plan.prefill]
-        hidden, residual = self._run(dec + pre, spans, 0, self.num_layers, None)
-        ends = torch.tensor([b - a for a, b in spans]).cumsum(0) - 1
+        batch = self.batches.build(dec + pre, spans)
+        hidden, residual = self._layers(batch, 0, self.num_layers, None)
         picked = list(range(len(dec))) + [len(dec) + i for i, (w, r) in enumerate(zip(plan.prefill, pre))
                                           if w.token_end == r.num_tokens]
-        if not picked:
-            return {}
-        rows = ends[picked].to(self.device)
-        logits = self.model.compute_logits(hidden[rows], None if residual is None else residual[rows])
         ids = list(plan.decode) + [w.request_id for w in plan.prefill]
-        return {ids[i]: logits[j] for j, i in enumerate(picked)}
+        return [ids[i] for i in picked], self._logits_at(hidden, residual, batch.last_rows[picked])
 
-    def _prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int,
-                 end: int) -> dict[str, torch.Tensor]:
+    def _prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int) -> Logits:
         reqs = [requests[w.request_id] for w in works]
         spans = [(w.token_start, w.token_end) for w in works]
         carried = None
@@ -98,46 +165,29 @@ class ModelRunner:
                     raise RuntimeError(f"prefill of {w.request_id} resumes at layer {start} but stopped at {p.layer_end}")
             carried = (torch.cat([p.hidden for p in partials]),
                        None if partials[0].residual is None else torch.cat([p.residual for p in partials]))
-        hidden, residual = self._run(reqs, spans, start, end, carried)
-        sizes = [w.num_tokens for w in works]
+        batch = self.batches.build(reqs, spans, with_ids=carried is None)
+        hidden, residual = self._layers(batch, start, end, carried)
         if end < self.num_layers:
+            sizes = [w.num_tokens for w in works]
             res_parts = residual.split(sizes) if residual is not None else [None] * len(works)
             for w, h, r in zip(works, hidden.split(sizes), res_parts):
                 self._partials[w.request_id] = _Partial(h, r, end)
-            return {}
+            return [], torch.empty(0)
         done = [i for i, (w, r) in enumerate(zip(works, reqs)) if w.token_end == r.num_tokens]
         if not done:
-            return {}
-        rows = (torch.tensor(sizes, device=self.device).cumsum(0) - 1)[done]
-        logits = self.model.compute_logits(hidden[rows], None if residual is None else residual[rows])
-        return {works[i].request_id: logits[j] for j, i in enumerate(done)}
+            return [], torch.empty(0)
+        return [works[i].request_id for i in done], self._logits_at(hidden, residual, batch.last_rows[done])
 
-    def _run(self, reqs: list[Request], spans: list[tuple[int, int]], start: int, end: int,
-             carried: tuple[torch.Tensor, torch.Tensor | None] | None):
-        """Layers [start, end) over the tokens spans[i] of each request (embedding first when start == 0)."""
-        meta, positions = self._metadata(reqs, spans)
+    def _logits_at(self, hidden: torch.Tensor, residual: torch.Tensor | None, rows: np.ndarray) -> torch.Tensor:
+        index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.device)
+        return self.model.compute_logits(hidden[index], None if residual is None else residual[index])
+
+    def _layers(self, batch: TokenBatch, start: int, end: int,
+                carried: tuple[torch.Tensor, torch.Tensor | None] | None):
+        """Layers [start, end) over the batch (embedding first when nothing is carried over)."""
         if carried is None:
-            token_ids = [t for r, (a, b) in zip(reqs, spans) for t in r.all_token_ids[a:b]]
-            hidden = self.model.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
-            residual = None
+            hidden, residual = self.model.embed(batch.input_ids), None
         else:
             hidden, residual = carried
-        with forward_context(ForwardContext(self.backend, meta, self.kv_cache.data)):
-            return self.model.forward_layers(positions, hidden, residual, start, end)
-
-    def _metadata(self, reqs: list[Request], spans: list[tuple[int, int]]):
-        page = self.kv_cache.page_size
-        positions = torch.cat([torch.arange(a, b) for a, b in spans])
-        slots = []
-        for r, (a, b) in zip(reqs, spans):
-            pos = torch.arange(a, b)
-            table = torch.tensor(r.page_table.pages, dtype=torch.long)
-            slots.append(table[pos // page] * page + pos % page)
-        meta = AttentionMetadata(
-            query_lens=[b - a for a, b in spans],
-            seq_lens=[b for _, b in spans],
-            block_tables=[r.page_table.pages for r in reqs],
-            slot_mapping=torch.cat(slots).to(self.device),
-            page_size=page,
-        )
-        return meta, positions.to(self.device)
+        with forward_context(ForwardContext(self.backend, batch.metadata, self.kv_cache.data)):
+            return self.model.forward_layers(batch.positions, hidden, residual, start, end)

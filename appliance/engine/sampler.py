@@ -1,7 +1,8 @@
-"""Token sampling for a batch of logits rows: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling for a batch of logits rows: greedy, temperature, top-k, top-p, per-request seeds — vectorised.
 
-Random rows use the exponential-race trick (argmax of p / Exp(1) noise draws from p). A seeded request draws its noise
-from a generator seeded by (seed, output index), so its tokens do not depend on batch composition or preemption.
+Random rows use the exponential race (argmax of p / E with E ~ Exp(1) draws from p). A seeded request's noise comes from
+a counter-based hash of (seed, output index, vocabulary index) computed on the device, so its tokens depend neither on
+the batch it shares nor on preemption, and no generator object is made per row.
 """
 from __future__ import annotations
 
@@ -9,41 +10,80 @@ import torch
 
 from appliance.engine.request import SamplingParams
 
+_M32 = 0xFFFF_FFFF
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
     """logits [B, V] fp32 -> one token id per row. output_index[i]: how many tokens row i's request has generated."""
+    return sample_tensor(logits, params, output_index).tolist()
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
+    """As `sample`, but returns the token ids as a device tensor [B] (no host synchronisation)."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=logits.device).unsqueeze(1)
-        probs = _filtered_probs(sub, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            seed = params[i].seed
-            if seed is None:
-                noise[j].exponential_()
-            else:
-                gen = torch.Generator(device=logits.device).manual_seed(_mix(seed, output_index[i]))
-                noise[j].exponential_(generator=gen)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-    return tokens.tolist()
+    if not rows:
+        return tokens
+    # one host->device copy for every per-row parameter: temperature, top_p, top_k, seeded?, key words
+    table = []
+    for i in rows:
+        p = params[i]
+        key = _mix(p.seed, output_index[i]) if p.seed is not None else 0
+        table.append((p.temperature, p.top_p, p.top_k if p.top_k > 0 else 0, p.seed is not None,
+                      key & _M32, key >> 32 & _M32))
+    cols = torch.tensor(table, dtype=torch.float64).to(logits.device, non_blocking=True)
+    temperature, top_p, top_k = cols[:, 0].float(), cols[:, 1].float(), cols[:, 2].long()
+    seeded, key_lo, key_hi = cols[:, 3].bool(), cols[:, 4].long(), cols[:, 5].long()
+    sub = logits[torch.tensor(rows, device=logits.device)] / temperature.unsqueeze(1)
+    need_filter = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows)
+    probs = _filtered_probs(sub, top_k, top_p) if need_filter else sub.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    if any(params[i].seed is not None for i in rows):
+        hashed = -torch.log(uniform_from_key(key_lo, key_hi, probs.shape[-1]))
+        noise = torch.where(seeded.unsqueeze(1), hashed, noise)
+    tokens[torch.tensor(rows, device=logits.device)] = (probs / noise).argmax(dim=-1)
+    return tokens
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits.softmax(dim=-1)
+def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Softmax after cutting each row to its top_k (0: no cut) and to the smallest prefix covering top_p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device).unsqueeze(1)
+    ks = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
-    ps = torch.tensor(top_p, device=logits.device).unsqueeze(1)
     # drop a token when the tokens ranked above it already cover top_p (the first token always stays)
-    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= ps
+    drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(dim=-1))
 
 
+def uniform_from_key(key_lo: torch.Tensor, key_hi: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] uniforms in (0, 1): a hash of (row key, column index), the same on any batch and step order."""
+    col = torch.arange(vocab, device=key_lo.device, dtype=torch.int64).unsqueeze(0)
+    x = _fmix32(col ^ key_lo.unsqueeze(1))
+    x = _fmix32(x ^ key_hi.unsqueeze(1))
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2^32 for x < 2^32 without int64 overflow: multiply by the constant's 16-bit halves
+    return ((((x * (c >> 16)) & 0xFFFF) << 16) + x * (c & 0xFFFF)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values < 2^32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
 def _mix(seed: int, index: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
+    """64-bit key of (seed, output index) (splitmix64 of their combination)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return z ^ (z >> 31)

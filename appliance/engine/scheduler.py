@@ -105,6 +105,17 @@ class Scheduler:
         self.prefilling.append(request)
         return True
 
+    def seat_decoding(self, request: Request) -> bool:
+        """Admit a waiting request straight into decoding, taking its prompt's KV as computed (the pages hold
+        whatever they hold). For benchmarks and profiling: decode at a given context without paying its prefill."""
+        if not self.admit(request):
+            return False
+        self.prefilling.remove(request)
+        request.num_computed_tokens = request.num_tokens
+        request.status = RequestStatus.DECODING
+        self.decoding.append(request)
+        return True
+
     def reserve_decode(self, request: Request) -> bool:
         """Make room for the request's next token, preempting the youngest running request while the pool is empty.
 
@@ -138,10 +149,12 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
         """Record a step's progress; returns (request, new token) for every request that got a token."""
         out = []
+        page_size = self.pool.page_size
         for rid in plan.decode:
             r = self.requests[rid]
             r.num_computed_tokens = r.num_tokens
-            self.pool.register(r.page_table, r.all_token_ids, r.num_computed_tokens)
+            if r.num_computed_tokens // page_size > r.page_table.num_registered:  # a page just filled up
+                self.pool.register(r.page_table, r.all_token_ids, r.num_computed_tokens)
             r.output_token_ids.append(sampled[rid])
             out.append((r, sampled[rid]))
         for work in plan.prefill:

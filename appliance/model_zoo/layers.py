@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from appliance.engine.attention import paged_attention
+from appliance.attention import paged_attention
 from appliance.model_zoo.config import ModelConfig, RopeConfig
 
 
@@ -125,7 +125,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, self.layer)
+        out = paged_attention(q, k, v)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

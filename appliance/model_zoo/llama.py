@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from appliance.attention import set_layer
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
@@ -42,8 +43,9 @@ class DecoderForCausalLM(nn.Module):
     def forward_layers(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                        start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run decoder layers [start, end) on a flat token batch; (hidden, residual) carry over between ranges."""
-        for layer in self.model.layers[start:end]:
-            hidden, residual = layer(positions, hidden, residual)
+        for i in range(start, end):
+            set_layer(i)
+            hidden, residual = self.model.layers[i](positions, hidden, residual)
         return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,7 @@ import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
+from spies import on_forward
 from appliance.engine.scheduler import PrefillWork, Scheduler, StepPlan, _admit_fcfs, _reserve_all
 
 
@@ -35,9 +36,7 @@ def test_mixed_chunks_match_serial(llama_checkpoint):
     engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
     engine.scheduler.planner = ChunkEveryStep(chunk=7)
     mixed_steps = []
-    inner = engine.runner.forward_logits
-    engine.runner.forward_logits = lambda plan, reqs: (mixed_steps.append(bool(plan.decode and plan.prefill))
-                                                       or inner(plan, reqs))
+    on_forward(engine, lambda plan, logits: mixed_steps.append(bool(plan.decode and plan.prefill)))
     out = engine.generate(prompts, params)
     assert any(mixed_steps), "the planner never mixed decode rows with prefill chunks"
     assert [c.token_ids for c in out] == [c.token_ids for c in reference]

@@ -5,6 +5,7 @@ import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
+from spies import on_forward
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -16,18 +17,11 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def first_logits(engine: Engine, rid: str) -> torch.Tensor:
     """Step until `rid` gets its first logits; returns them (the engine keeps running normally)."""
-    inner, box = engine.runner.forward_logits, {}
-
-    def spy(plan, requests):
-        out = inner(plan, requests)
-        if rid in out and rid not in box:
-            box[rid] = out[rid].clone()
-        return out
-
-    engine.runner.forward_logits = spy
+    box: dict[str, torch.Tensor] = {}
+    undo = on_forward(engine, lambda plan, logits: box.setdefault(rid, logits[rid]) if rid in logits else None)
     while rid not in box:
         engine.step()
-    engine.runner.forward_logits = inner
+    undo()
     return box[rid]
 
 
@@ -49,8 +43,7 @@ def test_second_request_reuses_three_cached_pages(llama_checkpoint):
 
     second = engine.add_request(shared + prompt(2, 12), GREEDY)
     works = []
-    inner = engine.runner.forward_logits
-    engine.runner.forward_logits = lambda plan, reqs: (works.extend(plan.prefill), inner(plan, reqs))[1]
+    on_forward(engine, lambda plan, logits: works.extend(plan.prefill))
     logits = first_logits(engine, second)
     request = engine.scheduler.requests[second]
     pages = request.page_table.pages

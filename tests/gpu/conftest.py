@@ -10,3 +10,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if not torch.cuda.is_available():
                 item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # several models of different shapes are compiled in one test process; a server compiles one
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 64

@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
-# Runs the GPU tests on a CUDA machine and prints a short table last.
-#   bash tests/gpu/run_all.sh            (from the repository root)
+# Runs the GPU tests and the engine benchmark on a CUDA machine, one call; prints a short table last.
+#   bash tests/gpu/run_all.sh [--quick]         (from the repository root; results under $OUT or ./gpu-results)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+export MUXD_CACHE_DIR=${MUXD_CACHE_DIR:-$(mktemp -d)}  # a cold compile cache: the first start below is cold
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-python3 -m pytest -q -p no:cacheprovider tests/gpu "$@" 2>&1 | tee /tmp/muxd-gpu-tests.log
-status=${PIPESTATUS[0]}
+python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.log"
+tests=${PIPESTATUS[0]}
+bench_args=()
+[ "${1:-}" = "--quick" ] && bench_args=(--batches 1,64 --contexts 1024 --prefill 2048,8192 --iters 10)
+python3 -m appliance bench engine "${bench_args[@]}" --json "$out/engine-bench.json" \
+    --markdown "$out/engine-bench.md" 2>&1 | tee "$out/engine-bench.log"
+bench=${PIPESTATUS[0]}
+python3 -m appliance bench engine --startup-only --json "$out/startup-warm.json" > "$out/startup-warm.log" 2>&1
+python3 -m appliance bench engine --multiplex --batches 64 --contexts 1024 --prefill 8192 --iters 30 \
+    --json "$out/multiplex.json" --markdown "$out/multiplex.md" > "$out/multiplex.log" 2>&1
+mux=$?
 echo
 echo "| suite | result |"
 echo "| --- | --- |"
-echo "| tests/gpu | $(tail -n 1 /tmp/muxd-gpu-tests.log) |"
-exit "$status"
+echo "| tests/gpu | $(tail -n 1 "$out/gpu-tests.log") |"
+echo "| bench engine | exit $bench |"
+echo "| warm start | $(grep -o 'start-up: .*' "$out/startup-warm.log") |"
+echo "| bench engine --multiplex | exit $mux |"
+echo
+cat "$out/multiplex.md" 2>/dev/null
+echo
+cat "$out/engine-bench.md" 2>/dev/null
+[ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$mux" = 0 ]

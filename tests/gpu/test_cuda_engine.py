@@ -8,6 +8,7 @@ import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
+from spies import on_forward
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(40)]
@@ -15,11 +16,11 @@ PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(40)]
 
 def logits_of(engine: Engine, prompt: list[int]) -> torch.Tensor:
     rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
-    inner, box = engine.runner.forward_logits, {}
-    engine.runner.forward_logits = lambda plan, reqs: box.update(inner(plan, reqs)) or box
+    box: dict[str, torch.Tensor] = {}
+    undo = on_forward(engine, lambda plan, logits: box.update(logits))
     while engine.has_unfinished():
         engine.step()
-    engine.runner.forward_logits = inner
+    undo()
     return box[rid].float().cpu()
 
 

@@ -6,6 +6,7 @@ import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
+from spies import on_forward
 
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(36)]  # 37 tokens: three pages of 16, the last partial
 
@@ -17,14 +18,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def record_logits(engine: Engine) -> list[dict[str, torch.Tensor]]:
     """Wrap the runner so every step's logits are kept (test instrumentation)."""
     seen: list[dict[str, torch.Tensor]] = []
-    inner = engine.runner.forward_logits
-
-    def spy(plan, requests):
-        out = inner(plan, requests)
-        seen.append({k: v.clone() for k, v in out.items()})
-        return out
-
-    engine.runner.forward_logits = spy
+    on_forward(engine, lambda plan, logits: seen.append(logits))
     return seen
 
 

@@ -1,0 +1,71 @@
+"""Paged attention for the model zoo and the engine: the backend interface, the forward context that carries a
+batch's layout into the model, the torch reference backend (CPU) and the flashinfer backend (CUDA).
+"""
+from __future__ import annotations
+
+import torch
+
+from appliance.attention.context import (AttentionBackend, ForwardContext, forward_context, paged_attention,
+                                         set_layer)
+from appliance.attention.metadata import AttentionMetadata, page_layout
+from appliance.attention.kv_write import write_kv
+from appliance.attention.torch_backend import TorchAttention
+from appliance.errors import ConfigError
+from appliance.model_zoo.config import ModelConfig
+
+BACKEND_NAMES = ("auto", "flashinfer", "torch")
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "TorchAttention", "forward_context",
+           "flashinfer_unsupported", "make_backend", "new_workspace", "page_layout", "paged_attention", "resolve_backend_name", "set_layer", "write_kv"]
+
+
+def flashinfer_unsupported(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why flashinfer cannot serve this model here (None when it can)."""
+    from appliance.attention.flashinfer_backend import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, flashinfer_available
+
+    if device.type != "cuda":
+        return f"it needs a CUDA device; the model is on {device}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"it runs bfloat16 or float16, not {str(dtype).replace('torch.', '')}"
+    if cfg.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {cfg.head_dim} is not one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+    if not flashinfer_available():
+        return "flashinfer is not installed (pip install 'muxd[gpu]')"
+    return None
+
+
+def resolve_backend_name(name: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+    """'auto' -> flashinfer where it can serve the model, else torch; an explicit impossible choice is an error."""
+    if name not in BACKEND_NAMES:
+        raise ConfigError(f"attention backend {name!r} is unknown; choose one of {', '.join(BACKEND_NAMES)}")
+    if name == "torch":
+        return name
+    reason = flashinfer_unsupported(cfg, dtype, device)
+    if name == "auto":
+        return "torch" if reason else "flashinfer"
+    if reason:
+        raise ConfigError(f"--attention-backend flashinfer cannot serve this model: {reason}; "
+                          "use --attention-backend torch or auto")
+    return name
+
+
+def make_backend(name: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *,
+                 graph_batch_size: int | None = None, max_pages: int = 0, shared_workspace=None) -> AttentionBackend:
+    """A backend instance; `graph_batch_size` makes one whose decode path can be captured in a CUDA graph.
+    Backends given the same `shared_workspace` (from `new_workspace`) must never run concurrently."""
+    name = resolve_backend_name(name, cfg, dtype, device)
+    if name == "torch":
+        return TorchAttention()
+    from appliance.attention.flashinfer_backend import FlashInferAttention
+
+    return FlashInferAttention(cfg, dtype, device, graph_batch_size=graph_batch_size, max_pages=max_pages,
+                               workspaces=shared_workspace)
+
+
+def new_workspace(name: str, device: torch.device):
+    """A workspace that several backends of `name` may share (None for backends that need none)."""
+    if name != "flashinfer":
+        return None
+    from appliance.attention.flashinfer_backend import make_workspaces
+
+    return make_workspaces(device)

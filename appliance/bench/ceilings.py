@@ -1,0 +1,51 @@
+"""Ceilings of the device measured in the same run as the thing being timed: device-to-device copy bandwidth (bytes
+read plus bytes written per second) and the bf16 GEMM rate on random data. Speed is reported as a ratio to these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Ceilings:
+    device_name: str
+    copy_bytes_per_s: float   # read + write
+    gemm_flops_per_s: float   # bf16 8192^3 on random inputs
+
+    def as_dict(self) -> dict:
+        return {"device": self.device_name, "copy_TBps": self.copy_bytes_per_s / 1e12,
+                "gemm_TFLOPps": self.gemm_flops_per_s / 1e12}
+
+
+def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() on the current stream, timed with CUDA events one call at a time."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_ceilings(copy_bytes: int = 2 << 30, gemm_n: int = 8192) -> Ceilings:
+    """Copy bandwidth over a buffer far larger than L2, and the GEMM rate, on the current CUDA device."""
+    src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = time_cuda(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device="cuda")
+    gemm_s = time_cuda(lambda: a @ b, iters=10)
+    del a, b
+    torch.cuda.empty_cache()
+    return Ceilings(torch.cuda.get_device_name(), 2 * copy_bytes / copy_s, 2 * gemm_n ** 3 / gemm_s)

@@ -1,0 +1,254 @@
+"""`muxd bench engine`: decode step latency by batch and context, prefill time by new and cached tokens, eager vs
+CUDA-graph decode, host overhead per step and start-up times, each against a floor from ceilings measured in the same
+run (bytes moved over the copy bandwidth; model FLOPs over the bf16 GEMM rate).
+
+Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
+prefill of its whole batch.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from appliance.bench.ceilings import Ceilings, measure_ceilings, time_cuda
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.request import Request, SamplingParams
+from appliance.engine.scheduler import PrefillWork, StepPlan
+from appliance.model_zoo.loader import load_model
+
+
+@dataclass
+class Row:
+    kind: str                  # decode | prefill | decode-eager
+    label: str
+    ms: float                  # median wall time of one engine step (decode) or one prefill forward + sampling
+    floor_ms: float
+    device_ms: float | None = None  # decode: replay of the captured graph alone
+    host_ms: float | None = None    # decode: step wall time not spent waiting for the device
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.ms / self.floor_ms
+
+
+@dataclass
+class EngineBenchResult:
+    ceilings: dict
+    model: str
+    startup: dict
+    rows: list[Row] = field(default_factory=list)
+    extras: dict = field(default_factory=dict)
+    bench: "EngineBench | None" = field(default=None, repr=False)  # the engine, for follow-up measurements
+
+    def to_json(self) -> dict:
+        return {"ceilings": self.ceilings, "model": self.model, "startup": self.startup, "extras": self.extras,
+                "rows": [dict(asdict(r), ratio=r.ratio) for r in self.rows]}
+
+
+@dataclass
+class ModelCosts:
+    weight_bytes: int          # bytes a decode step reads: every weight but the embedding table (unless tied)
+    kv_bytes_per_token: int
+    linear_params: int         # parameters of the per-token matmuls of the layers
+    lm_head_params: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> "ModelCosts":
+        model, cfg = engine.model, engine.model.config
+        elem = next(model.parameters()).element_size()
+        embed = model.model.embed_tokens.weight
+        total = sum(p.numel() for p in model.parameters())
+        tied = model.lm_head is None
+        weights = (total - (0 if tied else embed.numel())) * elem
+        layer_linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        return cls(weights, kv, layer_linear, embed.numel(), cfg.num_layers, cfg.num_heads, cfg.head_dim)
+
+    def decode_bytes(self, batch: int, context: int) -> int:
+        return self.weight_bytes + batch * context * self.kv_bytes_per_token
+
+    def prefill_flops(self, new: int, cached: int) -> float:
+        linear = 2 * new * self.linear_params + 2 * self.lm_head_params  # logits of the last row only
+        # QK^T and PV, causal: token i of the chunk attends to cached + i + 1 positions
+        attended = new * cached + new * (new + 1) / 2
+        return linear + 4 * self.num_layers * self.num_heads * self.head_dim * attended
+
+
+def _random_prompt(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
+    return rng.integers(3, vocab, n).tolist()
+
+
+class EngineBench:
+    def __init__(self, engine: Engine, ceilings: Ceilings, iters: int = 20, warmup: int = 3) -> None:
+        self.engine, self.ceilings = engine, ceilings
+        self.costs = ModelCosts.of(engine)
+        self.iters, self.warmup = iters, warmup
+        self.rng = np.random.default_rng(0)
+        self.vocab = engine.model.config.vocab_size
+
+    def seat(self, batch: int, context: int) -> list[Request] | str:
+        """`batch` decoding requests at `context` tokens (KV taken as computed), or why they do not fit."""
+        pages_needed = batch * -(-(context + self.warmup + self.iters + 1) // self.engine.pool.page_size)
+        if pages_needed > self.engine.pool.num_free_pages:
+            gib = pages_needed * self.costs.kv_bytes_per_token * self.engine.pool.page_size / 2**30
+            return f"needs {gib:.0f} GiB of KV, more than the pool holds"
+        reqs = []
+        for i in range(batch):
+            r = Request(f"bench-{batch}-{context}-{i}", _random_prompt(self.rng, self.vocab, context),
+                        SamplingParams(max_tokens=self.warmup + self.iters + 8, temperature=0, ignore_eos=True))
+            self.engine.scheduler.add(r)
+            if not self.engine.scheduler.seat_decoding(r):
+                raise RuntimeError(f"could not seat request {i} of a {batch} x {context} decode batch")
+            reqs.append(r)
+        return reqs
+
+    def clear(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.engine.abort(r.request_id)
+
+    def decode(self, batch: int, context: int, graphs: bool = True) -> Row:
+        label = f"decode b={batch} ctx={context}"
+        floor = self.costs.decode_bytes(batch, context) / self.ceilings.copy_bytes_per_s * 1e3
+        kind = "decode" if graphs else "decode-eager"
+        reqs = self.seat(batch, context)
+        if isinstance(reqs, str):
+            return Row(kind, label, float("nan"), floor, note=reqs)
+        runner = self.engine.runner
+        runner.use_graphs = graphs
+        try:
+            for _ in range(self.warmup):
+                self.engine.step()
+            walls, hosts = [], []
+            for _ in range(self.iters):
+                wait0, start = runner.gpu_wait_s, time.perf_counter()
+                self.engine.step()
+                wall = time.perf_counter() - start
+                walls.append(wall)
+                hosts.append(wall - (runner.gpu_wait_s - wait0))
+            device = None
+            graph_set = runner.graphs
+            if graphs and graph_set is not None and graph_set.padded_size(batch) is not None:
+                device = time_cuda(lambda: graph_set.replay(graph_set.padded_size(batch))) * 1e3
+        finally:
+            runner.use_graphs = True
+            self.clear(reqs)
+        return Row(kind, label, statistics.median(walls) * 1e3, floor, device_ms=device,
+                   host_ms=statistics.median(hosts) * 1e3)
+
+    def prefill(self, new: int, cached: int) -> Row:
+        label = f"prefill new={new} cached={cached}"
+        floor = self.costs.prefill_flops(new, cached) / self.ceilings.gemm_flops_per_s * 1e3
+        engine = self.engine
+        if cached + new + 1 > engine.max_model_len:
+            return Row("prefill", label, float("nan"), floor, note=f"longer than max_model_len {engine.max_model_len}")
+        r = Request(f"bench-prefill-{new}-{cached}", _random_prompt(self.rng, self.vocab, cached + new),
+                    SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        engine.scheduler.add(r)
+        if not engine.scheduler.admit(r):
+            engine.abort(r.request_id)
+            return Row("prefill", label, float("nan"), floor, note="the KV pool cannot hold it")
+        r.num_computed_tokens = cached  # the prefix's KV is taken as cached (random contents)
+        plan = StepPlan(prefill=(PrefillWork(r.request_id, cached, cached + new, 0, engine.model.num_layers),))
+        try:
+            engine.runner.execute(plan, engine.scheduler.requests)
+            times = []
+            for _ in range(max(3, self.iters // 5)):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                engine.runner.execute(plan, engine.scheduler.requests)
+                times.append(time.perf_counter() - start)
+        finally:
+            engine.abort(r.request_id)
+        return Row("prefill", label, statistics.median(times) * 1e3, floor)
+
+
+def build_engine(model_dir: str, load_format: str, dtype: str | None, config: EngineConfig) -> tuple[Engine, dict]:
+    start = time.perf_counter()
+    model = load_model(model_dir, dtype=dtype, device="cuda", load_format=load_format)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine = Engine(model, None, config)
+    startup = {"load_s": load_s, "engine_init_s": time.perf_counter() - start, **engine.startup,
+               "attention_backend": engine.runner.backend_name, "compiled": engine.compiled,
+               "kv_pages": engine.pool.num_pages}
+    return engine, startup
+
+
+def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None, batches=(1, 8, 32, 64, 128),
+        contexts=(1024, 8192), prefills=((512, 0), (2048, 0), (8192, 0), (2048, 8192), (2048, 32768)),
+        iters: int = 20, config: EngineConfig | None = None, startup_only: bool = False) -> EngineBenchResult:
+    ceilings = measure_ceilings()
+    config = config or EngineConfig(max_num_seqs=max(batches), max_prefill_tokens=max(n for n, _ in prefills),
+                                    max_model_len=max(n + c for n, c in prefills) + 64)
+    engine, startup = build_engine(model_dir, load_format, dtype, config)
+    if engine.kv_cache.data.is_cuda:
+        engine.kv_cache.data.normal_()  # random KV: never time attention over uninitialised memory
+    result = EngineBenchResult(ceilings.as_dict(), str(model_dir), startup)
+    bench = EngineBench(engine, ceilings, iters=iters)
+    result.bench = bench
+    if startup_only:
+        return result
+    for context in contexts:
+        for batch in batches:
+            result.rows.append(bench.decode(batch, context))
+    eager = bench.decode(1, contexts[0], graphs=False)
+    result.rows.append(eager)
+    graph_row = next(r for r in result.rows if r.kind == "decode" and r.label == f"decode b=1 ctx={contexts[0]}")
+    result.extras["graph_speedup_b1"] = eager.ms / graph_row.ms
+    for new, cached in prefills:
+        result.rows.append(bench.prefill(new, cached))
+    if engine.runner.graphs is not None:
+        result.extras["graph_memory_MiB"] = engine.runner.graphs.memory_bytes / 2**20
+    return result
+
+
+def run_multiplex(result: EngineBenchResult, granularity: int, batch: int, context: int, prefill_tokens: int,
+                  iters: int) -> str:
+    """The --multiplex table on the engine `result` was measured with; also stored in result.extras."""
+    from appliance.bench import multiplex_bench
+    from appliance.multiplex.partitions import PartitionSet
+
+    partitions = PartitionSet.create(result.bench.engine.kv_cache.data.device, granularity)
+    rows, extras = multiplex_bench.run(result.bench, partitions, batch, context, prefill_tokens, iters)
+    result.extras["multiplex"] = {"rows": [dict(asdict(r), slowdown=r.slowdown) for r in rows], **extras}
+    return (f"device: {result.ceilings['device']}\n\n"
+            + multiplex_bench.render(rows, extras, batch, context, prefill_tokens))
+
+
+def render(result: EngineBenchResult) -> str:
+    """The result as a Markdown table (what docs/PERFORMANCE.md carries)."""
+    c = result.ceilings
+    lines = [f"device: {c['device']}; copy {c['copy_TBps']:.2f} TB/s (read+write), bf16 GEMM "
+             f"{c['gemm_TFLOPps']:.0f} TFLOP/s, both measured in this run", "",
+             "| row | measured ms | floor ms | ratio | device ms | host ms | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in result.rows:
+        ratio = f"{r.ratio:.2f}x" if r.ms == r.ms else "-"
+        if r.kind == "prefill" and r.ms == r.ms:
+            ratio += f" ({100 / r.ratio:.0f}% of GEMM rate)"
+        lines.append(f"| {r.label}{' (eager)' if r.kind == 'decode-eager' else ''} | "
+                     f"{'-' if r.ms != r.ms else f'{r.ms:.2f}'} | {r.floor_ms:.2f} | {ratio} | "
+                     f"{'' if r.device_ms is None else f'{r.device_ms:.2f}'} | "
+                     f"{'' if r.host_ms is None else f'{r.host_ms:.2f}'} | {r.note} |")
+    lines.append("")
+    lines.append("start-up: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in result.startup.items()))
+    if result.extras:
+        lines.append("extras: " + ", ".join(f"{k} {v:.2f}" for k, v in result.extras.items()
+                                            if isinstance(v, float)))
+    return "\n".join(lines)
+
+
+def save(result: EngineBenchResult, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result.to_json(), indent=2))

@@ -1,0 +1,129 @@
+"""CUDA graphs of the decode forward (embedding -> every layer -> logits), one per padded batch size.
+
+A `DecodeGraphs` set is captured on one stream (a graph keeps the SM limit of the stream it was captured on, so the
+multiplexing executor captures one set per SM partition) into one memory pool, largest batch first. Inputs live in
+persistent buffers; each size has its own attention backend whose decode wrapper keeps fixed index buffers: `plan()`
+runs on the host before a replay, only `run()` is captured. Padded rows read and write the KV cache's scratch page.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, page_layout
+from appliance.attention.pinned import PinnedRing
+from appliance.engine.batch import HostBatch
+from appliance.engine.kv_cache import KVCache
+from appliance.model_zoo.llama import DecoderForCausalLM
+
+log = logging.getLogger("muxd.graphs")
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to max_batch (which is always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch]
+    sizes += list(range(16, min(max_batch, 64) + 1, 8)) + list(range(80, max_batch + 1, 16))
+    sizes = sorted({s for s in sizes if s <= max_batch} | {max_batch})
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache,
+                 make_backend: Callable[[int], AttentionBackend], max_batch: int,
+                 stream: torch.cuda.Stream | None = None, pool=None, sizes: list[int] | None = None) -> None:
+        self.model, self.kv_cache, self.make_backend = model, kv_cache, make_backend
+        self.sizes = sorted(sizes) if sizes else capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.stream = stream
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        device = kv_cache.data.device
+        n = self.max_batch
+        with torch.inference_mode():  # like every batch tensor: compiled layers guard on the dispatch keys
+            # one device buffer per size's inputs [positions | slots | token ids], filled by one copy per step
+            self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
+            self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.staging = PinnedRing(torch.int64, pinned=True)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, AttentionBackend]] = {}
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+        self.replays = 0
+
+    def padded_size(self, batch_size: int) -> int | None:
+        """The smallest captured size that holds batch_size rows, or None when the batch is too large."""
+        for s in self.sizes:
+            if s >= batch_size:
+                return s
+        return None
+
+    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, slots, token ids) of a size-row batch: views fixed at capture."""
+        return self.inputs[:size], self.inputs[size:2 * size], self.inputs[2 * size:3 * size]
+
+    def _static_metadata(self, size: int) -> AttentionMetadata:
+        """Layout of `size` padding rows (one token at position 0 of the scratch page), planned at capture."""
+        page = self.kv_cache.scratch_page
+        qo, kv_indptr, kv_indices, last, _, _ = page_layout(
+            np.zeros(size, np.int64), np.ones(size, np.int64), [np.array([page], np.int32)] * size,
+            self.kv_cache.page_size)
+        return AttentionMetadata(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last,
+                                 seq_lens=np.ones(size, np.int32), page_size=self.kv_cache.page_size,
+                                 slot_mapping=self._views(size)[1])
+
+    def _forward(self, size: int) -> None:
+        model = self.model
+        positions, _, ids = self._views(size)
+        hidden = model.embed(ids)
+        hidden, residual = model.forward_layers(positions, hidden, None, 0, model.num_layers)
+        self.logits[:size].copy_(model.compute_logits(hidden, residual))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, so that smaller graphs reuse the pool's memory."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        stream = self.stream or torch.cuda.Stream()
+        for size in reversed(self.sizes):
+            backend = self.make_backend(size)
+            meta = self._static_metadata(size)
+            positions, slots, ids = self._views(size)
+            positions.zero_()  # capture on a valid batch: token 0 at position 0 of the scratch page, every row
+            ids.zero_()
+            slots.fill_(self.kv_cache.scratch_page * self.kv_cache.page_size)
+            ctx = ForwardContext(backend, meta, self.kv_cache.data)
+            with forward_context(ctx):
+                with torch.cuda.stream(stream):
+                    self._forward(size)  # warm-up on the capture stream (library handles, workspaces)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self._forward(size)
+            self._graphs[size] = (graph, backend)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = torch.cuda.memory_allocated() - before
+        log.info("captured %d decode graphs (batch %d..%d) in %.1f s, %.0f MiB", len(self.sizes), self.sizes[0],
+                 self.sizes[-1], self.capture_seconds, self.memory_bytes / 2**20)
+
+    def run(self, batch: HostBatch, num_rows: int) -> torch.Tensor:
+        """Replay the graph of batch's (padded) size; batch holds num_rows real rows then padding rows.
+
+        Returns the fp32 logits of the real rows (a view of a persistent buffer, valid until the next replay).
+        """
+        size = len(batch.positions)
+        graph, backend = self._graphs[size]
+        packed, _ = self.staging.stage([batch.positions, batch.slots, batch.input_ids])
+        self.inputs[:3 * size].copy_(packed, non_blocking=True)
+        self.staging.done()
+        backend.prepare(batch.metadata(self.kv_cache.page_size, self._views(size)[1]))
+        graph.replay()
+        self.replays += 1
+        return self.logits[:num_rows]
+
+    def replay(self, size: int) -> None:
+        """Replay size's graph on its last inputs and plan (for timing the device work alone)."""
+        self._graphs[size][0].replay()
