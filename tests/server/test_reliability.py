@@ -2,7 +2,10 @@
 places and 16 KV pages (docs/RELIABILITY.md has the full-size figures)."""
 from __future__ import annotations
 
-import httpx
+import json
+import socket
+import time
+
 import pytest
 
 import reliability
@@ -22,11 +25,18 @@ def test_hundred_streams_cancelled_at_random_points_leak_no_page(server):
 
 
 def test_non_streaming_client_that_leaves_aborts_its_request(server):
-    initial = server.metrics()["muxd:kv_cache_free_pages"]
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 250, "ignore_eos": True},
-                   timeout=1.0)
-    server.wait_idle(initial)
+    before = server.metrics()
+    finished = 'muxd:request_success_total{finished_reason="length"}'
+    initial, done = before["muxd:kv_cache_free_pages"], before.get(finished, 0)
+    body = json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        while server.metrics()["muxd:num_requests_running"] == 0:
+            time.sleep(0.01)
+    # the socket is closed while the request runs: the server must abort it and free its pages
+    m = server.wait_idle(initial)
+    assert m.get(finished, 0) == done  # it never ran to its end
 
 
 def test_overload_admitted_requests_finish_the_rest_get_429_with_retry_after(server):
