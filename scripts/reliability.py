@@ -242,13 +242,15 @@ def big_body(server: ServerProcess, megabytes: float) -> dict[str, Any]:
     probe = httpx.Client(base_url=server.url, timeout=60)  # one keep-alive connection: the probe costs no set-up
     baseline = sorted(_health_ms(probe) for _ in range(50))
     content = "def f(x):\n    return x + 1\n" * int(megabytes * 2**20 / 29)
+    # serialised up front: encoding 10 MB of JSON here would hold this process's GIL and delay the probe itself
+    payload = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
     result: dict[str, Any] = {}
     stream_events: list[float] = []
 
     def post() -> None:
         t = time.perf_counter()
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=600,
-                       json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=600, content=payload,
+                       headers={"content-type": "application/json"})
         result.update(status=r.status_code, code=r.json().get("error", {}).get("code"),
                       seconds=time.perf_counter() - t, start=t, end=time.perf_counter())
 
@@ -311,9 +313,14 @@ def hypothesis_fuzz(profile: str) -> dict[str, Any]:
            f"--hypothesis-profile={profile}", "--hypothesis-show-statistics"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     lines = out.stdout.splitlines()
-    return {"exit_code": out.returncode, "profile": profile, "summary": lines[-1] if lines else "",
-            "properties": [line.strip() for line in lines if line.strip().startswith("tests/test_fuzz_inputs.py::")],
-            "examples": [line.strip() for line in lines if "passing examples" in line]}
+    cases: dict[str, str] = {}  # property -> "N passing, N failing, and N invalid test cases"
+    name = ""
+    for line in lines:
+        if line.startswith("tests/test_fuzz_inputs.py::"):
+            name = line.split("::")[1].rstrip(":")
+        elif "passing" in line and "failing" in line and name:
+            cases[name] = line.strip(" -")
+    return {"exit_code": out.returncode, "profile": profile, "summary": lines[-1] if lines else "", "cases": cases}
 
 
 # ---- command line ------------------------------------------------------------------------------------------------
@@ -334,15 +341,23 @@ CHECKS: dict[str, Callable[[], dict]] = {
     "overload": lambda: _with_server(LOAD_FLAGS, lambda s: overload(s, clients=500)),
     "kv": lambda: _with_server(LOAD_FLAGS, lambda s: kv_exhaustion(s, requests=8, prompt_tokens=60, max_tokens=64)),
     "drain": lambda: _with_server(DRAIN_FLAGS, lambda s: drain(s, short=4, endless=8)),
-    "big-body": lambda: _with_server(["--max-request-bytes", "64MiB"], lambda s: big_body(s, 10)),
+    "big-body": lambda: _with_server(["--max-request-bytes", "64MiB"], lambda s: _repeat(big_body, s, 10, 5)),
     "big-body-full-tokenization": lambda: _big_body_unbounded(10),
 }
+
+
+def _repeat(check: Callable[..., dict], server: ServerProcess, size: float, times: int) -> dict:
+    """Run a latency check several times on one server: report every run and the worst."""
+    runs = [check(server, size) for _ in range(times)]
+    worst = max(runs, key=lambda r: r["health_extra_delay_ms"] or 0)
+    return {**worst, "runs": times, "health_extra_delay_ms_each": [r["health_extra_delay_ms"] for r in runs]}
 
 
 def _big_body_unbounded(megabytes: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = unbounded_tokenizer_model(Path(tmp) / "model")
-        return _with_server(["--max-request-bytes", "64MiB"], lambda s: big_body(s, megabytes), str(model))
+        return _with_server(["--max-request-bytes", "64MiB"], lambda s: _repeat(big_body, s, megabytes, 3),
+                            str(model))
 
 
 def main() -> None:

@@ -112,7 +112,9 @@ class Tokenizer:
         far over the context be refused in microseconds instead of seconds of BPE."""
         if self.max_bytes_per_token is None:
             return 0
-        return -(-len(self._normalize(text).encode("utf-8", "surrogatepass")) // self.max_bytes_per_token)
+        normalized = self._normalize(text)
+        size = len(normalized) if normalized.isascii() else len(normalized.encode("utf-8", "surrogatepass"))
+        return -(-size // self.max_bytes_per_token)
 
     def set_chat_template(self, source: str) -> None:
         """Use `source` instead of the model's own template (`--chat-template`); compiled now, so errors show now."""

@@ -11,7 +11,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
 from appliance.config import ServeConfig
-from appliance.engine.async_engine import EngineDeadError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
 from appliance.server import openapi

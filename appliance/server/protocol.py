@@ -15,6 +15,8 @@ from appliance.errors import RequestError
 
 def valid_unicode(text: str) -> str:
     """JSON can carry lone UTF-16 surrogates ("\\ud800"); no tokenizer can encode them, so they are refused here."""
+    if text.isascii():  # the common case, checked without copying a multi-megabyte prompt
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -41,6 +43,8 @@ def bounded_int(ge: int | None = None, le: int | None = None) -> Any:
 
 
 TokenId = bounded_int(ge=0)
+Count = bounded_int(ge=1)
+TopK = bounded_int(ge=-1, le=MAX_TOP_K)
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
 # these by default (the openai SDK's optional fields, LangChain's n=1, ...), so they must not be refused.
@@ -78,10 +82,10 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text | None = Field(None, description="The served model's name (GET /v1/models); may be omitted.")
-    max_tokens: bounded_int(ge=1) | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[Finite, Field(ge=0)] | None = Field(None, description="0 for greedy decoding; default 1.")
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
-    top_k: bounded_int(ge=-1, le=MAX_TOP_K) | None = Field(None, description="-1 or 0: no top-k cut.")
+    top_k: TopK | None = Field(None, description="-1 or 0: no top-k cut.")
     seed: Int | None = Field(None, description="Seed of this request's sampling (same seed, same output).")
     stop: Annotated[Text, Field(min_length=1)] | list[Annotated[Text, Field(min_length=1)]] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -142,7 +146,7 @@ class CompletionRequest(_SamplingRequest):
     vocab_size: ClassVar[int | None] = None  # set by for_vocabulary: token ids must be below it
 
     prompt: Prompt
-    max_tokens: bounded_int(ge=1) | None = 16
+    max_tokens: Count | None = 16
     echo: bool | None = Field(None, json_schema_extra=_off_enum("echo"), description="Not implemented: only false.")
     best_of: Int | None = Field(None, json_schema_extra=_off_enum("best_of"), description="Only 1.")
     suffix: str | None = Field(None, json_schema_extra=_off_enum("suffix"), description="Not implemented.")
@@ -230,7 +234,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: bounded_int(ge=1) | None = None
+    max_completion_tokens: Count | None = None
     add_generation_prompt: bool | None = Field(True, description="Extension: end the prompt with the assistant's "
                                                                  "turn header.")
     logprobs: bool | None = Field(None, json_schema_extra=_off_enum("logprobs"), description="Only false.")
