@@ -1,5 +1,5 @@
 """The `muxd` command line: serve (OpenAI-compatible server), generate (one prompt, streamed to the terminal),
-version. Flags become one ServeConfig, validated before anything slow happens.
+bench (appliance/bench/cli.py), version. Flags become one ServeConfig, validated before anything slow happens.
 """
 from __future__ import annotations
 
@@ -10,12 +10,17 @@ from typing import Optional
 import typer
 
 from appliance import __version__
-from appliance.config import ServeConfig
+from appliance.bench.cli import app as bench_app
 from appliance.bench.engine_cli import engine_bench_command
+from appliance.config import ServeConfig
 from appliance.errors import ApplianceError
+from appliance.slo.cli import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
+engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
+app.add_typer(bench_app, name="bench")
+app.add_typer(slo_app, name="slo")
 
 MODEL_HELP = "Hugging Face model directory (config.json, safetensors, tokenizer.json), or 'embedded' for the small " \
              "model shipped inside muxd."
@@ -29,9 +34,9 @@ def _fail(exc: ApplianceError) -> None:
 @app.command()
 def serve(
     model: str = typer.Option("embedded", "--model", "-m", help=MODEL_HELP),
-    host: str = typer.Option("127.0.0.1", help="Address to bind; use 0.0.0.0 to accept connections from other "
-                                               "machines."),
-    port: int = typer.Option(8000, help="TCP port."),
+    host: str = typer.Option("127.0.0.1", envvar="MUXD_HOST", help="Address to bind; use 0.0.0.0 to accept "
+                                                                   "connections from other machines."),
+    port: int = typer.Option(8000, envvar="MUXD_PORT", help="TCP port."),
     served_model_name: Optional[str] = typer.Option(None, help="Model name clients send in 'model' (default: "
                                                                "the directory name, or muxd-embedded)."),
     dtype: str = typer.Option("auto", help="Weights and KV dtype: auto (checkpoint's on GPU, float32 on CPU), "
@@ -49,7 +54,6 @@ def serve(
     enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
                                                help="Reuse KV pages of equal prompt prefixes."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Same as --no-enable-prefix-caching."),
-    planner: str = typer.Option("serial", help="Step planner: serial (prefill first) or layerwise."),
     max_num_batched_tokens: int = typer.Option(8192, help="Prompt tokens prefilled per engine step (a longer "
                                                           "prompt still runs, alone)."),
     block_size: int = typer.Option(16, help="Tokens per KV-cache page."),
@@ -65,6 +69,13 @@ def serve(
                                                         "ones get HTTP 413."),
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT, seconds running requests may take to "
                                                       "finish (new ones get 503) before they are ended."),
+    planner: str = typer.Option("serial", "--policy", "--planner",
+                                help="Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
+                                     "budget, the vLLM/SGLang default), serial (prefill first) or layerwise."),
+    slo: Optional[str] = typer.Option(None, help="SLO contract (YAML, see configs/slo/); default: p99 TBT 50 ms."),
+    profile: Optional[str] = typer.Option(None, help="Latency profile of this model on this GPU for --policy mux; "
+                                                     "missing or mismatched: the roofline prior (with a warning)."),
+    chunk_budget: Optional[int] = typer.Option(None, help="Tokens per step for --policy chunked (default 2048)."),
     attention_backend: str = typer.Option("auto", help="auto (flashinfer on CUDA where it supports the model, "
                                                        "else torch), flashinfer or torch."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile each decoder layer "
@@ -84,8 +95,9 @@ def serve(
                       dtype=dtype, load_format=load_format, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                       enable_prefix_caching=enable_prefix_caching and not no_prefix_caching, planner=planner,
-                      max_waiting=max_waiting, max_num_batched_tokens=max_num_batched_tokens, page_size=block_size,
-                      seed=seed, chat_template=chat_template, api_key=api_key, max_request_bytes=max_request_bytes,
+                      max_waiting=max_waiting, slo=slo, profile=profile, chunk_budget=chunk_budget,
+                      max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, seed=seed,
+                      chat_template=chat_template, api_key=api_key, max_request_bytes=max_request_bytes,
                       shutdown_timeout=shutdown_timeout, attention_backend=attention_backend, compile=compile,
                       cuda_graph=cuda_graph)
     try:
@@ -157,10 +169,6 @@ def generate(
                 sys.stdout.flush()
     sys.stdout.write("\n")
 
-
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: `muxd bench engine` times the engine itself.")
-engine_bench_command(bench_app)
-app.add_typer(bench_app, name="bench")
 
 
 @app.command()

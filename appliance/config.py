@@ -12,7 +12,6 @@ import torch
 
 from appliance.attention import BACKEND_NAMES
 from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.scheduler import PLANNERS
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
@@ -49,9 +48,12 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.9
     page_size: int = 16
     enable_prefix_caching: bool = True
-    planner: str = "serial"
+    planner: str = "serial"                 # the policy (--policy, alias --planner)
     max_waiting: int = 4096
-    max_num_batched_tokens: int = 8192
+    slo: str | None = None
+    profile: str | None = None
+    chunk_budget: int | None = None
+    max_num_batched_tokens: int | None = None
     seed: int | None = None
     chat_template: str | None = None
     api_key: str | None = None
@@ -88,8 +90,14 @@ class ServeConfig:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.planner not in PLANNERS:
-            raise ConfigError(f"--planner must be one of {', '.join(PLANNERS)}, got {self.planner!r}")
+        from appliance.slo.contract import load_contract
+        from appliance.slo.policies import check_policy
+
+        check_policy(self.planner)
+        if self.slo is not None:
+            load_contract(self.slo)  # every problem of the contract, with its line, before the model loads
+        if self.chunk_budget is not None and self.chunk_budget < 1:
+            raise ConfigError(f"--chunk-budget must be >= 1, got {self.chunk_budget}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
         if self.attention_backend not in BACKEND_NAMES:
@@ -106,10 +114,11 @@ class ServeConfig:
             checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        cfg.check_max_model_len(self.max_model_len or cfg.max_model_len)
         for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-waiting", self.max_waiting),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
                             ("--block-size", self.page_size)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
         if self.request_byte_limit < 1:
             raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
@@ -143,8 +152,11 @@ class ServeConfig:
             page_size=self.page_size, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
-            planner=self.planner, max_waiting=self.max_waiting, max_prefill_tokens=self.max_num_batched_tokens,
-            attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph)
+            planner=self.planner, max_waiting=self.max_waiting, slo=self.slo, profile=self.profile,
+            attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph,
+            # vLLM's --max-num-batched-tokens: the tokens of one step, so also the chunked policy's budget
+            chunk_budget=self.chunk_budget if self.chunk_budget is not None else self.max_num_batched_tokens,
+            **({} if self.max_num_batched_tokens is None else {"max_prefill_tokens": self.max_num_batched_tokens}))
 
     def build_engine(self) -> Engine:
         """Load the model and tokenizer and size the KV cache (the slow part of start-up)."""

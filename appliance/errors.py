@@ -5,6 +5,8 @@ and, where it helps, what would be right.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class ApplianceError(Exception):
     """Base of every error muxd raises on purpose."""
@@ -29,7 +31,35 @@ class RequestError(ApplianceError):
 
 
 class CapacityError(ApplianceError):
-    """The engine cannot take more work right now (waiting queue full); the caller may retry later."""
+    """The engine cannot take more work right now (waiting queue full, or the SLO contract sheds it); the caller
+    may retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class ContractProblem:
+    """One problem in an SLO contract file: the field path, the 1-based line (0: the whole file), what is wrong."""
+
+    path: str
+    line: int
+    message: str
+
+    def format(self, source: str) -> str:
+        where = f"{source}:{self.line}" if self.line else source
+        return f"{where}: {self.path + ': ' if self.path else ''}{self.message}"
+
+
+class ContractError(ConfigError):
+    """An SLO contract file is invalid; `problems` lists every problem found, each with its field path and line."""
+
+    def __init__(self, source: str, problems: list[ContractProblem]) -> None:
+        self.source, self.problems = source, problems
+        lines = "\n".join("  " + p.format(source) for p in problems)
+        super().__init__(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in SLO contract {source}:\n"
+                         f"{lines}")
 
 
 class ModelNotFoundError(RequestError):

@@ -18,20 +18,24 @@ FAMILIES = {
                                                                           rope_theta=1000000.0)),
     # Qwen3: q/k RMSNorm, explicit head_dim different from hidden / heads
     "qwen3": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", extra=dict(head_dim=32, rope_theta=1000000.0)),
+    # Mistral with a sliding window as long as the context, so that it never applies
+    "mistral": dict(cls="MistralForCausalLM", cfg="MistralConfig", extra=dict(sliding_window=512)),
 }
 
 
 def build_tiny_checkpoint(family: str, path: Path, vocab_size: int = 256, num_layers: int = 4, seed: int = 0,
-                          dtype: torch.dtype = torch.float32):
-    """Save a random tiny model of `family` in Hugging Face layout; returns the transformers model (eval, fp32)."""
+                          dtype: torch.dtype = torch.float32, **overrides):
+    """Save a random tiny model of `family` in Hugging Face layout; returns the transformers model (eval, fp32).
+    `overrides` replace config fields (e.g. rope_scaling, max_position_embeddings)."""
     import transformers
 
     spec = FAMILIES[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, spec["cfg"])(
+    fields = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, **spec["extra"])
+    cfg = getattr(transformers, spec["cfg"])(**{**fields, **overrides})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = getattr(transformers, spec["cls"])(cfg).eval()

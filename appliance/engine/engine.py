@@ -19,7 +19,7 @@ from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.runner import ModelRunner
-from appliance.engine.scheduler import PLANNERS, Scheduler
+from appliance.engine.scheduler import Scheduler
 from appliance.errors import CapacityError, ConfigError, RequestError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
@@ -42,21 +42,28 @@ class EngineConfig:
     max_prefill_tokens: int = 8192          # prompt tokens admitted per step (at least one request always)
     max_waiting: int = 4096                 # queued requests before add_request refuses with CapacityError
     enable_prefix_caching: bool = True
-    planner: str = "serial"
+    planner: str = "serial"                 # policy: mux, chunked, serial, layerwise
     layers_per_step: int = 1                # for the layerwise planner
+    chunk_budget: int | None = None         # tokens per step of the chunked planner (default 2048)
+    slo: str | None = None                  # SLO contract file; None: the built-in default contract
+    profile: str | None = None              # latency profile for mux; None or mismatched: the roofline prior
     attention_backend: str = "auto"        # auto: flashinfer on CUDA when installed, else torch
     compile: bool | None = None             # torch.compile each layer; None: on CUDA, off on CPU
     cuda_graph: bool = True                 # capture decode CUDA graphs (CUDA and a graph-capable backend only)
     max_graph_batch: int | None = None      # largest captured decode batch; default min(max_num_seqs, 256)
 
     def validate(self) -> None:
+        from appliance.slo.policies import POLICIES
+
         if self.attention_backend not in BACKEND_NAMES:
             raise ConfigError(f"attention backend {self.attention_backend!r} is unknown; choose one of "
                               f"{', '.join(BACKEND_NAMES)}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:
             raise ConfigError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
-        if self.planner not in PLANNERS:
-            raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
+        if self.planner not in POLICIES:
+            raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(POLICIES)}")
+        if self.chunk_budget is not None and self.chunk_budget < 1:
+            raise ConfigError(f"chunk_budget must be >= 1, got {self.chunk_budget}")
         for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_waiting", "layers_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -83,6 +90,8 @@ class Engine:
         config.validate()
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
+        # before compile and warm-up: a sliding window shorter than the context is refused at once
+        mcfg.check_max_model_len(config.max_model_len or mcfg.max_model_len)
         param = next(model.parameters())
         device, cuda = param.device, param.device.type == "cuda"
         self.startup: dict[str, float] = {}
@@ -96,16 +105,17 @@ class Engine:
             self.startup["warm_up_s"] = time.perf_counter() - start
         num_pages = self._pool_size(device, param.dtype, reserve)
         self.kv_cache = KVCache(mcfg, num_pages, config.page_size, param.dtype, device)
-        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        # dynamic NTK rotates a prompt's K by the prompt's length, so equal prefixes need not share pages
+        prefix_caching = config.enable_prefix_caching and not mcfg.rope.length_dependent
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: with %s rope scaling K depends on the sequence length", mcfg.rope.type)
+        self.pool = PagePool(num_pages, config.page_size, prefix_caching)
         capacity = num_pages * config.page_size
-        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, capacity)
+        self.max_model_len = config.max_model_len or min(mcfg.max_model_len, capacity)
         if self.max_model_len > capacity:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the KV cache ({num_pages} pages of "
                               f"{config.page_size} = {capacity} tokens); lower it or give the cache more memory")
-        planner_cls = PLANNERS[config.planner]
-        planner = (planner_cls(config.layers_per_step, config.max_prefill_tokens) if config.planner == "layerwise"
-                   else planner_cls(config.max_prefill_tokens))
-        self.scheduler = Scheduler(self.pool, mcfg.num_layers, planner, config.max_num_seqs)
+        self.scheduler = Scheduler(self.pool, mcfg.num_layers, self._planner(device), config.max_num_seqs)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
         if cuda and config.cuda_graph:
             start = time.perf_counter()
@@ -121,6 +131,29 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._counter = itertools.count()
         self.num_preemptions = 0
+
+    def _planner(self, device: torch.device):
+        """The policy's planner; the contract (and for mux the predictor) come from the config's files."""
+        from appliance.predictor.profile import load_predictor
+        from appliance.slo.contract import default_contract, load_contract
+        from appliance.slo.policies import PolicyOptions, build_planner
+
+        cfg = self.config
+        self.contract = load_contract(cfg.slo) if cfg.slo else default_contract()
+        self.predictor = None
+        if cfg.planner == "mux":
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            self.predictor = load_predictor(cfg.profile, self.model.config, gpu)
+        options = PolicyOptions(max_prefill_tokens=cfg.max_prefill_tokens, layers_per_step=cfg.layers_per_step,
+                                chunk_budget=cfg.chunk_budget)
+        return build_planner(cfg.planner, options, self.contract, self.predictor)
+
+    def slo_class(self, name: str | None) -> str | None:
+        """Check a request's SLO class against the contract (RequestError naming the classes when unknown)."""
+        if name is not None and name not in self.contract.classes:
+            raise RequestError(f"SLO class {name!r} is not in contract {self.contract.name!r}; classes: "
+                               f"{', '.join(self.contract.classes)}", "slo_class")
+        return name
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype | None = None,
@@ -174,7 +207,7 @@ class Engine:
         if budget < per_page:
             raise ConfigError(f"KV cache budget of {budget} bytes holds no page ({per_page} bytes per page of "
                               f"{cfg.page_size} tokens); raise --kv-cache-memory or --gpu-memory-utilization")
-        model_len = cfg.max_model_len or self.model.config.max_position_embeddings
+        model_len = cfg.max_model_len or self.model.config.max_model_len
         useful = 2 * cfg.max_num_seqs * -(-model_len // cfg.page_size)
         return min(budget // per_page, useful)
 
@@ -210,9 +243,17 @@ class Engine:
     def submit(self, request: Request) -> str:
         if request.request_id in self.scheduler.requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", "request_id")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise CapacityError(f"{len(self.scheduler.waiting)} requests are waiting (limit "
-                                f"{self.config.max_waiting}); retry later")
+        self.slo_class(request.slo_class)
+        limit = self.config.max_waiting
+        if self.config.slo:
+            limit = min(limit, self.contract.overload.queue_limit)
+        if len(self.scheduler.waiting) >= limit:
+            raise CapacityError(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit}); retry later")
+        admission = getattr(self.scheduler.planner, "admission_check", None)
+        retry = admission(self.scheduler, request) if admission is not None else None
+        if retry is not None:
+            raise CapacityError(f"the server is too busy to meet this request's TTFT target (SLO contract "
+                                f"{self.contract.name!r} sheds load); retry after {retry:.0f} s", retry_after=retry)
         if self.tokenizer is not None:
             self._detok[request.request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids,
                                                           request.sampling.stop)

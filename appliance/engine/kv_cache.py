@@ -88,24 +88,27 @@ class PagePool:
             parent = table.hashes[-1] if table.hashes else b""
             table.hashes.append(_page_hash(parent, token_ids[i * size:(i + 1) * size]))
 
-    def _lookup(self, token_ids: list[int], num_tokens: int) -> tuple[list[bytes], list[int]]:
+    def _lookup(self, token_ids: list[int], num_tokens: int,
+                table: PageTable | None = None) -> tuple[list[bytes], list[int]]:
         """Hash chain of the full pages of token_ids[:num_tokens - 1] and the cached pages of its longest prefix
-        (at least one token is always left to compute, so the request gets logits)."""
+        (at least one token is always left to compute, so the request gets logits). The hashes are kept on `table`
+        (a request's table without pages), so a request that waits is hashed once."""
         if not self.enable_prefix_caching:
             return [], []
-        table = PageTable()
+        table = table if table is not None else PageTable()
         self._extend_hashes(table, token_ids, num_tokens - 1)
+        hashes = table.hashes[:(num_tokens - 1) // self.page_size]
         hit = []
-        for h in table.hashes:
+        for h in hashes:
             page = self._page_of.get(h)
             if page is None:
                 break
             hit.append(page)
-        return table.hashes, hit
+        return hashes, hit
 
-    def cached_prefix(self, token_ids: list[int], num_tokens: int) -> list[int]:
+    def cached_prefix(self, token_ids: list[int], num_tokens: int, table: PageTable | None = None) -> list[int]:
         """Pages holding the longest cached prefix of token_ids[:num_tokens], leaving at least one token to compute."""
-        return self._lookup(token_ids, num_tokens)[1]
+        return self._lookup(token_ids, num_tokens, table)[1]
 
     # ---- allocation -------------------------------------------------------------------------------------------
     def allocate(self, table: PageTable, token_ids: list[int], num_tokens: int) -> int | None:
@@ -114,7 +117,7 @@ class PagePool:
         Returns the number of tokens whose KV is already cached, or None (nothing changed) when the pool is short.
         """
         assert not table.pages, "allocate() takes a request without pages"
-        hashes, hit = self._lookup(token_ids, num_tokens)
+        hashes, hit = self._lookup(token_ids, num_tokens, table)
         needed = self.pages_for(num_tokens) - len(hit)
         reclaimable = self.num_free_pages - sum(1 for p in hit if p in self._evictable)
         if needed > reclaimable:

@@ -97,6 +97,7 @@ class Request:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
 
     @property
     def all_token_ids(self) -> list[int]:

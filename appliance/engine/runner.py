@@ -22,6 +22,7 @@ from appliance.engine.request import Request
 from appliance.engine.sampler import sample_tensor
 from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.model_zoo.llama import DecoderForCausalLM
+from appliance.model_zoo.rope import dynamic_lengths, rope_lengths
 
 Logits = tuple[list[str], torch.Tensor]  # request ids and their fp32 next-token logits rows
 
@@ -148,7 +149,7 @@ class ModelRunner:
         pre = [requests[w.request_id] for w in plan.prefill]
         spans = [(r.num_tokens - 1, r.num_tokens) for r in dec] + [(w.token_start, w.token_end) for w in plan.prefill]
         batch = self.batches.build(dec + pre, spans)
-        hidden, residual = self._layers(batch, 0, self.num_layers, None)
+        hidden, residual = self._layers(batch, 0, self.num_layers, None, dec + pre)
         picked = list(range(len(dec))) + [len(dec) + i for i, (w, r) in enumerate(zip(plan.prefill, pre))
                                           if w.token_end == r.num_tokens]
         ids = list(plan.decode) + [w.request_id for w in plan.prefill]
@@ -166,7 +167,7 @@ class ModelRunner:
             carried = (torch.cat([p.hidden for p in partials]),
                        None if partials[0].residual is None else torch.cat([p.residual for p in partials]))
         batch = self.batches.build(reqs, spans, with_ids=carried is None)
-        hidden, residual = self._layers(batch, start, end, carried)
+        hidden, residual = self._layers(batch, start, end, carried, reqs)
         if end < self.num_layers:
             sizes = [w.num_tokens for w in works]
             res_parts = residual.split(sizes) if residual is not None else [None] * len(works)
@@ -183,11 +184,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[index], None if residual is None else residual[index])
 
     def _layers(self, batch: TokenBatch, start: int, end: int,
-                carried: tuple[torch.Tensor, torch.Tensor | None] | None):
+                carried: tuple[torch.Tensor, torch.Tensor | None] | None, reqs: list[Request] | None = None):
         """Layers [start, end) over the batch (embedding first when nothing is carried over)."""
         if carried is None:
             hidden, residual = self.model.embed(batch.input_ids), None
         else:
             hidden, residual = carried
-        with forward_context(ForwardContext(self.backend, batch.metadata, self.kv_cache.data)):
+        lengths = None
+        if reqs is not None and self.model.config.rope.length_dependent:
+            # dynamic NTK: prompt rows take their prompt's length (other rows default to position + 1)
+            lengths = dynamic_lengths(batch.positions, [r.num_prompt_tokens for r in reqs], batch.metadata.query_lens)
+        with forward_context(ForwardContext(self.backend, batch.metadata, self.kv_cache.data)), rope_lengths(lengths):
             return self.model.forward_layers(batch.positions, hidden, residual, start, end)

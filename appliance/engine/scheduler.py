@@ -1,14 +1,18 @@
 """Step planning: the StepPlan data type, the Scheduler that owns queues and KV pages, and the built-in planners.
 
 A planner is policy: it looks at the queues and returns a StepPlan (which requests decode, which prefill over which
-token and layer range). The Scheduler supplies the mechanisms a planner calls (admit a request, reserve a decode slot,
-preempting the youngest request when the pool is exhausted) and applies a step's results. Neither touches tensors.
+token and layer range, on which SM partition). The Scheduler supplies the mechanisms a planner calls (admit a request,
+reserve a decode slot, preempting the youngest request when the pool is exhausted) and applies a step's results.
+Neither touches tensors. Prefill work may complete after the step that launched it (an asynchronous executor runs
+it on its own stream): the Scheduler tracks it as in flight until `complete_prefill`, and planners read
+`launched_layer` to plan around it; a synchronous executor completes everything in `update`.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from appliance.engine.kv_cache import PagePool
 from appliance.engine.request import Request, RequestStatus
@@ -33,11 +37,22 @@ class PrefillWork:
 class StepPlan:
     """One step's work. With `mixed`, the decode rows and the prefill works (each over all layers) run as one
     forward over one flat token batch (Sarathi-style chunked prefill); otherwise decode and each layer range of
-    prefill run as separate forwards."""
+    prefill run as separate forwards.
+
+    `decode_sms` / `prefill_sms` choose the SM partition of each phase (None: all SMs). With both set the phases run
+    concurrently on disjoint partitions; executors without partitions (the CPU runner) ignore them.
+    """
 
     decode: tuple[str, ...] = ()
     prefill: tuple[PrefillWork, ...] = ()
     mixed: bool = False
+    decode_sms: int | None = None
+    prefill_sms: int | None = None
+
+    @property
+    def spatial(self) -> bool:
+        """Decode and prefill on disjoint partitions (the multiplexed mode)."""
+        return self.decode_sms is not None or self.prefill_sms is not None
 
     @property
     def empty(self) -> bool:
@@ -64,6 +79,8 @@ class Scheduler:
         self._admissions = 0
         self._reserved: set[str] = set()
         self._preempted: list[str] = []
+        self.inflight: dict[str, list[PrefillWork]] = {}  # launched prefill work not completed yet, per request
+        self.clock: Callable[[], float] = time.monotonic  # a simulator replaces it with virtual time
 
     # ---- queue state ------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -76,6 +93,24 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.requests)
+
+    def launched_layer(self, request: Request) -> int:
+        """First layer of the request's current prefill chunk not launched yet (in-flight work included)."""
+        works = self.inflight.get(request.request_id)
+        return works[-1].layer_end if works else request.prefill_layer
+
+    def has_inflight(self) -> bool:
+        return bool(self.inflight)
+
+    def pending_prefills(self) -> list[tuple[Request, int]]:
+        """(request, first layer to launch) of every prefilling request whose current chunk has layers not
+        launched yet, oldest admission first."""
+        out = []
+        for r in sorted(self.prefilling, key=lambda r: r.start_seq):
+            layer = self.launched_layer(r)
+            if layer < self.num_layers:
+                out.append((r, layer))
+        return out
 
     def drain_preempted(self) -> list[str]:
         """Ids preempted since the last call (their executor state must be dropped)."""
@@ -123,7 +158,8 @@ class Scheduler:
         """
         assert request.status is RequestStatus.DECODING
         while not self.pool.grow(request.page_table, request.num_tokens):
-            candidates = [r for r in self.prefilling + self.decoding if r.request_id not in self._reserved]
+            candidates = [r for r in self.prefilling + self.decoding
+                          if r.request_id not in self._reserved and r.request_id not in self.inflight]
             victim = max(candidates, key=lambda r: r.start_seq)
             self.preempt(victim)
             if victim is request:
@@ -143,35 +179,62 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """Ask the planner for the next step; its prefill works count as in flight until completed."""
         self._reserved.clear()
-        return self.planner.plan(self)
+        plan = self.planner.plan(self)
+        for work in plan.prefill:
+            self.inflight.setdefault(work.request_id, []).append(work)
+        return plan
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
-        """Record a step's progress; returns (request, new token) for every request that got a token."""
+        """Record a whole step's progress (synchronous executors); returns (request, new token) for every request
+        that got a token."""
+        out = self.update_decode(plan, sampled)
+        for work in plan.prefill:
+            out += self.complete_prefill(work, sampled.get(work.request_id))
+        return out
+
+    def update_decode(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
+        """Record the plan's decode step."""
         out = []
         page_size = self.pool.page_size
         for rid in plan.decode:
             r = self.requests[rid]
             r.num_computed_tokens = r.num_tokens
-            if r.num_computed_tokens // page_size > r.page_table.num_registered:  # a page just filled up
-                self.pool.register(r.page_table, r.all_token_ids, r.num_computed_tokens)
+            self._register(r)
             r.output_token_ids.append(sampled[rid])
             out.append((r, sampled[rid]))
-        for work in plan.prefill:
-            r = self.requests[work.request_id]
-            if work.layer_end < self.num_layers:
-                r.prefill_layer = work.layer_end
-                continue
-            r.prefill_layer = 0
-            r.num_computed_tokens = work.token_end
-            self.pool.register(r.page_table, r.all_token_ids, r.num_computed_tokens)
-            if work.token_end == r.num_tokens:
-                self.prefilling.remove(r)
-                self.decoding.append(r)
-                r.status = RequestStatus.DECODING
-                r.output_token_ids.append(sampled[r.request_id])
-                out.append((r, sampled[r.request_id]))
         return out
+
+    def complete_prefill(self, work: PrefillWork, token: int | None) -> list[tuple[Request, int]]:
+        """Record one prefill work whose layers have all run (`token`: sampled when it ends the request's prompt)."""
+        works = self.inflight.get(work.request_id)
+        if works:
+            works.remove(work)
+            if not works:
+                del self.inflight[work.request_id]
+        r = self.requests.get(work.request_id)
+        if r is None or r.status is not RequestStatus.PREFILLING:
+            return []  # aborted or preempted while its work was in flight
+        if work.layer_end < self.num_layers:
+            r.prefill_layer = work.layer_end
+            return []
+        r.prefill_layer = 0
+        r.num_computed_tokens = work.token_end
+        self._register(r)
+        if work.token_end < r.num_tokens:
+            return []
+        assert token is not None, f"prefill of {r.request_id} ended its prompt without a sampled token"
+        self.prefilling.remove(r)
+        self.decoding.append(r)
+        r.status = RequestStatus.DECODING
+        r.output_token_ids.append(token)
+        return [(r, token)]
+
+    def _register(self, r: Request) -> None:
+        # only when a page has filled up: building all_token_ids for every decoded token costs O(context)
+        if r.num_computed_tokens // self.pool.page_size > r.page_table.num_registered:
+            self.pool.register(r.page_table, r.all_token_ids, r.num_computed_tokens)
 
     def finish(self, request: Request, reason: str | None, aborted: bool = False) -> None:
         """Take a request out of the engine and free its pages at once."""
@@ -182,6 +245,7 @@ class Scheduler:
         elif request.status is RequestStatus.DECODING:
             self.decoding.remove(request)
         self.pool.free(request.page_table)
+        self.inflight.pop(request.request_id, None)
         request.status = RequestStatus.ABORTED if aborted else RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
@@ -202,6 +266,12 @@ def _admit_fcfs(sched: Scheduler, token_budget: int) -> list[Request]:
     return admitted
 
 
+def chunk_end(r: Request, max_tokens: int) -> int:
+    """End of the request's next prefill chunk: at most max_tokens new tokens, so that a long prompt's activations
+    stay within what the engine sized its memory for (the chunk's end stays fixed while its layers run)."""
+    return min(r.num_tokens, r.num_computed_tokens + max_tokens)
+
+
 def _reserve_all(sched: Scheduler, requests: Iterable[Request]) -> tuple[str, ...]:
     """Reserve a decode slot for each request, oldest first, skipping those preempted on the way."""
     batch = []
@@ -212,7 +282,8 @@ def _reserve_all(sched: Scheduler, requests: Iterable[Request]) -> tuple[str, ..
 
 
 class SerialPlanner:
-    """Prefill first: whole prompts through all layers before any decode step (vLLM's classic default)."""
+    """Prefill first: prompts through all layers before any decode step (vLLM's classic default), in chunks of at
+    most max_prefill_tokens new tokens per step."""
 
     name = "serial"
 
@@ -221,10 +292,15 @@ class SerialPlanner:
 
     def plan(self, sched: Scheduler) -> StepPlan:
         _admit_fcfs(sched, self.max_prefill_tokens)
-        if sched.prefilling:
-            return StepPlan(prefill=tuple(
-                PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, r.prefill_layer, sched.num_layers)
-                for r in sched.prefilling))
+        works, budget = [], self.max_prefill_tokens
+        for r, layer in sched.pending_prefills():  # oldest first, within the step's token budget (one at least)
+            if works and budget <= 0:
+                break
+            end = chunk_end(r, max(budget, 1))
+            works.append(PrefillWork(r.request_id, r.num_computed_tokens, end, layer, sched.num_layers))
+            budget -= end - r.num_computed_tokens
+        if works:
+            return StepPlan(prefill=tuple(works))
         return StepPlan(decode=_reserve_all(sched, list(sched.decoding)))
 
 
@@ -248,10 +324,46 @@ class LayerwisePlanner:
         if not sched.prefilling:
             _admit_fcfs(sched, self.max_prefill_tokens)
         works = tuple(
-            PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, r.prefill_layer,
-                        min(r.prefill_layer + self.layers_per_step, sched.num_layers))
-            for r in sched.prefilling)
+            PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, self.max_prefill_tokens), layer,
+                        min(layer + self.layers_per_step, sched.num_layers))
+            for r, layer in sched.pending_prefills())
         return StepPlan(decode=decode, prefill=works)
 
 
-PLANNERS = {"serial": SerialPlanner, "layerwise": LayerwisePlanner}
+class ChunkedPlanner:
+    """Chunked prefill (Sarathi-Serve; the vLLM and SGLang default): every step decodes every running request, then
+    fills what is left of a token budget with prefill chunks, oldest request first, and runs it all as one forward
+    on all SMs. A smaller budget shortens the steps that carry prefill (lower TBT) and slows prefill (higher TTFT).
+    """
+
+    name = "chunked"
+
+    def __init__(self, token_budget: int = 2048, max_prefill_tokens: int = 8192) -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        self.token_budget = token_budget
+        self.max_prefill_tokens = max_prefill_tokens
+
+    def plan(self, sched: Scheduler) -> StepPlan:
+        decode = _reserve_all(sched, list(sched.decoding))
+        budget = self.token_budget - len(decode)
+        works: list[PrefillWork] = []
+
+        def chunk(r: Request) -> None:
+            nonlocal budget
+            n = min(budget, r.num_tokens - r.num_computed_tokens)
+            works.append(PrefillWork(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, 0,
+                                     sched.num_layers))
+            budget -= n
+
+        for r, layer in sched.pending_prefills():
+            if budget <= 0:
+                break
+            if layer == 0:  # a chunk still in flight on another executor stream is not cut again
+                chunk(r)
+        while budget > 0 and sched.waiting and sched.admit(sched.waiting[0]):
+            chunk(sched.prefilling[-1])
+        return StepPlan(decode=decode, prefill=tuple(works), mixed=bool(works))
+
+
+PLANNERS = {"serial": SerialPlanner, "layerwise": LayerwisePlanner, "chunked": ChunkedPlanner}

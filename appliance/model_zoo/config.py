@@ -22,7 +22,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": None, "qk_norm": True},
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -44,12 +44,26 @@ def parse_dtype(name: str | torch.dtype, where: str = "dtype") -> torch.dtype:
 
 @dataclass(frozen=True)
 class RopeConfig:
+    """Rope parameters as transformers reads them (the maths is in rope.py)."""
+
     theta: float = 10000.0
     type: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    low_freq_factor: float = 1.0                 # llama3
+    high_freq_factor: float = 4.0                # llama3
+    original_max_position: int = 8192            # llama3, yarn; dynamic: max_position_embeddings
+    attention_factor: float | None = None        # yarn: None derives it from factor (and mscale)
+    beta_fast: float = 32.0                      # yarn
+    beta_slow: float = 1.0                       # yarn
+    mscale: float | None = None                  # yarn
+    mscale_all_dim: float | None = None          # yarn
+    truncate: bool = True                        # yarn
+
+    @property
+    def length_dependent(self) -> bool:
+        """A token's rotation depends on its sequence's length, not only on its position (dynamic NTK), so equal
+        prefixes of different sequences do not have equal K."""
+        return self.type == "dynamic"
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class ModelConfig:
     dtype: torch.dtype = torch.bfloat16
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # attention sees only this many tokens on some layer (see check_max_model_len)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -92,9 +107,6 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
-        if raw.get("use_sliding_window"):
-            raise ModelLoadError(f"{source}: field 'use_sliding_window' is true; sliding-window attention is not "
-                                 "supported")
         num_heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         num_kv = int(raw.get("num_key_value_heads") or num_heads)
@@ -106,12 +118,18 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+        num_layers = int(need("num_hidden_layers"))
+        partial = float((raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                                raw.get("partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0:
+            raise ModelLoadError(f"{source}: field 'partial_rotary_factor' is {partial}; only 1.0 (rotary embedding "
+                                 "over the whole head) is supported")
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv,
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
@@ -126,6 +144,7 @@ class ModelConfig:
             dtype=parse_dtype(dtype_name, f"{source}: field 'torch_dtype'"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(raw, arch, num_layers, source),
         )
 
     @classmethod
@@ -138,6 +157,26 @@ class ModelConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(raw, source=str(path))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model is defined for: max_position_embeddings, stretched by yarn or dynamic rope
+        scaling to factor x the original context (as vLLM derives it)."""
+        rope = self.rope
+        if rope.type in ("yarn", "dynamic"):
+            return max(self.max_position_embeddings, int(rope.factor * rope.original_max_position))
+        return self.max_position_embeddings
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Refuse a context in which the model's sliding window would cut attention short: muxd has no
+        sliding-window attention, so it serves such a model only where the window covers every whole sequence."""
+        window = self.sliding_window
+        if window is not None and max_model_len > window:
+            raise ConfigError(
+                f"config.json field 'sliding_window' is {window}: this model's attention sees only the last {window} "
+                f"tokens and muxd does not implement sliding-window attention, so with a context of {max_model_len} "
+                f"tokens it would compute attention wrongly beyond {window}; serve it with --max-model-len {window} "
+                "or less")
 
     @property
     def q_size(self) -> int:
@@ -157,6 +196,26 @@ class ModelConfig:
         return v * h + self.num_layers * per_layer + h + head
 
 
+def _sliding_window(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> int | None:
+    """The window of the layers that use sliding-window attention, as transformers builds the model, or None."""
+    if arch == "LlamaForCausalLM":
+        return None  # Llama attention has no window whatever the config says
+    if arch == "MistralForCausalLM":
+        window = raw.get("sliding_window", 4096)  # MistralConfig's default when the field is absent
+    else:  # Qwen2/Qwen3: the window only where use_sliding_window is set, on the layers layer_types names
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window") else None
+        if window is not None:
+            types = raw.get("layer_types") or ["sliding_attention" if i >= int(raw.get("max_window_layers", 28))
+                                               else "full_attention" for i in range(num_layers)]
+            if "sliding_attention" not in types:
+                return None
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"{source}: field 'sliding_window' is {window!r}; expected a positive integer or null")
+    return window
+
+
 def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
     # transformers 5 keeps everything in rope_parameters; 4.x has rope_theta + rope_scaling
     params = dict(raw.get("rope_parameters") or {})
@@ -169,13 +228,31 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
                           f"supported: {', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         return RopeConfig(theta=theta)
-    if "factor" not in params:
-        raise ConfigError(f"{source}: rope_scaling of type {rope_type!r} needs a 'factor'")
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+        raise ConfigError(f"{source}: rope_scaling of type {rope_type!r} needs a numeric 'factor' >= 1, got "
+                          f"{factor!r}")
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    if rope_type == "dynamic":
+        # transformers scales dynamic NTK from max_position_embeddings, whatever else the config says
+        original = max_pos
+    else:
+        # a top-level original_max_position_embeddings wins (Phi-3 style), then rope_scaling's, then the context
+        original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") \
+            or max_pos
+    attention = params.get("attention_factor")
     return RopeConfig(
         theta=theta,
         type=rope_type,
-        factor=float(params["factor"]),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(original),
+        attention_factor=None if attention is None else float(attention),
+        # transformers treats 0 / null like absent for these
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
     )

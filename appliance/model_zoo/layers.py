@@ -1,17 +1,16 @@
-"""Building blocks shared by every decoder in the zoo: RMSNorm with fused residual add, rotary embedding (default,
-linear, llama3 scaling), merged linear layers, gated MLP, paged self-attention and the decoder layer.
+"""Building blocks shared by every decoder in the zoo: RMSNorm with fused residual add, rotary embedding (its maths
+in rope.py), merged linear layers, gated MLP, paged self-attention and the decoder layer.
 
 Inputs are flat token batches ([num_tokens, hidden]); attention reads its batch layout from the forward context.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from appliance.attention import paged_attention
 from appliance.model_zoo.config import ModelConfig, RopeConfig
+from appliance.model_zoo.rope import rope_cos_sin, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -34,24 +33,6 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, scaled as the config says (fp32, CPU)."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.type == "linear":
-        return inv_freq / rope.factor
-    if rope.type == "llama3":
-        low_wavelen = rope.original_max_position / rope.low_freq_factor
-        high_wavelen = rope.original_max_position / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) rotary embedding, cos/sin computed from positions on the fly in fp32."""
 
@@ -66,10 +47,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype).unsqueeze(1)
-        sin = emb.sin().to(q.dtype).unsqueeze(1)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope, q.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -4,6 +4,7 @@ error event that ends a stream, and readable messages for pydantic's validation 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -59,6 +60,8 @@ def describe(exc: BaseException) -> tuple[int, ErrorInfo]:
 def response_for(exc: BaseException) -> JSONResponse:
     status, info = describe(exc)
     headers = dict(getattr(exc, "headers", None) or {})
+    if isinstance(exc, CapacityError):  # the SLO contract's shedding says when to come back
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return error_response(status, info.message, info.type, info.param, info.code, headers)
 
 

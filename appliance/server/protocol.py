@@ -93,8 +93,8 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(False, description="Extension: keep generating after the end-of-sequence token.")
     user: Text | None = Field(None, description="Accepted and ignored.")
-    slo_class: Text | None = Field(None, description="Latency class of the request (reserved; accepted and ignored "
-                                                     "for now).")
+    slo_class: Text | None = Field(None, description="Extension: the request class of the SLO contract (or the "
+                                                     "X-SLO-Class header).")
     n: Int | None = Field(None, json_schema_extra=_off_enum("n"), description="Choices per request: only 1.")
     presence_penalty: Finite | None = Field(None, json_schema_extra=_off_enum("presence_penalty"),
                                             description="Not implemented: only 0.")

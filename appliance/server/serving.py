@@ -116,6 +116,7 @@ class OpenAIServing:
     # ---- shared flow ----------------------------------------------------------------------------------------------
     async def _serve(self, body: p._SamplingRequest, request: Request, http: HTTPRequest, chunk: Callable,
                      final: Callable, first: BaseModel | None):
+        request.slo_class = self._slo_class(body, http)
         timer = TokenTimer(self.metrics)
         outputs = await self.engine.submit(request)
         if body.stream:
@@ -132,6 +133,15 @@ class OpenAIServing:
         gone.cancel()
         text, last = collect.result()  # raises what ended the request early (engine error, shutdown)
         return JSONResponse(final(text, last).model_dump())
+
+    def _slo_class(self, body: p._SamplingRequest, http: HTTPRequest) -> str | None:
+        """The request's SLO class: the X-SLO-Class header or the slo_class field (400 when unknown or when the
+        two disagree)."""
+        header = http.headers.get("x-slo-class")
+        if header is not None and body.slo_class is not None and header != body.slo_class:
+            raise RequestError(f"X-SLO-Class header {header!r} and slo_class field {body.slo_class!r} disagree; "
+                               "send one", "slo_class")
+        return self.engine.engine.slo_class(header if header is not None else body.slo_class)
 
     async def _collect(self, outputs: AsyncIterator[RequestOutput], timer: TokenTimer) -> tuple[str, RequestOutput]:
         parts, last = [], None

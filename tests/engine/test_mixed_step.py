@@ -41,3 +41,21 @@ def test_mixed_chunks_match_serial(llama_checkpoint):
     assert any(mixed_steps), "the planner never mixed decode rows with prefill chunks"
     assert [c.token_ids for c in out] == [c.token_ids for c in reference]
     assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_long_prompts_are_prefilled_in_chunks_of_the_token_budget(llama_checkpoint):
+    """serial and layerwise never run more than max_prefill_tokens new tokens of prefill in one step (the engine
+    sizes activation memory for that many), and chunking changes no token."""
+    path, _ = llama_checkpoint
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (50, 9, 33)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reference = Engine.from_pretrained(path, config=EngineConfig(num_pages=64)).generate(prompts, params)
+    for planner in ("serial", "layerwise"):
+        engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner=planner,
+                                                                  max_prefill_tokens=16, layers_per_step=2))
+        sizes = []
+        on_forward(engine, lambda plan, logits: sizes.append(sum(w.num_tokens for w in plan.prefill)))
+        out = engine.generate(prompts, params)
+        assert max(sizes) <= 16, planner
+        assert [c.token_ids for c in out] == [c.token_ids for c in reference], planner

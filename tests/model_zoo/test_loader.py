@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from appliance.errors import ApplianceError, ConfigError, ModelLoadError
+from appliance.errors import ConfigError, ModelLoadError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
@@ -127,17 +127,16 @@ def test_shape_mismatch_names_file_and_tensor(tmp_path, good_dir):
         load_model(d)
 
 
-def test_unsupported_rope_and_sliding_window(tmp_path, good_dir):
+def test_unsupported_rope_type_and_partial_rotary_are_refused(tmp_path, good_dir):
     d = copy_checkpoint(good_dir, tmp_path / "rope")
     raw = json.loads((d / "config.json").read_text())
-    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    raw["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
     (d / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ApplianceError, match="yarn"):
+    with pytest.raises(ConfigError, match=r"config\.json.*'longrope'"):
         load_model(d)
-    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-    raw["use_sliding_window"] = True
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     (d / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="use_sliding_window"):
+    with pytest.raises(ModelLoadError, match=r"config\.json.*'partial_rotary_factor' is 0\.5"):
         load_model(d)
 
 

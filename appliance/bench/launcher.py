@@ -1,0 +1,135 @@
+"""Side-by-side runs: which scheduling policies the installed muxd serves, and a `muxd serve` subprocess per policy
+(free port, wait for /ready, stop), so each policy is measured on the same device, model and trace.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from appliance.errors import ApplianceError, ConfigError
+
+_RESERVED = ("--port", "--host", "--planner", "--policy", "--model", "-m")
+
+
+def known_policies() -> dict[str, list[str]]:
+    """Policy name -> the `muxd serve` flags that select it: every planner (`--planner NAME`), and the names of a
+    `POLICIES` registry (`--policy NAME`) where the SLO dispatcher publishes one."""
+    from appliance.engine import scheduler
+
+    flags = {name: ["--planner", name] for name in scheduler.PLANNERS}
+    for module in ("appliance.engine.scheduler", "appliance.slo"):
+        try:
+            registry = getattr(importlib.import_module(module), "POLICIES", None)
+        except ImportError:
+            registry = None
+        for name in registry or ():
+            flags[name] = ["--policy", name]
+    return flags
+
+
+def parse_policies(text: str) -> list[str]:
+    """'mux,chunked,serial' -> names, each known to this muxd (refused before anything starts otherwise)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--policies: give one or more comma-separated policy names, e.g. serial,layerwise")
+    known = known_policies()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"--policies: {', '.join(unknown)} not available in this muxd; it serves "
+                          f"{', '.join(sorted(known))}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--policies: {text!r} names a policy twice")
+    return names
+
+
+def parse_serve_args(text: str | None) -> list[str]:
+    """Extra `muxd serve` flags for the launched servers; the ones bench sets itself are refused."""
+    args = shlex.split(text or "")
+    clash = [a for a in args if a.split("=")[0] in _RESERVED]
+    if clash:
+        raise ConfigError(f"--serve-args: {', '.join(clash)} is set by muxd bench (use --model and --policies)")
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`muxd serve --model MODEL <policy flags> <extra>` on a free local port; a context manager that waits for
+    /ready on entry and stops the server on exit."""
+
+    def __init__(self, model: str, policy: str | None = None, extra: list[str] | None = None,
+                 ready_timeout: float = 600.0, log_dir: str | Path | None = None) -> None:
+        self.policy = policy
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        flags = known_policies()[policy] if policy else []
+        self.args = [sys.executable, "-m", "appliance", "serve", "--port", str(self.port), "--model", model,
+                     *flags, *(extra or []), "--log-level", "warning"]
+        self.ready_timeout = ready_timeout
+        log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="muxd-bench-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log_dir / f"server-{policy or 'default'}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Launch without waiting (the model loads meanwhile); `wait_ready` blocks until /ready answers 200."""
+        if self.proc is None:
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            with self.log.open("w") as log:
+                self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ApplianceError(f"muxd serve ({' '.join(self.args[3:])}) exited with {self.proc.returncode}:"
+                                     f"\n{self._log_tail()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise ApplianceError(f"muxd serve not ready after {self.ready_timeout:g} s; its log:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,213 @@
+"""One benchmark run end to end: the workload (trace or synthetic, shaped for the served model), prompts, and a
+`Session` per target (a URL, a `muxd serve` launched per policy, or the engine in process) that replays it once or
+at many rates for a capacity sweep.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from appliance.bench import workload as wl
+from appliance.bench.client import HttpTarget, InProcessTarget, ReplayResult, probe_server, replay
+from appliance.bench.launcher import ServerProcess
+from appliance.bench.metrics import PERCENTILES, SLO, RequestTimeline, summarize
+from appliance.bench.prompts import PromptSynth
+from appliance.bench.traces import RequestSpec, load_trace
+from appliance.errors import ConfigError
+
+
+@dataclass
+class BenchOptions:
+    """Everything `muxd bench` was asked to do (flags, validated by the CLI)."""
+
+    trace: Path | None = None           # None: synthetic
+    trace_format: str = "auto"
+    num_prompts: int = 100              # synthetic
+    input_len: str = "256"
+    output_len: str = "64"
+    window: tuple[float, float] | None = None
+    skip: int = 0
+    max_requests: int | None = None
+    request_rate: float | None = None   # None: the trace's own times (synthetic: inf)
+    speedup: float | None = None
+    burstiness: float = 1.0
+    seed: int = 0
+    max_model_len: int | None = None
+    url: str | None = None
+    endpoint: str = "completions"
+    served_model_name: str | None = None
+    model: str | None = None            # served model (launch / in-process) and default tokenizer source
+    tokenizer: str | None = None
+    policies: list[str] = field(default_factory=list)
+    serve_args: list[str] = field(default_factory=list)
+    in_process: bool = False
+    ready_timeout: float = 600.0
+    temperature: float = 0.0
+    max_concurrency: int | None = None
+    request_timeout: float | None = None
+    slo: SLO | None = None
+    percentiles: tuple[float, ...] = PERCENTILES
+    result_dir: Path | None = None
+    save_detailed: bool = False
+    spread_ties: bool = False           # spread requests sharing a timestamp over the gap to the next one
+    simulate: bool = False              # replay on the simulated executor (no server, no GPU)
+    profile: Path | None = None         # latency profile for --simulate (default: the roofline prior)
+    gpu: str = "h100"                   # the GPU --simulate plans for
+
+    @property
+    def model_or_default(self) -> str:
+        return self.model or "embedded"
+
+
+def model_dir(name: str) -> Path:
+    from appliance.config import EMBEDDED_MODEL_DIR
+
+    return EMBEDDED_MODEL_DIR if name == "embedded" else Path(name).expanduser()
+
+
+def prompt_synth(opts: BenchOptions) -> PromptSynth | None:
+    """Tokenizer from --tokenizer, else --model (launched and in-process servers default to the embedded model);
+    a URL target without either only works with a trace that records its prompt texts."""
+    source = opts.tokenizer or opts.model or (None if opts.url else "embedded")
+    if source is None:
+        return None
+    return PromptSynth.from_model_dir(model_dir(source), seed=opts.seed)
+
+
+def load_workload(opts: BenchOptions, synth: PromptSynth | None) -> list[RequestSpec]:
+    """The requests before re-timing and clipping: the trace (window, skip, limit) or a synthetic set."""
+    if opts.trace is None:
+        rate = opts.request_rate if opts.request_rate is not None else math.inf
+        specs = wl.synthetic(opts.num_prompts, rate, wl.LengthDist.parse(opts.input_len, "--input-len"),
+                             wl.LengthDist.parse(opts.output_len, "--output-len"), opts.burstiness, opts.seed)
+        return wl.select(specs, opts.window, opts.skip, opts.max_requests)
+    count = (lambda text: len(synth.tokenizer.encode(text))) if synth and synth.tokenizer else None
+    specs = load_trace(opts.trace, opts.trace_format, count_tokens=count)
+    specs = wl.select(specs, opts.window, opts.skip, opts.max_requests)
+    return wl.spread_ties(specs, opts.seed) if opts.spread_ties else specs
+
+
+def shape(raw: list[RequestSpec], opts: BenchOptions, max_model_len: int | None,
+          rate: float | None = None) -> tuple[list[RequestSpec], list[str]]:
+    """Re-time (to `rate`, else the options' rate or speed-up) and clip to the context; returns notes to report."""
+    notes = []
+    if rate is not None:
+        specs = wl.retime(raw, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
+    elif opts.trace is None:
+        specs = wl.retime(raw, speedup=opts.speedup) if opts.speedup else list(raw)
+    else:
+        specs = wl.retime(raw, opts.request_rate, opts.speedup, opts.burstiness, opts.seed)
+    limits = [x for x in (max_model_len, opts.max_model_len) if x]
+    limit = min(limits) if limits else None
+    if limit:
+        specs, clipped = wl.clip_to_context(specs, limit)
+        if clipped:
+            notes.append(f"{clipped} of {len(specs)} requests clipped to the context of {limit} tokens")
+    else:
+        notes.append("the server does not report max_model_len and --max-model-len is not set: nothing clipped")
+    return specs, notes
+
+
+class Session:
+    """A target kept up for one or more replays: a context manager owning its event loop, and the server process
+    or engine when it starts one."""
+
+    def __init__(self, opts: BenchOptions, policy: str | None = None) -> None:
+        self.opts, self.policy = opts, policy
+        self.label = policy or ("in-process" if opts.in_process else (opts.url or "muxd"))
+        self.loop = asyncio.new_event_loop()
+        self.server: ServerProcess | None = None
+        self.engine: Any = None
+        self.target: HttpTarget | InProcessTarget | None = None
+        self.model_id = ""
+        self.max_model_len: int | None = None
+        self.backend = "in-process" if opts.in_process else ("openai-chat" if opts.endpoint == "chat" else "openai")
+
+    def __enter__(self) -> "Session":
+        try:
+            self.loop.run_until_complete(self._open())
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    async def _open(self) -> None:
+        opts = self.opts
+        if opts.in_process:
+            from appliance.config import ServeConfig
+            from appliance.engine.async_engine import AsyncEngine
+
+            cfg = ServeConfig(model=opts.model_or_default, planner=self.policy or "serial")
+            cfg.validate()
+            engine = await asyncio.to_thread(cfg.build_engine)
+            self.engine = AsyncEngine(engine)
+            self.engine.start()
+            self.model_id, self.max_model_len = cfg.model_name, engine.max_model_len
+            self.target = InProcessTarget(self.engine, opts.temperature, self.label)
+            return
+        url = opts.url
+        if url is None:
+            self.server = ServerProcess(opts.model_or_default, self.policy, opts.serve_args, opts.ready_timeout,
+                                        opts.result_dir)
+            await asyncio.to_thread(self.server.__enter__)
+            url = self.server.url
+        self.model_id, self.max_model_len = await probe_server(url, opts.served_model_name)
+        self.target = HttpTarget(url, self.model_id, opts.endpoint, opts.temperature, label=self.label)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if isinstance(self.target, HttpTarget):
+                self.loop.run_until_complete(self.target.aclose())
+            if self.engine is not None:
+                self.engine.shutdown()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def replay(self, specs: list[RequestSpec], prompts: list[str | list[int]],
+               on_done: Callable[[RequestTimeline], None] | None = None) -> ReplayResult:
+        assert self.target is not None, "use the session as a context manager"
+        self.loop.run_until_complete(self._check(prompts[0]))
+        return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
+                                                   self.opts.request_timeout, on_done))
+
+    async def _check(self, prompt: str | list[int]) -> None:
+        """One short request before the replay, so a wrong model name or endpoint fails clearly and at once."""
+        probe = RequestSpec(0.0, 1, 2)
+        timeline = RequestTimeline(arrival=0.0)
+        try:
+            await self.target.send(prompt[:8] if isinstance(prompt, list) else prompt[:64], probe, timeline)
+        except Exception as exc:  # noqa: BLE001 - reported as a configuration problem
+            timeline.error = f"{type(exc).__name__}: {exc}"
+        if timeline.error or not timeline.token_times:
+            raise ConfigError(f"{self.label}: the test request failed ({timeline.error or 'no token came back'}); "
+                              "check --url, --endpoint, --served-model-name")
+
+    def summarize(self, result: ReplayResult, specs: list[RequestSpec], notes: list[str],
+                  rate: float | None = None) -> dict[str, Any]:
+        """The vLLM-style result JSON of one replay: run metadata, then the metrics. `request_rate` is the rate
+        asked for (None: the trace's own times), `offered_rate` what the replayed arrivals averaged."""
+        opts = self.opts
+        requested = rate if rate is not None else opts.request_rate
+        out: dict[str, Any] = {
+            "date": result.started_at, "backend": self.backend, "label": self.label, "policy": self.policy,
+            "model_id": self.model_id, "tokenizer_id": opts.tokenizer or opts.model,
+            "trace": str(opts.trace) if opts.trace else "synthetic", "num_prompts": len(specs),
+            "request_rate": _rate_value(requested), "offered_rate": _rate_value(wl.offered_rate(specs)),
+            "speedup": opts.speedup, "burstiness": opts.burstiness,
+            "max_concurrency": opts.max_concurrency,
+        }
+        out.update(summarize(result.timelines, result.duration, opts.slo, specs, opts.percentiles,
+                             opts.save_detailed))
+        out["short_outputs"] = result.short_outputs
+        out["notes"] = notes + result.notes
+        return out
+
+
+def _rate_value(rate: float | None) -> float | str | None:
+    return "inf" if rate is not None and math.isinf(rate) else rate

@@ -1,0 +1,114 @@
+"""Capacity search: the highest request rate whose SLO attainment meets the target, found by bracketing (doubling or
+halving the rate) then bisection, each point a full replay; every point goes to `summary.csv` (as `vllm bench sweep`
+writes it) and the result to `sweep.json`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from appliance.errors import ConfigError
+
+SUMMARY_COLUMNS = ("request_rate", "passed", "slo_attainment", "request_goodput", "request_throughput",
+                   "output_throughput", "completed", "failed", "duration")
+
+
+@dataclass
+class SweepPoint:
+    rate: float
+    attainment: float
+    passed: bool
+    summary: dict[str, Any]
+
+
+@dataclass
+class SweepResult:
+    """Points in the order they ran; capacity = the highest passing rate (None when even the lowest failed)."""
+
+    label: str
+    target: float
+    points: list[SweepPoint] = field(default_factory=list)
+    capacity: float | None = None
+    bracketed: bool = False  # a failing rate above the capacity was seen (else capacity is only a lower bound)
+
+
+def find_capacity(measure: Callable[[float], dict[str, Any]], target: float, start_rate: float,
+                  tolerance: float = 0.05, max_points: int = 12, min_rate: float = 0.01,
+                  max_rate: float = math.inf, label: str = "",
+                  passes: Callable[[dict[str, Any]], bool] | None = None) -> SweepResult:
+    """measure(rate) runs one replay at `rate` requests/s and returns its summary (with `slo_attainment`).
+
+    Bracketing: double the rate while it passes, halve it while it fails, until one passing and one failing rate
+    are known (or min_rate/max_rate is reached); then bisect until (fail - pass) / pass <= tolerance. Attainment is
+    assumed to fall as the rate rises; each point is one measurement, so noise near the capacity can move it by
+    about the tolerance. `passes(summary)`, when given, adds a condition a rate must also meet (e.g. an SLO
+    contract's percentile targets).
+    """
+    if not 0 < target <= 1:
+        raise ConfigError(f"--attainment must be in (0, 1], got {target}")
+    if not start_rate > 0 or math.isinf(start_rate):
+        raise ConfigError(f"--start-rate must be a finite number > 0, got {start_rate}")
+    if not 0 < tolerance < 1:
+        raise ConfigError(f"--tolerance must be in (0, 1), got {tolerance}")
+    if max_points < 2:
+        raise ConfigError(f"--max-points must be >= 2, got {max_points}")
+    result = SweepResult(label, target)
+
+    def run(rate: float) -> bool:
+        summary = measure(rate)
+        attainment = summary.get("slo_attainment")
+        if attainment is None:
+            raise ConfigError("a capacity sweep needs an SLO: pass --goodput (or --slo)")
+        point = SweepPoint(rate, attainment, attainment >= target and (passes is None or passes(summary)), summary)
+        result.points.append(point)
+        return point.passed
+
+    lo, hi = None, None
+    rate = min(max(start_rate, min_rate), max_rate)
+    while len(result.points) < max_points:
+        if run(rate):
+            lo = rate
+            if hi is not None or rate >= max_rate:
+                break
+            rate = min(rate * 2, max_rate)
+        else:
+            hi = rate
+            if lo is not None or rate <= min_rate:
+                break
+            rate = max(rate / 2, min_rate)
+    while lo is not None and hi is not None and (hi - lo) / lo > tolerance and len(result.points) < max_points:
+        mid = (lo + hi) / 2
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    result.capacity, result.bracketed = lo, hi is not None
+    return result
+
+
+def write_summary(results: list[SweepResult], out_dir: Path) -> tuple[Path, Path]:
+    """summary.csv (one row per point, every policy) and sweep.json (capacities and points)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for res in results:
+        for p in res.points:
+            row: dict[str, Any] = {"policy": res.label, "request_rate": p.rate, "passed": p.passed}
+            row.update({k: v for k, v in p.summary.items() if isinstance(v, (int, float)) and k not in row})
+            rows.append(row)
+    extra = sorted({k for r in rows for k in r} - set(SUMMARY_COLUMNS) - {"policy"})
+    columns = ["policy", *SUMMARY_COLUMNS, *extra]
+    csv_path = out_dir / "summary.csv"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path = out_dir / "sweep.json"
+    json_path.write_text(json.dumps([{
+        "policy": r.label, "target_attainment": r.target, "capacity": r.capacity, "bracketed": r.bracketed,
+        "points": [{"request_rate": p.rate, "slo_attainment": p.attainment, "passed": p.passed} for p in r.points],
+    } for r in results], indent=2))
+    return csv_path, json_path

@@ -1,0 +1,67 @@
+"""The Predictor the dispatcher and the simulator ask: solo latency from one LatencyModel (the roofline prior or a
+fitted solo-run model), times the contention guard's worst case when prefill and decode share the GPU.
+
+It also knows the partitions the executor offers: decode SM counts (multiples of the granularity), prefill gets
+the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.roofline import DeviceSpec, RooflineModel
+from appliance.predictor.workload import DecodeLoad, LatencyModel, PrefillItem
+
+DEFAULT_GRANULARITY = 16  # decode partitions of 16, 32, ... SMs (the multiplex executor's default)
+
+
+def partition_choices(sm_count: int, granularity: int = DEFAULT_GRANULARITY) -> tuple[int, ...]:
+    """Decode SM counts k * granularity that leave prefill at least `granularity` SMs."""
+    return tuple(range(granularity, sm_count - granularity + 1, granularity))
+
+
+@dataclass
+class Predictor:
+    latency: LatencyModel
+    guard: ContentionGuard
+    num_layers: int
+    sm_count: int
+    decode_partitions: tuple[int, ...]
+    source: str = "roofline prior"
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def prior(cls, model: ModelConfig, device: DeviceSpec, granularity: int = DEFAULT_GRANULARITY) -> "Predictor":
+        """The roofline prior, guarded by the device's worst-case contention."""
+        return cls(RooflineModel(model, device), ContentionGuard(default=1.0 + device.contention), model.num_layers,
+                   device.sm_count, partition_choices(device.sm_count, min(granularity, device.sm_count // 2)))
+
+    def _sms(self, sms: int | None) -> int:
+        return self.sm_count if sms is None else sms
+
+    def prefill_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
+        """All layers of a prefill batch, alone on `sms` SMs (None: all)."""
+        return self.latency.prefill_ms(items, self._sms(sms))
+
+    def prefill_layers_ms(self, items: Sequence[PrefillItem], layers: int, sms: int | None = None) -> float:
+        return self.prefill_ms(items, sms) * layers / self.num_layers
+
+    def decode_ms(self, load: DecodeLoad, sms: int | None = None,
+                  concurrent: Sequence[PrefillItem] = ()) -> float:
+        """One decode step on `sms` SMs; with `concurrent` prefill work on the other SMs, the guarded worst case."""
+        solo = self.latency.decode_ms(load, self._sms(sms))
+        if sms is None or not concurrent:
+            return solo
+        return solo * self.guard.slowdown(sms, concurrent, load)
+
+    def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
+        """One aggregated forward (decode rows and prefill chunks together) on all SMs."""
+        return self.latency.mixed_ms(items, load, self.sm_count)
+
+    def observe_decode(self, load: DecodeLoad, sms: int, concurrent: Sequence[PrefillItem],
+                       measured_ms: float) -> None:
+        """Online refinement from a measured decode step that ran beside `concurrent` prefill work."""
+        if concurrent:
+            self.guard.observe(sms, concurrent, load, self.latency.decode_ms(load, sms), measured_ms)

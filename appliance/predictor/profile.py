@@ -1,0 +1,168 @@
+"""The profile file: a versioned JSON naming the model (by shape), the GPU and the muxd version, holding the fitted
+solo-run coefficients per partition and the contention guard's cells. `build_profile` fits one from samples
+(`muxd profile` measures them on the GPU; tests draw them from a known function); `load_predictor` turns a file
+into a Predictor, falling back to the roofline prior with a warning when the file is missing or does not match.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from appliance import __version__
+from appliance.errors import ConfigError
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
+from appliance.predictor.solo import SoloModel, fit_error, fit_solo
+from appliance.predictor.workload import Sample
+
+log = logging.getLogger("muxd.predictor")
+FORMAT, VERSION = "muxd-profile", 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelInfo(_Model):
+    name: str
+    shape: dict[str, int]
+
+
+class GpuInfo(_Model):
+    name: str
+    sm_count: int = Field(gt=0)
+
+
+class CellEntry(_Model):
+    cell: tuple[int, int, int, int, int]  # decode SMs, prefill new bin, prefill reused bin, batch bin, reused bin
+    slowdown: float = Field(ge=1.0)
+
+
+class ProfileFile(_Model):
+    format: Literal["muxd-profile"] = FORMAT
+    version: int = VERSION
+    muxd_version: str = __version__
+    created: str = ""
+    model: ModelInfo
+    gpu: GpuInfo
+    decode_partitions: list[int]
+    prefill: dict[str, list[float]]   # SM count -> a, b, c, d
+    decode: dict[str, list[float]]    # SM count -> e, f, g
+    contention_default: float = Field(ge=1.0)
+    contention: list[CellEntry] = []
+    fit: dict[str, float] = {}        # relative errors of the fit on its samples
+
+    def predictor(self, num_layers: int, source: str) -> Predictor:
+        solo = SoloModel({int(k): tuple(v) for k, v in self.prefill.items()},
+                         {int(k): tuple(v) for k, v in self.decode.items()})
+        guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
+        return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source)
+
+
+def model_shape(cfg: ModelConfig) -> dict[str, int]:
+    """What makes two models the same for latency: their shapes, not their names or weights."""
+    return {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size}
+
+
+def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelConfig, gpu_name: str, sm_count: int,
+                  decode_partitions: Sequence[int]) -> ProfileFile:
+    """Fit the solo-run model per partition and the contention cells from measured samples."""
+    solo = fit_solo(samples)
+    guard = ContentionGuard(default=1.0)
+    for s in samples:
+        if s.kind == "contended":
+            guard.observe(s.sms, s.prefill, s.decode, solo.decode_ms(s.decode, s.sms), s.ms)
+    err = fit_error(solo, samples)
+    return ProfileFile(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        model=ModelInfo(name=model_name, shape=model_shape(model)), gpu=GpuInfo(name=gpu_name, sm_count=sm_count),
+        decode_partitions=sorted(decode_partitions),
+        prefill={str(k): list(v) for k, v in solo.prefill.items()},
+        decode={str(k): list(v) for k, v in solo.decode.items()},
+        contention_default=max(guard.cells.values(), default=1.0),
+        contention=[CellEntry(cell=c, slowdown=v) for c, v in sorted(guard.cells.items())],
+        fit={"prefill_max_rel_error": err.prefill_max, "prefill_mean_rel_error": err.prefill_mean,
+             "decode_max_rel_error": err.decode_max, "decode_mean_rel_error": err.decode_mean})
+
+
+def save_profile(profile: ProfileFile, path: str | Path) -> None:
+    Path(path).write_text(profile.model_dump_json(indent=1) + "\n", encoding="utf-8")
+
+
+def read_profile(path: str | Path) -> ProfileFile:
+    """Parse a profile file; ConfigError naming the file and the field when it is not one."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"profile {path}: cannot read it ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"profile {path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ConfigError(f"profile {path}: not a muxd profile (its 'format' must be {FORMAT!r})")
+    if raw.get("version") != VERSION:
+        raise ConfigError(f"profile {path}: format version {raw.get('version')!r} is not supported by muxd "
+                          f"{__version__} (it reads version {VERSION}); profile the GPU again with `muxd profile`")
+    try:
+        return ProfileFile.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"profile {path}: field {where}: {first['msg']}") from None
+
+
+def mismatch(profile: ProfileFile, model: ModelConfig, device: DeviceSpec, gpu_name: str) -> str | None:
+    """Why the profile does not describe this model on this GPU, or None when it does."""
+    shape = model_shape(model)
+    if profile.model.shape != shape:
+        diff = ", ".join(f"{k} {profile.model.shape.get(k)} != {v}" for k, v in shape.items()
+                         if profile.model.shape.get(k) != v)
+        return f"it was measured for model {profile.model.name!r} of another shape ({diff})"
+    try:
+        same_gpu = device_spec(profile.gpu.name).name == device.name
+    except ConfigError:
+        same_gpu = profile.gpu.name == gpu_name
+    if not same_gpu or profile.gpu.sm_count != device.sm_count:
+        return f"it was measured on {profile.gpu.name} ({profile.gpu.sm_count} SMs), this is {gpu_name}"
+    return None
+
+
+def load_predictor(path: str | Path | None, model: ModelConfig, gpu_name: str) -> Predictor:
+    """The predictor for serving `model` on `gpu_name` ('cpu', 'h100' or the CUDA device name): the profile when
+    it matches, else the roofline prior (with a warning saying why)."""
+    try:
+        device = device_spec(gpu_name)
+        notes = []
+    except ConfigError:
+        device = DEVICES["h100"]
+        notes = [f"no ceilings known for {gpu_name!r}; the prior uses H100 figures"]
+    reason = None
+    if path is None:
+        reason = "no --profile given"
+    else:
+        try:
+            profile = read_profile(path)
+            reason = mismatch(profile, model, device, gpu_name)
+        except ConfigError as exc:
+            reason = str(exc)
+    if reason is None:
+        if profile.muxd_version != __version__:
+            notes.append(f"profile {path} was written by muxd {profile.muxd_version}; this is {__version__} "
+                         "(profile again if step times changed)")
+        predictor = profile.predictor(model.num_layers, f"profile {path}")
+    else:
+        predictor = Predictor.prior(model, device)
+        notes.append(f"latency predictor: using the roofline prior for {device.name} ({reason})")
+    for note in notes:
+        log.warning(note)
+    predictor.notes.extend(notes)
+    return predictor

@@ -1,0 +1,77 @@
+"""Whether a replay kept the contract, computed with the bench metrics: a request is good when it completed and
+met its TTFT (per its uncached prompt), TPOT and E2E targets; the contract holds when the good fraction reaches the
+attainment, the TTFT target holds at its percentile, and the TBT target holds at its percentile over every gap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from appliance.bench.metrics import RequestTimeline, good_flags, request_metrics, summarize
+from appliance.bench.traces import RequestSpec
+from appliance.slo.contract import ClassSLO, Contract
+
+
+class ContractSLO:
+    """The contract's default class as a bench SLO (`targets_for(spec)` in ms). Traces carry no class, so every
+    request is judged by the default class; `uncached(spec)` gives the prompt tokens its TTFT target grows with."""
+
+    def __init__(self, contract: Contract, uncached: Callable[[RequestSpec], int] | None = None) -> None:
+        self.contract = contract
+        self.slo: ClassSLO = contract.slo_for(None)
+        self.uncached = uncached or (lambda spec: spec.prompt_len)
+
+    def targets_for(self, spec: RequestSpec | None) -> dict[str, float]:
+        tokens = self.uncached(spec) if spec is not None else 0
+        out = {"ttft": self.slo.ttft_target_ms(tokens)}
+        if self.slo.tpot_ms is not None:
+            out["tpot"] = self.slo.tpot_ms
+        if self.slo.e2e_ms is not None:
+            out["e2el"] = self.slo.e2e_ms
+        return out
+
+    def describe(self) -> str:
+        return f"contract {self.contract.name}"
+
+
+@dataclass
+class ContractReport:
+    met: bool
+    attainment: float          # good requests / all requests (refused ones count as missed)
+    ttft_ok: float             # requests meeting their TTFT target / all requests
+    tbt_ms: float              # the TBT percentile of the contract over every gap of every request
+    summary: dict[str, Any]    # the bench summary (vLLM keys: p99_ttft_ms, p99_itl_ms, request_goodput, ...)
+    misses: dict[str, str] = field(default_factory=dict)  # "attainment" / "tbt" / "ttft" -> why it was missed
+
+    @property
+    def reasons(self) -> list[str]:
+        return list(self.misses.values())
+
+
+def evaluate(contract: Contract, timelines: Sequence[RequestTimeline], specs: Sequence[RequestSpec],
+             uncached: Callable[[RequestSpec], int] | None = None) -> ContractReport:
+    slo = ContractSLO(contract, uncached)
+    s = slo.slo
+    summary = summarize(timelines, slo=slo, specs=specs)
+    gaps = [g for t in timelines if t.success for g in request_metrics(t).itls]
+    tbt = float(np.percentile(np.asarray(gaps) * 1e3, s.tbt_percentile)) if gaps else 0.0
+    ttft_ok = np.mean(good_flags(timelines, _OnlyTTFT(slo), specs)) if timelines else 0.0
+    attainment = summary["slo_attainment"] or 0.0
+    misses = {}
+    if attainment < contract.attainment:
+        misses["attainment"] = f"attainment {attainment:.1%} < {contract.attainment:.1%}"
+    if tbt > s.tbt_ms:
+        misses["tbt"] = f"p{s.tbt_percentile:g} TBT {tbt:.1f} ms > {s.tbt_ms:g} ms"
+    if ttft_ok < s.ttft_percentile / 100:
+        misses["ttft"] = f"TTFT met by {ttft_ok:.1%} < {s.ttft_percentile:g} %"
+    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses)
+
+
+class _OnlyTTFT:
+    def __init__(self, slo: ContractSLO) -> None:
+        self.slo = slo
+
+    def targets_for(self, spec: RequestSpec | None) -> dict[str, float]:
+        return {"ttft": self.slo.targets_for(spec)["ttft"]}

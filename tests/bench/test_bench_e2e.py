@@ -1,0 +1,124 @@
+"""`muxd bench` end to end against the embedded model: policies side by side (bench starts `muxd serve` per policy)
+with the table, JSON and PNGs; the same replay through --url and in process gives the same counts; a Mooncake
+replay hits the server's prefix cache; bad flags are refused before anything starts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from appliance.bench.launcher import ServerProcess
+from appliance.cli import app
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+AZURE = [
+    "--trace", str(DATA / "azure_code_2023_head200.csv"), "--max-requests", "8", "--speedup", "2",
+    "--max-model-len", "512", "--goodput", "ttft:5000", "--goodput", "tpot:500", "--no-progress",
+]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(*args: str):
+    result = CliRunner().invoke(app, ["bench", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def booting(tmp_path_factory):
+    """The test's own `muxd serve`, launched at once and waited for only where it is used (it loads meanwhile)."""
+    server = ServerProcess("embedded", log_dir=tmp_path_factory.mktemp("server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server(booting):
+    booting.wait_ready()
+    return booting
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory, booting):
+    out = tmp_path_factory.mktemp("bench")
+    result = bench(*AZURE, "--policies", "serial,layerwise", "--result-dir", str(out), "--save-detailed")
+    return out, result.output
+
+
+def test_policies_side_by_side(side_by_side):
+    out, output = side_by_side
+    for text in ("serial", "layerwise", "layerwise / serial", "TTFT p99 (ms)", "Request goodput (req/s)",
+                 "no SM-partition timeline"):
+        assert text in output
+    serial = json.loads((out / "result-serial.json").read_text())
+    layerwise = json.loads((out / "result-layerwise.json").read_text())
+    for r, policy in ((serial, "serial"), (layerwise, "layerwise")):
+        assert (r["completed"], r["failed"], r["policy"], r["backend"]) == (8, 0, policy, "openai")
+        assert r["total_output_tokens"] == sum(r["output_lens"]) == 10 + 8 + 27 + 14 + 12 + 14 + 9 + 23
+        assert r["request_goodput"] is not None and 0 <= r["slo_attainment"] <= 1
+        for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                    "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "duration"):
+            assert isinstance(r[key], float) and r[key] > 0, key
+    # the same prompts for both: exact lengths, the recorded ones clipped to the 512-token context
+    assert serial["input_lens"] == layerwise["input_lens"] == [502, 504, 110, 498, 34, 374, 503, 34]
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert comparison["baseline"] == "serial"
+    assert comparison["ratios"]["layerwise"]["completed"] == 1.0
+    for png in ("ttft_cdf.png", "tbt_cdf.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+    assert (out / "server-serial.log").is_file()
+
+
+def test_url_and_in_process_replays_match(side_by_side, server, tmp_path):
+    out, _ = side_by_side
+    launched = json.loads((out / "result-serial.json").read_text())
+    result = bench(*AZURE, "--url", server.url, "--tokenizer", "embedded", "--result-dir", str(tmp_path / "url"))
+    via_url = json.loads((tmp_path / "url" / "result.json").read_text())
+    bench(*AZURE, "--in-process", "--result-dir", str(tmp_path / "local"))
+    local = json.loads((tmp_path / "local" / "result.json").read_text())
+    for r in (via_url, local):
+        for key in ("completed", "failed", "total_input_tokens", "total_output_tokens", "num_prompts"):
+            assert r[key] == launched[key], key
+    assert via_url["model_id"] == "muxd-embedded" and local["backend"] == "in-process"
+    assert server.url in result.output
+    # chat: the template adds prompt tokens, the outputs are still forced to the recorded lengths
+    bench(*AZURE, "--url", server.url, "--tokenizer", "embedded", "--endpoint", "chat", "--max-concurrency", "4",
+          "--result-dir", str(tmp_path / "chat"))
+    chat = json.loads((tmp_path / "chat" / "result.json").read_text())
+    assert (chat["completed"], chat["backend"], chat["max_concurrency"]) == (8, "openai-chat", 4)
+    assert chat["total_output_tokens"] == launched["total_output_tokens"]
+    assert chat["total_input_tokens"] > launched["total_input_tokens"]
+
+
+def test_mooncake_replay_exercises_the_prefix_cache(server):
+    def cached() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("muxd:cached_prompt_tokens_total"))
+
+    before = cached()
+    bench("--url", server.url, "--tokenizer", "embedded", "--trace", str(DATA / "mooncake_conversation_head200.jsonl"),
+          "--max-requests", "6", "--request-rate", "20", "--max-model-len", "1100")
+    # the six requests share hash id 0 (one 512-token block): every one after the first reuses it from the cache
+    assert cached() - before >= 5 * 512
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policies", "serial,warp"], "warp not available in this muxd; it serves"),
+    (["--url", "http://127.0.0.1:9", "--policies", "serial"], "--policies and --in-process start their own"),
+    (["--slo", "contract.yaml"], "--slo"),
+    (["--goodput", "ttft"], "--goodput"),
+    (["--endpoint", "grpc"], "--endpoint"),
+    (["--serve-args", "--port 9000"], "set by muxd bench"),
+    (["--trace", "/nonexistent.csv", "--in-process"], "trace file not found"),
+    (["--url", "http://127.0.0.1:9", "--trace", str(DATA / "azure_code_2023_head200.csv")], "--tokenizer"),
+    (["--window", "9:3"], "--window"),
+])
+def test_bad_flags_are_refused_before_starting(args, message):
+    result = CliRunner().invoke(app, ["bench", *args, "--no-progress"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output

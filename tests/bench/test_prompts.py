@@ -1,0 +1,91 @@
+"""Prompt synthesis: exact token lengths under the served tokenizer, token-id prompts without one, and Mooncake
+hash ids turned into shared token prefixes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.bench.prompts import PromptSynth
+from appliance.bench.traces import RequestSpec, load_azure, load_mooncake
+from appliance.bench.workload import clip_to_context
+from appliance.config import EMBEDDED_MODEL_DIR
+from appliance.errors import ConfigError
+from appliance.model_zoo.tokenizer import Tokenizer
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+DUMMY = Path(__file__).resolve().parents[2] / "configs" / "models" / "llama-3.1-8b"
+
+
+@pytest.fixture(scope="module")
+def synth() -> PromptSynth:
+    return PromptSynth.from_model_dir(EMBEDDED_MODEL_DIR)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def shared_blocks(a: RequestSpec, b: RequestSpec) -> int:
+    return common_prefix(list(a.hash_ids), list(b.hash_ids))
+
+
+def test_text_prompts_have_the_exact_token_count(synth):
+    specs, _ = clip_to_context(load_azure(DATA / "azure_code_2023_head200.csv")[:60], 2048)
+    tok = Tokenizer(EMBEDDED_MODEL_DIR)
+    for i, spec in enumerate(specs):
+        prompt = synth.prompt(spec, i)
+        assert isinstance(prompt, str)
+        assert len(tok.encode(prompt)) == spec.prompt_len  # as the server counts it: BOS included
+    assert synth.inexact == 0
+    # seeded per request: the same request gets the same prompt, another request another one
+    assert synth.prompt(specs[3], 3) == PromptSynth.from_model_dir(EMBEDDED_MODEL_DIR).prompt(specs[3], 3)
+    assert synth.prompt(specs[3], 3) != synth.prompt(specs[3], 4)
+
+
+def test_mooncake_hash_prefixes_become_token_prefixes(synth):
+    specs, _ = clip_to_context(load_mooncake(DATA / "mooncake_conversation_head200.jsonl"), 3072)
+    tokens = [synth.token_ids(s, i) for i, s in enumerate(specs)]
+    assert [len(t) for t in tokens] == [s.prompt_len for s in specs]
+    special = synth.num_special
+    checked = deep = 0
+    for i in range(len(specs)):
+        for j in range(i + 1, len(specs)):
+            k = shared_blocks(specs[i], specs[j])
+            if k == 0:
+                continue
+            want = min(special + k * 512, len(tokens[i]), len(tokens[j]))
+            assert tokens[i][:want] == tokens[j][:want], (i, j, k)
+            if k < min(len(specs[i].hash_ids), len(specs[j].hash_ids)):  # the next blocks differ
+                assert tokens[i][want:want + 512] != tokens[j][want:want + 512]
+            checked += 1
+            deep += k >= 2
+    assert checked > 100 and deep >= 5  # the slice has multi-turn reuse beyond the shared system block
+
+
+def test_token_id_prompts_for_models_without_tokenizer():
+    synth = PromptSynth.from_model_dir(DUMMY)
+    assert not synth.uses_text
+    a = RequestSpec(0, 1000, 4, hash_ids=(7, 8), block_size=512)
+    b = RequestSpec(0, 700, 4, hash_ids=(7, 9), block_size=512)
+    pa, pb = synth.prompt(a, 0), synth.prompt(b, 1)
+    assert (len(pa), len(pb)) == (1000, 700)
+    assert all(isinstance(t, int) and 16 <= t < 128256 for t in pa)
+    assert pa[:512] == pb[:512] and pa[512:700] != pb[512:700]
+    plain = synth.prompt(RequestSpec(0, 33, 1), 5)
+    assert len(plain) == 33 and plain != synth.prompt(RequestSpec(0, 33, 1), 6)
+
+
+def test_recorded_text_is_sent_as_is(synth):
+    assert synth.prompt(RequestSpec(0, 3, 2, prompt="def f(x):"), 0) == "def f(x):"
+
+
+def test_bad_model_dirs(tmp_path):
+    with pytest.raises(ConfigError, match="neither tokenizer.json nor config.json"):
+        PromptSynth.from_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text('{"vocab_size": "big"}')
+    with pytest.raises(ConfigError, match="vocab_size must be an integer"):
+        PromptSynth.from_model_dir(tmp_path)

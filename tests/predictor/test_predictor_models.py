@@ -1,0 +1,193 @@
+"""Predictor models: the solo-run fit recovers a known function, the contention guard keeps cell maxima and learns
+online, the roofline prior scales with SMs and calibrates, and profile files load or fall back to the prior."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance import __version__
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.contention import ContentionGuard, cell_of
+from appliance.predictor.predictor import Predictor, partition_choices
+from appliance.predictor.profile import build_profile, load_predictor, read_profile, save_profile
+from appliance.predictor.roofline import DEVICES, RooflineModel
+from appliance.predictor.solo import fit_error, fit_solo
+from appliance.predictor.synthetic import SyntheticGPU, sample_grid, synthetic_profile
+from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
+LLAMA_8B = ModelConfig.from_file(CONFIGS / "llama-3.1-8b" / "config.json")
+QWEN_7B = ModelConfig.from_file(CONFIGS / "qwen2.5-7b" / "config.json")
+
+# a known latency function: MuxWise's form with different coefficients per partition (ms)
+TRUE_PREFILL = {32: (4e-7, 3e-7, 0.05, 6.0), 100: (1.3e-7, 1e-7, 0.016, 5.5), 132: (1e-7, 8e-8, 0.012, 5.0)}
+TRUE_DECODE = {32: (2.0e-4, 0.05, 7.0), 100: (1.1e-4, 0.02, 5.2), 132: (1.1e-4, 0.015, 5.0)}
+
+
+def known_samples(rng: np.random.Generator, count: int) -> list[Sample]:
+    samples = []
+    for sms, (a, b, c, d) in TRUE_PREFILL.items():
+        for _ in range(count):
+            items = tuple(PrefillItem(int(rng.integers(16, 16384)), int(rng.integers(0, 32768)))
+                          for _ in range(int(rng.integers(1, 4))))
+            n2 = sum(i.new ** 2 for i in items)
+            nr = sum(i.new * i.reused for i in items)
+            n = sum(i.new for i in items)
+            samples.append(Sample("prefill", sms, a * n2 + b * nr + c * n + d, prefill=items))
+    for sms, (e, f, g) in TRUE_DECODE.items():
+        for _ in range(count):
+            bs = int(rng.integers(1, 256))
+            load = DecodeLoad(bs, bs * int(rng.integers(128, 16384)))
+            samples.append(Sample("decode", sms, e * load.reused_tokens + f * bs + g, decode=load))
+    return samples
+
+
+def test_solo_fit_recovers_a_known_function():
+    rng = np.random.default_rng(0)
+    model = fit_solo(known_samples(rng, 40))
+    err = fit_error(model, known_samples(rng, 200))  # held out
+    assert err.prefill_max <= 0.02 and err.decode_max <= 0.02
+    for sms, truth in TRUE_PREFILL.items():
+        assert np.allclose(model.prefill[sms], truth, rtol=0.02)
+    for sms, truth in TRUE_DECODE.items():
+        assert np.allclose(model.decode[sms], truth, rtol=0.02)
+    # between profiled partitions the smaller one answers (never optimistic)
+    items = [PrefillItem(4096, 0)]
+    assert model.prefill_ms(items, 120) == model.prefill_ms(items, 100) > model.prefill_ms(items, 132)
+
+
+def test_solo_fit_with_noise_stays_close():
+    rng = np.random.default_rng(1)
+    noisy = [dataclasses.replace(s, ms=s.ms * (1 + rng.normal(0, 0.01))) for s in known_samples(rng, 60)]
+    err = fit_error(fit_solo(noisy), known_samples(rng, 100))
+    assert err.prefill_mean < 0.02 and err.decode_mean < 0.02
+
+
+def test_fit_needs_enough_samples():
+    with pytest.raises(Exception, match="needs at least 4"):
+        fit_solo([Sample("prefill", 132, 10.0, prefill=(PrefillItem(100),))] * 3
+                 + [Sample("decode", 132, 5.0, decode=DecodeLoad(1, 10))] * 3)
+
+
+def test_contention_guard_returns_cell_maximum_and_learns_online():
+    guard = ContentionGuard(default=1.3)
+    items, load = [PrefillItem(3000, 0)], DecodeLoad(16, 16 * 4000)
+    for measured in (11.0, 12.5, 11.8):  # solo prediction 10 ms
+        guard.observe(32, items, load, 10.0, measured)
+    assert guard.slowdown(32, items, load) == pytest.approx(1.25)
+    # same cell: another prefill size inside the bin, another batch inside its bin
+    assert guard.slowdown(32, [PrefillItem(4000, 100)], DecodeLoad(20, 20 * 3000)) == pytest.approx(1.25)
+    assert cell_of(32, items, load) != cell_of(48, items, load)
+    # a cell never measured: the worst of its partition; a partition never measured: the device default
+    assert guard.slowdown(32, [PrefillItem(16000, 0)], load) == pytest.approx(1.25)
+    assert guard.slowdown(64, items, load) == pytest.approx(1.3)
+    assert guard.slowdown(32, [], load) == 1.0  # nothing runs beside decode
+    # online refinement: a slower step raises the cell at once, a faster one does not lower it
+    assert guard.observe(32, items, load, 10.0, 14.0) == pytest.approx(1.4)
+    assert guard.slowdown(32, items, load) == pytest.approx(1.4)
+    guard.observe(32, items, load, 10.0, 10.5)
+    assert guard.slowdown(32, items, load) == pytest.approx(1.4)
+
+
+def test_predictor_applies_the_guard_only_beside_prefill():
+    p = Predictor.prior(LLAMA_8B, DEVICES["h100"])
+    load, items = DecodeLoad(32, 32 * 4096), [PrefillItem(8192, 0)]
+    solo = p.decode_ms(load, 32)
+    assert p.decode_ms(load, 32, items) == pytest.approx(solo * 1.3)
+    p.observe_decode(load, 32, items, solo * 1.1)
+    assert p.decode_ms(load, 32, items) == pytest.approx(solo * 1.1)
+    assert p.decode_ms(load, None, items) == p.decode_ms(load)  # all SMs: nothing runs beside it
+    assert p.decode_partitions == partition_choices(132) == (16, 32, 48, 64, 80, 96, 112)
+
+
+def test_roofline_scales_with_sms():
+    m = RooflineModel(LLAMA_8B, DEVICES["h100"])
+    # decode is memory bound: past the bandwidth knee more SMs do not help; below it they do
+    load = DecodeLoad(16, 16 * 4096)
+    assert m.decode_ms(load, 64) == pytest.approx(m.decode_ms(load, 132))
+    assert m.decode_ms(load, 16) > 2 * m.decode_ms(load, 64)
+    # a long prefill is compute bound: half the SMs, about twice the time
+    items = [PrefillItem(8192, 0)]
+    assert m.prefill_ms(items, 66) / m.prefill_ms(items, 132) == pytest.approx(2.0, rel=0.02)
+    # attention-aware: the same new tokens after a long cached prefix cost more
+    assert m.prefill_ms([PrefillItem(2048, 32768)], 132) > 1.5 * m.prefill_ms([PrefillItem(2048, 0)], 132)
+    # a mixed batch costs less than its parts run one after the other (the weights are read once)
+    assert m.mixed_ms(items, load, 132) < m.prefill_ms(items, 132) + m.decode_ms(load, 132)
+    # the same model on a faster memory system decodes faster
+    assert RooflineModel(LLAMA_8B, DEVICES["h200"]).decode_ms(load, 132) < m.decode_ms(load, 132)
+
+
+def test_roofline_calibration_from_a_few_samples():
+    prior = RooflineModel(QWEN_7B, DEVICES["h100"])
+    measured = [Sample("prefill", 132, 1.25 * prior.prefill_ms([PrefillItem(n)], 132), prefill=(PrefillItem(n),))
+                for n in (512, 2048, 8192)]
+    measured += [Sample("decode", 64, 1.6 * prior.decode_ms(DecodeLoad(b, b * 2048), 64),
+                        decode=DecodeLoad(b, b * 2048)) for b in (1, 32)]
+    calibrated = prior.calibrated(measured)
+    assert calibrated.prefill_scale == pytest.approx(1.25) and calibrated.decode_scale == pytest.approx(1.6)
+    assert calibrated.prefill_ms([PrefillItem(4000, 1000)], 100) == pytest.approx(
+        1.25 * prior.prefill_ms([PrefillItem(4000, 1000)], 100))
+
+
+def test_profile_of_a_synthetic_gpu_round_trips(tmp_path):
+    gpu = SyntheticGPU(LLAMA_8B, DEVICES["h100"])
+    parts = partition_choices(132)
+    profile = synthetic_profile(gpu, parts, "llama-3.1-8b")
+    assert profile.fit["prefill_mean_rel_error"] < 0.03 and profile.fit["decode_mean_rel_error"] < 0.03
+    path = tmp_path / "profile.json"
+    save_profile(profile, path)
+    raw = json.loads(path.read_text())
+    assert (raw["format"], raw["version"], raw["muxd_version"]) == ("muxd-profile", 1, __version__)
+    assert raw["model"]["name"] == "llama-3.1-8b" and raw["gpu"] == {"name": "H100", "sm_count": 132}
+    p = load_predictor(path, LLAMA_8B, "NVIDIA H100 80GB HBM3")
+    assert p.source == f"profile {path}" and p.decode_partitions == parts
+    load, items = DecodeLoad(32, 32 * 8192), [PrefillItem(4096, 0)]
+    # the guard holds the worst contention seen in each cell: every profiled step is covered by the worst case
+    contended = [s for s in sample_grid(gpu, parts) if s.kind == "contended"]
+    assert contended and all(p.decode_ms(s.decode, s.sms, s.prefill) >= s.ms * (1 - 1e-9) for s in contended)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda raw: raw["model"]["shape"].update(num_layers=28), "another shape"),
+    (lambda raw: raw["gpu"].update(name="H200"), "measured on H200"),
+    (lambda raw: raw.update(version=99), "format version 99"),
+    (lambda raw: raw.update(format="something-else"), "not a muxd profile"),
+    (lambda raw: raw.pop("prefill"), "field prefill"),
+])
+def test_mismatched_profile_falls_back_to_the_prior(tmp_path, caplog, change, reason):
+    gpu = SyntheticGPU(LLAMA_8B, DEVICES["h100"])
+    raw = json.loads(synthetic_profile(gpu, (32, 64), "llama").model_dump_json())
+    change(raw)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="muxd.predictor"):
+        p = load_predictor(path, LLAMA_8B, "h100")
+    assert p.source == "roofline prior"
+    assert reason in caplog.text and "roofline prior" in caplog.text
+    assert isinstance(p.latency, RooflineModel)
+
+
+def test_missing_profile_and_other_muxd_version(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="muxd.predictor"):
+        assert load_predictor(tmp_path / "none.json", LLAMA_8B, "h100").source == "roofline prior"
+        assert load_predictor(None, LLAMA_8B, "cpu").sm_count == DEVICES["cpu"].sm_count
+    assert "cannot read" in caplog.text and "no --profile given" in caplog.text
+    profile = synthetic_profile(SyntheticGPU(LLAMA_8B, DEVICES["h100"]), (32,), "llama")
+    path = tmp_path / "old.json"
+    save_profile(profile.model_copy(update={"muxd_version": "0.0.1"}), path)
+    p = load_predictor(path, LLAMA_8B, "h100")
+    assert p.source.startswith("profile") and any("0.0.1" in n for n in p.notes)
+    assert read_profile(path).muxd_version == "0.0.1"
+
+
+def test_profile_needs_every_phase():
+    gpu = SyntheticGPU(LLAMA_8B, DEVICES["h100"])
+    only_decode = [s for s in sample_grid(gpu, (32,)) if s.kind == "decode"]
+    with pytest.raises(Exception, match="prefill and for decode"):
+        build_profile(only_decode, model_name="x", model=LLAMA_8B, gpu_name="H100", sm_count=132,
+                      decode_partitions=(32,))

@@ -1,0 +1,147 @@
+"""Every policy runs on the synchronous CPU engine (partitions ignored) and produces serial's greedy tokens; the
+contract's queue limit and shedding reach Engine.submit; SLO classes are checked against the contract."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.request import SamplingParams
+from appliance.errors import CapacityError, ConfigError, RequestError
+from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.predictor import Predictor
+from appliance.slo.dispatcher import MuxPlanner
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+class SlowTable:
+    """Prefill 10 ms per new token (so each step advances one layer), decode 45 ms on 32 SMs, never aggregated."""
+
+    def prefill_ms(self, items, sms):
+        return 10.0 * sum(i.new for i in items)
+
+    def decode_ms(self, load, sms):
+        return {16: 80.0, 32: 45.0}.get(sms, 20.0) if load.batch_size else 0.0
+
+    def mixed_ms(self, items, load, sms):
+        return 1e6
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 9, 33, 17, 25)]
+
+
+def staggered(engine: Engine) -> list[list[int]]:
+    """Two prompts first, the rest after a few steps, so prefills meet running decodes."""
+    reqs = [engine.make_request(p, GREEDY) for p in prompts()]
+    for r in reqs[:2]:
+        engine.submit(r)
+    for _ in range(3):
+        engine.step()
+    for r in reqs[2:]:
+        engine.submit(r)
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_checkpoint):
+    path, _ = llama_checkpoint
+    return staggered(Engine.from_pretrained(path, config=EngineConfig(num_pages=64)))
+
+
+@pytest.mark.parametrize("policy, extra", [
+    ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {})])
+def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
+    path, _ = llama_checkpoint
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner=policy.split("-")[0], **extra))
+    if policy == "mux-spatial":
+        planner = engine.scheduler.planner
+        layers = engine.model.config.num_layers
+        engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(SlowTable(), ContentionGuard(default=1.0),
+                                                                         layers, 132, (16, 32)))
+        assert isinstance(planner, MuxPlanner)
+    seen = []
+    inner = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: seen.append(inner()) or seen[-1]
+    assert staggered(engine) == reference
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    if policy == "chunked":
+        assert any(p.mixed and p.decode and p.prefill for p in seen)
+        assert all(len(p.decode) + sum(w.num_tokens for w in p.prefill) <= 12 for p in seen if p.prefill)
+    if policy == "mux":  # the CPU prior finds one mixed step fast enough: aggregated
+        assert engine.scheduler.planner.stats.aggregated_steps > 0
+    if policy == "mux-spatial":
+        spatial = [p for p in seen if p.decode_sms is not None]
+        assert spatial and all(p.decode_sms == 32 and p.prefill_sms == 100 for p in spatial)
+        assert any(w.layer_end - w.layer_start == 1 for p in spatial for w in p.prefill)
+
+
+def write_contract(tmp_path, overload: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"""\
+name: tiny
+targets:
+  ttft: {{ms: 1000}}
+  tbt: {{ms: 50}}
+classes:
+  chat: {{priority: 0}}
+  batch: {{priority: 1}}
+overload: {overload}
+""")
+    return str(path)
+
+
+def test_contract_queue_limit(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    slo = write_contract(tmp_path, "{mode: queue, queue_limit: 2}")
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, slo=slo))
+    engine.add_request(prompts()[0], GREEDY)
+    engine.add_request(prompts()[1], GREEDY)
+    with pytest.raises(CapacityError, match="limit 2"):
+        engine.add_request(prompts()[2], GREEDY)
+
+
+def test_mux_sheds_with_retry_after(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    slo = write_contract(tmp_path, "{mode: shed}")
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, slo=slo, planner="mux"))
+    layers = engine.model.config.num_layers
+    engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(SlowTable(), ContentionGuard(), layers, 132,
+                                                                     (16, 32)))
+    ids = [engine.add_request(p, GREEDY) for p in prompts()[1:]]  # 9 + 33 + 17 + 25 tokens: 840 ms
+    with pytest.raises(CapacityError, match="TTFT target") as info:
+        engine.add_request(prompts()[0], GREEDY)  # 400 ms of its own behind 840 ms: misses 1 s
+    assert info.value.retry_after >= 1
+    assert list(engine.scheduler.requests) == ids  # the shed request left nothing behind
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_slo_class_is_checked(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, slo=write_contract(tmp_path, "{}")))
+    assert engine.slo_class("batch") == "batch" and engine.slo_class(None) is None
+    with pytest.raises(RequestError, match="'premium' is not in contract 'tiny'; classes: chat, batch") as info:
+        engine.slo_class("premium")
+    assert info.value.param == "slo_class"
+    request = engine.make_request(prompts()[0], GREEDY)
+    request.slo_class = "premium"
+    with pytest.raises(RequestError):
+        engine.submit(request)
+    default = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
+    assert default.contract.class_names() == ["default"]
+
+
+def test_bad_policy_and_contract_fail_at_config(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    with pytest.raises(ConfigError, match="mux, chunked, serial, layerwise"):
+        Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="fastest"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntargets: {ttft: {ms: 1}, tbt: {ms: 0}}\n")
+    with pytest.raises(ConfigError, match="bad.yaml:2: targets.tbt.ms"):
+        Engine.from_pretrained(path, config=EngineConfig(num_pages=64, slo=str(bad)))
