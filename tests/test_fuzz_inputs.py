@@ -16,7 +16,7 @@ from appliance.config import EMBEDDED_MODEL_DIR
 from appliance.errors import ApplianceError, RequestError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.tokenizer import Tokenizer, compile_chat_template
-from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
+from appliance.server.protocol import ChatCompletionRequest, bodies_for
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
@@ -57,12 +57,14 @@ def test_config_json_that_is_not_a_config_is_refused_cleanly(tmp_path_factory, r
 
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "stream_options", "n", "logprobs", "tools", "response_format", "user", "stop_token_ids", "unknown"]
+          "stream_options", "n", "logprobs", "tools", "response_format", "user", "stop_token_ids", "slo_class",
+          "unknown"]
 
 
 @given(body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), chat=st.booleans())
 def test_any_json_body_validates_or_is_a_clean_error(body, chat):
-    model = ChatCompletionRequest if chat else CompletionRequest.for_vocabulary(4096)
+    completion, chat_request = bodies_for(4096, ["default", "batch"])
+    model = chat_request if chat else completion
     try:
         request = model.model_validate(body)
     except (ValidationError, RequestError):

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from appliance.errors import ModelLoadError
+from appliance.errors import ConfigError
 
 
 def _integral(value: Any) -> Any:
@@ -72,19 +72,24 @@ class ConfigFields(_Fields):
 
 
 def check_fields(raw: Any, source: str) -> None:
-    """Raise ModelLoadError naming every field of `raw` (a parsed config.json) with a wrong type or range."""
+    """Raise ConfigError naming every field of `raw` (a parsed config.json) with a wrong type or range."""
     if not isinstance(raw, dict):
-        raise ModelLoadError(f"{source}: must hold a JSON object of model settings, got {type(raw).__name__}")
+        raise ConfigError(f"{source}: must hold a JSON object of model settings, got {type(raw).__name__}")
     try:
         fields = ConfigFields.model_validate(raw)
     except ValidationError as exc:
         problems = []
-        for e in exc.errors():
-            where = ".".join(str(x) for x in e["loc"] if not str(x).startswith(("function-", "list[", "constrained")))
+        paths = [[str(x) for x in e["loc"] if not str(x).startswith(("function-", "list[", "constrained"))]
+                 for e in exc.errors()]
+        for e, path in zip(exc.errors(), paths):
+            if any(len(other) > len(path) and other[:len(path)] == path for other in paths):
+                continue  # a union member failed deeper inside: that error says more
+            *outer, name = path
+            where = f"{name!r} (in {'.'.join(outer)!r})" if outer else repr(name)
             msg = "should be a JSON object" if e["type"] in ("model_type", "dict_type") else e["msg"].lower()
-            problems.append(f"field {where!r} is {e.get('input')!r}: {msg}")
-        raise ModelLoadError(f"{source}: " + "; ".join(dict.fromkeys(problems))) from None
+            problems.append(f"field {where} is {e.get('input')!r}: {msg}")
+        raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(problems))) from None
     heads, hidden = fields.num_attention_heads, fields.hidden_size
     if fields.head_dim is None and heads and hidden and hidden % heads:
-        raise ModelLoadError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+        raise ConfigError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
                              "give head_dim explicitly")

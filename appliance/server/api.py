@@ -19,6 +19,7 @@ from appliance.server import responses as r
 from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
 from appliance.server.lifecycle import ServerState
+from appliance.slo.contract import default_contract, load_contract
 
 log = logging.getLogger("muxd.server")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -76,9 +77,10 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
         serving = state.require_ready()
         return r.ModelList(data=[r.ModelCard(id=cfg.model_name, max_model_len=serving.max_model_len)])
 
-    # token-id prompts are bounded by the model's vocabulary, in validation and in the schema
-    completion_body = p.CompletionRequest.for_vocabulary(
-        ModelConfig.from_file(resolve_model_dir(cfg.model_dir) / "config.json").vocab_size)
+    # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
+    contract = load_contract(cfg.slo) if cfg.slo else default_contract()
+    completion_body, chat_body = p.bodies_for(
+        ModelConfig.from_file(resolve_model_dir(cfg.model_dir) / "config.json").vocab_size, list(contract.classes))
 
     @app.post("/v1/completions", response_model=None, responses={
         **openapi.streamed(r.CompletionResponse, r.CompletionResponse), **openapi.errors(*openapi.GENERATE_ERRORS)})
@@ -88,7 +90,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
     @app.post("/v1/chat/completions", response_model=None, responses={
         **openapi.streamed(r.ChatCompletionResponse, r.ChatCompletionChunk),
         **openapi.errors(*openapi.GENERATE_ERRORS)})
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+    async def chat_completions(body: chat_body, request: Request):  # type: ignore[valid-type]
         return await state.require_ready().chat(body, request)
 
     return app

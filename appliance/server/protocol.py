@@ -143,7 +143,7 @@ def _as_token_id(x: Any) -> int | None:
 
 
 class CompletionRequest(_SamplingRequest):
-    vocab_size: ClassVar[int | None] = None  # set by for_vocabulary: token ids must be below it
+    vocab_size: ClassVar[int | None] = None  # set by bodies_for: token ids must be below it
 
     prompt: Prompt
     max_tokens: Count | None = 16
@@ -151,15 +151,6 @@ class CompletionRequest(_SamplingRequest):
     best_of: Int | None = Field(None, json_schema_extra=_off_enum("best_of"), description="Only 1.")
     suffix: str | None = Field(None, json_schema_extra=_off_enum("suffix"), description="Not implemented.")
     logprobs: Int | None = Field(None, json_schema_extra=_off_enum("logprobs"), description="Not implemented: only 0.")
-
-    @classmethod
-    def for_vocabulary(cls, vocab_size: int) -> type["CompletionRequest"]:
-        """This body with token ids bounded by the served model's vocabulary, in validation and in the schema."""
-        token_id = bounded_int(ge=0, le=vocab_size - 1)
-        model = create_model("CompletionRequest", __base__=cls, __doc__=cls.__doc__,
-                             prompt=(_prompt_type(token_id), ...))
-        model.vocab_size = vocab_size
-        return model
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -257,3 +248,16 @@ class ChatCompletionRequest(_SamplingRequest):
 def _preview(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+    """The request bodies of one served model, in validation and in the schema: token ids below its vocabulary,
+    `slo_class` one of its SLO contract's classes."""
+    slo_class = (Literal[tuple(slo_classes)] | None, Field(None, description=(  # type: ignore[valid-type]
+        "Extension: the request class of the SLO contract (or the X-SLO-Class header).")))
+    completion = create_model("CompletionRequest", __base__=CompletionRequest, __doc__=CompletionRequest.__doc__,
+                              prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class)
+    completion.vocab_size = vocab_size
+    chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest,
+                        __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class)
+    return completion, chat

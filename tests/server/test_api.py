@@ -165,6 +165,7 @@ BAD_BODIES = [
     ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"messages": CHAT, "n": True}, "n"),
+    ("chat/completions", {"messages": CHAT, "slo_class": "platinum"}, "slo_class"),  # not a class of the contract
 ]
 
 
@@ -188,7 +189,7 @@ def test_non_finite_numbers_are_refused(server, raw, param):
 def test_fields_clients_send_at_their_defaults_are_accepted(server, model_name):
     common = {"model": model_name, "max_tokens": 2, "n": 1, "user": "u-1", "presence_penalty": 0,
               "frequency_penalty": 0.0, "temperature": None, "top_p": 1, "seed": None, "stop": None,
-              "logit_bias": {}, "stream": False, "slo_class": "interactive"}
+              "logit_bias": {}, "stream": False, "slo_class": "default"}
     chat = httpx.post(server.url + "/v1/chat/completions", json={
         **common, "messages": [{"role": "system", "content": "Be brief.", "name": "rules"},
                                {"role": "user", "content": [{"type": "text", "text": "hi"}]},

@@ -30,6 +30,8 @@ def test_the_schema_documents_what_the_server_sends(server):
     assert httpx.get(server.url + "/metrics").headers["content-type"] == list(metrics)[0]
     prompt = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     assert {"type": "integer", "minimum": 0, "maximum": 4095} in [branch.get("items") for branch in prompt["anyOf"]]
+    slo_class = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["slo_class"]
+    assert {"const": "default", "type": "string"} in slo_class["anyOf"]  # the one class of the default contract
 
 
 def test_bounded_schemathesis_run_finds_no_failure(server):
