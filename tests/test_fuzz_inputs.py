@@ -1,22 +1,25 @@
-"""Property-based fuzzing of what users hand muxd: config.json (ModelConfig), request bodies (the pydantic
-protocol), chat templates and messages, and the tokenizer. Each may succeed or fail with muxd's own error naming
+"""Property-based fuzzing of what users hand muxd: config.json (ModelConfig), the SLO contract YAML, request bodies
+(the pydantic protocol), chat templates and messages, and the tokenizer. Each may succeed or fail with muxd's own error naming
 what is wrong, never with anything else. The `reliability` hypothesis profile (tests/conftest.py; scripts/reliability.py fuzz)
 runs many more cases than the default `ci` one.
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from appliance.config import EMBEDDED_MODEL_DIR
-from appliance.errors import ApplianceError, RequestError
+from appliance.errors import ApplianceError, ContractError, RequestError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.tokenizer import Tokenizer, compile_chat_template
 from appliance.server.protocol import ChatCompletionRequest, bodies_for
+from appliance.slo.contract import Contract, parse_contract
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
@@ -54,6 +57,48 @@ def test_config_json_that_is_not_a_config_is_refused_cleanly(tmp_path_factory, r
     path.write_bytes(raw)
     with pytest.raises(ApplianceError):
         ModelConfig.from_file(path)
+
+
+CONTRACT = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "slo" / "chat.yaml").read_text())
+
+
+def _edit(doc: dict, path: list[str], value) -> dict:
+    """A copy of doc with `value` put at `path` (missing levels created, scalars replaced)."""
+    out = json.loads(json.dumps(doc))
+    node = out
+    for key in path[:-1]:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+SLO_KEYS = st.sampled_from(["version", "name", "attainment", "targets", "ttft", "tbt", "ms", "percentile",
+                            "per_1k_tokens_ms", "classes", "interactive", "priority", "default_class", "overload",
+                            "mode", "queue_limit", "tpot", "e2e", "x"])
+
+
+@given(edits=st.lists(st.tuples(st.lists(SLO_KEYS, min_size=1, max_size=4), JSON), max_size=3))
+def test_slo_contract_with_random_edits_loads_or_lists_its_problems(edits):
+    doc = CONTRACT
+    for path, value in edits:
+        doc = _edit(doc, path, value)
+    text = yaml.safe_dump(doc, allow_unicode=True)
+    try:
+        contract = parse_contract(text, "contract.yaml")
+    except ContractError as exc:
+        assert exc.problems and all(p.message and p.line >= 0 for p in exc.problems)
+    else:
+        assert isinstance(contract, Contract) and contract.classes
+
+
+@given(text=st.text(max_size=300))
+def test_any_text_as_slo_contract_is_a_contract_or_a_contract_error(text):
+    try:
+        parse_contract(text, "contract.yaml")
+    except ContractError as exc:
+        assert exc.problems
 
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
@@ -120,3 +165,8 @@ def test_template_errors_are_named(retemplated):
     retemplated.set_chat_template("{{ 1 / 0 }}")
     with pytest.raises(RequestError, match="ZeroDivisionError"):
         retemplated.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_control_character_in_a_contract_is_a_located_problem():
+    with pytest.raises(ContractError, match=r"contract.yaml:2: not valid YAML: character U\+001F"):
+        parse_contract("version: 1\nname: \x1f\n", "contract.yaml")
