@@ -25,7 +25,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
                                                                               max_size=4), max_leaves=12)
 BASE = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
-CONFIG_KEYS = sorted(BASE) + ["rope_scaling", "head_dim", "architectures", "use_sliding_window", "text_config"]
+CONFIG_KEYS = sorted(BASE) + ["rope_scaling", "rope_parameters", "head_dim", "architectures", "use_sliding_window",
+                               "sliding_window", "partial_rotary_factor", "text_config"]
 
 
 @pytest.fixture(scope="module")

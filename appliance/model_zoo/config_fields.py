@@ -64,7 +64,6 @@ class ConfigFields(_Fields):
     mlp_bias: bool | None = None
     tie_word_embeddings: bool | None = None
     use_sliding_window: bool | None = None
-    sliding_window: Count | None = None
     torch_dtype: str | None = None
     dtype: str | None = None
     bos_token_id: TokenId | None = None

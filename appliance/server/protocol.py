@@ -253,7 +253,8 @@ def _preview(value: Any, limit: int = 60) -> str:
 def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
     """The request bodies of one served model, in validation and in the schema: token ids below its vocabulary,
     `slo_class` one of its SLO contract's classes."""
-    slo_class = (Literal[tuple(slo_classes)] | None, Field(None, description=(  # type: ignore[valid-type]
+    # the engine checks the class (and the X-SLO-Class header) with its own message; the schema names the classes
+    slo_class = (Text | None, Field(None, json_schema_extra={"enum": [*slo_classes, None]}, description=(
         "Extension: the request class of the SLO contract (or the X-SLO-Class header).")))
     completion = create_model("CompletionRequest", __base__=CompletionRequest, __doc__=CompletionRequest.__doc__,
                               prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class)
