@@ -82,6 +82,16 @@ def serve(
                                            "(default: on with CUDA, off on CPU)."),
     cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Replay decode steps as CUDA "
                                     "graphs (CUDA with the flashinfer backend); off for debugging."),
+    multiplex: Optional[bool] = typer.Option(None, "--multiplex/--no-multiplex", help="Run prefill and decode at "
+                                             "once on disjoint SM partitions (default: on with CUDA for the mux and "
+                                             "layerwise policies)."),
+    partition_granularity: int = typer.Option(16, help="Decode partitions are multiples of this many SMs (a "
+                                                       "multiple of 8 on Hopper)."),
+    layerwise_decode_sms: int = typer.Option(64, help="SMs the layerwise policy gives decode while prefill runs."),
+    preemption: bool = typer.Option(True, "--preemption/--no-preemption", help="mux: a short prompt may preempt "
+                                    "a long prefill between layers."),
+    trace_dir: Optional[str] = typer.Option(None, help="Write the executor's timeline (Chrome-trace JSON) here "
+                                                       "when the server stops; GET /debug/timeline serves it live."),
     log_level: str = typer.Option("info", help="debug, info, warning, error."),
 ) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -99,7 +109,8 @@ def serve(
                       max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, seed=seed,
                       chat_template=chat_template, api_key=api_key, max_request_bytes=max_request_bytes,
                       shutdown_timeout=shutdown_timeout, attention_backend=attention_backend, compile=compile,
-                      cuda_graph=cuda_graph)
+                      cuda_graph=cuda_graph, multiplex=multiplex, partition_granularity=partition_granularity,
+                      layerwise_decode_sms=layerwise_decode_sms, preemption=preemption, trace_dir=trace_dir)
     try:
         cfg.validate()
     except ApplianceError as exc:

@@ -62,6 +62,11 @@ class ServeConfig:
     attention_backend: str = "auto"
     compile: bool | None = None     # None: on CUDA, off on CPU
     cuda_graph: bool = True
+    multiplex: bool | None = None
+    partition_granularity: int = 16
+    layerwise_decode_sms: int = 64
+    preemption: bool = True
+    trace_dir: str | None = None
 
     @property
     def model_dir(self) -> Path:
@@ -96,6 +101,11 @@ class ServeConfig:
         check_policy(self.planner)
         if self.slo is not None:
             load_contract(self.slo)  # every problem of the contract, with its line, before the model loads
+        if self.partition_granularity < 8 or self.partition_granularity % 8:
+            raise ConfigError(f"--partition-granularity must be a positive multiple of 8 SMs, got "
+                              f"{self.partition_granularity}")
+        if self.multiplex and not self.resolved_device().startswith("cuda"):
+            raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
         if self.chunk_budget is not None and self.chunk_budget < 1:
             raise ConfigError(f"--chunk-budget must be >= 1, got {self.chunk_budget}")
         if self.dtype != "auto":
@@ -154,6 +164,8 @@ class ServeConfig:
             gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
             planner=self.planner, max_waiting=self.max_waiting, slo=self.slo, profile=self.profile,
             attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph,
+            multiplex=self.multiplex, partition_granularity=self.partition_granularity,
+            layerwise_decode_sms=self.layerwise_decode_sms, preemption=self.preemption,
             # vLLM's --max-num-batched-tokens: the tokens of one step, so also the chunked policy's budget
             chunk_budget=self.chunk_budget if self.chunk_budget is not None else self.max_num_batched_tokens,
             **({} if self.max_num_batched_tokens is None else {"max_prefill_tokens": self.max_num_batched_tokens}))

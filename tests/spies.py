@@ -1,4 +1,4 @@
-"""Test instrumentation: observe every forward of an engine's runner (plan and the logits it produced)."""
+"""Test instrumentation: observe every iteration an engine launches (its plan and the logits its forwards made)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -7,13 +7,36 @@ import torch
 
 
 def on_forward(engine, callback: Callable[[object, dict[str, torch.Tensor]], None]) -> Callable[[], None]:
-    """Call callback(plan, {request id: logits row}) after each forward; returns a function that removes the spy."""
-    inner = engine.runner.forward
+    """Call callback(plan, {request id: logits row}) after each launched plan; returns a function that removes the
+    spy. Logits of prefill chunks that end a prompt appear with the plan that launched them."""
+    runner, executor = engine.runner, engine.executor
+    seen: dict[str, torch.Tensor] = {}
 
-    def spy(plan, requests):
-        ids, logits = inner(plan, requests)
-        callback(plan, {i: row.clone() for i, row in zip(ids, logits)} if ids else {})
-        return ids, logits
+    def watch(name: str) -> None:
+        inner = getattr(runner, name)
 
-    engine.runner.forward = spy
-    return lambda: engine.runner.__dict__.pop("forward", None)
+        def spy(*args, **kwargs):
+            ids, logits = inner(*args, **kwargs)
+            seen.update({i: row.clone() for i, row in zip(ids, logits)} if ids else {})
+            return ids, logits
+
+        setattr(runner, name, spy)
+
+    for name in ("decode", "prefill", "forward"):
+        watch(name)
+    inner_launch = executor.launch
+
+    def launch(plan, requests):
+        seen.clear()
+        out = inner_launch(plan, requests)
+        callback(plan, dict(seen))
+        return out
+
+    executor.launch = launch
+
+    def undo() -> None:
+        for name in ("decode", "prefill", "forward"):
+            runner.__dict__.pop(name, None)
+        executor.__dict__.pop("launch", None)
+
+    return undo

@@ -15,6 +15,8 @@ import torch
 
 from appliance.attention import BACKEND_NAMES
 from appliance.engine.compile import compile_layers
+from appliance.multiplex.executor import Executor
+from appliance.multiplex.partitions import SPATIAL_POLICIES, PartitionSet, partitions_available
 from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.request import Request, RequestOutput, SamplingParams
@@ -28,6 +30,7 @@ from appliance.model_zoo.tokenizer import Tokenizer
 CPU_DEFAULT_KV_BYTES = 512 << 20
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for prompt + max_tokens over the context
 GRAPH_RESERVE_BYTES = 512 << 20  # graph pool, attention workspaces of the captured sizes
+PREFILL_WORKSPACE_BYTES = 160 << 20  # a prefill attention backend's workspaces
 log = logging.getLogger("muxd.engine")
 
 
@@ -51,6 +54,10 @@ class EngineConfig:
     compile: bool | None = None             # torch.compile each layer; None: on CUDA, off on CPU
     cuda_graph: bool = True                 # capture decode CUDA graphs (CUDA and a graph-capable backend only)
     max_graph_batch: int | None = None      # largest captured decode batch; default min(max_num_seqs, 256)
+    multiplex: bool | None = None           # SM partitions; None: on with CUDA for the spatial policies
+    partition_granularity: int = 16         # decode partitions are multiples of this many SMs
+    layerwise_decode_sms: int = 64          # the layerwise policy's fixed decode partition
+    preemption: bool = True                 # mux: a short prompt may preempt a long prefill between layers
 
     def validate(self) -> None:
         from appliance.slo.policies import POLICIES
@@ -64,7 +71,8 @@ class EngineConfig:
             raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(POLICIES)}")
         if self.chunk_budget is not None and self.chunk_budget < 1:
             raise ConfigError(f"chunk_budget must be >= 1, got {self.chunk_budget}")
-        for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_waiting", "layers_per_step"):
+        for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_waiting", "layers_per_step",
+                     "partition_granularity", "layerwise_decode_sms"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -98,6 +106,7 @@ class Engine:
         self.compiled = False
         if config.compile if config.compile is not None else cuda:
             self.compiled = compile_layers(model)
+        self.partitions = self._partitions(device)
         reserve = 0
         if cuda or self.compiled:
             start = time.perf_counter()
@@ -117,20 +126,36 @@ class Engine:
                               f"{config.page_size} = {capacity} tokens); lower it or give the cache more memory")
         self.scheduler = Scheduler(self.pool, mcfg.num_layers, self._planner(device), config.max_num_seqs)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
+        self.executor = Executor(self.runner, self.partitions)
         if cuda and config.cuda_graph:
             start = time.perf_counter()
-            graphs = self.runner.capture_graphs(self.max_graph_batch)
-            if graphs is not None:
-                self.startup["graph_capture_s"] = time.perf_counter() - start
-                self.startup["graph_memory_bytes"] = graphs.memory_bytes
+            self.executor.capture(self.max_graph_batch)
+            self.startup["graph_capture_s"] = time.perf_counter() - start
+            self.startup["graph_memory_bytes"] = self.executor.graph_memory_bytes() or (
+                self.runner.graphs.memory_bytes if self.runner.graphs else 0)
+        if self.predictor is not None and self.executor.multiplexed:
+            self.predictor.decode_partitions = [p.decode_sms for p in self.partitions.splits]
         graphs = self.runner.graphs
-        log.info("engine: attention %s, compiled %s, decode graphs %s, %d KV pages of %d tokens",
+        log.info("engine: attention %s, compiled %s, decode graphs %s, %s, %d KV pages of %d tokens",
                  self.runner.backend_name, self.compiled,
-                 f"{graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "off", num_pages, config.page_size)
+                 f"{graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "off",
+                 f"SM partitions (decode/prefill) {', '.join(f'{p.decode_sms}/{p.prefill_sms}' for p in self.partitions.splits)}"
+                 if self.executor.multiplexed else "no SM partitions", num_pages, config.page_size)
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids)
         self._detok: dict[str, Detokenizer] = {}
         self._counter = itertools.count()
         self.num_preemptions = 0
+
+    def _partitions(self, device: torch.device) -> PartitionSet:
+        """SM partitions when multiplexing (default: CUDA and a spatial policy), else the null partition."""
+        cfg = self.config
+        want = cfg.multiplex if cfg.multiplex is not None else (
+            device.type == "cuda" and cfg.planner in SPATIAL_POLICIES and partitions_available())
+        if not want:
+            return PartitionSet.null()
+        if device.type != "cuda":
+            raise ConfigError(f"--multiplex needs a CUDA device; the model is on {device}")
+        return PartitionSet.create(device, cfg.partition_granularity)
 
     def _planner(self, device: torch.device):
         """The policy's planner; the contract (and for mux the predictor) come from the config's files."""
@@ -145,7 +170,8 @@ class Engine:
             gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             self.predictor = load_predictor(cfg.profile, self.model.config, gpu)
         options = PolicyOptions(max_prefill_tokens=cfg.max_prefill_tokens, layers_per_step=cfg.layers_per_step,
-                                chunk_budget=cfg.chunk_budget)
+                                chunk_budget=cfg.chunk_budget, preemption=cfg.preemption,
+                                layerwise_decode_sms=cfg.layerwise_decode_sms)
         return build_planner(cfg.planner, options, self.contract, self.predictor)
 
     def slo_class(self, name: str | None) -> str | None:
@@ -187,7 +213,9 @@ class Engine:
         torch.cuda.empty_cache()
         sampling = cfg.max_num_seqs * mcfg.vocab_size * 4 * 6  # logits, probs, sort values + indices, noise
         graphs = self.max_graph_batch * mcfg.vocab_size * 4 + GRAPH_RESERVE_BYTES if cfg.cuda_graph else 0
-        return peak + sampling + graphs
+        # with SM partitions: a graph set and a prefill attention workspace per partition
+        return peak + sampling + graphs * len(self.partitions.partitions) + PREFILL_WORKSPACE_BYTES * (
+            len(self.partitions.partitions) if not self.partitions.full.is_null else 0)
 
     def _pool_size(self, device: torch.device, dtype: torch.dtype, reserve: int = 0) -> int:
         """Pages for the KV cache: explicit, or what the memory budget holds after `reserve` bytes for activations,
@@ -265,12 +293,16 @@ class Engine:
         return self.submit(self.make_request(prompt, params, request_id))
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free all its pages now; False if it is not (or no longer) here."""
+        """Drop a request wherever it is and free all its pages now; False if it is not (or no longer) here.
+
+        Kernels already launched for it run to their end first, so its pages never go to another request while
+        they may still be written."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
+        self.executor.settle(request_id)
         self.scheduler.finish(request, "abort", aborted=True)
-        self.runner.release(request_id)
+        self.executor.release(request_id)
         self._detok.pop(request_id, None)
         return True
 
@@ -279,17 +311,28 @@ class Engine:
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: merge prefills that finished, plan, launch (decode waits for its tokens, prefill may
+        finish iterations later), record the decode step. With nothing to launch, wait for in-flight prefill."""
+        outputs = self._merge(self.executor.poll())
         plan = self.scheduler.schedule()
         for rid in self.scheduler.drain_preempted():
-            self.runner.release(rid)
+            self.executor.release(rid)
             self.num_preemptions += 1
         if plan.empty:
-            if self.scheduler.has_work():
+            if self.executor.has_inflight():
+                self.executor.wait()
+                return outputs + self._merge(self.executor.poll())
+            if self.scheduler.has_work() and not outputs:
                 raise RuntimeError(f"planner {self.scheduler.planner.name!r} planned nothing with "
                                    f"{len(self.scheduler.requests)} requests pending")
-            return []
-        sampled = self.runner.execute(plan, self.scheduler.requests)
-        return [self._output(request, token) for request, token in self.scheduler.update(plan, sampled)]
+            return outputs
+        sampled = self.executor.launch(plan, self.scheduler.requests)
+        outputs += [self._output(r, token) for r, token in self.scheduler.update_decode(plan, sampled)]
+        return outputs + self._merge(self.executor.poll())
+
+    def _merge(self, done: list) -> list[RequestOutput]:
+        """Record prefill works whose layers have all run; a prompt's last chunk brings its first token."""
+        return [self._output(r, token) for work, tok in done for r, token in self.scheduler.complete_prefill(work, tok)]
 
     def _output(self, r: Request, token: int) -> RequestOutput:
         sp = r.sampling
@@ -308,7 +351,7 @@ class Engine:
             text = detok.delta(finished=reason is not None)
         if reason:
             self.scheduler.finish(r, reason)
-            self.runner.release(r.request_id)
+            self.executor.release(r.request_id)
             self._detok.pop(r.request_id, None)
         return RequestOutput(
             request_id=r.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,

@@ -13,7 +13,7 @@ from itertools import groupby
 import numpy as np
 import torch
 
-from appliance.attention import (ForwardContext, forward_context, make_backend, new_workspace,
+from appliance.attention import (AttentionBackend, ForwardContext, forward_context, make_backend, new_workspace,
                                  resolve_backend_name)
 from appliance.engine.batch import BatchBuilder, TokenBatch
 from appliance.engine.graphs import DecodeGraphs
@@ -85,6 +85,15 @@ class ModelRunner:
         return self.batches.build_raw(np.zeros(len(lens), np.int64), np.array(lens, np.int64), pages,
                                       [0] * sum(lens))
 
+    def use_partials_on(self, request_id: str, stream: torch.cuda.Stream) -> None:
+        """The request's unfinished prefill continues on `stream`: keep its activations' memory from being reused
+        by the stream that made them until `stream` has read them."""
+        partial = self._partials.get(request_id)
+        if partial is not None:
+            for t in (partial.hidden, partial.residual):
+                if t is not None:
+                    t.record_stream(stream)
+
     def release(self, request_id: str) -> None:
         """Forget a request's executor state (it finished, was preempted or aborted)."""
         self._partials.pop(request_id, None)
@@ -95,14 +104,21 @@ class ModelRunner:
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, int]:
         """Run the plan; returns the sampled token of every request that finished a prefill or decoded."""
         ids, logits = self.forward(plan, requests)
+        return dict(zip(ids, self.read_tokens(self.sample(ids, logits, requests))))
+
+    def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request]) -> torch.Tensor:
+        """Sampled token ids of the rows (a device tensor; no host synchronisation)."""
         if not ids:
-            return {}
+            return torch.empty(0, dtype=torch.long)
         reqs = [requests[i] for i in ids]
-        tokens = sample_tensor(logits, [r.sampling for r in reqs], [len(r.output_token_ids) for r in reqs])
+        return sample_tensor(logits, [r.sampling for r in reqs], [len(r.output_token_ids) for r in reqs])
+
+    def read_tokens(self, tokens: torch.Tensor) -> list[int]:
+        """Token ids on the host: waits for the current stream's work (counted as time waiting for the device)."""
         start = time.perf_counter()
         out = tokens.tolist()
         self.gpu_wait_s += time.perf_counter() - start
-        return dict(zip(ids, out))
+        return out
 
     @torch.inference_mode()
     def forward_logits(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
@@ -117,9 +133,9 @@ class ModelRunner:
             parts.append(self._mixed(plan, requests))
         else:
             if plan.decode:
-                parts.append(self._decode([requests[i] for i in plan.decode]))
+                parts.append(self.decode([requests[i] for i in plan.decode]))
             for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
-                parts.append(self._prefill(list(group), requests, start, end))
+                parts.append(self.prefill(list(group), requests, start, end))
         parts = [p for p in parts if p[0]]
         if not parts:
             return [], torch.empty(0)
@@ -127,15 +143,19 @@ class ModelRunner:
             return parts[0]
         return [i for ids, _ in parts for i in ids], torch.cat([logits for _, logits in parts])
 
-    def _decode(self, reqs: list[Request]) -> Logits:
+    def decode(self, reqs: list[Request], graphs: DecodeGraphs | None = None,
+               backend: AttentionBackend | None = None) -> Logits:
+        """One decode step of `reqs` on the current stream: a replay of `graphs` (default: the runner's own) when
+        the batch fits a captured size, else an eager forward with `backend` (default: the runner's)."""
+        graphs = graphs if graphs is not None else self.graphs
         ids = [r.request_id for r in reqs]
         spans = [(r.num_tokens - 1, r.num_tokens) for r in reqs]
-        size = self.graphs.padded_size(len(reqs)) if (self.graphs is not None and self.use_graphs) else None
+        size = graphs.padded_size(len(reqs)) if (graphs is not None and self.use_graphs) else None
         if size is not None:
             host = self.batches.layout(reqs, spans, pad_rows=size - len(reqs), pad_page=self.kv_cache.scratch_page)
-            return ids, self.graphs.run(host, len(reqs))
+            return ids, graphs.run(host, len(reqs))
         batch = self.batches.build(reqs, spans)
-        hidden, residual = self._layers(batch, 0, self.num_layers, None)
+        hidden, residual = self._layers(batch, 0, self.num_layers, None, backend=backend)
         return ids, self.model.compute_logits(hidden, residual)
 
     def _mixed(self, plan: StepPlan, requests: dict[str, Request]) -> Logits:
@@ -155,7 +175,10 @@ class ModelRunner:
         ids = list(plan.decode) + [w.request_id for w in plan.prefill]
         return [ids[i] for i in picked], self._logits_at(hidden, residual, batch.last_rows[picked])
 
-    def _prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int) -> Logits:
+    def prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
+                backend: AttentionBackend | None = None) -> Logits:
+        """Layers [start, end) of the works' token chunks on the current stream; logits of the chunks that end their
+        prompt once the last layer has run (activations of unfinished ranges wait in the runner)."""
         reqs = [requests[w.request_id] for w in works]
         spans = [(w.token_start, w.token_end) for w in works]
         carried = None
@@ -167,7 +190,7 @@ class ModelRunner:
             carried = (torch.cat([p.hidden for p in partials]),
                        None if partials[0].residual is None else torch.cat([p.residual for p in partials]))
         batch = self.batches.build(reqs, spans, with_ids=carried is None)
-        hidden, residual = self._layers(batch, start, end, carried, reqs)
+        hidden, residual = self._layers(batch, start, end, carried, reqs, backend)
         if end < self.num_layers:
             sizes = [w.num_tokens for w in works]
             res_parts = residual.split(sizes) if residual is not None else [None] * len(works)
@@ -184,7 +207,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[index], None if residual is None else residual[index])
 
     def _layers(self, batch: TokenBatch, start: int, end: int,
-                carried: tuple[torch.Tensor, torch.Tensor | None] | None, reqs: list[Request] | None = None):
+                carried: tuple[torch.Tensor, torch.Tensor | None] | None, reqs: list[Request] | None = None,
+                backend: AttentionBackend | None = None):
         """Layers [start, end) over the batch (embedding first when nothing is carried over)."""
         if carried is None:
             hidden, residual = self.model.embed(batch.input_ids), None
@@ -194,5 +218,6 @@ class ModelRunner:
         if reqs is not None and self.model.config.rope.length_dependent:
             # dynamic NTK: prompt rows take their prompt's length (other rows default to position + 1)
             lengths = dynamic_lengths(batch.positions, [r.num_prompt_tokens for r in reqs], batch.metadata.query_lens)
-        with forward_context(ForwardContext(self.backend, batch.metadata, self.kv_cache.data)), rope_lengths(lengths):
+        ctx = ForwardContext(backend or self.backend, batch.metadata, self.kv_cache.data)
+        with forward_context(ctx), rope_lengths(lengths):
             return self.model.forward_layers(batch.positions, hidden, residual, start, end)

@@ -313,11 +313,12 @@ class LayerwisePlanner:
 
     name = "layerwise"
 
-    def __init__(self, layers_per_step: int = 1, max_prefill_tokens: int = 8192) -> None:
+    def __init__(self, layers_per_step: int = 1, max_prefill_tokens: int = 8192, decode_sms: int = 64) -> None:
         if layers_per_step < 1:
             raise ValueError(f"layers_per_step must be >= 1, got {layers_per_step}")
         self.layers_per_step = layers_per_step
         self.max_prefill_tokens = max_prefill_tokens
+        self.decode_sms = decode_sms
 
     def plan(self, sched: Scheduler) -> StepPlan:
         decode = _reserve_all(sched, list(sched.decoding))
@@ -327,7 +328,9 @@ class LayerwisePlanner:
             PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, self.max_prefill_tokens), layer,
                         min(layer + self.layers_per_step, sched.num_layers))
             for r, layer in sched.pending_prefills())
-        return StepPlan(decode=decode, prefill=works)
+        # a fixed split while both phases run; executors without partitions ignore it
+        return StepPlan(decode=decode, prefill=works,
+                        decode_sms=self.decode_sms if decode and (works or sched.has_inflight()) else None)
 
 
 class ChunkedPlanner:

@@ -17,6 +17,16 @@ import torch
 from appliance.errors import ConfigError
 
 log = logging.getLogger("muxd.partitions")
+SPATIAL_POLICIES = ("mux", "layerwise")  # the policies that plan decode and prefill on disjoint partitions
+
+
+def partitions_available() -> bool:
+    """cuda-python's driver bindings (green contexts) are importable."""
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass

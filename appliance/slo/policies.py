@@ -22,6 +22,7 @@ class PolicyOptions:
     layers_per_step: int = 1           # layerwise
     chunk_budget: int | None = None    # chunked; None: tuned to the TBT target when a predictor is given, else 2048
     preemption: bool = True            # mux
+    layerwise_decode_sms: int = 64     # layerwise: its fixed decode partition
 
 
 def tune_chunk_budget(predictor: Predictor, tbt_ms: float, decode: DecodeLoad = IDLE_DECODE,
@@ -54,7 +55,7 @@ def build_planner(name: str, options: PolicyOptions, contract: Contract | None =
     if name == "serial":
         return SerialPlanner(options.max_prefill_tokens)
     if name == "layerwise":
-        return LayerwisePlanner(options.layers_per_step, options.max_prefill_tokens)
+        return LayerwisePlanner(options.layers_per_step, options.max_prefill_tokens, options.layerwise_decode_sms)
     if name == "chunked":
         budget = options.chunk_budget
         if budget is None:

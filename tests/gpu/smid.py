@@ -12,11 +12,22 @@ def _smid_kernel(out_ptr):
     tl.store(out_ptr + tl.program_id(0), smid)
 
 
-def sms_used(stream: torch.cuda.Stream | None, programs: int = 1 << 16) -> set[int]:
-    """The set of SM ids the programs of one launch on `stream` ran on."""
+def launch_probe(programs: int = 1 << 16) -> torch.Tensor:
+    """Launch the probe on the current stream; returns its output (read it after that stream has finished)."""
     out = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
-    with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        _smid_kernel[(programs,)](out)
-    torch.cuda.synchronize()
+    _smid_kernel[(programs,)](out)
+    return out
+
+
+def read_probe(out: torch.Tensor) -> set[int]:
     assert (out >= 0).all(), "some programs did not record their SM"
     return set(out.unique().tolist())
+
+
+def sms_used(stream: torch.cuda.Stream | None, programs: int = 1 << 16) -> set[int]:
+    """The set of SM ids the programs of one launch on `stream` ran on."""
+    stream = stream or torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        out = launch_probe(programs)
+    stream.synchronize()  # torch.cuda.synchronize() does not wait for green-context streams
+    return read_probe(out)

@@ -1,0 +1,208 @@
+"""The executor: carries out StepPlans on the GPU's SM partitions, or synchronously on a null partition (CPU, or
+multiplexing off) — one code path either way.
+
+Each iteration launches the decode step on the chosen partition's decode stream first (a CUDA-graph replay), then the
+planned prefill layers on its prefill stream, and waits for the decode tokens only. A prefill launch records an event
+after its last layer; `poll()` reports the works whose events have fired, so prefill may finish iterations later and
+decode never waits for it. A request's continued prefill on another stream first waits for its previous event.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from itertools import groupby
+
+import torch
+
+from appliance.attention import AttentionBackend, make_backend, new_workspace
+from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.request import Request
+from appliance.engine.runner import ModelRunner
+from appliance.engine.scheduler import PrefillWork, StepPlan
+from appliance.multiplex.partitions import Partition, PartitionSet
+from appliance.multiplex.timeline import Timeline
+
+
+@dataclass
+class _Launch:
+    """Prefill layers launched together: what they compute, the tokens of the chunks that end a prompt, and the
+    event after their last kernel (None: they ran synchronously)."""
+
+    works: list[PrefillWork]
+    ids: list[str]
+    tokens: torch.Tensor | None
+    event: torch.cuda.Event | None
+    stream: torch.cuda.Stream | None
+    partition: str
+    launched_at: float
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+class Executor:
+    def __init__(self, runner: ModelRunner, partitions: PartitionSet | None = None,
+                 timeline: Timeline | None = None) -> None:
+        self.runner = runner
+        self.partitions = partitions or PartitionSet.null()
+        self.timeline = timeline or Timeline()
+        self._graphs: dict[str, DecodeGraphs | None] = {}
+        self._prefill_backends: dict[str, AttentionBackend] = {}
+        self._inflight: list[_Launch] = []
+        self._last: dict[str, _Launch] = {}  # each request's latest prefill launch
+        self.current: Partition = self.partitions.full
+        self.switches = 0
+        self.layers_launched = 0
+
+    @property
+    def multiplexed(self) -> bool:
+        return not self.partitions.full.is_null
+
+    # ---- set-up -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, max_batch: int) -> None:
+        """Decode graphs on every partition's decode stream (one pool), and a prefill attention backend with its own
+        workspace per partition (the two phases never share a plan or a workspace)."""
+        runner = self.runner
+        if not self.multiplexed:
+            runner.capture_graphs(max_batch)
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for p in self.partitions.partitions:
+            workspace = new_workspace(runner.backend_name, runner.device)
+
+            def backend_for(size: int, workspace=workspace):
+                return make_backend(runner.backend_name, runner.model.config, runner.dtype, runner.device,
+                                    graph_batch_size=size, max_pages=runner.kv_cache.num_pages + 1,
+                                    shared_workspace=workspace)
+
+            if runner.backend.supports_cuda_graph:
+                graphs = DecodeGraphs(runner.model, runner.kv_cache, backend_for, max_batch, stream=p.decode_stream,
+                                      pool=pool)
+                graphs.capture()
+                self._graphs[p.name] = graphs
+            self._prefill_backends[p.name] = make_backend(runner.backend_name, runner.model.config, runner.dtype,
+                                                          runner.device)
+        runner.graphs = self._graphs.get(self.partitions.full.name)
+
+    def graph_memory_bytes(self) -> int:
+        return sum(g.memory_bytes for g in self._graphs.values() if g is not None)
+
+    # ---- one iteration ----------------------------------------------------------------------------------------
+    def partition_for(self, plan: StepPlan) -> Partition:
+        """Decode SMs as planned while prefill runs; all SMs for a phase that runs alone (no bubbles)."""
+        full = self.partitions.full
+        if not self.multiplexed or not plan.decode or plan.decode_sms is None:
+            return full
+        if not plan.prefill and not self._inflight:
+            return full
+        return self.partitions.for_decode(plan.decode_sms)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, int]:
+        """Launch the plan and return the decode tokens; prefill results come from `poll()`."""
+        part = self.partition_for(plan)
+        if part is not self.current:
+            self.switches += 1
+            self.current = part
+        if plan.mixed:
+            return self._mixed(plan, requests, part)
+        decode_tokens = None
+        started = time.perf_counter()
+        if plan.decode:
+            with _on(part.decode_stream):
+                ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
+                decode_tokens = self.runner.sample(ids, logits, requests)
+        for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
+            self._launch_prefill(list(group), requests, start, end, part if plan.decode else self.partitions.full)
+        if decode_tokens is None:
+            return {}
+        with _on(part.decode_stream):
+            tokens = self.runner.read_tokens(decode_tokens)
+        self.timeline.span("decode", part.name, started, time.perf_counter(), batch=len(plan.decode),
+                           decode_sms=part.decode_sms)
+        return dict(zip(plan.decode, tokens))
+
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition) -> dict[str, int]:
+        """A mixed (chunked-prefill) step is one forward on all SMs, complete when it returns."""
+        started = time.perf_counter()
+        with _on(part.decode_stream):
+            ids, logits = self.runner.forward(plan, requests)
+            sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
+        self.timeline.span("mixed", part.name, started, time.perf_counter(), batch=len(plan.decode),
+                           prefill_tokens=sum(w.num_tokens for w in plan.prefill))
+        ends = [w.request_id for w in plan.prefill if w.token_end == requests[w.request_id].num_tokens]
+        tokens = torch.tensor([sampled[i] for i in ends], dtype=torch.long)
+        self._inflight.append(_Launch(list(plan.prefill), ends, tokens, None, None, part.name, started))
+        return {rid: sampled[rid] for rid in plan.decode}
+
+    def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
+                        part: Partition) -> None:
+        stream = part.prefill_stream
+        started = time.perf_counter()
+        with _on(stream):
+            for w in works:  # a continued chunk launched on another stream waits for its previous layers
+                last = self._last.get(w.request_id)
+                if last is not None and stream is not None and last.stream is not stream and last.event is not None:
+                    stream.wait_event(last.event)
+                    self.runner.use_partials_on(w.request_id, stream)
+            ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name))
+            tokens = self.runner.sample(ids, logits, requests) if ids else None
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        launch = _Launch(works, ids, tokens, event, stream, part.name, started)
+        self._inflight.append(launch)
+        for w in works:
+            self._last[w.request_id] = launch
+        self.layers_launched += end - start
+        self.timeline.instant("prefill launch", part.name, started, layers=f"{start}-{end}",
+                              tokens=sum(w.num_tokens for w in works))
+
+    # ---- completion -------------------------------------------------------------------------------------------
+    def poll(self) -> list[tuple[PrefillWork, int | None]]:
+        """Prefill works whose layers have all run since the last call, in launch order, with the sampled token of
+        each chunk that ends its prompt (None for the others)."""
+        done: list[tuple[PrefillWork, int | None]] = []
+        pending = []
+        for launch in self._inflight:
+            if not launch.done():
+                pending.append(launch)
+                continue
+            tokens = dict(zip(launch.ids, launch.tokens.tolist())) if launch.tokens is not None else {}
+            done += [(w, tokens.get(w.request_id)) for w in launch.works]
+            for w in launch.works:
+                if self._last.get(w.request_id) is launch:
+                    del self._last[w.request_id]
+            if launch.event is not None:
+                self.timeline.span("prefill", launch.partition, launch.launched_at, time.perf_counter(),
+                                   works=len(launch.works),
+                                   layers=f"{launch.works[0].layer_start}-{launch.works[0].layer_end}")
+        self._inflight = pending
+        return done
+
+    def has_inflight(self) -> bool:
+        return bool(self._inflight)
+
+    def wait(self) -> None:
+        """Block until the oldest in-flight prefill launch has finished (the engine has nothing else to run)."""
+        if self._inflight and self._inflight[0].event is not None:
+            self._inflight[0].event.synchronize()
+
+    def settle(self, request_id: str) -> None:
+        """Block until every launched kernel of the request has run: its pages may then go to another request."""
+        for launch in self._inflight:
+            if launch.event is not None and any(w.request_id == request_id for w in launch.works):
+                launch.event.synchronize()
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's executor state (finished, preempted, aborted); settle it first if in flight."""
+        self.settle(request_id)
+        self._last.pop(request_id, None)
+        self.runner.release(request_id)
