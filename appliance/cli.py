@@ -51,8 +51,24 @@ def serve(
                                                              "--gpu-memory-utilization leaves on GPU, 512MiB on CPU)."),
     gpu_memory_utilization: float = typer.Option(0.9, help="Fraction of GPU memory muxd may use in total."),
     max_waiting: int = typer.Option(4096, help="Queued requests beyond which new ones get HTTP 429."),
-    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse KV pages of equal "
-                                                                              "prompt prefixes."),
+    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                               help="Reuse KV pages of equal prompt prefixes."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Same as --no-enable-prefix-caching."),
+    max_num_batched_tokens: int = typer.Option(8192, help="Prompt tokens prefilled per engine step (a longer "
+                                                          "prompt still runs, alone)."),
+    block_size: int = typer.Option(16, help="Tokens per KV-cache page."),
+    seed: Optional[int] = typer.Option(None, help="Seed the sampling generator once at start-up, as vLLM does: "
+                                                  "the same requests in the same order sample the same tokens. A "
+                                                  "request's own 'seed' fixes its output regardless."),
+    chat_template: Optional[str] = typer.Option(None, help="Chat template to use instead of the model's: a file, "
+                                                           "or the jinja template itself."),
+    api_key: Optional[str] = typer.Option(None, envvar="MUXD_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on every /v1 route (/health, "
+                                               "/ready and /metrics stay open)."),
+    max_request_bytes: str = typer.Option("16MiB", help="Largest request body (e.g. 16MiB or 1048576); larger "
+                                                        "ones get HTTP 413."),
+    shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM/SIGINT, seconds running requests may take to "
+                                                      "finish (new ones get 503) before they are ended."),
     planner: str = typer.Option("serial", "--policy", "--planner",
                                 help="Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
                                      "budget, the vLLM/SGLang default), serial (prefill first) or layerwise."),
@@ -83,14 +99,17 @@ def serve(
     import uvicorn
 
     from appliance.server.api import create_app
+    from appliance.server.lifecycle import DrainingServer
 
     cfg = ServeConfig(model=model, served_model_name=served_model_name, host=host, port=port, device=device,
                       dtype=dtype, load_format=load_format, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                       kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                      enable_prefix_caching=not no_prefix_caching, planner=planner, max_waiting=max_waiting,
-                      slo=slo, profile=profile, chunk_budget=chunk_budget,
-                      attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph,
-                      multiplex=multiplex, partition_granularity=partition_granularity,
+                      enable_prefix_caching=enable_prefix_caching and not no_prefix_caching, planner=planner,
+                      max_waiting=max_waiting, slo=slo, profile=profile, chunk_budget=chunk_budget,
+                      max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, seed=seed,
+                      chat_template=chat_template, api_key=api_key, max_request_bytes=max_request_bytes,
+                      shutdown_timeout=shutdown_timeout, attention_backend=attention_backend, compile=compile,
+                      cuda_graph=cuda_graph, multiplex=multiplex, partition_granularity=partition_granularity,
                       layerwise_decode_sms=layerwise_decode_sms, preemption=preemption, trace_dir=trace_dir)
     try:
         cfg.validate()
@@ -105,8 +124,9 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg, on_fatal), host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    app = create_app(cfg, on_fatal)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5), app.state.muxd, shutdown_timeout)
     typer.echo(f"muxd {__version__}: serving {cfg.model_name} on http://{host}:{port} (loading the model; "
                "GET /ready turns 200 when it is up)")
     server.run()
@@ -122,8 +142,11 @@ def generate(
     max_tokens: int = typer.Option(64, help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, help="0 for greedy decoding."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    top_k: int = typer.Option(-1, help="Sample among the k most likely tokens only (-1: no cut)."),
+    stop: Optional[list[str]] = typer.Option(None, help="Stop before this text (repeat the flag for several)."),
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the chat template."),
+    system: Optional[str] = typer.Option(None, help="System message (implies --chat)."),
     dtype: str = typer.Option("auto", help="See `muxd serve --help`."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     load_format: str = typer.Option("auto", help="auto/safetensors or dummy."),
@@ -136,13 +159,18 @@ def generate(
         cfg.validate()
         engine = cfg.build_engine()
         text: str | list[int] = prompt
-        if chat:
+        if chat or system is not None:
             if engine.tokenizer is None:
-                raise ApplianceError("--chat needs a tokenizer; this model directory has no tokenizer.json")
-            rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                raise ApplianceError("--chat and --system need a tokenizer; this model directory has no "
+                                     "tokenizer.json")
+            messages = [{"role": "user", "content": prompt}]
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
+            rendered = engine.tokenizer.apply_chat_template(messages)
             text = engine.tokenizer.encode(rendered, add_special_tokens=False)
-        rid = engine.add_request(text, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                                      seed=seed))
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                stop=list(stop or []))
+        rid = engine.add_request(text, params)
     except ApplianceError as exc:
         _fail(exc)
     while engine.has_unfinished():

@@ -15,6 +15,7 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
+from appliance.model_zoo.tokenizer import compile_chat_template
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
@@ -52,6 +53,12 @@ class ServeConfig:
     slo: str | None = None
     profile: str | None = None
     chunk_budget: int | None = None
+    max_num_batched_tokens: int | None = None
+    seed: int | None = None
+    chat_template: str | None = None
+    api_key: str | None = None
+    max_request_bytes: str = "16MiB"
+    shutdown_timeout: float = 30.0
     attention_backend: str = "auto"
     compile: bool | None = None     # None: on CUDA, off on CPU
     cuda_graph: bool = True
@@ -118,7 +125,37 @@ class ServeConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         cfg.check_max_model_len(self.max_model_len or cfg.max_model_len)
+        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-waiting", self.max_waiting),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                            ("--block-size", self.page_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.request_byte_limit < 1:
+            raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
+        if self.chat_template is not None:
+            compile_chat_template(self.chat_template_source())
         return cfg
+
+    @property
+    def request_byte_limit(self) -> int:
+        return parse_size(self.max_request_bytes, "--max-request-bytes")
+
+    def chat_template_source(self) -> str:
+        """--chat-template names a file, or is the template itself (inline jinja), as in vLLM."""
+        value = str(self.chat_template)
+        try:
+            path = Path(value).expanduser()
+            if path.is_file():
+                return path.read_text()
+        except OSError:  # an inline template can be too long to be a file name
+            pass
+        if "{{" in value or "{%" in value:
+            return value
+        raise ConfigError(f"--chat-template {value!r}: no such file, and not a jinja template either")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -126,13 +163,24 @@ class ServeConfig:
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
             gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
             planner=self.planner, max_waiting=self.max_waiting, slo=self.slo, profile=self.profile,
-            chunk_budget=self.chunk_budget, attention_backend=self.attention_backend,
-            compile=self.compile, cuda_graph=self.cuda_graph, multiplex=self.multiplex,
-            partition_granularity=self.partition_granularity, layerwise_decode_sms=self.layerwise_decode_sms,
-            preemption=self.preemption)
+            attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph,
+            multiplex=self.multiplex, partition_granularity=self.partition_granularity,
+            layerwise_decode_sms=self.layerwise_decode_sms, preemption=self.preemption,
+            # vLLM's --max-num-batched-tokens: the tokens of one step, so also the chunked policy's budget
+            chunk_budget=self.chunk_budget if self.chunk_budget is not None else self.max_num_batched_tokens,
+            **({} if self.max_num_batched_tokens is None else {"max_prefill_tokens": self.max_num_batched_tokens}))
 
     def build_engine(self) -> Engine:
         """Load the model and tokenizer and size the KV cache (the slow part of start-up)."""
-        return Engine.from_pretrained(resolve_model_dir(self.model_dir), dtype=self.resolved_dtype(),
-                                      device=self.resolved_device(), load_format=self.load_format,
-                                      config=self.engine_config())
+        if self.seed is not None:
+            # vLLM's --seed: seeds the sampling generator once, so a run that receives the same requests in the same
+            # order samples the same tokens; a request's own `seed` still fixes its output on its own
+            torch.manual_seed(self.seed)
+        engine = Engine.from_pretrained(resolve_model_dir(self.model_dir), dtype=self.resolved_dtype(),
+                                        device=self.resolved_device(), load_format=self.load_format,
+                                        config=self.engine_config())
+        if self.chat_template is not None:
+            if engine.tokenizer is None:
+                raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
+            engine.tokenizer.set_chat_template(self.chat_template_source())
+        return engine

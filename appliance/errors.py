@@ -21,11 +21,13 @@ class ModelLoadError(ApplianceError):
 
 
 class RequestError(ApplianceError):
-    """A request is invalid (bad sampling parameter, prompt too long, ...). `param` names the offending field."""
+    """A request is invalid (bad sampling parameter, prompt too long, ...). `param` names the offending field;
+    `code` is the OpenAI error code when one fits (context_length_exceeded)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class CapacityError(ApplianceError):
@@ -58,3 +60,18 @@ class ContractError(ConfigError):
         lines = "\n".join("  " + p.format(source) for p in problems)
         super().__init__(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in SLO contract {source}:\n"
                          f"{lines}")
+
+
+class ModelNotFoundError(RequestError):
+    """A request names a model this server does not serve (HTTP 404, code model_not_found)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "model")
+
+
+class UnavailableError(ApplianceError):
+    """The server cannot serve a request now (loading or shutting down); another replica, or a later retry, can."""
+
+    def __init__(self, message: str, code: str = "unavailable") -> None:
+        super().__init__(message)
+        self.code = code

@@ -5,11 +5,18 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from tiny_models import FAMILIES, build_tiny_checkpoint, write_tiny_tokenizer
 
 # tiny models gain nothing from intra-op threads, and CI machines have two cores shared with the server under test
 torch.set_num_threads(1)
+
+# property tests: a quick default for CI; `--hypothesis-profile=reliability` for the reliability report
+settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("reliability", max_examples=3000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
 
 
 def pytest_addoption(parser):

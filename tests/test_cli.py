@@ -6,10 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from appliance import __version__
 from appliance.cli import app
+from appliance.config import ServeConfig
+from appliance.engine.request import SamplingParams
 
 runner = CliRunner()
 
@@ -21,8 +24,10 @@ def test_version_and_module_entry_point():
 
 
 @pytest.mark.parametrize("command, words", [
-    ("serve", ["--model", "--host", "--port", "--dtype", "--load-format", "--max-num-seqs", "--kv-cache-memory"]),
-    ("generate", ["prompt", "--max-tokens", "--temperature", "--chat"]),
+    ("serve", ["--model", "--host", "--port", "--dtype", "--load-format", "--max-num-seqs", "--kv-cache-memory",
+               "--api-key", "MUXD_API_KEY", "--max-num-batched-tokens", "--block-size", "--seed", "--chat-template",
+               "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-request-bytes", "--shutdown-timeout"]),
+    ("generate", ["prompt", "--max-tokens", "--temperature", "--chat", "--top-k", "--stop", "--system"]),
     ("version", ["version"]),
 ])
 def test_help_lists_the_flags(command, words):
@@ -51,6 +56,13 @@ def test_generate_chat_mode(text_checkpoint):
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["--planner", "magic"], "--planner"),
     (["--port", "70000"], "--port"),
+    (["--block-size", "0"], "--block-size"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--max-request-bytes", "lots"], "--max-request-bytes"),
+    (["--api-key", " "], "--api-key"),
+    (["--chat-template", "no/such/file.jinja"], "no such file"),
+    (["--chat-template", "{% for m in messages %}"], "syntax error on line 1"),
     (["--model", str(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3.1-8b")],
      "--load-format dummy"),
 ])
@@ -60,3 +72,60 @@ def test_serve_rejects_bad_flags_before_starting(text_checkpoint, args, message)
     result = runner.invoke(app, ["serve", *args])
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_serve_flags_reach_the_server_config(text_checkpoint, monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_create_app(cfg, on_fatal=None):
+        seen["cfg"] = cfg
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("appliance.server.api.create_app", fake_create_app)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    result = runner.invoke(app, [
+        "serve", "--model", str(text_checkpoint), "--max-num-batched-tokens", "64", "--block-size", "8", "--seed", "7",
+        "--chat-template", str(template), "--no-enable-prefix-caching", "--max-request-bytes", "2MiB",
+        "--shutdown-timeout", "5"], env={"MUXD_API_KEY": "sk-from-env"})
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert (cfg.api_key, cfg.seed, cfg.shutdown_timeout, cfg.request_byte_limit) == ("sk-from-env", 7, 5, 2 << 20)
+    assert cfg.chat_template_source() == template.read_text()
+    engine_cfg = cfg.engine_config()
+    assert (engine_cfg.max_prefill_tokens, engine_cfg.page_size, engine_cfg.enable_prefix_caching) == (64, 8, False)
+
+    for flags, caching in ([], True), (["--no-prefix-caching"], False), (["--enable-prefix-caching"], True):
+        assert runner.invoke(app, ["serve", "--model", str(text_checkpoint), *flags]).exit_code == 0
+        assert seen["cfg"].enable_prefix_caching is caching
+    inline = "{{ messages[0]['content'] }}"
+    assert runner.invoke(app, ["serve", "--model", str(text_checkpoint), "--chat-template", inline]).exit_code == 0
+    assert seen["cfg"].chat_template_source() == inline
+
+
+def test_seed_flag_makes_unseeded_sampling_repeat(text_checkpoint):
+    def sample(seed: int) -> list[int]:
+        engine = ServeConfig(model=str(text_checkpoint), seed=seed, max_num_seqs=2).build_engine()
+        params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)  # no per-request seed
+        return [c.token_ids for c in engine.generate(["import os", "def f"], params)]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_generate_top_k_stop_and_system(text_checkpoint):
+    model = ["--model", str(text_checkpoint), "--max-tokens", "16"]
+    greedy = runner.invoke(app, ["generate", "import os", *model]).output
+    assert runner.invoke(app, ["generate", "import os", *model, "--temperature", "1", "--top-k", "1"]).output == greedy
+    text = greedy.rstrip("\n")
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stopped = runner.invoke(app, ["generate", "import os", *model, "--stop", stop]).output.rstrip("\n")
+    assert stopped == text[:text.index(stop)]
+
+    engine = ServeConfig(model=str(text_checkpoint)).build_engine()
+    rendered = engine.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": "hi"}])
+    expected = engine.generate(engine.tokenizer.encode(rendered, add_special_tokens=False),
+                               SamplingParams(max_tokens=16, temperature=0))[0].text
+    with_system = runner.invoke(app, ["generate", "hi", *model, "--system", "Be brief."])
+    assert with_system.exit_code == 0 and with_system.output == expected + "\n"

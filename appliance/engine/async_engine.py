@@ -2,7 +2,7 @@
 
 Requests are validated on the caller's thread (so bad input fails before any streaming starts) and handed to the engine
 thread through an inbox; aborts travel the same way. Closing a stream early (client gone) aborts its request, which
-frees its KV pages on the engine's next loop turn.
+frees its KV pages on the engine's next loop turn. `close` ends every open stream with an error (shutdown).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
+        self._closed: BaseException | None = None
         self.stats: dict[str, float] = {}
         self._publish_stats()
 
@@ -67,6 +68,8 @@ class AsyncEngine:
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
+        if self._closed is not None:
+            raise self._closed
         rid = request.request_id
         if rid in self._streams:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
@@ -109,6 +112,14 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id, None))
         self._wake.set()
 
+    def close(self, exc: BaseException) -> int:
+        """Refuse new requests with `exc` and end every open stream with it (their requests are aborted as their
+        consumers stop). Call on the event loop; returns how many streams were open."""
+        self._closed = exc
+        open_streams = len(self._streams)
+        self._fail_all(exc)
+        return open_streams
+
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -147,7 +158,8 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         sched, pool = self.engine.scheduler, self.engine.pool
         self.stats = {"num_waiting": len(sched.waiting), "num_running": sched.num_running,
-                      "kv_usage": pool.usage, "free_pages": pool.num_free_pages}
+                      "kv_usage": pool.usage, "free_pages": pool.num_free_pages,
+                      "num_preemptions": self.engine.num_preemptions}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -28,6 +28,7 @@ from appliance.model_zoo.loader import load_model
 from appliance.model_zoo.tokenizer import Tokenizer
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for prompt + max_tokens over the context
 GRAPH_RESERVE_BYTES = 512 << 20  # graph pool, attention workspaces of the captured sizes
 PREFILL_WORKSPACE_BYTES = 160 << 20  # a prefill attention backend's workspaces
 log = logging.getLogger("muxd.engine")
@@ -143,6 +144,7 @@ class Engine:
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids)
         self._detok: dict[str, Detokenizer] = {}
         self._counter = itertools.count()
+        self.num_preemptions = 0
 
     def _partitions(self, device: torch.device) -> PartitionSet:
         """SM partitions when multiplexing (default: CUDA and a spatial policy), else the null partition."""
@@ -259,10 +261,10 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; this model has none", "stop")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
-                               "and at least one must be left to generate", "prompt")
+                               "and at least one must be left to generate", "prompt", CONTEXT_LENGTH_EXCEEDED)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
-                               f"context of {self.max_model_len} tokens", "max_tokens")
+                               f"context of {self.max_model_len} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
         rid = request_id if request_id is not None else f"req-{next(self._counter)}"
         return Request(rid, ids, params)
 
@@ -315,6 +317,7 @@ class Engine:
         plan = self.scheduler.schedule()
         for rid in self.scheduler.drain_preempted():
             self.executor.release(rid)
+            self.num_preemptions += 1
         if plan.empty:
             if self.executor.has_inflight():
                 self.executor.wait()

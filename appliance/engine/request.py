@@ -2,11 +2,24 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 from appliance.engine.kv_cache import PageTable
 from appliance.errors import RequestError
+
+
+GREEDY_BELOW = 1e-5
+MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary cuts nothing; the bound keeps k a valid tensor index
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -29,20 +42,28 @@ class SamplingParams:
             self.top_k = -1
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
-            raise RequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}", "top_k")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise RequestError(f"top_k must be -1 (off) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}",
+                               "top_k")
+        if self.seed is not None and not _is_int(self.seed):
+            raise RequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below 1e-5 the logits / temperature division overflows float32; such a temperature means greedy (as vLLM).
+        # A top_p under 1e-6 keeps only the most likely token in any vocabulary under a million (its probability is
+        # at least 1/vocab): greedy too, and spared a float32 underflow that would keep no token at all.
+        return self.temperature < GREEDY_BELOW or self.top_k == 1 or self.top_p < 1e-6
 
 
 class RequestStatus(enum.Enum):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from appliance.errors import ConfigError, ModelLoadError
+from appliance.model_zoo.config_fields import check_fields
 
 # architecture name -> family defaults that config.json does not spell out
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -90,6 +91,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        check_fields(raw, source)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -152,7 +154,7 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: file not found (a model directory needs config.json)")
         try:
             raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(raw, source=str(path))
 

@@ -40,6 +40,9 @@ class Metrics:
         self.prompt_tokens = counter("muxd:prompt_tokens", "Prompt tokens of finished requests.")
         self.cached_tokens = counter("muxd:cached_prompt_tokens", "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("muxd:generation_tokens", "Generated tokens.")
+        self.preemptions = counter("muxd:num_preemptions", "Requests preempted (pages freed, to be recomputed) when "
+                                   "the KV cache ran out.")
+        self._preemptions_seen = 0
         self._success = Counter("muxd:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=registry)
 
@@ -55,6 +58,9 @@ class Metrics:
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_usage"])
         self.kv_free.set(stats["free_pages"])
+        total = int(stats.get("num_preemptions", 0))
+        self.preemptions.inc(max(0, total - self._preemptions_seen))  # the engine counts; the counter follows it
+        self._preemptions_seen = max(total, self._preemptions_seen)
         return generate_latest(self.registry)
 
 

@@ -1,9 +1,14 @@
 """OpenAI completions and chat completions on top of the AsyncEngine: prompt -> engine request -> response body or
 SSE stream, with usage accounting, metrics, and abort when the client goes away.
+
+Rendering chat templates and tokenizing run in a thread pool, never on the event loop: a multi-megabyte body must
+not stall /health or other streams. A stream that fails after it started ends with an error event and [DONE].
 """
 from __future__ import annotations
 
 import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
@@ -11,10 +16,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.request import RequestOutput
-from appliance.errors import RequestError
-from appliance.server.metrics import Metrics, TokenTimer
+from appliance.engine.engine import CONTEXT_LENGTH_EXCEEDED
+from appliance.engine.request import Request, RequestOutput
+from appliance.errors import ModelNotFoundError, RequestError
 from appliance.server import protocol as p
+from appliance.server import responses as r
+from appliance.server.errors import sse_error
+from appliance.server.metrics import Metrics, TokenTimer
 
 
 class OpenAIServing:
@@ -22,65 +30,92 @@ class OpenAIServing:
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="muxd-prep")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
-            raise RequestError(f"model {requested!r} does not exist; this server serves {self.model_name!r}",
-                               "model")
+            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server serves "
+                                     f"{self.model_name!r}")
 
     # ---- endpoints ------------------------------------------------------------------------------------------------
     async def completion(self, body: p.CompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
-        body.check_supported()
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            ids = self._tokenizer().encode(prompt) if prompt else []
-        else:
-            ids = list(prompt)
-        rid = p.new_id("cmpl")
+        rid = r.new_id("cmpl")
+        request = await self._off_loop(self._completion_request, body, rid)
 
-        def chunk(out: RequestOutput | None, usage: p.Usage | None) -> BaseModel:
-            choices = [] if out is None else [p.CompletionChoice(text=out.new_text, finish_reason=out.finish_reason)]
-            return p.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+        def chunk(out: RequestOutput | None, usage: r.Usage | None) -> BaseModel:
+            choices = [] if out is None else [r.CompletionChoice(text=out.new_text, finish_reason=out.finish_reason)]
+            return r.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
 
         def final(text: str, out: RequestOutput) -> BaseModel:
-            return p.CompletionResponse(id=rid, model=self.model_name, usage=_usage(out),
-                                        choices=[p.CompletionChoice(text=text, finish_reason=out.finish_reason)])
+            return r.CompletionResponse(id=rid, model=self.model_name, usage=_usage(out),
+                                        choices=[r.CompletionChoice(text=text, finish_reason=out.finish_reason)])
 
-        return await self._serve(body, ids, body.max_tokens, rid, http, chunk, final, first=None)
+        return await self._serve(body, request, http, chunk, final, first=None)
 
     async def chat(self, body: p.ChatCompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
-        body.check_supported()
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        text = self._tokenizer().apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        ids = self._tokenizer().encode(text, add_special_tokens=False)
-        rid = p.new_id("chatcmpl")
+        rid = r.new_id("chatcmpl")
+        request = await self._off_loop(self._chat_request, body, rid)
 
-        def chunk(out: RequestOutput | None, usage: p.Usage | None) -> BaseModel:
-            choices = [] if out is None else [p.ChatChunkChoice(
-                delta=p.ChatDelta(content=out.new_text or None), finish_reason=out.finish_reason)]
-            return p.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage)
+        def chunk(out: RequestOutput | None, usage: r.Usage | None) -> BaseModel:
+            choices = [] if out is None else [r.ChatChunkChoice(
+                delta=r.ChatDelta(content=out.new_text or None), finish_reason=out.finish_reason)]
+            return r.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage)
 
         def final(text: str, out: RequestOutput) -> BaseModel:
-            return p.ChatCompletionResponse(id=rid, model=self.model_name, usage=_usage(out), choices=[
-                p.ChatChoice(message=p.ChatMessageOut(content=text), finish_reason=out.finish_reason)])
+            return r.ChatCompletionResponse(id=rid, model=self.model_name, usage=_usage(out), choices=[
+                r.ChatChoice(message=r.ChatMessageOut(content=text), finish_reason=out.finish_reason)])
 
-        first = p.ChatCompletionChunk(id=rid, model=self.model_name,
-                                      choices=[p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))])
-        return await self._serve(body, ids, body.requested_max_tokens(), rid, http, chunk, final, first)
+        first = r.ChatCompletionChunk(id=rid, model=self.model_name,
+                                      choices=[r.ChatChunkChoice(delta=r.ChatDelta(role="assistant", content=""))])
+        return await self._serve(body, request, http, chunk, final, first)
 
-    # ---- shared flow ----------------------------------------------------------------------------------------------
+    # ---- request preparation (thread pool) ------------------------------------------------------------------------
+    async def _off_loop(self, fn: Callable, *args) -> Request:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _completion_request(self, body: p.CompletionRequest, rid: str) -> Request:
+        prompt = body.single_prompt()
+        ids = self._encode(prompt, True, "prompt") if isinstance(prompt, str) else list(prompt)
+        return self._make(body, ids, body.max_tokens, rid)
+
+    def _chat_request(self, body: p.ChatCompletionRequest, rid: str) -> Request:
+        messages = [m.for_template() for m in body.messages]
+        text = self._tokenizer().apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
+                                                     is not False)
+        return self._make(body, self._encode(text, False, "messages"), body.requested_max_tokens(), rid)
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        tok = self._tokenizer()
+        try:
+            p.valid_unicode(text)  # the template may have copied in message fields that are not validated as text
+        except ValueError as exc:
+            raise RequestError(f"{param}: {exc}", param) from None
+        at_least = tok.min_tokens(text)
+        if at_least >= self.max_model_len:
+            source = "prompt" if param == "prompt" else "prompt rendered from the messages"
+            raise RequestError(f"the {source} is longer than this model's context of {self.max_model_len} tokens: "
+                               f"its {len(text.encode())} bytes make at least {at_least} tokens", param,
+                               CONTEXT_LENGTH_EXCEEDED)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str) -> Request:
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - len(ids))
+        return self.engine.make_request(ids, body.sampling_params(max_tokens), request_id=rid)
+
     def _tokenizer(self):
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer; send prompts as token ids to /v1/completions", "prompt")
         return self.tokenizer
 
-    async def _serve(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str,
-                     http: HTTPRequest, chunk: Callable, final: Callable, first: BaseModel | None):
-        if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - len(ids))
-        request = self.engine.make_request(ids, body.sampling_params(max_tokens), request_id=rid)
+    # ---- shared flow ----------------------------------------------------------------------------------------------
+    async def _serve(self, body: p._SamplingRequest, request: Request, http: HTTPRequest, chunk: Callable,
+                     final: Callable, first: BaseModel | None):
         request.slo_class = self._slo_class(body, http)
         timer = TokenTimer(self.metrics)
         outputs = await self.engine.submit(request)
@@ -93,10 +128,10 @@ class OpenAIServing:
         if not collect.done():  # the client left: stop generating for it
             collect.cancel()
             await asyncio.gather(collect, return_exceptions=True)
-            return JSONResponse(status_code=499, content={"error": {"message": "client disconnected",
-                                                                    "type": "client_closed_request"}})
+            return JSONResponse(status_code=499, content={"error": {
+                "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
         gone.cancel()
-        text, last = collect.result()
+        text, last = collect.result()  # raises what ended the request early (engine error, shutdown)
         return JSONResponse(final(text, last).model_dump())
 
     def _slo_class(self, body: p._SamplingRequest, http: HTTPRequest) -> str | None:
@@ -134,9 +169,11 @@ class OpenAIServing:
             self._done(last, timer)
             if include_usage and last is not None:
                 yield _event(chunk(None, _usage(last)))
-            yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - the stream has started: the error travels as an event
+            yield sse_error(exc)
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
+        yield "data: [DONE]\n\n"
 
     def _done(self, last: RequestOutput | None, timer: TokenTimer) -> None:
         if last is not None:
@@ -144,8 +181,8 @@ class OpenAIServing:
                                       last.num_output_tokens, timer.started)
 
 
-def _usage(out: RequestOutput) -> p.Usage:
-    return p.Usage.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+def _usage(out: RequestOutput) -> r.Usage:
+    return r.Usage.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
 def _event(model: BaseModel) -> str:

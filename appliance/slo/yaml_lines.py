@@ -37,7 +37,11 @@ class YamlSyntaxError(ValueError):
 
 def load_located(text: str) -> LocatedYaml:
     """Parse one YAML document; raises YamlSyntaxError (with a 1-based line) when it is not valid YAML."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:  # the reader refuses control characters before any parsing
+        line = text[:exc.position].count("\n") + 1
+        raise YamlSyntaxError(f"character U+{exc.character:04X} is not allowed in YAML", line) from None
     try:
         node = loader.get_single_node()
         out = LocatedYaml(None)

@@ -121,18 +121,51 @@ def error_of(response: httpx.Response) -> dict:
     return error
 
 
+CHAT = [{"role": "user", "content": "hi"}]
 BAD_BODIES = [
     # (endpoint, body, param named in the error)
     ("completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),       # no silent coercion
+    ("completions", {"prompt": "hi", "max_tokens": 5.5}, "max_tokens"),      # 5.0 is the integer 5 in JSON
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": [[False]]}, "prompt"),                         # a bool is not a token id
+    ("completions", {"prompt": [True, 5]}, "prompt"),
+    ("completions", {"prompt": [-1]}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": [1, 2], "max_tokens": 1, "seed": "7"}, "seed"),
     ("chat/completions", {"messages": "hello"}, "messages"),
+    ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ("completions", {"model": "gpt-4o", "prompt": "hi"}, "model"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content"),
     ("completions", {"prompt": "word " * 600, "max_tokens": 1}, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, "max_tokens"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -0.1}, "temperature"),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 100000}, "max_tokens"),
+    ("chat/completions", {"messages": CHAT, "temperature": -0.1}, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "top_k": -2}, "top_k"),
+    ("completions", {"prompt": "hi", "stop": ""}, "stop"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True, "chunk_usage": True}},
+     "stream_options.chunk_usage"),
+    ("completions", {"prompt": "hi", "top_k": 2**63}, "top_k"),
+    # unknown fields and options muxd does not implement are refused, naming the field
+    ("completions", {"prompt": "hi", "temprature": 0.5}, "temprature"),
+    ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {}}, "chat_template_kwargs"),
     ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
+    ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"prompt": "hi", "frequency_penalty": -1}, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"messages": CHAT, "n": True}, "n"),
+    ("chat/completions", {"messages": CHAT, "slo_class": "platinum"}, "slo_class"),  # not a class of the contract
 ]
 
 
@@ -140,6 +173,46 @@ BAD_BODIES = [
 def test_bad_input_gets_400_with_openai_error_body(server, endpoint, body, param):
     error = error_of(httpx.post(f"{server.url}/v1/{endpoint}", json=body))
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
+    (b'{"prompt": "hi", "top_p": -Infinity}', "top_p"),
+])
+def test_non_finite_numbers_are_refused(server, raw, param):
+    error = error_of(httpx.post(server.url + "/v1/completions", content=raw,
+                                headers={"content-type": "application/json"}))
+    assert error["param"] == param and "finite" in error["message"]
+
+
+def test_fields_clients_send_at_their_defaults_are_accepted(server, model_name):
+    common = {"model": model_name, "max_tokens": 2, "n": 1, "user": "u-1", "presence_penalty": 0,
+              "frequency_penalty": 0.0, "temperature": None, "top_p": 1, "seed": None, "stop": None,
+              "logit_bias": {}, "stream": False, "slo_class": "default"}
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        **common, "messages": [{"role": "system", "content": "Be brief.", "name": "rules"},
+                               {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                               {"role": "assistant", "content": "hello", "refusal": None},
+                               {"role": "user", "content": "again"}],
+        "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "tools": [],
+        "tool_choice": "none", "parallel_tool_calls": True, "max_completion_tokens": 2})
+    assert chat.status_code == 200, chat.text
+    text = httpx.post(server.url + "/v1/completions", json={**common, "prompt": "hi", "echo": False, "best_of": 1,
+                                                             "logprobs": None, "suffix": None})
+    assert text.status_code == 200, text.text
+    streamed = httpx.post(server.url + "/v1/completions", json={
+        **common, "prompt": [[5, 6, 7]], "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+
+
+def test_unknown_model_is_404_model_not_found(server):
+    response = httpx.post(server.url + "/v1/completions", json={"model": "gpt-4o", "prompt": "hi"})
+    assert response.status_code == 404
+    assert response.json()["error"] == {"message": response.json()["error"]["message"],
+                                        "type": "invalid_request_error", "param": "model",
+                                        "code": "model_not_found"}
+    assert "gpt-4o" in response.json()["error"]["message"]
 
 
 def test_malformed_json_gets_400(server):
