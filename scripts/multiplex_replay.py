@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--layers-per-step", type=int, default=2)
     ap.add_argument("--out", default="gpu-results")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no partitions)")
+    ap.add_argument("--timeline", default="timeline-layerwise.json", help="file name of the layerwise timeline")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +69,7 @@ def main() -> None:
         engine = Engine(model, None, config)
         rows[policy] = asyncio.run(run_policy(engine, specs, prompts))
         if policy == "layerwise":
-            engine.executor.timeline.save(out / "timeline-layerwise.json")
+            engine.executor.timeline.save(out / args.timeline)
             rows[policy]["partition_switches"] = engine.executor.switches
             rows[policy]["prefill_layer_launches"] = engine.executor.layers_launched
         del engine

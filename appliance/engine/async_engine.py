@@ -157,9 +157,14 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         sched, pool = self.engine.scheduler, self.engine.pool
+        executor = self.engine.executor
+        planner_stats = getattr(sched.planner, "stats", None)
         self.stats = {"num_waiting": len(sched.waiting), "num_running": sched.num_running,
                       "kv_usage": pool.usage, "free_pages": pool.num_free_pages,
-                      "num_preemptions": self.engine.num_preemptions}
+                      "num_preemptions": self.engine.num_preemptions,
+                      "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
+                      "prefill_layers_launched": executor.layers_launched,
+                      "prefill_preemptions": getattr(planner_stats, "preemptions", 0)}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

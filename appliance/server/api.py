@@ -8,7 +8,7 @@ import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from appliance.config import ServeConfig
 from appliance.model_zoo.config import ModelConfig
@@ -71,6 +71,13 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
         stats = state.engine.stats if state.engine is not None else {
             "num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "free_pages": 0}
         return PrometheusResponse(state.metrics.render(stats))
+
+    @app.get("/debug/timeline", responses=openapi.errors(500, 503),
+             summary="The engine's recent timeline (decode steps, prefill launches per SM partition, switches, "
+                     "merges) as Chrome-trace JSON, for chrome://tracing or Perfetto.")
+    async def timeline():
+        state.require_ready()
+        return JSONResponse(state.engine.engine.executor.timeline.chrome_trace())
 
     @app.get("/v1/models", response_model=r.ModelList, responses=openapi.errors(401, 500, 503))
     async def models():

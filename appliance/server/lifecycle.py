@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import uvicorn
@@ -57,6 +59,10 @@ class ServerState:
     async def stop(self) -> None:
         if self.serving is not None:
             self.serving.shutdown()
+        if self.engine is not None and self.cfg.trace_dir:
+            path = Path(self.cfg.trace_dir).expanduser()
+            path.mkdir(parents=True, exist_ok=True)
+            self.engine.engine.executor.timeline.save(path / f"timeline-{os.getpid()}.json")
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 

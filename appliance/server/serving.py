@@ -164,7 +164,8 @@ class OpenAIServing:
             async for out in outputs:
                 timer.tokens(len(out.new_token_ids))
                 last = out
-                if out.new_text or out.finished:
+                # a model without a tokenizer has no text: every token still gets its chunk (TTFT/TBT stay visible)
+                if out.new_text or out.finished or (self.tokenizer is None and out.new_token_ids):
                     yield _event(chunk(out, None))
             self._done(last, timer)
             if include_usage and last is not None:
