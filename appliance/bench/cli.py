@@ -227,6 +227,7 @@ def _timeline_plot(session: Session, out_dir: Path, notes: list[str]) -> None:
     if events is None:
         notes.append("no SM-partition timeline: the target has no GET /debug/timeline")
         return
+    out_dir.mkdir(parents=True, exist_ok=True)
     if plots.timeline_plot(events, out_dir / f"timeline-{report.slug(session.label)}.png") is None:
         notes.append("GET /debug/timeline returned no span to draw")
 

@@ -51,9 +51,10 @@ def side_by_side(tmp_path_factory, booting):
 
 def test_policies_side_by_side(side_by_side):
     out, output = side_by_side
-    for text in ("serial", "layerwise", "layerwise / serial", "TTFT p99 (ms)", "Request goodput (req/s)",
-                 "no SM-partition timeline"):
+    for text in ("serial", "layerwise", "layerwise / serial", "TTFT p99 (ms)", "Request goodput (req/s)"):
         assert text in output
+    for policy in ("serial", "layerwise"):  # each server's GET /debug/timeline, drawn
+        assert (out / f"timeline-{policy}.png").read_bytes().startswith(PNG)
     serial = json.loads((out / "result-serial.json").read_text())
     layerwise = json.loads((out / "result-layerwise.json").read_text())
     for r, policy in ((serial, "serial"), (layerwise, "layerwise")):
