@@ -71,8 +71,14 @@ class FlashInferAttention:
                 if wrapper is not None:
                     wrapper.reset_workspace_buffer(*workspaces)
         self._active = None
+        self._planned: torch.cuda.Event | None = None
 
     def prepare(self, m: AttentionMetadata) -> None:
+        # plan() writes its schedule into a pinned host buffer and copies it to the device asynchronously; when
+        # launches queue up on a busy stream (prefill beside decode), the previous copy may not have run yet, so
+        # the buffer is rewritten only after it has
+        if self._planned is not None:
+            self._planned.synchronize()
         # plain host tensors: staging them through pinned memory measured 25-35 us slower per plan (H200)
         qo_indptr, indptr, indices, last, seq_lens = (torch.from_numpy(a) for a in (
             m.qo_indptr, m.kv_indptr, m.kv_indices, m.last_page_len, m.seq_lens))
@@ -87,6 +93,9 @@ class FlashInferAttention:
             self.prefill.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
                               m.page_size, causal=True, **common)
             self._active = self.prefill
+        if self._planned is None:
+            self._planned = torch.cuda.Event()
+        self._planned.record()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

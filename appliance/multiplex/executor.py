@@ -109,7 +109,7 @@ class Executor:
         part = self.partition_for(plan)
         if part is not self.current:
             self.switches += 1
-            self.timeline.instant("partition switch", part.name, previous=self.current.name,
+            self.timeline.instant("partition switch", f"{part.name} decode", previous=self.current.name,
                                   decode_sms=part.decode_sms, prefill_sms=part.prefill_sms)
             self.current = part
         if plan.mixed:
@@ -126,7 +126,7 @@ class Executor:
             return {}
         with _on(part.decode_stream):
             tokens = self.runner.read_tokens(decode_tokens)
-        self.timeline.span("decode", part.name, started, time.perf_counter(), batch=len(plan.decode),
+        self.timeline.span("decode", f"{part.name} decode", started, time.perf_counter(), batch=len(plan.decode),
                            decode_sms=part.decode_sms)
         return dict(zip(plan.decode, tokens))
 
@@ -136,7 +136,7 @@ class Executor:
         with _on(part.decode_stream):
             ids, logits = self.runner.forward(plan, requests)
             sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
-        self.timeline.span("mixed", part.name, started, time.perf_counter(), batch=len(plan.decode),
+        self.timeline.span("mixed", f"{part.name} decode", started, time.perf_counter(), batch=len(plan.decode),
                            prefill_tokens=sum(w.num_tokens for w in plan.prefill))
         ends = [w.request_id for w in plan.prefill if w.token_end == requests[w.request_id].num_tokens]
         tokens = torch.tensor([sampled[i] for i in ends], dtype=torch.long)
@@ -164,7 +164,7 @@ class Executor:
         for w in works:
             self._last[w.request_id] = launch
         self.layers_launched += end - start
-        self.timeline.instant("prefill launch", part.name, started, layers=f"{start}-{end}",
+        self.timeline.instant("prefill launch", f"{part.name} prefill", started, layers=f"{start}-{end}",
                               tokens=sum(w.num_tokens for w in works))
 
     # ---- completion -------------------------------------------------------------------------------------------
@@ -184,10 +184,11 @@ class Executor:
                     del self._last[w.request_id]
             if launch.event is not None:
                 now = time.perf_counter()
-                self.timeline.span("prefill", launch.partition, launch.launched_at, now, works=len(launch.works),
+                self.timeline.span("prefill", f"{launch.partition} prefill", launch.launched_at, now,
+                                   works=len(launch.works),
                                    layers=f"{launch.works[0].layer_start}-{launch.works[0].layer_end}")
                 if launch.ids:  # these prompts are done: their requests join the decode batch
-                    self.timeline.instant("merge", launch.partition, now, requests=len(launch.ids))
+                    self.timeline.instant("merge", f"{launch.partition} prefill", now, requests=len(launch.ids))
         self._inflight = pending
         return done
 
