@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.bench.launcher import wait_until_ready
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -29,17 +31,7 @@ class ServerProcess:
                                      stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log.read_text()}")
+        wait_until_ready(self.url, self.proc, timeout, self.log.read_text)
 
     def metrics(self) -> dict[str, float]:
         """Samples by name; labels other than model_name stay in the key as name{label="value"}."""

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -95,18 +96,7 @@ class ServerProcess:
 
     def wait_ready(self) -> None:
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ApplianceError(f"muxd serve ({' '.join(self.args[3:])}) exited with {self.proc.returncode}:"
-                                     f"\n{self._log_tail()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise ApplianceError(f"muxd serve not ready after {self.ready_timeout:g} s; its log:\n{self._log_tail()}")
+        wait_until_ready(self.url, self.proc, self.ready_timeout, self._log_tail)
 
     def _log_tail(self, lines: int = 20) -> str:
         try:
@@ -123,3 +113,20 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def wait_until_ready(url: str, proc: subprocess.Popen, timeout: float, log_tail: Callable[[], str]) -> None:
+    """Poll GET /ready of a `muxd serve` process until 200; ApplianceError (with its log's tail) if it exits or
+    stays unready for `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ApplianceError(f"muxd serve ({' '.join(map(str, proc.args[3:]))}) exited with {proc.returncode}:"
+                                 f"\n{log_tail()}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise ApplianceError(f"muxd serve not ready after {timeout:g} s; its log:\n{log_tail()}")

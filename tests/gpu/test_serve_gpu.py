@@ -5,11 +5,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from appliance.bench.launcher import wait_until_ready
 
 MODEL = Path(__file__).resolve().parents[2] / "configs" / "models" / "llama-3.1-8b"
 
@@ -24,16 +25,7 @@ def test_serve_dummy_llama_8b_answers_concurrent_token_id_prompts(tmp_path):
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(url, proc, 300, log.read_text)
 
         def complete(i: int) -> dict:
             body = {"model": "llama-3.1-8b", "prompt": [128000] + [1000 + i + j for j in range(20 * (i + 1))],
