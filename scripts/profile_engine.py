@@ -6,10 +6,6 @@ host's Python profile of steady-state steps, and microbenchmarks of the decode a
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
-from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,17 +21,6 @@ def kernel_table(engine, steps: int) -> str:
             engine.step()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
-
-
-def host_profile(engine, steps: int) -> str:
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(steps):
-        engine.step()
-    pr.disable()
-    out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(30)
-    return out.getvalue()
 
 
 def host_breakdown(engine, steps: int) -> str:

@@ -39,13 +39,19 @@ def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
 
 def measure_ceilings(copy_bytes: int = 2 << 30, gemm_n: int = 8192) -> Ceilings:
     """Copy bandwidth over a buffer far larger than L2, and the GEMM rate, on the current CUDA device."""
-    src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy_s = time_cuda(lambda: dst.copy_(src))
-    del src, dst
-    a = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device="cuda")
-    gemm_s = time_cuda(lambda: a @ b, iters=10)
-    del a, b
+    copy_s = _time_copy(copy_bytes)
+    gemm_s = _time_gemm(gemm_n)
     torch.cuda.empty_cache()
     return Ceilings(torch.cuda.get_device_name(), 2 * copy_bytes / copy_s, 2 * gemm_n ** 3 / gemm_s)
+
+
+def _time_copy(nbytes: int) -> float:
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return time_cuda(lambda: dst.copy_(src))
+
+
+def _time_gemm(n: int) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return time_cuda(lambda: a @ b, iters=10)

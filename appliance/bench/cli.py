@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from appliance.bench import plots, report
 from appliance.bench import workload as wl
 from appliance.bench.launcher import parse_policies, parse_serve_args
-from appliance.bench.metrics import PERCENTILES, SLO, RequestTimeline, parse_goodput
+from appliance.bench.metrics import SLO, RequestTimeline, parse_goodput
 from appliance.bench.run import BenchOptions, Session, load_workload, prompt_synth, shape
 from appliance.bench.sweep import find_capacity, write_summary
 from appliance.bench.traces import FORMATS, RequestSpec

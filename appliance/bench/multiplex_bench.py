@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from appliance.attention import ForwardContext, forward_context, make_backend, new_workspace
+from appliance.attention import ForwardContext, forward_context, make_backend
 from appliance.bench.engine_bench import EngineBench
 from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.request import Request, SamplingParams
@@ -38,15 +38,8 @@ class PartitionRow:
 
 
 def _graph_set(bench: EngineBench, partition: Partition, batch: int, pool) -> DecodeGraphs:
-    runner, kv = bench.engine.runner, bench.engine.kv_cache
-    workspace = new_workspace(runner.backend_name, runner.device)
-
-    def backend_for(size: int):
-        return make_backend(runner.backend_name, runner.model.config, runner.dtype, runner.device,
-                            graph_batch_size=size, max_pages=kv.num_pages + 1, shared_workspace=workspace)
-
-    graphs = DecodeGraphs(runner.model, kv, backend_for, batch, stream=partition.decode_stream, pool=pool,
-                          sizes=[batch])  # one size per partition is enough to measure
+    graphs = bench.engine.runner.graph_set(batch, stream=partition.decode_stream, pool=pool,
+                                           sizes=[batch])  # one size per partition is enough to measure
     graphs.capture()
     return graphs
 

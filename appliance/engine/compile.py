@@ -11,8 +11,8 @@ import logging
 import os
 from pathlib import Path
 
-import torch
 
+from appliance.engine.toolchain import compile_unavailable_reason
 from appliance.model_zoo.llama import DecoderForCausalLM
 
 log = logging.getLogger("muxd.compile")
@@ -24,24 +24,6 @@ def cache_dir() -> Path:
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "muxd"
-
-
-def compile_unavailable_reason(device: torch.device) -> str | None:
-    """Why torch.compile cannot run here (None when it can)."""
-    try:
-        from appliance.engine.toolchain import compile_unavailable_reason as toolchain_reason
-    except ImportError:
-        toolchain_reason = None
-    if toolchain_reason is not None:
-        reason = toolchain_reason()
-        if reason:
-            return reason
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "triton is not installed"
-    return None
 
 
 def compile_layers(model: DecoderForCausalLM) -> bool:

@@ -131,8 +131,7 @@ class Engine:
             start = time.perf_counter()
             self.executor.capture(self.max_graph_batch)
             self.startup["graph_capture_s"] = time.perf_counter() - start
-            self.startup["graph_memory_bytes"] = self.executor.graph_memory_bytes() or (
-                self.runner.graphs.memory_bytes if self.runner.graphs else 0)
+            self.startup["graph_memory_bytes"] = self.executor.graph_memory_bytes()
         if self.predictor is not None and self.executor.multiplexed:
             self.predictor.decode_partitions = [p.decode_sms for p in self.partitions.splits]
         graphs = self.runner.graphs

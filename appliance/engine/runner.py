@@ -51,11 +51,12 @@ class ModelRunner:
         self._partials: dict[str, _Partial] = {}
 
     # ---- set-up -----------------------------------------------------------------------------------------------
-    def capture_graphs(self, max_batch: int, stream: torch.cuda.Stream | None = None) -> DecodeGraphs | None:
-        """Capture decode graphs up to max_batch rows on `stream`; None when the device or backend cannot."""
+    def graph_set(self, max_batch: int, stream: torch.cuda.Stream | None = None, pool=None,
+                  sizes: list[int] | None = None) -> DecodeGraphs | None:
+        """A set of decode graphs (not captured yet) for `stream`, its attention backends sharing one workspace;
+        None when the device or backend cannot capture."""
         if self.device.type != "cuda" or not self.backend.supports_cuda_graph:
             return None
-
         workspace = new_workspace(self.backend_name, self.device)
 
         def backend_for(size: int):
@@ -63,8 +64,13 @@ class ModelRunner:
                                 graph_batch_size=size, max_pages=self.kv_cache.num_pages + 1,
                                 shared_workspace=workspace)
 
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream)
-        self.graphs.capture()
+        return DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream, pool=pool, sizes=sizes)
+
+    def capture_graphs(self, max_batch: int, stream: torch.cuda.Stream | None = None) -> DecodeGraphs | None:
+        """Capture the runner's own decode graphs up to max_batch rows on `stream`; None when it cannot."""
+        self.graphs = self.graph_set(max_batch, stream)
+        if self.graphs is not None:
+            self.graphs.capture()
         return self.graphs
 
     @torch.inference_mode()
@@ -119,12 +125,6 @@ class ModelRunner:
         out = tokens.tolist()
         self.gpu_wait_s += time.perf_counter() - start
         return out
-
-    @torch.inference_mode()
-    def forward_logits(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, torch.Tensor]:
-        """The plan's next-token logits keyed by request id (for tests and tools; execute() uses forward())."""
-        ids, logits = self.forward(plan, requests)
-        return dict(zip(ids, logits)) if ids else {}
 
     def forward(self, plan: StepPlan, requests: dict[str, Request]) -> Logits:
         """Run the plan's forwards; fp32 next-token logits of every request that decoded or finished its prefill."""

@@ -34,14 +34,15 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_ind
     cols = torch.tensor(table, dtype=torch.float64).to(logits.device, non_blocking=True)
     temperature, top_p, top_k = cols[:, 0].float(), cols[:, 1].float(), cols[:, 2].long()
     seeded, key_lo, key_hi = cols[:, 3].bool(), cols[:, 4].long(), cols[:, 5].long()
-    sub = logits[torch.tensor(rows, device=logits.device)] / temperature.unsqueeze(1)
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits[index] / temperature.unsqueeze(1)
     need_filter = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows)
     probs = _filtered_probs(sub, top_k, top_p) if need_filter else sub.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
     if any(params[i].seed is not None for i in rows):
         hashed = -torch.log(uniform_from_key(key_lo, key_hi, probs.shape[-1]))
         noise = torch.where(seeded.unsqueeze(1), hashed, noise)
-    tokens[torch.tensor(rows, device=logits.device)] = (probs / noise).argmax(dim=-1)
+    tokens[index] = (probs / noise).argmax(dim=-1)
     return tokens
 
 

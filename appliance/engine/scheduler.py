@@ -197,7 +197,6 @@ class Scheduler:
     def update_decode(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
         """Record the plan's decode step."""
         out = []
-        page_size = self.pool.page_size
         for rid in plan.decode:
             r = self.requests[rid]
             r.num_computed_tokens = r.num_tokens

@@ -15,7 +15,7 @@ from itertools import groupby
 
 import torch
 
-from appliance.attention import AttentionBackend, make_backend, new_workspace
+from appliance.attention import AttentionBackend, make_backend
 from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.request import Request
 from appliance.engine.runner import ModelRunner
@@ -70,20 +70,12 @@ class Executor:
         workspace per partition (the two phases never share a plan or a workspace)."""
         runner = self.runner
         if not self.multiplexed:
-            runner.capture_graphs(max_batch)
+            self._graphs[self.partitions.full.name] = runner.capture_graphs(max_batch)
             return
         pool = torch.cuda.graph_pool_handle()
         for p in self.partitions.partitions:
-            workspace = new_workspace(runner.backend_name, runner.device)
-
-            def backend_for(size: int, workspace=workspace):
-                return make_backend(runner.backend_name, runner.model.config, runner.dtype, runner.device,
-                                    graph_batch_size=size, max_pages=runner.kv_cache.num_pages + 1,
-                                    shared_workspace=workspace)
-
-            if runner.backend.supports_cuda_graph:
-                graphs = DecodeGraphs(runner.model, runner.kv_cache, backend_for, max_batch, stream=p.decode_stream,
-                                      pool=pool)
+            graphs = runner.graph_set(max_batch, stream=p.decode_stream, pool=pool)
+            if graphs is not None:
                 graphs.capture()
                 self._graphs[p.name] = graphs
             self._prefill_backends[p.name] = make_backend(runner.backend_name, runner.model.config, runner.dtype,
@@ -121,7 +113,7 @@ class Executor:
                 ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
                 decode_tokens = self.runner.sample(ids, logits, requests)
         for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
-            self._launch_prefill(list(group), requests, start, end, part if plan.decode else self.partitions.full)
+            self._launch_prefill(list(group), requests, start, end, part)
         if decode_tokens is None:
             return {}
         with _on(part.decode_stream):
@@ -207,7 +199,7 @@ class Executor:
                 launch.event.synchronize()
 
     def release(self, request_id: str) -> None:
-        """Forget the request's executor state (finished, preempted, aborted); settle it first if in flight."""
-        self.settle(request_id)
+        """Forget the request's executor state (finished, preempted or aborted: none of its kernels is in flight by
+        then; `settle` first where some may be)."""
         self._last.pop(request_id, None)
         self.runner.release(request_id)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from appliance.bench import workload as wl
-from appliance.bench.traces import (MOONCAKE_BLOCK, RequestSpec, detect_format, load_azure, load_burstgpt,
-                                    load_mooncake, load_sharegpt, load_trace)
+from appliance.bench.traces import (MOONCAKE_BLOCK, RequestSpec, detect_format, load_azure, load_mooncake, load_sharegpt, load_trace)
 from appliance.errors import ConfigError
 
 DATA = Path(__file__).resolve().parents[1] / "data"

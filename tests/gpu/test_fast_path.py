@@ -3,7 +3,6 @@ on a small model trained to continue periodic sequences (confident predictions t
 from __future__ import annotations
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 from appliance.engine.engine import Engine, EngineConfig

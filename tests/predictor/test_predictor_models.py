@@ -146,7 +146,6 @@ def test_profile_of_a_synthetic_gpu_round_trips(tmp_path):
     assert raw["model"]["name"] == "llama-3.1-8b" and raw["gpu"] == {"name": "H100", "sm_count": 132}
     p = load_predictor(path, LLAMA_8B, "NVIDIA H100 80GB HBM3")
     assert p.source == f"profile {path}" and p.decode_partitions == parts
-    load, items = DecodeLoad(32, 32 * 8192), [PrefillItem(4096, 0)]
     # the guard holds the worst contention seen in each cell: every profiled step is covered by the worst case
     contended = [s for s in sample_grid(gpu, parts) if s.kind == "contended"]
     assert contended and all(p.decode_ms(s.decode, s.sms, s.prefill) >= s.ms * (1 - 1e-9) for s in contended)

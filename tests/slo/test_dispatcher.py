@@ -6,7 +6,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import pytest
 
 from appliance.engine.kv_cache import PagePool
 from appliance.engine.request import Request, RequestStatus, SamplingParams
