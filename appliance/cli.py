@@ -1,5 +1,5 @@
 """The `muxd` command line: serve (OpenAI-compatible server), generate (one prompt, streamed to the terminal),
-bench (appliance/bench/cli.py), version. Flags become one ServeConfig, validated before anything slow happens.
+bench (appliance/bench/cli.py), profile (appliance/multiplex/profile_cli.py), slo, version. Flags become one ServeConfig, validated before anything slow happens.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from appliance.bench.cli import app as bench_app
 from appliance.bench.engine_cli import engine_bench_command
 from appliance.config import ServeConfig
 from appliance.errors import ApplianceError
+from appliance.multiplex.profile_cli import profile_command
 from appliance.slo.cli import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -21,6 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
 app.add_typer(bench_app, name="bench")
 app.add_typer(slo_app, name="slo")
+profile_command(app)
 
 MODEL_HELP = "Hugging Face model directory (config.json, safetensors, tokenizer.json), or 'embedded' for the small " \
              "model shipped inside muxd."

@@ -21,11 +21,12 @@ from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.runner import ModelRunner
-from appliance.engine.scheduler import Scheduler
+from appliance.engine.scheduler import Scheduler, StepPlan
 from appliance.errors import CapacityError, ConfigError, RequestError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
 from appliance.model_zoo.tokenizer import Tokenizer
+from appliance.predictor.workload import DecodeLoad, PrefillItem
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for prompt + max_tokens over the context
@@ -326,8 +327,19 @@ class Engine:
                                    f"{len(self.scheduler.requests)} requests pending")
             return outputs
         sampled = self.executor.launch(plan, self.scheduler.requests)
+        self._observe(plan)
         outputs += [self._output(r, token) for r, token in self.scheduler.update_decode(plan, sampled)]
         return outputs + self._merge(self.executor.poll())
+
+    def _observe(self, plan: StepPlan) -> None:
+        """Hand a decode step that ran beside prefill layers to the planner (online refinement of its contention
+        guard), before the step's tokens change the batch's contexts."""
+        seen, observe = self.executor.last_decode, getattr(self.scheduler.planner, "observe_decode", None)
+        if seen is None or not seen.concurrent or observe is None:
+            return
+        requests = self.scheduler.requests
+        load = DecodeLoad(len(plan.decode), sum(requests[rid].num_tokens - 1 for rid in plan.decode))
+        observe(load, seen.decode_sms, [PrefillItem(w.num_tokens, w.token_start) for w in seen.concurrent], seen.ms)
 
     def _merge(self, done: list) -> list[RequestOutput]:
         """Record prefill works whose layers have all run; a prompt's last chunk brings its first token."""

@@ -203,7 +203,9 @@ class ModelRunner:
         return [works[i].request_id for i in done], self._logits_at(hidden, residual, batch.last_rows[done])
 
     def _logits_at(self, hidden: torch.Tensor, residual: torch.Tensor | None, rows: np.ndarray) -> torch.Tensor:
-        index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.device)
+        index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        if self.device.type == "cuda":  # a blocking copy would wait for every kernel queued on the stream
+            index = index.pin_memory().to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[index], None if residual is None else residual[index])
 
     def _layers(self, batch: TokenBatch, start: int, end: int,

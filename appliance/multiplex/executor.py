@@ -41,6 +41,16 @@ class _Launch:
         return self.event is None or self.event.query()
 
 
+@dataclass(frozen=True)
+class DecodeObservation:
+    """A decode step as it ran: its partition's decode SMs, its wall time (launch to tokens on the host, which is
+    what a client sees between tokens) and the prefill works running beside it (empty: it ran alone)."""
+
+    decode_sms: int
+    ms: float
+    concurrent: tuple[PrefillWork, ...]
+
+
 def _on(stream: torch.cuda.Stream | None):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -58,6 +68,7 @@ class Executor:
         self.current: Partition = self.partitions.full
         self.switches = 0
         self.layers_launched = 0
+        self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
 
     @property
     def multiplexed(self) -> bool:
@@ -96,9 +107,12 @@ class Executor:
         return self.partitions.for_decode(plan.decode_sms)
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, int]:
-        """Launch the plan and return the decode tokens; prefill results come from `poll()`."""
-        part = self.partition_for(plan)
+    def launch(self, plan: StepPlan, requests: dict[str, Request],
+               partition: Partition | None = None) -> dict[str, int]:
+        """Launch the plan and return the decode tokens; prefill results come from `poll()`. `partition` overrides
+        the planned one (the profiler measures each partition alone)."""
+        part = partition or self.partition_for(plan)
+        self.last_decode = None
         if part is not self.current:
             self.switches += 1
             self.timeline.instant("partition switch", f"{part.name} decode", previous=self.current.name,
@@ -116,9 +130,13 @@ class Executor:
             self._launch_prefill(list(group), requests, start, end, part)
         if decode_tokens is None:
             return {}
+        beside = () if part is self.partitions.full else tuple(
+            w for launch in self._inflight if launch.event is not None and not launch.done() for w in launch.works)
         with _on(part.decode_stream):
             tokens = self.runner.read_tokens(decode_tokens)
-        self.timeline.span("decode", f"{part.name} decode", started, time.perf_counter(), batch=len(plan.decode),
+        ended = time.perf_counter()
+        self.last_decode = DecodeObservation(part.decode_sms, (ended - started) * 1e3, beside)
+        self.timeline.span("decode", f"{part.name} decode", started, ended, batch=len(plan.decode),
                            decode_sms=part.decode_sms)
         return dict(zip(plan.decode, tokens))
 
@@ -186,6 +204,11 @@ class Executor:
 
     def has_inflight(self) -> bool:
         return bool(self._inflight)
+
+    @property
+    def num_inflight(self) -> int:
+        """Prefill launches not reported by `poll()` yet."""
+        return len(self._inflight)
 
     def wait(self) -> None:
         """Block until the oldest in-flight prefill launch has finished (the engine has nothing else to run)."""

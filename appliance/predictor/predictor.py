@@ -63,5 +63,5 @@ class Predictor:
     def observe_decode(self, load: DecodeLoad, sms: int, concurrent: Sequence[PrefillItem],
                        measured_ms: float) -> None:
         """Online refinement from a measured decode step that ran beside `concurrent` prefill work."""
-        if concurrent:
-            self.guard.observe(sms, concurrent, load, self.latency.decode_ms(load, sms), measured_ms)
+        if concurrent and not load.empty:
+            self.guard.refine(sms, concurrent, load, self.latency.decode_ms(load, sms), measured_ms)

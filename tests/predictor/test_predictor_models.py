@@ -94,12 +94,31 @@ def test_contention_guard_returns_cell_maximum_and_learns_online():
     assert guard.slowdown(32, items, load) == pytest.approx(1.4)
 
 
+def test_online_refinement_follows_measured_steps_not_one_outlier():
+    guard = ContentionGuard({cell_of(32, [PrefillItem(3000)], DecodeLoad(16, 64000)): 1.25}, default=1.3)
+    items, load = [PrefillItem(3000, 0)], DecodeLoad(16, 16 * 4000)
+    for _ in range(7):
+        assert guard.refine(32, items, load, 10.0, 15.0) == pytest.approx(1.25)  # fewer than 8: the profile holds
+    assert guard.refine(32, items, load, 10.0, 15.0) == pytest.approx(1.5)  # underestimated: it rises
+    other = [PrefillItem(100, 0)]  # a cell the profile never measured
+    guard.refine(32, other, load, 10.0, 30.0)  # one stray slow step (a host hiccup) ...
+    for _ in range(62):
+        guard.refine(32, other, load, 10.0, 11.0)
+    assert guard.slowdown(32, other, load) == pytest.approx(1.1)  # ... does not set the cell
+    for _ in range(8):
+        guard.refine(32, items, load, 10.0, 10.0)  # faster steps never take a cell below its profile
+    assert guard.slowdown(32, items, load) >= 1.25
+
+
 def test_predictor_applies_the_guard_only_beside_prefill():
     p = Predictor.prior(LLAMA_8B, DEVICES["h100"])
     load, items = DecodeLoad(32, 32 * 4096), [PrefillItem(8192, 0)]
     solo = p.decode_ms(load, 32)
     assert p.decode_ms(load, 32, items) == pytest.approx(solo * 1.3)
     p.observe_decode(load, 32, items, solo * 1.1)
+    assert p.decode_ms(load, 32, items) == pytest.approx(solo * 1.3)  # one step is not evidence yet
+    for _ in range(7):
+        p.observe_decode(load, 32, items, solo * 1.1)
     assert p.decode_ms(load, 32, items) == pytest.approx(solo * 1.1)
     assert p.decode_ms(load, None, items) == p.decode_ms(load)  # all SMs: nothing runs beside it
     assert p.decode_partitions == partition_choices(132) == (16, 32, 48, 64, 80, 96, 112)

@@ -1,0 +1,112 @@
+"""`muxd profile`: the command around multiplex/profiler.py — flags, the grid's ranges (defaults or a trace's), the
+engine it measures, a progress bar, and the summary it prints (samples, held-out errors, what the budget left out)."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from appliance.config import ServeConfig
+from appliance.errors import ApplianceError, ConfigError
+from appliance.predictor.grid import Ranges, plan_points, reused_tokens
+
+
+def trace_ranges(path: str, fmt: str) -> Ranges:
+    from appliance.bench.traces import load_trace
+
+    specs = load_trace(path, fmt)
+    if not specs:
+        raise ConfigError(f"--trace {path}: no requests in it")
+    return Ranges.from_lengths([s.prompt_len for s in specs], [s.output_len for s in specs], reused_tokens(specs))
+
+
+def profile_command(app: typer.Typer) -> None:
+    @app.command()
+    def profile(
+        model: str = typer.Option("embedded", "--model", "-m", help="Model directory (or 'embedded')."),
+        out: Path = typer.Option(..., "--out", "-o", help="Profile file to write (JSON); samples are logged "
+                                 "beside it as OUT.samples.jsonl."),
+        load_format: str = typer.Option("auto", help="auto/safetensors, or dummy (random weights: step times "
+                                        "do not depend on the values)."),
+        dtype: str = typer.Option("auto", help="See `muxd serve --help`."),
+        device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+        budget_minutes: float = typer.Option(15.0, help="Wall-clock budget of the whole run, start-up included; "
+                                             "points that would not fit are left out (--resume adds them later)."),
+        resume: bool = typer.Option(False, "--resume", help="Keep the samples an earlier run logged beside --out "
+                                    "and measure only the missing points."),
+        trace: Optional[str] = typer.Option(None, help="Trace whose prompt, reuse and context lengths choose the "
+                                            "grid's ranges (default: a generic grid)."),
+        trace_format: str = typer.Option("auto", help="auto, azure, mooncake, burstgpt, sharegpt."),
+        max_num_seqs: int = typer.Option(256, help="Largest decode batch profiled (the server's --max-num-seqs)."),
+        max_num_batched_tokens: int = typer.Option(8192, help="Largest prefill profiled (the server's "
+                                                   "--max-num-batched-tokens)."),
+        max_model_len: int = typer.Option(32768, help="Longest context profiled."),
+        partition_granularity: int = typer.Option(16, help="Decode partitions are multiples of this many SMs "
+                                                  "(the server's --partition-granularity)."),
+        holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
+                                    "measure the predictor's error)."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    ) -> None:
+        """Profile this model on this GPU: solo prefill and decode on every SM partition and decode beside a
+        prefill, within a time budget; write the profile `muxd serve --policy mux --profile` loads."""
+        started = time.perf_counter()
+        console = Console(stderr=True)
+        try:
+            if budget_minutes <= 0:
+                raise ConfigError(f"--budget-minutes must be > 0, got {budget_minutes}")
+            if holdout < 0:
+                raise ConfigError(f"--holdout must be >= 0, got {holdout}")
+            if out.suffix == ".jsonl" or out.is_dir():
+                raise ConfigError(f"--out {out}: give the profile file's path (e.g. llama-8b-h200.json)")
+            if not out.parent.is_dir():
+                raise ConfigError(f"--out {out}: directory {out.parent} does not exist")
+            ranges = (trace_ranges(trace, trace_format) if trace else Ranges()).clipped(
+                max_num_batched_tokens, max_num_seqs, max_model_len)
+            cfg = ServeConfig(model=model, dtype=dtype, device=device, load_format=load_format,
+                              max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
+                              partition_granularity=partition_granularity)
+            cfg.multiplex = True if cfg.resolved_device().startswith("cuda") else None
+            cfg.validate()
+            logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+            from appliance.multiplex.profiler import StepTimer, run_profile
+
+            console.print(f"muxd profile: loading {cfg.model_name} ...")
+            engine = cfg.build_engine()
+            timer = StepTimer(engine)
+            kv_tokens = engine.pool.num_pages * engine.pool.page_size
+            points = plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, kv_tokens=kv_tokens)
+            too_big = len(plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout)) - len(points)
+            console.print(f"{timer.gpu_name}: {timer.sm_count} SMs, decode partitions {timer.decode_partitions or 'none'}"
+                          f"; {len(points)} points to measure ({too_big} larger than the KV pool left out)")
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, disable=not progress) as bar:
+                task = bar.add_task("profiling", total=len(points))
+
+                def on_point(point, ms) -> None:
+                    bar.update(task, advance=1, description=f"{point.kind} {point.sms} SMs")
+
+                result = run_profile(timer, points, out, model_name=cfg.model_name, budget_s=budget_minutes * 60,
+                                     started=started, resume=resume, kv_tokens=kv_tokens, on_point=on_point)
+        except ApplianceError as exc:
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2)
+        result.skipped_memory += too_big
+        table = Table(title=f"held-out error of the fitted predictor ({result.path})")
+        for col in ("phase", "samples", "mean error", "max error"):
+            table.add_column(col, justify="left" if col == "phase" else "right")
+        for kind in ("prefill", "decode", "contended"):
+            if f"{kind}_n" in result.errors:
+                table.add_row(kind, f"{result.errors[kind + '_n']:.0f}", f"{result.errors[kind + '_mean']:.1%}",
+                              f"{result.errors[kind + '_max']:.1%}")
+        Console().print(table)
+        typer.echo(f"wrote {result.path}: {result.measured} samples measured, {result.resumed} resumed, "
+                   f"{result.skipped_budget} left out by the budget, {result.skipped_memory} larger than the KV pool, "
+                   f"{result.failed} not measurable; "
+                   f"{result.elapsed_s / 60:.1f} of {budget_minutes:g} minutes")

@@ -1,0 +1,357 @@
+"""`muxd profile`: measures the profiling grid (predictor/grid.py) through the serving engine's own executor — decode
+steps as CUDA-graph replays on a partition's decode stream, prefill on a partition's prefill stream, decode while a
+prefill keeps the other partition busy — within a time budget, appending every sample to a log next to the profile
+so that an interrupted run resumes where it stopped, then fits the profile file the server loads and scores the
+fitted predictor on the held-out samples.
+
+Times are what serving sees: a decode step from its launch to its tokens on the host (the time between tokens), a
+prefill from its launch to its last layer's completion.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from appliance.engine.engine import Engine
+from appliance.engine.request import Request, SamplingParams
+from appliance.engine.scheduler import PrefillWork, StepPlan
+from appliance.errors import ConfigError
+from appliance.multiplex.partitions import Partition
+from appliance.predictor.grid import Point
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.profile import ProfileFile, build_profile, model_shape, save_profile
+from appliance.predictor.roofline import DEVICES, device_spec
+
+log = logging.getLogger("muxd.profile")
+SAMPLES_FORMAT = "muxd-profile-samples"
+CPU_SM_COUNT = DEVICES["cpu"].sm_count  # what a CPU "partition" counts as (the CPU has no SM partitions)
+
+
+class StepTimer:
+    """Times one grid point on the engine's executor and partitions."""
+
+    def __init__(self, engine: Engine, reps: int = 3, decode_steps: int = 8, contended_steps: int = 10) -> None:
+        self.engine, self.executor = engine, engine.executor
+        self.reps, self.decode_steps, self.contended_steps = reps, decode_steps, contended_steps
+        parts = self.executor.partitions
+        self.cuda = engine.kv_cache.data.is_cuda
+        self.sm_count = parts.total_sms if self.executor.multiplexed else (
+            torch.cuda.get_device_properties(engine.kv_cache.data.device).multi_processor_count if self.cuda
+            else CPU_SM_COUNT)
+        self.gpu_name = torch.cuda.get_device_name(engine.kv_cache.data.device) if self.cuda else "cpu"
+        self._by_decode = {p.decode_sms: p for p in parts.splits}
+        self._by_prefill = {p.prefill_sms: p for p in parts.splits}
+        self.rng = np.random.default_rng(0)
+        self._ids = 0
+
+    @property
+    def decode_partitions(self) -> list[int]:
+        return sorted(self._by_decode)
+
+    def measure(self, point: Point) -> float | None:
+        """Milliseconds of the point's step (median of repetitions; a decode beside prefill: the 90th percentile
+        of its steps, since the contention guard plans for the worst case); None when it could not be measured."""
+        if point.kind == "prefill":
+            return self._prefill(point)
+        if point.kind == "decode":
+            return self._decode(point)
+        return self._contended(point)
+
+    # ---- partitions -------------------------------------------------------------------------------------------
+    def _decode_partition(self, sms: int) -> Partition:
+        if sms == self.sm_count:
+            return self.executor.partitions.full
+        if sms not in self._by_decode:
+            raise ConfigError(f"no decode partition of {sms} SMs; this GPU offers {self.decode_partitions}")
+        return self._by_decode[sms]
+
+    def _prefill_partition(self, sms: int) -> Partition:
+        if sms == self.sm_count:
+            return self.executor.partitions.full
+        if sms not in self._by_prefill:
+            raise ConfigError(f"no prefill partition of {sms} SMs; this GPU offers {sorted(self._by_prefill)}")
+        return self._by_prefill[sms]
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def _request(self, tokens: int, max_tokens: int = 1) -> Request:
+        self._ids += 1
+        vocab = self.engine.model.config.vocab_size
+        r = Request(f"profile-{self._ids}", self.rng.integers(3, vocab, tokens).tolist(),
+                    SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        self.engine.scheduler.add(r)
+        return r
+
+    def _prefill_works(self, point: Point) -> tuple[list[Request], tuple[PrefillWork, ...]]:
+        r = self._request(point.new + point.reused)
+        if not self.engine.scheduler.admit(r):
+            self.engine.abort(r.request_id)
+            raise ConfigError(f"the KV pool cannot hold a prefill of {point.new + point.reused} tokens")
+        r.num_computed_tokens = point.reused  # the cached prefix's KV is taken as computed
+        layers = self.engine.model.config.num_layers
+        return [r], (PrefillWork(r.request_id, point.reused, point.reused + point.new, 0, layers),)
+
+    def _seat(self, batch: int, context: int) -> list[Request]:
+        reqs = []
+        for _ in range(batch):
+            r = self._request(context, max_tokens=8)
+            if not self.engine.scheduler.seat_decoding(r):
+                self.engine.abort(r.request_id)
+                self._clear(reqs)
+                raise ConfigError(f"the KV pool cannot hold a decode batch of {batch} x {context} tokens")
+            reqs.append(r)
+        return reqs
+
+    def _clear(self, reqs: Sequence[Request]) -> None:
+        self._drain()
+        for r in reqs:
+            self.engine.abort(r.request_id)
+
+    def _drain(self) -> None:
+        while self.executor.has_inflight():
+            self.executor.wait()
+            self.executor.poll()
+
+    # ---- steps ------------------------------------------------------------------------------------------------
+    def _prefill(self, point: Point) -> float:
+        reqs, works = self._prefill_works(point)
+        part = self._prefill_partition(point.sms)
+        plan = StepPlan(prefill=works)
+        times = []
+        try:
+            for i in range(self.reps + 1):  # the first run plans and warms; it is not counted
+                start = time.perf_counter()
+                self.executor.launch(plan, self.engine.scheduler.requests, partition=part)
+                self._drain()
+                if i:
+                    times.append((time.perf_counter() - start) * 1e3)
+        finally:
+            self._clear(reqs)
+        return statistics.median(times)
+
+    def _decode(self, point: Point) -> float:
+        reqs = self._seat(point.batch, point.context)
+        part = self._decode_partition(point.sms)
+        plan = StepPlan(decode=tuple(r.request_id for r in reqs))
+        times = []
+        try:
+            for i in range(self.decode_steps + 2):
+                self.executor.launch(plan, self.engine.scheduler.requests, partition=part)
+                if i >= 2:
+                    times.append(self.executor.last_decode.ms)
+        finally:
+            self._clear(reqs)
+        return statistics.median(times)
+
+    def _contended(self, point: Point) -> float | None:
+        """Decode steps on the split while its prefill stream is kept busy (prefills queued two deep); a step counts
+        only when a prefill was still running while its tokens were awaited."""
+        part = self._decode_partition(point.sms)
+        if part is self.executor.partitions.full:
+            raise ConfigError("a contended sample needs a split partition")
+        reqs = self._seat(point.batch, point.context)
+        pre, works = self._prefill_works(point)
+        decode = StepPlan(decode=tuple(r.request_id for r in reqs))
+        prefill = StepPlan(prefill=works)
+        requests = self.engine.scheduler.requests
+        times: list[float] = []
+        try:
+            self.executor.launch(decode, requests, partition=part)  # plans the decode wrapper for this batch
+            self.executor.launch(prefill, requests, partition=part)  # and the prefill's
+            self._drain()
+            tries = 0
+            while len(times) < self.contended_steps and tries < 20 * self.contended_steps:
+                tries += 1
+                self.executor.poll()
+                while self.executor.num_inflight < 2:
+                    self.executor.launch(prefill, requests, partition=part)
+                self.executor.launch(decode, requests, partition=part)
+                seen = self.executor.last_decode
+                if seen.concurrent:  # a prefill was still running while the step's tokens were awaited
+                    times.append(seen.ms)
+        finally:
+            self._clear(pre + reqs)
+        if not times:  # the prefill never outlasted its launch (a model too small to keep the stream busy)
+            log.warning("left out %s: no decode step overlapped its prefill", point.key)
+            return None
+        return float(np.percentile(times, 90))
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+@dataclass
+class ProfileResult:
+    path: Path
+    samples_path: Path
+    profile: ProfileFile | None = None  # set once fitted
+    measured: int = 0          # this run
+    resumed: int = 0           # read back from the samples log
+    skipped_budget: int = 0
+    skipped_memory: int = 0
+    failed: int = 0            # could not be measured (see the log)
+    errors: dict[str, float] = field(default_factory=dict)  # held-out errors by phase
+    elapsed_s: float = 0.0
+
+
+def samples_path_for(out: Path) -> Path:
+    return out.with_name(out.name + ".samples.jsonl")
+
+
+def _header(timer: StepTimer, model_name: str) -> dict:
+    return {"format": SAMPLES_FORMAT, "model": model_name, "shape": model_shape(timer.engine.model.config),
+            "gpu": timer.gpu_name, "sm_count": timer.sm_count, "decode_partitions": timer.decode_partitions}
+
+
+def read_samples(path: Path, header: dict) -> dict[str, tuple[Point, float]]:
+    """Samples measured by an earlier run (key -> point, ms); ConfigError when they were measured for another
+    model, GPU or partition set."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if not lines:
+        return {}
+    try:
+        head = json.loads(lines[0])
+    except json.JSONDecodeError:
+        head = None
+    if not isinstance(head, dict) or head.get("format") != SAMPLES_FORMAT:
+        raise ConfigError(f"{path}: not a muxd profile samples log; remove it or drop --resume")
+    for k in ("shape", "gpu", "sm_count", "decode_partitions"):
+        if head.get(k) != header[k]:
+            raise ConfigError(f"{path}: measured with {k} {head.get(k)!r}, this run has {header[k]!r}; "
+                              "remove it or drop --resume")
+    out = {}
+    for n, line in enumerate(lines[1:], start=2):
+        try:
+            row = json.loads(line)
+            point = Point(**{k: row[k] for k in ("kind", "sms", "new", "reused", "batch", "context", "holdout")})
+            out[point.key] = (point, float(row["ms"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if n == len(lines):  # a line cut short by an interrupted run
+                break
+            raise ConfigError(f"{path}:{n}: not a sample line") from None
+    return out
+
+
+def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[Point, float]]) -> dict[str, float]:
+    """Mean and max relative error of the fitted predictor on held-out samples, per phase (contended: the guarded
+    worst case against the measured step)."""
+    predictor: Predictor = profile.predictor(num_layers, "profile")
+    errs: dict[str, list[float]] = {"prefill": [], "decode": [], "contended": []}
+    for point, ms in held:
+        if point.kind == "prefill":
+            pred = predictor.prefill_ms(point.items, point.sms)
+        elif point.kind == "decode":
+            pred = predictor.decode_ms(point.load, point.sms)
+        else:
+            pred = predictor.decode_ms(point.load, point.sms, point.items)
+        errs[point.kind].append((pred - ms) / ms)
+    out = {}
+    for kind, values in errs.items():
+        if values:
+            a = np.abs(values)
+            out[f"{kind}_mean"], out[f"{kind}_max"] = float(a.mean()), float(a.max())
+            out[f"{kind}_n"] = float(len(values))
+    return out
+
+
+def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_name: str, budget_s: float,
+                started: float, resume: bool = False, kv_tokens: int | None = None,
+                on_point: Callable[[Point, float | None], None] | None = None) -> ProfileResult:
+    """Measure `points` in order until the budget (counted from `started`, a perf_counter time) would run out, then
+    fit and write the profile. Samples go to the log as they are measured."""
+    out = Path(out)
+    log_path = samples_path_for(out)
+    header = _header(timer, model_name)
+    done = read_samples(log_path, header) if resume and log_path.is_file() else {}
+    result = ProfileResult(out, log_path, resumed=len(done))
+    cost = _CostModel(timer)
+    deadline = started + budget_s
+    with log_path.open("w", encoding="utf-8") as f:  # rewritten whole: a line an interruption cut short goes
+        f.write(json.dumps(header) + "\n")
+        for point, ms in done.values():
+            f.write(json.dumps({**asdict(point), "ms": ms}) + "\n")
+        for point in points:
+            if point.key in done:
+                if on_point:
+                    on_point(point, done[point.key][1])
+                continue
+            if kv_tokens is not None and point.tokens > kv_tokens:
+                result.skipped_memory += 1
+                if on_point:
+                    on_point(point, None)
+                continue
+            if time.perf_counter() + cost.estimate(point) > deadline:
+                result.skipped_budget += 1
+                if on_point:
+                    on_point(point, None)
+                continue
+            t0 = time.perf_counter()
+            ms = timer.measure(point)
+            cost.learn(point, time.perf_counter() - t0)
+            if ms is None:
+                result.failed += 1
+                if on_point:
+                    on_point(point, None)
+                continue
+            done[point.key] = (point, ms)
+            result.measured += 1
+            f.write(json.dumps({**asdict(point), "ms": ms}) + "\n")
+            f.flush()
+            if on_point:
+                on_point(point, ms)
+    fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
+    held = [(p, ms) for p, ms in done.values() if p.holdout]
+    try:
+        profile = build_profile(fit, model_name=model_name, model=timer.engine.model.config,
+                                gpu_name=timer.gpu_name, sm_count=timer.sm_count,
+                                decode_partitions=timer.decode_partitions)
+    except ConfigError as exc:
+        raise ConfigError(f"the budget ran out before the fit had its samples ({exc}); the {len(done)} samples "
+                          f"measured are kept in {log_path}: run again with --resume, or a larger --budget-minutes"
+                          ) from None
+    result.errors = held_out_errors(profile, timer.engine.model.config.num_layers, held)
+    profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
+    profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
+    save_profile(profile, out)
+    result.profile = profile
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+class _CostModel:
+    """How long measuring a point will take: the roofline prior's step time times the steps the point runs, scaled
+    by how much longer than that the points of the same kind measured so far actually took."""
+
+    OVERHEAD_S = 0.05
+
+    def __init__(self, timer: StepTimer) -> None:
+        try:
+            spec = device_spec(timer.gpu_name)
+        except ConfigError:
+            spec = DEVICES["h100"]
+        self.prior = Predictor.prior(timer.engine.model.config, spec)
+        self.timer = timer
+        self.scale: dict[str, list[float]] = {}
+
+    def _raw(self, point: Point) -> float:
+        p, t = self.prior, self.timer
+        sms = min(point.sms, p.sm_count)
+        if point.kind == "prefill":
+            return p.prefill_ms(point.items, sms) / 1e3 * (t.reps + 1) + self.OVERHEAD_S
+        if point.kind == "decode":
+            return p.decode_ms(point.load, sms) / 1e3 * (t.decode_steps + 2) + self.OVERHEAD_S
+        steps = t.contended_steps + 2
+        return (p.decode_ms(point.load, sms) * steps + p.prefill_ms(point.items, p.sm_count - sms) * 3) / 1e3 \
+            + self.OVERHEAD_S
+
+    def estimate(self, point: Point) -> float:
+        seen = self.scale.get(point.kind)
+        return self._raw(point) * (max(1.0, statistics.median(seen)) if seen else 2.0)
+
+    def learn(self, point: Point, seconds: float) -> None:
+        self.scale.setdefault(point.kind, []).append(seconds / self._raw(point))

@@ -1,0 +1,82 @@
+"""`muxd profile` on the GPU's SM partitions, and the `mux` policy driving the multiplex executor with the profile it
+wrote: spatial steps on green-context partitions, greedy outputs equal serial execution, the contention guard refined
+from measured decode steps, no page lost."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.request import SamplingParams
+from appliance.multiplex.profiler import StepTimer, run_profile
+from appliance.predictor.grid import Ranges, plan_points
+from copy_model import periodic_prompt, train_copy_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+# the copy model's context is 1024 tokens
+SMALL = Ranges(prefill_new=(64, 256, 512), prefill_reused=(0, 256), decode_batch=(1, 4, 16),
+               decode_context=(64, 512), contended_new=(512,), contended_batch=(8,), contended_context=(256,))
+TIGHT = """version: 1
+name: tight
+attainment: 0.99
+targets:
+  ttft: {ms: 5000}
+  tbt: {ms: 1.0}
+"""
+
+
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory):
+    return train_copy_model(tmp_path_factory.mktemp("copy-model-profile"))
+
+
+def engine(path, **kw) -> Engine:
+    return Engine.from_pretrained(path, device="cuda", config=EngineConfig(
+        num_pages=2048, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+
+
+def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tmp_path):
+    prof_engine = engine(copy_model, multiplex=True, max_prefill_tokens=2048, enable_prefix_caching=False)
+    timer = StepTimer(prof_engine, reps=2, decode_steps=4, contended_steps=4)
+    assert timer.decode_partitions == [p.decode_sms for p in prof_engine.partitions.splits]
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions[:3], holdout=1)
+    out = tmp_path / "copy.json"
+    result = run_profile(timer, points, out, model_name="copy", budget_s=240, started=time.perf_counter())
+    assert result.measured == len(points) and result.skipped_budget == 0
+    assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
+    profile = result.profile
+    assert sorted(int(k) for k in profile.decode) == sorted([*timer.decode_partitions[:3], timer.sm_count])
+    assert {c.cell[0] for c in profile.contention} == set(timer.decode_partitions[:3])
+    assert all(c.slowdown >= 1.0 for c in profile.contention)
+    assert "contended_max" in result.errors
+    del prof_engine, timer
+
+    contract = tmp_path / "tight.yaml"
+    contract.write_text(TIGHT)  # a TBT no mixed step meets: the planner must split the GPU
+    ref = engine(copy_model, planner="serial", multiplex=False)
+    mux = engine(copy_model, planner="mux", slo=str(contract), profile=str(out))
+    assert mux.executor.multiplexed and mux.predictor.source.startswith("profile")
+    assert list(mux.predictor.decode_partitions) == [p.decode_sms for p in mux.partitions.splits]
+    decoders = [periodic_prompt(s, 40 + s) for s in range(4)]
+    late = [periodic_prompt(10 + s, 600 + 97 * s) for s in range(3)]
+    expected = ref.generate(decoders + late, GREEDY)
+    outputs: dict[str, list[int]] = {}
+
+    def steps(n: int | None = None) -> None:
+        count = 0
+        while mux.has_unfinished() and (n is None or count < n):
+            for o in mux.step():
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            count += 1
+
+    ids = [mux.add_request(p, GREEDY) for p in decoders]
+    steps(6)
+    ids += [mux.add_request(p, GREEDY) for p in late]  # prompts arriving while the first ones decode
+    steps()
+    stats = mux.scheduler.planner.stats
+    assert stats.spatial_steps > 0 and mux.executor.switches >= 1 and mux.executor.layers_launched > 0
+    assert sum(len(w) for w in mux.predictor.guard.observations.values()) > 0  # measured steps refined the guard
+    for rid, exp in zip(ids, expected):
+        assert outputs[rid] == exp.token_ids, rid
+    assert mux.pool.num_free_pages == mux.pool.num_pages

@@ -1,0 +1,128 @@
+"""`muxd profile` on the CPU (the null partition): the grid's order and ranges, a profile written within the budget
+and loaded by the server's predictor, held-out errors, resuming an interrupted run, and clear errors."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from appliance.bench.traces import load_trace
+from appliance.cli import app
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.errors import ConfigError
+from appliance.multiplex.profiler import StepTimer, read_samples, run_profile, samples_path_for
+from appliance.predictor.grid import Point, Ranges, plan_points, reused_tokens
+from appliance.predictor.profile import load_predictor
+
+DATA = Path(__file__).parent.parent / "data"
+SMALL = Ranges(prefill_new=(16, 48, 96), prefill_reused=(0, 64), decode_batch=(1, 4, 8), decode_context=(16, 64),
+               contended_new=(32,), contended_batch=(4,), contended_context=(32,))
+
+
+def test_grid_puts_the_fit_core_first_then_held_out_points_then_the_rest():
+    points = plan_points(Ranges(), 132, [16, 32, 48], holdout=2)
+    keys = [p.key for p in points]
+    assert len(keys) == len(set(keys))
+    kinds = {(p.kind, p.sms) for p in points}
+    # prefill on every prefill partition and all SMs, decode on every decode partition and all SMs, contention per split
+    assert {("prefill", s) for s in (132, 116, 100, 84)} <= kinds
+    assert {("decode", s) for s in (16, 32, 48, 132)} <= kinds
+    assert {("contended", s) for s in (16, 32, 48)} == {k for k in kinds if k[0] == "contended"}
+    first_held = next(i for i, p in enumerate(points) if p.holdout)
+    last_held = max(i for i, p in enumerate(points) if p.holdout)
+    core = points[:first_held]
+    # the core alone fits every partition: >= 4 prefill samples (4 terms), >= 3 decode samples (3 terms)
+    for s in (132, 116, 100, 84):
+        assert sum(p.kind == "prefill" and p.sms == s for p in core) >= 4
+    for s in (16, 32, 48, 132):
+        assert sum(p.kind == "decode" and p.sms == s for p in core) >= 3
+    assert all(not p.holdout for p in points[last_held + 1:])
+    assert sum(p.holdout for p in points) == 2 * (4 + 4) + 3
+
+
+def test_ranges_follow_the_trace_and_the_server_limits():
+    specs = load_trace(DATA / "mooncake_conversation_head200.jsonl")
+    reused = reused_tokens(specs)
+    assert reused[0] == 0 and any(r > 0 for r in reused)  # later turns reuse earlier prefixes
+    assert all(0 <= r < s.prompt_len for r, s in zip(reused, specs))
+    ranges = Ranges.from_lengths([s.prompt_len for s in specs], [s.output_len for s in specs], reused)
+    assert ranges.prefill_reused[0] == 0 and len(ranges.prefill_reused) >= 2
+    clipped = ranges.clipped(4096, 64, 16384)
+    assert max(clipped.prefill_new) == 4096 and max(clipped.decode_batch) == 64
+    assert max(clipped.decode_context) <= 16384 and max(clipped.prefill_reused) + 4096 < 16384
+    assert len(clipped.prefill_new) == len(ranges.prefill_new)  # capped, the grid keeps its resolution
+    kv = 400_000  # a pool that cannot hold 256 requests of 27k tokens: such points are never planned
+    points = plan_points(clipped, 132, [16, 64], holdout=2, kv_tokens=kv)
+    assert points and all(p.tokens <= kv for p in points)
+    for s in (16, 64, 132):  # the decode fit still has its core on every partition
+        assert sum(p.kind == "decode" and p.sms == s and not p.holdout for p in points) >= 3
+
+
+@pytest.fixture(scope="module")
+def timer(llama_checkpoint):
+    path, _ = llama_checkpoint
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=256, max_num_seqs=8,
+                                                              enable_prefix_caching=False))
+    return StepTimer(engine, reps=1, decode_steps=2)
+
+
+def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path):
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=2)
+    out = tmp_path / "tiny-cpu.json"
+    result = run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    assert result.measured == len(points) and result.skipped_budget == 0
+    assert not timer.engine.scheduler.requests and timer.engine.pool.num_free_pages == timer.engine.pool.num_pages
+    assert result.errors["prefill_n"] == 2 and result.errors["decode_n"] == 2
+    assert 0 <= result.errors["decode_mean"] <= result.errors["decode_max"]
+    saved = json.loads(out.read_text())
+    assert saved["fit"]["samples_holdout"] == 4 and "holdout_prefill_max" in saved["fit"]
+    predictor = load_predictor(out, timer.engine.model.config, "cpu")
+    assert predictor.source.startswith("profile")  # the server takes it (not the roofline prior)
+    assert predictor.prefill_ms(Point("prefill", timer.sm_count, 96).items, timer.sm_count) > 0
+    lines = samples_path_for(out).read_text().splitlines()
+    assert len(lines) == 1 + len(points)
+
+
+def test_an_interrupted_run_resumes_with_the_missing_points_only(timer, tmp_path):
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=1)
+    out = tmp_path / "p.json"
+    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    log = samples_path_for(out)
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines[:6]) + "\n" + lines[6][:10])  # five samples and one cut short
+    out.unlink()
+    result = run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(),
+                         resume=True)
+    assert result.resumed == 5 and result.measured == len(points) - 5 and out.is_file()
+    assert len(read_samples(log, json.loads(lines[0]))) == len(points)
+
+
+def test_a_budget_too_small_for_the_fit_keeps_the_samples_and_says_resume(timer, tmp_path):
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions)
+    out = tmp_path / "p.json"
+    with pytest.raises(ConfigError, match="--resume"):
+        run_profile(timer, points, out, model_name="tiny", budget_s=0.0, started=time.perf_counter())
+    assert samples_path_for(out).is_file() and not out.exists()
+
+
+def test_samples_of_another_gpu_are_not_resumed(timer, tmp_path):
+    log = tmp_path / "p.json.samples.jsonl"
+    log.write_text(json.dumps({"format": "muxd-profile-samples", "shape": {}, "gpu": "H100", "sm_count": 132,
+                               "decode_partitions": [16]}) + "\n")
+    with pytest.raises(ConfigError, match="measured with shape"):
+        run_profile(timer, [], tmp_path / "p.json", model_name="tiny", budget_s=10, started=time.perf_counter(),
+                    resume=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget-minutes", "0"], "--budget-minutes must be > 0"),
+    (["--holdout", "-1"], "--holdout must be >= 0"),
+    (["--out", "/nonexistent-dir/p.json"], "does not exist"),
+])
+def test_profile_command_rejects_bad_flags(args, message, tmp_path):
+    base = ["profile", "--out", str(tmp_path / "p.json"), "--device", "cpu"]
+    result = CliRunner().invoke(app, base + args)
+    assert result.exit_code == 2 and message in result.output
