@@ -31,6 +31,8 @@ class Curve:
 
 @dataclass
 class SweepFile:
+    """One sweep read back from its summary.csv."""
+
     path: Path
     trace: str | None
     target: float                 # the attainment a point had to reach
