@@ -1,10 +1,12 @@
 """`muxd bench`: the typer sub-app. `muxd bench [OPTIONS]` replays one workload (per policy with --policies);
-`muxd bench sweep [OPTIONS]` searches the capacity. Both share the workload, target, SLO and output options.
+`muxd bench sweep [OPTIONS]` searches the capacity (or measures the --rates given); `muxd bench compare` sets a
+measured sweep beside a simulated one. Replay and sweep share the workload, target, SLO and output options.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import time
 from pathlib import Path
@@ -18,8 +20,9 @@ from appliance.bench import plots, report
 from appliance.bench import workload as wl
 from appliance.bench.launcher import parse_policies, parse_serve_args
 from appliance.bench.metrics import SLO, RequestTimeline, parse_goodput
+from appliance.bench.rates import RatePlan, criteria, measure_rates, parse_rates
 from appliance.bench.run import BenchOptions, Session, load_workload, prompt_synth, shape
-from appliance.bench.sweep import find_capacity, write_summary
+from appliance.bench.sweep import SweepResult, find_capacity, write_summary
 from appliance.bench.traces import FORMATS, RequestSpec
 from appliance.errors import ApplianceError, ConfigError
 
@@ -236,9 +239,8 @@ def _targets(opts: BenchOptions) -> dict[str, float] | None:
     return opts.slo.targets_for(None) if opts.slo is not None else None
 
 
-# Subcommands register on `app`: `sweep` below; `muxd bench engine` (appliance/bench/engine_bench.py) registers here
-# with `app.command("engine")(...)`; a simulated executor (`--simulate`) becomes another Session kind in run.py plus
-# a COMMON option.
+# Subcommands register on `app`: `sweep` below; `muxd bench engine` (engine_cli.py) and `muxd bench compare`
+# (compare_cli.py) are added by appliance/cli.py; `--simulate` replays come from appliance/predictor/bench_cli.py.
 @app.callback(invoke_without_command=True)
 @with_common_options
 def bench(ctx: typer.Context, opts: BenchOptions) -> None:
@@ -275,27 +277,72 @@ def sweep(
     ctx: typer.Context,
     opts: BenchOptions,
     attainment: float = typer.Option(0.9, help="Fraction of requests that must be good for a rate to pass."),
+    rates: Optional[str] = typer.Option(None, help="Measure exactly these rates (req/s) instead of searching: "
+                                                   "R1,R2,... for every policy, or per policy 'mux=2,3 chunked=1,1.5'. "
+                                                   "Capacity: the highest passing rate, and the crossing interpolated "
+                                                   "between it and the next failing rate."),
     start_rate: Optional[float] = typer.Option(None, help="First rate tried (default: the trace's own rate, "
                                                           "else 1 req/s)."),
     min_rate: Optional[float] = typer.Option(None, help="Lowest rate tried (default: the first rate / 64)."),
-    max_rate: float = typer.Option(math.inf, help="Highest rate tried."),
-    tolerance: float = typer.Option(0.05, help="Stop bisecting when (fail - pass) / pass is at most this."),
-    max_points: int = typer.Option(12, help="Replays at most, per policy."),
+    max_rate: Optional[float] = typer.Option(None, help="Highest rate tried (default: no limit)."),
+    tolerance: Optional[float] = typer.Option(None, help="Stop bisecting when (fail - pass) / pass is at most this "
+                                                         "(default 0.05)."),
+    max_points: Optional[int] = typer.Option(None, help="Replays at most, per policy (default 12)."),
 ) -> None:
     """Find the capacity: the highest request rate whose SLO attainment meets --attainment (needs --goodput or
-    --slo). Every point is written to summary.csv."""
+    --slo), by bisection or at the --rates given; with --simulate on the simulated executor. Every point is written
+    to summary.csv."""
     if opts.slo is None:
         raise ConfigError("muxd bench sweep needs an SLO: --goodput ttft:MS tpot:MS e2el:MS (or --slo FILE)")
-    show = ctx.params.get("progress", True)
+    plan = _rate_plan(rates, {"--start-rate": start_rate, "--min-rate": min_rate, "--max-rate": max_rate,
+                              "--tolerance": tolerance, "--max-points": max_points})
+    conditions = criteria(attainment, opts.slo)
+
+    def passes(summary: dict[str, Any]) -> bool:
+        return summary.get("contract_met", True)  # with a YAML contract, its percentile targets too
+
+    def search(measure: Callable[[float], dict[str, Any]], label: str, policy: str | None, own: float) -> SweepResult:
+        if plan is not None:
+            return measure_rates(measure, plan.for_policy(policy), attainment, label, passes, conditions)
+        first = start_rate or (own if math.isfinite(own) else 1.0)
+        return find_capacity(measure, attainment, first, 0.05 if tolerance is None else tolerance,
+                             12 if max_points is None else max_points, min_rate or first / 64,
+                             math.inf if max_rate is None else max_rate, label=label, passes=passes)
+
     out_dir = opts.result_dir or Path(f"bench-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+    if opts.simulate:
+        sweeps = _simulated_sweep(opts, plan, search)
+    else:
+        sweeps = _served_sweep(opts, plan, search, ctx.params.get("progress", True))
+    console.print(report.sweep_table(sweeps))
+    for line in report.capacity_lines(sweeps):
+        console.print(line)
+    csv_path, json_path = write_summary(sweeps, out_dir, conditions, str(opts.trace) if opts.trace else "synthetic")
+    png = plots.attainment_plot(sweeps, out_dir / "attainment_vs_rate.png")
+    console.print(f"wrote {csv_path}, {json_path}, {png}")
+
+
+def _rate_plan(rates: str | None, search_flags: dict[str, Any]) -> RatePlan | None:
+    if rates is None:
+        return None
+    given = [flag for flag, value in search_flags.items() if value is not None]
+    if given:
+        raise ConfigError(f"--rates measures exactly the rates given, so it cannot go with the capacity search's "
+                          f"{', '.join(given)}")
+    return parse_rates(rates)
+
+
+def _served_sweep(opts: BenchOptions, plan: RatePlan | None, search: Callable[..., SweepResult],
+                  show: bool) -> list[SweepResult]:
+    """Per policy, one server (or in-process engine) kept up for every rate of its sweep."""
+    if plan is not None:
+        plan.check(opts.policies)
     synth, raw = _workload(opts)
     sweeps = []
     for policy in opts.policies or [None]:
         with Session(opts, policy) as session:
             base, notes = shape(raw, opts, session.max_model_len)
-            own = wl.offered_rate(base)
-            first = start_rate or (own if math.isfinite(own) else 1.0)
-            salts = iter(range(1, max_points + 1))
+            salts = itertools.count(1)
 
             def measure(rate: float) -> dict[str, Any]:
                 specs = wl.retime(base, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
@@ -304,13 +351,20 @@ def sweep(
                 result = _replay(session, specs, prompts, show, f"{session.label} at {rate:.3g} req/s")
                 return session.summarize(result, specs, notes, rate)
 
-            # with a YAML contract a rate must also keep the contract's percentile targets
-            sweeps.append(find_capacity(measure, attainment, first, tolerance, max_points, min_rate or first / 64,
-                                        max_rate, label=session.label,
-                                        passes=lambda summary: summary.get("contract_met", True)))
-    console.print(report.sweep_table(sweeps))
-    for line in report.capacity_lines(sweeps):
-        console.print(line)
-    csv_path, json_path = write_summary(sweeps, out_dir)
-    png = plots.attainment_plot(sweeps, out_dir / "attainment_vs_rate.png")
-    console.print(f"wrote {csv_path}, {json_path}, {png}")
+            sweeps.append(search(measure, session.label, policy, wl.offered_rate(base)))
+    return sweeps
+
+
+def _simulated_sweep(opts: BenchOptions, plan: RatePlan | None,
+                     search: Callable[..., SweepResult]) -> list[SweepResult]:
+    """Per policy, replays on the simulated executor (no server, no GPU)."""
+    from appliance.predictor.bench_cli import simulated_measures
+
+    measures, notes, own = simulated_measures(opts, opts.gpu)
+    if plan is not None:
+        plan.check([policy for policy, _ in measures])
+    sweeps = [search(measure, policy, policy, own) for policy, measure in measures]
+    for note in notes:
+        console.print(f"[yellow]note: {note}[/yellow]")
+    return sweeps
+

@@ -1,6 +1,6 @@
 """PNG plots of bench results with matplotlib (no display needed): TTFT and TBT CDFs per policy, SLO attainment
-against request rate from a sweep, and the SM-partition timeline a server exposes at GET /debug/timeline
-(Chrome-trace JSON).
+against request rate from a sweep (and a measured sweep beside a simulated one), and the SM-partition timeline a
+server exposes at GET /debug/timeline (Chrome-trace JSON).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 
 from appliance.bench.metrics import RequestTimeline, request_metrics
-from appliance.bench.sweep import SweepResult
+from appliance.bench.sweep import SweepPoint, SweepResult
 
 
 def _figure(width: float = 6.4, height: float = 4.0):
@@ -70,6 +70,53 @@ def attainment_plot(sweeps: Sequence[SweepResult], path: Path) -> Path:
            ylabel="attainment (%)", ylim=(0, 102))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
+    fig.savefig(path)
+    return path
+
+
+def comparison_plot(measured: dict[str, Sequence[SweepPoint]], simulated: dict[str, Sequence[SweepPoint]],
+                    target: float, path: Path, title: str = "SLO attainment vs request rate",
+                    tbt_target: float | None = None) -> Path:
+    """Per policy against the rate: SLO attainment (left) and the contract's TBT percentile (right, when the points
+    carry `contract_tbt_ms`). Measured: solid lines with markers, an x where the point missed the SLO; simulated:
+    dashed lines in the same colour. The targets are dotted horizontal lines; a log rate axis when rates span 10x."""
+    tbt = any("contract_tbt_ms" in p.summary for pts in (*measured.values(), *simulated.values()) for p in pts)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12.0 if tbt else 7.2, 4.6), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 2 if tbt else 1, squeeze=False)[0]
+    panels = [(axes[0], lambda p: 100 * p.attainment, "attainment (%)", 100 * target, f"target {100 * target:g}%")]
+    if tbt:
+        panels.append((axes[1], lambda p: p.summary.get("contract_tbt_ms", float("nan")), "contract TBT percentile "
+                       "(ms)", tbt_target, f"target {tbt_target:g} ms" if tbt_target else None))
+    rates = [p.rate for pts in (*measured.values(), *simulated.values()) for p in pts]
+    for ax, value, ylabel, goal, goal_label in panels:
+        first = ax is axes[0]  # the policies' legend once, on the left
+        for i, policy in enumerate(dict.fromkeys([*measured, *simulated])):
+            color = f"C{i % 10}"
+            ours = sorted(measured.get(policy, ()), key=lambda p: p.rate)
+            sim = sorted(simulated.get(policy, ()), key=lambda p: p.rate)
+            if ours:
+                ax.plot([p.rate for p in ours], [value(p) for p in ours], color=color, marker="o",
+                        label=f"{policy} measured" if first else None)
+                missed = [p for p in ours if not p.passed]
+                ax.scatter([p.rate for p in missed], [value(p) for p in missed], color="black", marker="x", zorder=3,
+                           label="missed the SLO" if first and i == 0 else None)
+            if sim:
+                ax.plot([p.rate for p in sim], [value(p) for p in sim], color=color, linestyle="--",
+                        label=f"{policy} simulated" if first else None)
+        if goal is not None:
+            ax.axhline(goal, color="grey", linestyle=":", label=goal_label)
+        if rates and max(rates) > 10 * min(rates):
+            ax.set_xscale("log")
+        ax.set(xlabel="request rate (req/s)", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(0, 102)
+    if tbt:
+        axes[1].set_yscale("log")
+        axes[1].legend(loc="upper left", fontsize="small")
+    axes[0].legend(loc="lower left", fontsize="small")
+    fig.suptitle(title)
     fig.savefig(path)
     return path
 

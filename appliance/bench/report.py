@@ -118,13 +118,14 @@ def sweep_table(sweeps: Sequence[SweepResult]) -> Table:
     table = Table(title="muxd bench sweep: capacity = highest request rate meeting the attainment target",
                   title_justify="left")
     for col in ("policy", "rate (req/s)", "attainment (%)", "passed", "goodput (req/s)", "p99 TTFT (ms)",
-                "p99 TPOT (ms)"):
+                "p99 TPOT (ms)", "p99 TBT (ms)"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for s in sweeps:
         for p in sorted(s.points, key=lambda p: p.rate):
             table.add_row(s.label, f"{p.rate:.3f}", f"{100 * p.attainment:.1f}", "yes" if p.passed else "no",
                           _fmt(p.summary.get("request_goodput"), "{:.2f}"),
-                          _fmt(p.summary.get("p99_ttft_ms"), "{:.1f}"), _fmt(p.summary.get("p99_tpot_ms"), "{:.1f}"))
+                          _fmt(p.summary.get("p99_ttft_ms"), "{:.1f}"), _fmt(p.summary.get("p99_tpot_ms"), "{:.1f}"),
+                          _fmt(p.summary.get("p99_itl_ms"), "{:.1f}"))
     return table
 
 
@@ -137,5 +138,11 @@ def capacity_lines(sweeps: Sequence[SweepResult]) -> list[str]:
             continue
         bound = "" if s.bracketed else " (a lower bound: no tested rate failed)"
         ratio = f", {s.capacity / base:.2f}x {sweeps[0].label}" if base and s is not sweeps[0] else ""
-        lines.append(f"{s.label}: capacity {s.capacity:.3f} req/s at {100 * s.target:.0f}% attainment{bound}{ratio}")
+        how = " (the highest measured rate that passed)" if s.mode == "rates" else ""
+        lines.append(f"{s.label}: capacity {s.capacity:.3f} req/s{how} at {100 * s.target:.0f}% attainment{bound}"
+                     f"{ratio}")
+        if s.estimate is not None and s.estimate.interpolated is not None:
+            lo, hi = s.estimate.between
+            lines.append(f"{s.label}: interpolated capacity {s.estimate.interpolated:.3f} req/s ({s.estimate.on} "
+                         f"crosses its target between {lo:.3g} and {hi:.3g} req/s, linearly)")
     return lines

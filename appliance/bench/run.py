@@ -247,4 +247,5 @@ def contract_verdict(slo: SLO | None, timelines: list[RequestTimeline], specs: l
     if not isinstance(slo, Contract):
         return {}
     report = evaluate(slo, timelines, specs)
-    return {"contract_met": report.met, "contract_tbt_ms": report.tbt_ms, "contract_misses": report.reasons}
+    return {"contract_met": report.met, "contract_tbt_ms": report.tbt_ms, "contract_ttft_ok": report.ttft_ok,
+            "contract_misses": report.reasons}

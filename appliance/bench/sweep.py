@@ -1,6 +1,6 @@
 """Capacity search: the highest request rate whose SLO attainment meets the target, found by bracketing (doubling or
-halving the rate) then bisection, each point a full replay; every point goes to `summary.csv` (as `vllm bench sweep`
-writes it) and the result to `sweep.json`.
+halving the rate) then bisection, each point a full replay (explicit rates instead: `rates.py`); every point goes to
+`summary.csv` (as `vllm bench sweep` writes it) and the result to `sweep.json`.
 """
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from appliance.errors import ConfigError
+
+if TYPE_CHECKING:
+    from appliance.bench.rates import Criterion, Estimate
 
 SUMMARY_COLUMNS = ("request_rate", "passed", "slo_attainment", "request_goodput", "request_throughput",
                    "output_throughput", "completed", "failed", "duration")
@@ -34,6 +37,8 @@ class SweepResult:
     points: list[SweepPoint] = field(default_factory=list)
     capacity: float | None = None
     bracketed: bool = False  # a failing rate above the capacity was seen (else capacity is only a lower bound)
+    mode: str = "bisection"  # or "rates": the points are the rates asked for
+    estimate: Estimate | None = None  # rates: the interpolated capacity too
 
 
 def find_capacity(measure: Callable[[float], dict[str, Any]], target: float, start_rate: float,
@@ -90,14 +95,19 @@ def find_capacity(measure: Callable[[float], dict[str, Any]], target: float, sta
     return result
 
 
-def write_summary(results: list[SweepResult], out_dir: Path) -> tuple[Path, Path]:
-    """summary.csv (one row per point, every policy) and sweep.json (capacities and points)."""
+def write_summary(results: list[SweepResult], out_dir: Path, conditions: Sequence[Criterion] = (),
+                  trace: str | None = None) -> tuple[Path, Path]:
+    """summary.csv (one row per point, every policy; `target_<key>` columns say what a point had to keep, so the
+    file can be judged again on its own) and sweep.json (capacities and points)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
+    targets = {f"target_{c.key}": c.target for c in conditions}
     for res in results:
         for p in res.points:
-            row: dict[str, Any] = {"policy": res.label, "request_rate": p.rate, "passed": p.passed}
+            row: dict[str, Any] = {"policy": res.label, "request_rate": p.rate, "passed": p.passed, **targets}
             row.update({k: v for k, v in p.summary.items() if isinstance(v, (int, float)) and k not in row})
+            if trace is not None:
+                row["trace"] = trace
             rows.append(row)
     extra = sorted({k for r in rows for k in r} - set(SUMMARY_COLUMNS) - {"policy"})
     columns = ["policy", *SUMMARY_COLUMNS, *extra]
@@ -108,7 +118,15 @@ def write_summary(results: list[SweepResult], out_dir: Path) -> tuple[Path, Path
         writer.writerows(rows)
     json_path = out_dir / "sweep.json"
     json_path.write_text(json.dumps([{
-        "policy": r.label, "target_attainment": r.target, "capacity": r.capacity, "bracketed": r.bracketed,
+        "policy": r.label, "mode": r.mode, "target_attainment": r.target, "capacity": r.capacity,
+        "bracketed": r.bracketed, **_estimate_fields(r.estimate),
         "points": [{"request_rate": p.rate, "slo_attainment": p.attainment, "passed": p.passed} for p in r.points],
     } for r in results], indent=2))
     return csv_path, json_path
+
+
+def _estimate_fields(estimate: Estimate | None) -> dict[str, Any]:
+    if estimate is None:
+        return {}
+    return {"interpolated_capacity": estimate.interpolated, "interpolated_on": estimate.on,
+            "interpolated_between": list(estimate.between) if estimate.between else None}

@@ -1,11 +1,11 @@
 """`muxd bench --simulate`: capacity planning without a GPU. Replays the workload per policy on the simulated
 executor (the profile's predictor as the clock), judges each replay against the SLO contract, searches each
-policy's capacity, and prints one table."""
+policy's capacity, and prints one table; `muxd bench sweep --simulate` takes its replays from here too."""
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +13,7 @@ from rich.table import Table
 from appliance.bench import workload as wl
 from appliance.bench.run import BenchOptions, load_workload, model_dir, shape
 from appliance.bench.sweep import SweepResult
+from appliance.bench.traces import RequestSpec
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
@@ -24,6 +25,7 @@ from appliance.slo.contract import Contract, default_contract
 from appliance.slo.policies import check_policy, tune_chunk_budget
 
 DEFAULT_POLICIES = ("mux", "chunked", "serial")
+Measure = Callable[[float], dict[str, Any]]
 
 
 def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, ModelConfig, list[str]]:
@@ -44,8 +46,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device))), model, notes
 
 
-def run_simulated(opts: BenchOptions, gpu: str, console: Console) -> list[dict[str, Any]]:
-    """Replay per policy at the options' rate, then search each policy's capacity; prints and returns summaries."""
+def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:
+    """The policies, the simulation, the shaped workload (clipped to what the KV pool holds) and notes."""
     policies = opts.policies or list(DEFAULT_POLICIES)
     for p in policies:
         check_policy(p, "--policies")
@@ -57,6 +59,27 @@ def run_simulated(opts: BenchOptions, gpu: str, console: Console) -> list[dict[s
     if "chunked" in policies and (bench.options is None or bench.options.chunk_budget is None):
         notes.append(f"chunked budget {tune_chunk_budget(bench.timer, bench.contract.slo_for(None).tbt_ms)} tokens "
                      "(the largest whose step meets TBT on an idle GPU)")
+    return policies, bench, specs, notes
+
+
+def simulated_measures(opts: BenchOptions, gpu: str) -> tuple[list[tuple[str, Measure]], list[str], float]:
+    """For `muxd bench sweep --simulate`: per policy, measure(rate) -> the summary of a simulated replay of the
+    workload re-timed to `rate` (as a real sweep re-times it); notes on what the simulation rests on; the
+    workload's own rate."""
+    policies, bench, specs, notes = _prepare(opts, gpu)
+
+    def measure_for(policy: str) -> Measure:
+        def measure(rate: float) -> dict[str, Any]:
+            retimed = wl.retime(specs, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
+            return dict(bench.run(policy, retimed).report.summary, request_rate=rate)
+        return measure
+
+    return [(policy, measure_for(policy)) for policy in policies], notes, wl.offered_rate(specs)
+
+
+def run_simulated(opts: BenchOptions, gpu: str, console: Console) -> list[dict[str, Any]]:
+    """Replay per policy at the options' rate, then search each policy's capacity; prints and returns summaries."""
+    policies, bench, specs, notes = _prepare(opts, gpu)
     offered = wl.offered_rate(specs)
     start = offered if math.isfinite(offered) and offered > 0 else 1.0
     summaries, tried = [], []
