@@ -124,14 +124,20 @@ class StepTimer:
         reqs, works = self._prefill_works(point)
         part = self._prefill_partition(point.sms)
         plan = StepPlan(prefill=works)
-        times = []
+        times: list[float] = []
+        reps = self.reps
         try:
-            for i in range(self.reps + 1):  # the first run plans and warms; it is not counted
+            i = 0
+            while len(times) < reps:  # the first run plans and warms; it is not counted
                 start = time.perf_counter()
                 self.executor.launch(plan, self.engine.scheduler.requests, partition=part)
                 self._drain()
-                if i:
-                    times.append((time.perf_counter() - start) * 1e3)
+                seconds = time.perf_counter() - start
+                if i == 0:  # short steps vary with the host: more repetitions, about a quarter second in all
+                    reps = max(self.reps, min(4 * self.reps, int(0.25 / max(seconds, 1e-3))))
+                else:
+                    times.append(seconds * 1e3)
+                i += 1
         finally:
             self._clear(reqs)
         return statistics.median(times)

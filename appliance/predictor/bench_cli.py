@@ -22,7 +22,7 @@ from appliance.predictor.profile import load_predictor
 from appliance.predictor.roofline import DEVICES, device_spec
 from appliance.predictor.simulate import SimConfig
 from appliance.slo.contract import Contract, default_contract
-from appliance.slo.policies import check_policy, tune_chunk_budget
+from appliance.slo.policies import PolicyOptions, check_policy, tune_chunk_budget
 
 DEFAULT_POLICIES = ("mux", "chunked", "serial")
 Measure = Callable[[float], dict[str, Any]]
@@ -43,7 +43,16 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     notes = [f"clock and planner: {predictor.source}", *predictor.notes,
              f"contract {contract.name!r}: p{contract.slo_for(None).tbt_percentile:g} TBT "
              f"{contract.slo_for(None).tbt_ms:g} ms, attainment {contract.attainment:.0%}"]
-    return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device))), model, notes
+    options = None
+    if "--chunk-budget" in opts.serve_args:  # the one serve flag a simulation honours: chunked's token budget
+        at = opts.serve_args.index("--chunk-budget")
+        try:
+            options = PolicyOptions(chunk_budget=int(opts.serve_args[at + 1]))
+        except (IndexError, ValueError):
+            raise ConfigError("--serve-args: --chunk-budget needs a whole number of tokens") from None
+        notes.append(f"chunked budget {options.chunk_budget} tokens (--chunk-budget)")
+    return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)),
+                          options=options), model, notes
 
 
 def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Goodput side by side on the device: each job replays a trace in process against one policy at the given rates
+# (`muxd bench sweep --in-process --rates`), Llama-3.1-8B shapes with dummy weights, judged by
+# configs/slo/chat-queue.yaml. Jobs naming the same GPU run in turn, GPUs run in parallel; results are packed into
+# $OUT/goodput.tgz (one directory per job) and the tables printed last.
+#   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET] ...
+#   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:2.2:500 1:.traces/azure_code_2023.csv:chunked:1.74:500:1536
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-gpu-results}
+profile=${PROFILE:-.prof/llama-3.1-8b-h200.json}
+model=${MODEL:-configs/models/llama-3.1-8b}
+maxlen=${MAX_MODEL_LEN:-32768}
+work=$(mktemp -d)
+mkdir -p "$out"
+run_job() {
+    IFS=: read -r gpu trace policy rates n budget <<< "$1"
+    name="$(basename "${trace%.*}")-$policy-$rates-$n"
+    serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen"
+    [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
+    ties=""; case "$trace" in *mooncake*) ties="--spread-ties";; esac
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m appliance bench sweep --in-process -m "$model" \
+        --trace "$trace" $ties --max-requests "$n" --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
+        --slo configs/slo/chat-queue.yaml --attainment 0.99 --serve-args "$serve" --save-detailed \
+        --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
+    echo "job $1: exit $?" >> "$work/$name.log"
+}
+declare -A queues
+for job in "$@"; do queues[${job%%:*}]+="$job "; done
+for gpu in "${!queues[@]}"; do
+    ( for job in ${queues[$gpu]}; do run_job "$job"; done ) &
+done
+wait
+tar czf "$out/goodput.tgz" -C "$work" .
+for log in "$work"/*.log; do echo "== $(basename "$log")"; grep -E "│|capacity|exit|rror" "$log" | tail -8; done
