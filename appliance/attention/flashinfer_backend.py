@@ -72,8 +72,16 @@ class FlashInferAttention:
                     wrapper.reset_workspace_buffer(*workspaces)
         self._active = None
         self._planned: torch.cuda.Event | None = None
+        self._plan_key: tuple | None = None  # the prefill layout last planned
 
     def prepare(self, m: AttentionMetadata) -> None:
+        # the layer ranges of one prefill batch, launched step after step, share one plan: planning again would
+        # (below) wait for the device to reach the previous launch
+        key = (m.page_size, m.qo_indptr.tobytes(), m.kv_indptr.tobytes(), m.last_page_len.tobytes(),
+               m.kv_indices.tobytes()) if not m.decode_only and self.prefill is not None else None
+        if key is not None and key == self._plan_key and self._active is self.prefill:
+            return
+        self._plan_key = key
         # plan() writes its schedule into a pinned host buffer and copies it to the device asynchronously; when
         # launches queue up on a busy stream (prefill beside decode), the previous copy may not have run yet, so
         # the buffer is rewritten only after it has

@@ -73,13 +73,24 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
                 outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
             count += 1
 
+    beside = []  # decode steps that ran while prefill layers did: each refines the planner's contention guard
+    observe = mux._observe
+
+    def spy(plan):
+        seen = mux.executor.last_decode
+        if seen is not None and seen.concurrent:
+            beside.append(seen)
+        observe(plan)
+
+    mux._observe = spy
     ids = [mux.add_request(p, GREEDY) for p in decoders]
     steps(6)
     ids += [mux.add_request(p, GREEDY) for p in late]  # prompts arriving while the first ones decode
     steps()
     stats = mux.scheduler.planner.stats
     assert stats.spatial_steps > 0 and mux.executor.switches >= 1 and mux.executor.layers_launched > 0
-    assert sum(len(w) for w in mux.predictor.guard.observations.values()) > 0  # measured steps refined the guard
+    assert sum(len(w) for w in mux.predictor.guard.observations.values()) == len(beside)
+    assert all(o.decode_sms in mux.predictor.decode_partitions and o.ms > 0 for o in beside)
     for rid, exp in zip(ids, expected):
         assert outputs[rid] == exp.token_ids, rid
     assert mux.pool.num_free_pages == mux.pool.num_pages

@@ -47,3 +47,22 @@ def test_multiplexing_needs_a_gpu(llama_checkpoint):
     with pytest.raises(ConfigError, match="CUDA"):
         Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="layerwise", multiplex=True))
     assert PartitionSet.null().for_decode(64).is_null
+
+
+def test_a_decode_step_beside_prefill_refines_the_mux_planners_guard(llama_checkpoint):
+    from appliance.engine.scheduler import PrefillWork, StepPlan
+    from appliance.multiplex.executor import DecodeObservation
+
+    path, _ = llama_checkpoint
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="mux"))
+    rid = engine.add_request([5, 6, 7, 8], GREEDY)
+    guard = engine.predictor.guard
+    plan = StepPlan(decode=(rid,))
+    engine.executor.last_decode = DecodeObservation(32, 12.0, ())
+    engine._observe(plan)  # alone: nothing to learn
+    assert not guard.observations
+    beside = (PrefillWork("other", 0, 3000, 0, 4),)
+    engine.executor.last_decode = DecodeObservation(32, 12.0, beside)
+    engine._observe(plan)
+    (cell, window), = guard.observations.items()
+    assert cell[0] == 32 and len(window) == 1 and window[0] >= 1.0

@@ -1,0 +1,116 @@
+"""Where a policy's time goes on the GPU: replays a trace slice in process (token-id prompts, dummy weights) and
+records every engine step — planning time, launch time, the plan's mode, decode partition and prefill layers, the
+prefill launches in flight — plus the executor's timeline; writes them as JSON and prints a summary.
+
+    PYTHONPATH=. python scripts/mux_diagnose.py --trace PATH --rate 2.2 -n 80 --policy mux \
+        --slo configs/slo/chat-queue.yaml --profile PROFILE --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from appliance.bench import workload as wl
+from appliance.bench.client import InProcessTarget, replay
+from appliance.bench.metrics import summarize
+from appliance.bench.prompts import PromptSynth
+from appliance.bench.traces import load_trace
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.model_zoo.loader import load_model
+
+
+def instrument(engine: Engine) -> list[dict]:
+    steps: list[dict] = []
+    sched, executor = engine.scheduler, engine.executor
+    schedule, launch = sched.schedule, executor.launch
+
+    def timed_schedule():
+        t0 = time.perf_counter()
+        plan = schedule()
+        steps.append({"t": t0, "plan_ms": (time.perf_counter() - t0) * 1e3, "decode": len(plan.decode),
+                      "decode_sms": plan.decode_sms, "mixed": plan.mixed,
+                      "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
+                      "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
+                      "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
+                      "inflight": executor.num_inflight, "waiting": len(sched.waiting)})
+        return plan
+
+    def timed_launch(plan, requests, partition=None):
+        t0 = time.perf_counter()
+        out = launch(plan, requests, partition)
+        if steps:
+            steps[-1]["launch_ms"] = (time.perf_counter() - t0) * 1e3
+            steps[-1]["partition"] = executor.current.name
+        return out
+
+    sched.schedule, executor.launch = timed_schedule, timed_launch
+    return steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="configs/models/llama-3.1-8b")
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("-n", type=int, default=80)
+    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--policy", default="mux")
+    ap.add_argument("--slo", default=None)
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--chunk-budget", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=32768)
+    ap.add_argument("--out", default="gpu-results")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = load_trace(args.trace)
+    specs = wl.select(wl.spread_ties(raw) if "mooncake" in args.trace else raw, max_requests=args.n)
+    specs = wl.retime(specs, rate=args.rate)
+    specs, _ = wl.clip_to_context(specs, args.max_model_len - 1)
+    cuda = args.device.startswith("cuda")
+    model = load_model(args.model, device=args.device, load_format="dummy", dtype=None if cuda else "float32")
+    synth = PromptSynth(vocab_size=model.config.vocab_size)
+    prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
+    engine = Engine(model, None, EngineConfig(planner=args.policy, slo=args.slo, profile=args.profile,
+                                              max_model_len=args.max_model_len, chunk_budget=args.chunk_budget))
+    steps = instrument(engine)
+
+    async def go():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            return await replay(specs, prompts, InProcessTarget(aengine))
+        finally:
+            aengine.shutdown()
+
+    result = asyncio.run(go())
+    summary = summarize(result.timelines, result.duration)
+    engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
+    (out / f"steps-{args.policy}.json").write_text(json.dumps(steps))
+    stats = getattr(engine.scheduler.planner, "stats", None)
+    print(f"{args.policy}: {len(specs)} requests at {args.rate} req/s, {len(steps)} steps, "
+          f"{torch.cuda.get_device_name() if cuda else 'cpu'}")
+    for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms"):
+        print(f"  {k} {summary.get(k, float('nan')):.1f}")
+    print("  modes", Counter(s["mode"] for s in steps))
+    print("  decode_sms", Counter(s["decode_sms"] for s in steps))
+    print("  layers per launch", Counter(s["layers"] for s in steps if s["layers"]))
+    for k in ("plan_ms", "launch_ms"):
+        vals = [s[k] for s in steps if k in s]
+        print(f"  {k}: median {statistics.median(vals):.2f}, p99 {sorted(vals)[int(0.99 * len(vals))]:.2f}, "
+              f"total {sum(vals) / 1e3:.1f} s of {result.duration:.1f} s")
+    if stats is not None:
+        print("  planner", {k: v for k, v in vars(stats).items() if k != "decode_sms"})
+    print(f"  switches {engine.executor.switches}, layers launched {engine.executor.layers_launched}")
+
+
+if __name__ == "__main__":
+    main()
