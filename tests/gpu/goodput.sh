@@ -19,7 +19,7 @@ run_job() {
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
     ties=""; case "$trace" in *mooncake*) ties="--spread-ties";; esac
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m appliance bench sweep --in-process -m "$model" \
+    CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
         --trace "$trace" $ties --max-requests "$n" --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
         --slo configs/slo/chat-queue.yaml --attainment 0.99 --serve-args "$serve" --save-detailed \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
