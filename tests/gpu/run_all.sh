@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the engine benchmark on a CUDA machine, one call; prints a short table last.
-#   bash tests/gpu/run_all.sh [--quick]         (from the repository root; results under $OUT or ./gpu-results)
+#   bash tests/gpu/run_all.sh [--quick] [--proof TRACE]   (from the repository root; results under $OUT or ./gpu-results)
+# --proof also profiles the 8B shapes on this GPU (`muxd profile`, 5 minutes, ranges from TRACE) into $out.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -18,6 +19,13 @@ python3 -m appliance bench engine --startup-only --json "$out/startup-warm.json"
 python3 -m appliance bench engine --multiplex --batches 64 --contexts 1024 --prefill 8192 --iters 30 \
     --json "$out/multiplex.json" --markdown "$out/multiplex.md" > "$out/multiplex.log" 2>&1
 mux=$?
+proof="skipped"
+if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
+    trace=${@: -1}
+    python3 -m appliance profile -m configs/models/llama-3.1-8b --load-format dummy --out "$out/profile.json" \
+        --trace "$trace" --budget-minutes 5 --max-model-len 32768 --no-progress > "$out/profile.log" 2>&1
+    proof="exit $? ($(tail -n 1 "$out/profile.log"))"
+fi
 echo
 echo "| suite | result |"
 echo "| --- | --- |"
@@ -25,6 +33,7 @@ echo "| tests/gpu | $(tail -n 1 "$out/gpu-tests.log") |"
 echo "| bench engine | exit $bench |"
 echo "| warm start | $(grep -o 'start-up: .*' "$out/startup-warm.log") |"
 echo "| bench engine --multiplex | exit $mux |"
+echo "| muxd profile | $proof |"
 echo
 cat "$out/multiplex.md" 2>/dev/null
 echo
