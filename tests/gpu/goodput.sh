@@ -27,8 +27,10 @@ run_job() {
 }
 declare -A queues
 for job in "$@"; do queues[${job%%:*}]+="$job "; done
-for gpu in "${!queues[@]}"; do
-    ( for job in ${queues[$gpu]}; do run_job "$job"; done ) &
+delay=0
+for gpu in "${!queues[@]}"; do  # staggered: two interpreters starting at once once failed to import their packages
+    ( sleep "$delay"; for job in ${queues[$gpu]}; do run_job "$job"; done ) &
+    delay=$((delay + 20))
 done
 wait
 tar czf "$out/goodput.tgz" -C "$work" .
