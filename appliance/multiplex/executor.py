@@ -123,7 +123,9 @@ class Executor:
             return self._mixed(plan, requests, part)
         decode_tokens = None
         started = time.perf_counter()
-        timing = part.decode_stream is not None and part is not self.partitions.full
+        # time the decode kernels only where prefill may run beside them (what the contention guard learns from)
+        timing = part.decode_stream is not None and part is not self.partitions.full and bool(
+            plan.prefill or self._inflight)
         if plan.decode:
             with _on(part.decode_stream):
                 if timing:

@@ -66,19 +66,14 @@ class StepTimer:
         return self._contended(point)
 
     # ---- partitions -------------------------------------------------------------------------------------------
-    def _decode_partition(self, sms: int) -> Partition:
+    def _partition(self, phase: str, sms: int) -> Partition:
+        """The partition whose `phase` ("decode" or "prefill") stream has `sms` SMs (all of them: `full`)."""
         if sms == self.sm_count:
             return self.executor.partitions.full
-        if sms not in self._by_decode:
-            raise ConfigError(f"no decode partition of {sms} SMs; this GPU offers {self.decode_partitions}")
-        return self._by_decode[sms]
-
-    def _prefill_partition(self, sms: int) -> Partition:
-        if sms == self.sm_count:
-            return self.executor.partitions.full
-        if sms not in self._by_prefill:
-            raise ConfigError(f"no prefill partition of {sms} SMs; this GPU offers {sorted(self._by_prefill)}")
-        return self._by_prefill[sms]
+        table = self._by_decode if phase == "decode" else self._by_prefill
+        if sms not in table:
+            raise ConfigError(f"no {phase} partition of {sms} SMs; this GPU offers {sorted(table)}")
+        return table[sms]
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def _request(self, tokens: int, max_tokens: int = 1) -> Request:
@@ -122,7 +117,7 @@ class StepTimer:
     # ---- steps ------------------------------------------------------------------------------------------------
     def _prefill(self, point: Point) -> float:
         reqs, works = self._prefill_works(point)
-        part = self._prefill_partition(point.sms)
+        part = self._partition("prefill", point.sms)
         plan = StepPlan(prefill=works)
         times: list[float] = []
         reps = self.reps
@@ -144,7 +139,7 @@ class StepTimer:
 
     def _decode(self, point: Point) -> float:
         reqs = self._seat(point.batch, point.context)
-        part = self._decode_partition(point.sms)
+        part = self._partition("decode", point.sms)
         plan = StepPlan(decode=tuple(r.request_id for r in reqs))
         times = []
         try:
@@ -159,7 +154,7 @@ class StepTimer:
     def _contended(self, point: Point) -> float | None:
         """Decode steps on the split while its prefill stream is kept busy (prefills queued two deep); a step counts
         only when a prefill was still running while its tokens were awaited."""
-        part = self._decode_partition(point.sms)
+        part = self._partition("decode", point.sms)
         if part is self.executor.partitions.full:
             raise ConfigError("a contended sample needs a split partition")
         reqs = self._seat(point.batch, point.context)
