@@ -25,12 +25,32 @@ from appliance.bench.traces import load_trace
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.model_zoo.loader import load_model
+from appliance.predictor.profile import load_predictor
+from appliance.predictor.workload import DecodeLoad, PrefillItem
 
 
-def instrument(engine: Engine) -> list[dict]:
+def instrument(engine: Engine, predictor=None) -> list[dict]:
     steps: list[dict] = []
     sched, executor = engine.scheduler, engine.executor
     schedule, launch = sched.schedule, executor.launch
+
+    def predicted(plan, requests) -> dict:
+        """The profile's figure for the step as planned, beside what the executor measured."""
+        if predictor is None or not plan.decode:
+            return {}
+        load = DecodeLoad(len(plan.decode), sum(requests[i].num_tokens - 1 for i in plan.decode))
+        row = {"ctx": load.reused_tokens}
+        if plan.mixed:
+            items = [PrefillItem(w.num_tokens, w.token_start) for w in plan.prefill]
+            row["pred_ms"] = predictor.mixed_ms(items, load)
+            return row
+        obs = executor.last_decode
+        if obs is not None:
+            beside = [PrefillItem(w.num_tokens, w.token_start) for w in obs.concurrent]
+            sms = obs.decode_sms if beside else None
+            row.update(obs_ms=obs.ms, beside=len(beside),
+                       pred_ms=predictor.decode_ms(load, sms, beside) if beside else predictor.decode_ms(load))
+        return row
 
     def timed_schedule():
         t0 = time.perf_counter()
@@ -49,6 +69,7 @@ def instrument(engine: Engine) -> list[dict]:
         if steps:
             steps[-1]["launch_ms"] = (time.perf_counter() - t0) * 1e3
             steps[-1]["partition"] = executor.current.name
+            steps[-1].update(predicted(plan, requests))
         return out
 
     sched.schedule, executor.launch = timed_schedule, timed_launch
@@ -81,7 +102,9 @@ def main() -> None:
     prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
     engine = Engine(model, None, EngineConfig(planner=args.policy, slo=args.slo, profile=args.profile,
                                               max_model_len=args.max_model_len, chunk_budget=args.chunk_budget))
-    steps = instrument(engine)
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
+    steps = instrument(engine, predictor)
 
     async def go():
         aengine = AsyncEngine(engine)
@@ -95,6 +118,9 @@ def main() -> None:
     summary = summarize(result.timelines, result.duration)
     engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
     (out / f"steps-{args.policy}.json").write_text(json.dumps(steps))
+    (out / f"requests-{args.policy}.json").write_text(json.dumps(
+        [{"arrival": t.arrival, "prompt_tokens": t.prompt_tokens, "token_times": t.token_times, "error": t.error,
+          "index": t.index} for t in result.timelines]))
     stats = getattr(engine.scheduler.planner, "stats", None)
     print(f"{args.policy}: {len(specs)} requests at {args.rate} req/s, {len(steps)} steps, "
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}")
@@ -110,6 +136,13 @@ def main() -> None:
     if stats is not None:
         print("  planner", {k: v for k, v in vars(stats).items() if k != "decode_sms"})
     print(f"  switches {engine.executor.switches}, layers launched {engine.executor.layers_launched}")
+    for kind, key in (("mixed", "mixed"), ("decode beside prefill", "beside"), ("decode alone", None)):
+        rows = [s for s in steps if "pred_ms" in s and (s["mixed"] if key == "mixed" else
+                                                         (not s["mixed"] and bool(s.get("beside")) == (key is not None)))]
+        if rows:
+            wall = sorted(s["launch_ms"] / s["pred_ms"] for s in rows)
+            print(f"  {kind}: {len(rows)} steps, wall / predicted median {statistics.median(wall):.2f}, "
+                  f"p90 {wall[int(0.9 * len(wall))]:.2f}, p99 {wall[int(0.99 * len(wall))]:.2f}")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ def profile_command(app: typer.Typer) -> None:
                                     "measure the predictor's error)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     ) -> None:
-        """Profile this model on this GPU: solo prefill and decode on every SM partition and decode beside a
-        prefill, within a time budget; write the profile `muxd serve --policy mux --profile` loads."""
+        """Profile this model on this GPU: solo prefill and decode on every SM partition, decode beside a prefill
+        and mixed (chunked-prefill) steps, within a time budget; write the profile `muxd serve --policy mux --profile` loads."""
         started = time.perf_counter()
         console = Console(stderr=True)
         try:
@@ -101,7 +101,7 @@ def profile_command(app: typer.Typer) -> None:
         table = Table(title=f"held-out error of the fitted predictor ({result.path})")
         for col in ("phase", "samples", "mean error", "max error"):
             table.add_column(col, justify="left" if col == "phase" else "right")
-        for kind in ("prefill", "decode", "contended"):
+        for kind in ("prefill", "decode", "contended", "mixed"):
             if f"{kind}_n" in result.errors:
                 table.add_row(kind, f"{result.errors[kind + '_n']:.0f}", f"{result.errors[kind + '_mean']:.1%}",
                               f"{result.errors[kind + '_max']:.1%}")

@@ -1,6 +1,6 @@
 """`muxd profile`: measures the profiling grid (predictor/grid.py) through the serving engine's own executor — decode
 steps as CUDA-graph replays on a partition's decode stream, prefill on a partition's prefill stream, decode while a
-prefill keeps the other partition busy — within a time budget, appending every sample to a log next to the profile
+prefill keeps the other partition busy, a prompt chunk and a decode batch in one mixed forward on all SMs — within a time budget, appending every sample to a log next to the profile
 so that an interrupted run resumes where it stopped, then fits the profile file the server loads and scores the
 fitted predictor on the held-out samples.
 
@@ -63,6 +63,8 @@ class StepTimer:
             return self._prefill(point)
         if point.kind == "decode":
             return self._decode(point)
+        if point.kind == "mixed":
+            return self._mixed(point)
         return self._contended(point)
 
     # ---- partitions -------------------------------------------------------------------------------------------
@@ -117,8 +119,21 @@ class StepTimer:
     # ---- steps ------------------------------------------------------------------------------------------------
     def _prefill(self, point: Point) -> float:
         reqs, works = self._prefill_works(point)
-        part = self._partition("prefill", point.sms)
-        plan = StepPlan(prefill=works)
+        return self._repeat(StepPlan(prefill=works), self._partition("prefill", point.sms), reqs)
+
+    def _mixed(self, point: Point) -> float:
+        """A chunked-prefill step: the chunk and the decode rows in one forward on all SMs, launch to tokens."""
+        reqs = self._seat(point.batch, point.context)
+        try:
+            pre, works = self._prefill_works(point)
+        except ConfigError:
+            self._clear(reqs)
+            raise
+        plan = StepPlan(decode=tuple(r.request_id for r in reqs), prefill=works, mixed=True)
+        return self._repeat(plan, self.executor.partitions.full, pre + reqs)
+
+    def _repeat(self, plan: StepPlan, part: Partition, reqs: list[Request]) -> float:
+        """Median wall time of `plan` run to completion, repeated (short steps more often); `reqs` are released."""
         times: list[float] = []
         reps = self.reps
         try:
@@ -242,12 +257,14 @@ def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[
     """Mean and max relative error of the fitted predictor on held-out samples, per phase (contended: the guarded
     worst case against the measured step)."""
     predictor: Predictor = profile.predictor(num_layers, "profile")
-    errs: dict[str, list[float]] = {"prefill": [], "decode": [], "contended": []}
+    errs: dict[str, list[float]] = {"prefill": [], "decode": [], "contended": [], "mixed": []}
     for point, ms in held:
         if point.kind == "prefill":
             pred = predictor.prefill_ms(point.items, point.sms)
         elif point.kind == "decode":
             pred = predictor.decode_ms(point.load, point.sms)
+        elif point.kind == "mixed":
+            pred = predictor.mixed_ms(point.items, point.load)
         else:
             pred = predictor.decode_ms(point.load, point.sms, point.items)
         errs[point.kind].append((pred - ms) / ms)
@@ -346,6 +363,8 @@ class _CostModel:
             return p.prefill_ms(point.items, sms) / 1e3 * (t.reps + 1) + self.OVERHEAD_S
         if point.kind == "decode":
             return p.decode_ms(point.load, sms) / 1e3 * (t.decode_steps + 2) + self.OVERHEAD_S
+        if point.kind == "mixed":
+            return p.mixed_ms(point.items, point.load) / 1e3 * (t.reps + 1) + self.OVERHEAD_S
         steps = t.contended_steps + 2
         return (p.decode_ms(point.load, sms) * steps + p.prefill_ms(point.items, p.sm_count - sms) * 3) / 1e3 \
             + self.OVERHEAD_S

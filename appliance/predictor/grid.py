@@ -1,6 +1,7 @@
 """The profiling grid: which steps `muxd profile` measures on each partition — solo prefill (new x reused tokens) on
 every prefill SM count, solo decode (batch x context) on every decode SM count, decode beside a prefill on every
-split — their ranges (defaults, or where a trace says the workload lives), and their order: first the points every
+split, and mixed steps (a prompt chunk and a decode batch in one forward on all SMs, as chunked prefill runs) —
+their ranges (defaults, or where a trace says the workload lives), and their order: first the points every
 fit needs, then held-out points (random, off the grid, never fitted), then the rest of the grid. A budget that runs
 out early therefore still leaves a fit and an honest error figure.
 """
@@ -20,7 +21,7 @@ class Point:
     """One step to measure. `sms`: the prefill partition's SMs for prefill, the decode partition's otherwise.
     Decode batches are `batch` requests of `context` tokens each."""
 
-    kind: Literal["prefill", "decode", "contended"]
+    kind: Literal["prefill", "decode", "contended", "mixed"]
     sms: int
     new: int = 0
     reused: int = 0
@@ -60,6 +61,8 @@ class Ranges:
     contended_new: tuple[int, ...] = (1024, 4096, 8192)
     contended_batch: tuple[int, ...] = (8, 32, 128)
     contended_context: tuple[int, ...] = (1024, 8192)
+    mixed_new: tuple[int, ...] = (128, 512, 1024, 1536, 2048, 4096)
+    mixed_batch: tuple[int, ...] = (1, 8, 32, 128)
 
     def clipped(self, max_prefill_tokens: int, max_num_seqs: int, max_model_len: int) -> "Ranges":
         """Only what the server will run: prefill batches up to max_prefill_tokens, decode batches up to
@@ -74,7 +77,8 @@ class Ranges:
         return Ranges(new, tuple(sorted({min(r, max(0, max_model_len - new[-1] - 1)) for r in self.prefill_reused})),
                       cap(self.decode_batch, max_num_seqs), cap(self.decode_context, max_model_len - 32),
                       cap(self.contended_new, max_prefill_tokens), cap(self.contended_batch, max_num_seqs),
-                      cap(self.contended_context, max_model_len - 32))
+                      cap(self.contended_context, max_model_len - 32), cap(self.mixed_new, max_prefill_tokens),
+                      cap(self.mixed_batch, max_num_seqs))
 
     @classmethod
     def from_lengths(cls, prompt: Sequence[int], output: Sequence[int], reused: Sequence[int]) -> "Ranges":
@@ -84,7 +88,7 @@ class Ranges:
         hit = np.asarray([r for r in reused if r > 0], dtype=float)
         ctx = np.asarray([p + o / 2 for p, o in zip(prompt, output)], dtype=float)
         top = max(256, int(np.percentile(new, 99)))
-        return cls(prefill_new=_geometric(128, top, 5),
+        return cls(prefill_new=_geometric(128, top, 6),
                    prefill_reused=tuple(sorted({0, *(int(np.percentile(hit, q)) for q in (50, 80, 95))})) if hit.size
                    else (0,),
                    decode_context=tuple(sorted({max(64, int(np.percentile(ctx, q))) for q in (10, 50, 90)})),
@@ -147,6 +151,10 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
     for d in splits:
         core.append(Point("contended", d, _mid(ranges.contended_new), 0, _mid(ranges.contended_batch),
                           _mid(ranges.contended_context)))
+    mn, mb, ctx, hit = ranges.mixed_new, ranges.mixed_batch, _mid(context), _mid(reused)
+    core += [Point("mixed", sm_count, n, r, b, ctx) for n, r, b in
+             [(mn[0], 0, mb[0]), (_mid(mn), 0, mb[1 % len(mb)]), (mn[-1], 0, mb[0]), (_mid(mn), hit, mb[-1]),
+              (mn[-1], hit, _mid(mb)), (mn[1 % len(mn)], 0, _mid(mb))]]
     rng = np.random.default_rng(seed)
     held: list[Point] = []
     for _ in range(holdout):
@@ -162,10 +170,15 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
         b = _log_uniform(rng, cb[0], cb[-1])
         held.append(Point("contended", d, _log_uniform(rng, ranges.contended_new[0], ranges.contended_new[-1]), 0,
                           b, _log_uniform(rng, cc[0], max(cc[0], min(cc[-1], kv_tokens // b - 16))), holdout=True))
+    for _ in range(holdout):
+        b = _log_uniform(rng, mb[0], mb[-1])
+        held.append(Point("mixed", sm_count, _log_uniform(rng, mn[0], mn[-1]), 0 if rng.random() < 0.5 else
+                          int(rng.integers(0, hit + 1)), b, _log_uniform(rng, context[0], context[-1]), holdout=True))
     rest = [Point("prefill", s, n, r) for s in prefill_sms for n in new for r in reused]
     rest += [Point("decode", s, batch=b, context=c) for s in decode_sms for b in batch for c in context]
     rest += [Point("contended", d, n, 0, b, c) for d in splits for n in ranges.contended_new
              for b in ranges.contended_batch for c in ranges.contended_context]
+    rest += [Point("mixed", sm_count, n, r, b, ctx) for n in mn for r in sorted({0, hit}) for b in mb]
     seen: set[str] = set()
     out = []
     for p in core + held + rest:

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from appliance import __version__
 from appliance.errors import ConfigError
@@ -53,15 +53,34 @@ class ProfileFile(_Model):
     model: ModelInfo
     gpu: GpuInfo
     decode_partitions: list[int]
-    prefill: dict[str, list[float]]   # SM count -> a, b, c, d
+    prefill: dict[str, list[float]]   # SM count -> a, b, c, d[, host floor h]
     decode: dict[str, list[float]]    # SM count -> e, f, g
+    mixed: list[float] | None = None  # a', b', c', e', d', h' of a mixed step on all SMs (None: not measured)
     contention_default: float = Field(ge=1.0)
     contention: list[CellEntry] = []
     fit: dict[str, float] = {}        # relative errors of the fit on its samples
 
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _coefficient_counts(cls, table: dict[str, list[float]], info) -> dict[str, list[float]]:
+        counts = (4, 5) if info.field_name == "prefill" else (3,)
+        for sms, coefficients in table.items():
+            if len(coefficients) not in counts:
+                raise ValueError(f"{sms} SMs has {len(coefficients)} coefficients; expected "
+                                 f"{' or '.join(map(str, counts))}")
+        return table
+
+    @field_validator("mixed")
+    @classmethod
+    def _mixed_count(cls, coefficients: list[float] | None) -> list[float] | None:
+        if coefficients is not None and len(coefficients) != 6:
+            raise ValueError(f"{len(coefficients)} coefficients; expected 6")
+        return coefficients
+
     def predictor(self, num_layers: int, source: str) -> Predictor:
         solo = SoloModel({int(k): tuple(v) for k, v in self.prefill.items()},
-                         {int(k): tuple(v) for k, v in self.decode.items()})
+                         {int(k): tuple(v) for k, v in self.decode.items()},
+                         tuple(self.mixed) if self.mixed else None)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source)
 
@@ -88,10 +107,12 @@ def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelCon
         decode_partitions=sorted(decode_partitions),
         prefill={str(k): list(v) for k, v in solo.prefill.items()},
         decode={str(k): list(v) for k, v in solo.decode.items()},
+        mixed=list(solo.mixed) if solo.mixed else None,
         contention_default=max(guard.cells.values(), default=1.0),
         contention=[CellEntry(cell=c, slowdown=v) for c, v in sorted(guard.cells.items())],
         fit={"prefill_max_rel_error": err.prefill_max, "prefill_mean_rel_error": err.prefill_mean,
-             "decode_max_rel_error": err.decode_max, "decode_mean_rel_error": err.decode_mean})
+             "decode_max_rel_error": err.decode_max, "decode_mean_rel_error": err.decode_mean,
+             **({"mixed_max_rel_error": err.mixed_max, "mixed_mean_rel_error": err.mixed_mean} if solo.mixed else {})})
 
 
 def save_profile(profile: ProfileFile, path: str | Path) -> None:

@@ -1,7 +1,11 @@
 """The solo-run model of MuxWise, fitted by least squares per partition (SM count):
-prefill = a*sum(n^2) + b*sum(n*r) + c*sum(n) + d, decode = e*sum(r) + f*bs + g (n new, r reused tokens).
+prefill = max(h, a*sum(n^2) + b*sum(n*r) + c*sum(n) + d), decode = e*sum(r) + f*bs + g (n new, r reused tokens),
+and, where mixed steps were measured, mixed = max(h', a'*sum(n^2) + b'*sum(n*r) + c'*(sum(n) + bs) + e'*sum(r) + d').
 
-The fit minimises relative error (latencies span three orders of magnitude) and keeps coefficients non-negative.
+h is the host's floor: a short prefill runs its layers eagerly, and below some hundreds of tokens the host launching
+kernels, not the GPU running them, sets its time (MuxWise's model, fitted through such points, bends its GPU terms
+to them and misses both regimes). The fit minimises relative error (latencies span three orders of magnitude) and
+keeps coefficients non-negative; the floor is chosen among candidates by the same error.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample, prefil
 
 PREFILL_TERMS = ("sum_n2", "sum_nr", "sum_n", "const")
 DECODE_TERMS = ("sum_r", "batch", "const")
+MIXED_TERMS = ("sum_n2", "sum_nr", "sum_n+batch", "decode_sum_r", "const")
 
 
 @dataclass(frozen=True)
@@ -23,8 +28,9 @@ class SoloModel:
     """Coefficients per SM count. An SM count between profiled ones uses the next smaller profiled partition
     (never optimistic); below the smallest, that one's latency scaled by the SM ratio."""
 
-    prefill: dict[int, tuple[float, ...]]
+    prefill: dict[int, tuple[float, ...]]  # a, b, c, d[, h] (profiles without a floor have four)
     decode: dict[int, tuple[float, ...]]
+    mixed: tuple[float, ...] | None = None  # a', b', c', e', d', h' on all SMs; None: composed from the others
     _keys: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,9 +50,9 @@ class SoloModel:
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int) -> float:
         if not items:
             return 0.0
-        (a, b, c, d), scale = self._coefficients("prefill", sms)
+        (a, b, c, d, *h), scale = self._coefficients("prefill", sms)
         n2, nr, n = prefill_features(items)
-        return scale * (a * n2 + b * nr + c * n + d)
+        return scale * max(a * n2 + b * nr + c * n + d, *h)
 
     def decode_ms(self, load: DecodeLoad, sms: int) -> float:
         if load.empty:
@@ -55,14 +61,18 @@ class SoloModel:
         return scale * (e * load.reused_tokens + f * load.batch_size + g)
 
     def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad, sms: int) -> float:
-        """Decode rows ride in the prefill's token batch: they cost the per-token term c, plus decode attention
-        (e per reused token); the fixed cost (the weights' read) is paid once."""
+        """The measured mixed model where there is one; else decode rows ride in the prefill's token batch: they cost
+        the per-token term c, plus decode attention (e per reused token); the fixed cost is paid once."""
         if not items:
             return self.decode_ms(load, sms)
-        (a, b, c, d), scale = self._coefficients("prefill", sms)
-        (e, _, g), dscale = self._coefficients("decode", sms)
         n2, nr, n = prefill_features(items)
-        return scale * (a * n2 + b * nr + c * (n + load.batch_size) + max(d, g)) + dscale * e * load.reused_tokens
+        if self.mixed is not None:
+            a, b, c, e, d, h = self.mixed
+            return max(h, a * n2 + b * nr + c * (n + load.batch_size) + e * load.reused_tokens + d)
+        (a, b, c, d, *h), scale = self._coefficients("prefill", sms)
+        (e, _, g), dscale = self._coefficients("decode", sms)
+        gpu = scale * (a * n2 + b * nr + c * (n + load.batch_size) + max(d, g)) + dscale * e * load.reused_tokens
+        return max(gpu, *(scale * x for x in h))
 
     @property
     def partitions(self) -> list[int]:
@@ -77,43 +87,70 @@ class FitError:
     prefill_mean: float
     decode_max: float
     decode_mean: float
+    mixed_max: float = 0.0
+    mixed_mean: float = 0.0
 
 
 def features(sample: Sample) -> list[float]:
     if sample.kind == "prefill":
         return [*prefill_features(sample.prefill), 1.0]
+    if sample.kind == "mixed":
+        n2, nr, n = prefill_features(sample.prefill)
+        return [n2, nr, n + sample.decode.batch_size, float(sample.decode.reused_tokens), 1.0]
     return [float(sample.decode.reused_tokens), float(sample.decode.batch_size), 1.0]
 
 
 def fit_solo(samples: Sequence[Sample]) -> SoloModel:
-    """Least-squares fit per (phase, SM count) of solo samples; each partition needs at least as many distinct
-    samples as terms."""
-    tables: dict[str, dict[int, tuple[float, ...]]] = {"prefill": {}, "decode": {}}
+    """Least-squares fit per (phase, SM count) of solo samples (prefill and mixed with a host floor); each
+    partition needs at least as many distinct samples as terms. Mixed samples are optional."""
+    tables: dict[str, dict[int, tuple[float, ...]]] = {"prefill": {}, "decode": {}, "mixed": {}}
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in samples:
         if s.kind in tables:
             groups.setdefault((s.kind, s.sms), []).append(s)
     for (kind, sms), group in sorted(groups.items()):
-        terms = PREFILL_TERMS if kind == "prefill" else DECODE_TERMS
+        terms = {"prefill": PREFILL_TERMS, "decode": DECODE_TERMS, "mixed": MIXED_TERMS}[kind]
         if len(group) < len(terms):
+            if kind == "mixed":
+                continue  # too few to fit: the composed estimate stands
             raise ConfigError(f"{kind} on {sms} SMs has {len(group)} samples; the fit of {', '.join(terms)} needs "
                               f"at least {len(terms)}")
         x = np.array([features(s) for s in group])
         y = np.array([s.ms for s in group])
-        tables[kind][sms] = tuple(float(v) for v in _nonnegative_relative_lstsq(x, y))
-    return SoloModel(tables["prefill"], tables["decode"])
+        beta = _fit_with_floor(x, y) if kind != "decode" else tuple(_nonnegative_relative_lstsq(x, y))
+        tables[kind][sms] = tuple(float(v) for v in beta)
+    mixed = tables["mixed"][max(tables["mixed"])] if tables["mixed"] else None  # measured on all SMs only
+    return SoloModel(tables["prefill"], tables["decode"], mixed)
+
+
+def _fit_with_floor(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """Coefficients and the host's floor h of max(h, x beta): for each candidate floor (none, or one of the
+    lower measured times), beta is fitted to the samples clearly above it; the pair with the least relative
+    squared error over all samples wins."""
+    best, best_err = None, float("inf")
+    for h in [0.0, *np.unique(np.percentile(y, np.arange(0, 55, 5)))]:
+        above = y > 1.1 * h
+        if above.sum() < x.shape[1]:
+            continue
+        beta = _nonnegative_relative_lstsq(x[above], y[above])
+        err = float(np.mean(((np.maximum(x @ beta, h) - y) / y) ** 2))
+        if err < best_err - 1e-12:
+            best, best_err = (*beta, float(h)), err
+    return best if best is not None else (*_nonnegative_relative_lstsq(x, y), 0.0)
 
 
 def fit_error(model: SoloModel, samples: Sequence[Sample]) -> FitError:
     """How well `model` predicts solo samples (use held-out ones for an honest figure)."""
-    errs: dict[str, list[float]] = {"prefill": [], "decode": []}
+    errs: dict[str, list[float]] = {"prefill": [], "decode": [], "mixed": []}
     for s in samples:
         if s.kind == "prefill":
             errs["prefill"].append(abs(model.prefill_ms(s.prefill, s.sms) - s.ms) / s.ms)
         elif s.kind == "decode":
             errs["decode"].append(abs(model.decode_ms(s.decode, s.sms) - s.ms) / s.ms)
-    p, d = errs["prefill"] or [0.0], errs["decode"] or [0.0]
-    return FitError(max(p), float(np.mean(p)), max(d), float(np.mean(d)))
+        elif s.kind == "mixed":
+            errs["mixed"].append(abs(model.mixed_ms(s.prefill, s.decode, s.sms) - s.ms) / s.ms)
+    p, d, m = errs["prefill"] or [0.0], errs["decode"] or [0.0], errs["mixed"] or [0.0]
+    return FitError(max(p), float(np.mean(p)), max(d), float(np.mean(d)), max(m), float(np.mean(m)))
 
 
 def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -33,10 +33,11 @@ NO_DECODE = DecodeLoad(0, 0)
 
 @dataclass(frozen=True)
 class Sample:
-    """One measured step: prefill (all layers) or decode, alone on `sms` SMs, or decode while `prefill` runs on the
-    other partition (kind "contended"); `ms` is the measured latency."""
+    """One measured step: prefill (all layers) or decode, alone on `sms` SMs, decode while `prefill` runs on the
+    other partition (kind "contended"), or both in one forward on all SMs (kind "mixed", a chunked-prefill step);
+    `ms` is the measured latency."""
 
-    kind: Literal["prefill", "decode", "contended"]
+    kind: Literal["prefill", "decode", "contended", "mixed"]
     sms: int
     ms: float
     prefill: tuple[PrefillItem, ...] = ()

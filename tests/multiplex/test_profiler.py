@@ -19,7 +19,8 @@ from appliance.predictor.profile import load_predictor
 
 DATA = Path(__file__).parent.parent / "data"
 SMALL = Ranges(prefill_new=(16, 48, 96), prefill_reused=(0, 64), decode_batch=(1, 4, 8), decode_context=(16, 64),
-               contended_new=(32,), contended_batch=(4,), contended_context=(32,))
+               contended_new=(32,), contended_batch=(4,), contended_context=(32,), mixed_new=(16, 32, 64),
+               mixed_batch=(1, 4))
 
 
 def test_grid_puts_the_fit_core_first_then_held_out_points_then_the_rest():
@@ -39,8 +40,11 @@ def test_grid_puts_the_fit_core_first_then_held_out_points_then_the_rest():
         assert sum(p.kind == "prefill" and p.sms == s for p in core) >= 4
     for s in (16, 32, 48, 132):
         assert sum(p.kind == "decode" and p.sms == s for p in core) >= 3
+    # and the mixed step (one forward on all SMs) has its 5 terms
+    assert sum(p.kind == "mixed" and p.sms == 132 for p in core) >= 5
+    assert {p.sms for p in points if p.kind == "mixed"} == {132}
     assert all(not p.holdout for p in points[last_held + 1:])
-    assert sum(p.holdout for p in points) == 2 * (4 + 4) + 3
+    assert sum(p.holdout for p in points) == 2 * (4 + 4 + 1) + 3
 
 
 def test_ranges_follow_the_trace_and_the_server_limits():
@@ -75,10 +79,11 @@ def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path
     result = run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
     assert result.measured == len(points) and result.skipped_budget == 0
     assert not timer.engine.scheduler.requests and timer.engine.pool.num_free_pages == timer.engine.pool.num_pages
-    assert result.errors["prefill_n"] == 2 and result.errors["decode_n"] == 2
+    assert result.errors["prefill_n"] == 2 and result.errors["decode_n"] == 2 and result.errors["mixed_n"] == 2
     assert 0 <= result.errors["decode_mean"] <= result.errors["decode_max"]
     saved = json.loads(out.read_text())
-    assert saved["fit"]["samples_holdout"] == 4 and "holdout_prefill_max" in saved["fit"]
+    assert saved["fit"]["samples_holdout"] == 6 and "holdout_prefill_max" in saved["fit"]
+    assert len(saved["mixed"]) == 6  # the mixed step has its own fit (chunked prefill's step)
     predictor = load_predictor(out, timer.engine.model.config, "cpu")
     assert predictor.source.startswith("profile")  # the server takes it (not the roofline prior)
     assert predictor.prefill_ms(Point("prefill", timer.sm_count, 96).items, timer.sm_count) > 0

@@ -53,7 +53,8 @@ def test_solo_fit_recovers_a_known_function():
     err = fit_error(model, known_samples(rng, 200))  # held out
     assert err.prefill_max <= 0.02 and err.decode_max <= 0.02
     for sms, truth in TRUE_PREFILL.items():
-        assert np.allclose(model.prefill[sms], truth, rtol=0.02)
+        assert np.allclose(model.prefill[sms][:4], truth, rtol=0.02)
+        assert model.prefill[sms][4] <= min(s.ms for s in known_samples(rng, 50) if s.sms == sms)  # no floor
     for sms, truth in TRUE_DECODE.items():
         assert np.allclose(model.decode[sms], truth, rtol=0.02)
     # between profiled partitions the smaller one answers (never optimistic)
@@ -66,6 +67,36 @@ def test_solo_fit_with_noise_stays_close():
     noisy = [dataclasses.replace(s, ms=s.ms * (1 + rng.normal(0, 0.01))) for s in known_samples(rng, 60)]
     err = fit_error(fit_solo(noisy), known_samples(rng, 100))
     assert err.prefill_mean < 0.02 and err.decode_mean < 0.02
+
+
+def test_solo_fit_finds_the_host_floor_and_the_mixed_step():
+    """Short prefills cost the host's launch time, whatever their size: the fit finds that floor and keeps its
+    GPU terms for the long ones; measured mixed steps get their own coefficients."""
+    rng = np.random.default_rng(2)
+    floor, (a, b, c, d) = 18.0, TRUE_PREFILL[132]
+    mixed_truth = (1.1e-7, 9e-8, 0.013, 1.2e-4, 6.0)
+
+    def prefill(n: int, r: int) -> Sample:
+        return Sample("prefill", 132, max(floor, a * n * n + b * n * r + c * n + d), prefill=(PrefillItem(n, r),))
+
+    def mixed(n: int, r: int, bs: int, ctx: int) -> Sample:
+        a2, b2, c2, e2, d2 = mixed_truth
+        ms = max(25.0, a2 * n * n + b2 * n * r + c2 * (n + bs) + e2 * bs * ctx + d2)
+        return Sample("mixed", 132, ms, prefill=(PrefillItem(n, r),), decode=DecodeLoad(bs, bs * ctx))
+
+    draw = lambda lo, hi: int(np.exp(rng.uniform(np.log(lo), np.log(hi))))  # noqa: E731
+    fit = [prefill(draw(64, 16384), int(rng.integers(0, 16384))) for _ in range(40)]
+    fit += [mixed(draw(64, 4096), int(rng.integers(0, 8192)), draw(1, 256), draw(128, 8192)) for _ in range(40)]
+    fit += [Sample("decode", 132, 5.0 + 0.01 * bs, decode=DecodeLoad(bs, bs * 100)) for bs in (1, 8, 64, 128)]
+    model = fit_solo(fit)
+    assert model.prefill[132][4] == pytest.approx(floor, rel=0.05)
+    assert model.mixed is not None and model.mixed[5] == pytest.approx(25.0, rel=0.05)
+    held = [prefill(draw(64, 16384), int(rng.integers(0, 16384))) for _ in range(100)]
+    held += [mixed(draw(64, 4096), int(rng.integers(0, 8192)), draw(1, 256), draw(128, 8192)) for _ in range(100)]
+    err = fit_error(model, held)
+    assert err.prefill_max <= 0.05 and err.mixed_max <= 0.05
+    # without mixed samples the mixed step is composed from the prefill and decode fits
+    assert fit_solo([s for s in fit if s.kind != "mixed"]).mixed is None
 
 
 def test_fit_needs_enough_samples():
