@@ -52,7 +52,7 @@ class SoloModel:
             return 0.0
         (a, b, c, d, *h), scale = self._coefficients("prefill", sms)
         n2, nr, n = prefill_features(items)
-        return scale * max(a * n2 + b * nr + c * n + d, *h)
+        return scale * max([a * n2 + b * nr + c * n + d, *h])
 
     def decode_ms(self, load: DecodeLoad, sms: int) -> float:
         if load.empty:
@@ -72,7 +72,7 @@ class SoloModel:
         (a, b, c, d, *h), scale = self._coefficients("prefill", sms)
         (e, _, g), dscale = self._coefficients("decode", sms)
         gpu = scale * (a * n2 + b * nr + c * (n + load.batch_size) + max(d, g)) + dscale * e * load.reused_tokens
-        return max(gpu, *(scale * x for x in h))
+        return max([gpu, *(scale * x for x in h)])
 
     @property
     def partitions(self) -> list[int]:

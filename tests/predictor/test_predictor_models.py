@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from appliance import __version__
+from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard, cell_of
 from appliance.predictor.predictor import Predictor, partition_choices
@@ -97,6 +98,27 @@ def test_solo_fit_finds_the_host_floor_and_the_mixed_step():
     assert err.prefill_max <= 0.05 and err.mixed_max <= 0.05
     # without mixed samples the mixed step is composed from the prefill and decode fits
     assert fit_solo([s for s in fit if s.kind != "mixed"]).mixed is None
+
+
+def test_a_profile_without_the_host_floor_still_predicts(tmp_path):
+    """Profiles written before the floor (four prefill coefficients, no mixed fit) load and predict as before."""
+    rng = np.random.default_rng(3)
+    profile = build_profile(known_samples(rng, 20), model_name="m", model=LLAMA_8B, gpu_name="NVIDIA H200",
+                            sm_count=132, decode_partitions=[32])
+    raw = json.loads(profile.model_dump_json())
+    raw["prefill"] = {k: v[:4] for k, v in raw["prefill"].items()}
+    raw["mixed"] = None
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(raw))
+    predictor = read_profile(path).predictor(32, "old")
+    a, b, c, d = TRUE_PREFILL[132]
+    items = [PrefillItem(2048, 1024)]
+    assert predictor.prefill_ms(items) == pytest.approx(a * 2048 ** 2 + b * 2048 * 1024 + c * 2048 + d, rel=0.02)
+    assert predictor.mixed_ms(items, DecodeLoad(4, 4000)) > predictor.prefill_ms(items)
+    raw["prefill"]["132"] = [1.0, 2.0]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="expected 4 or 5"):
+        read_profile(path)
 
 
 def test_fit_needs_enough_samples():
