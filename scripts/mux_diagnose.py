@@ -25,7 +25,8 @@ from appliance.bench.traces import load_trace
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.model_zoo.loader import load_model
-from appliance.predictor.profile import load_predictor
+from appliance.predictor.calibrate import serving_factors
+from appliance.predictor.profile import load_predictor, read_profile, save_profile
 from appliance.predictor.workload import DecodeLoad, PrefillItem
 
 
@@ -43,6 +44,7 @@ def instrument(engine: Engine, predictor=None) -> list[dict]:
         if plan.mixed:
             items = [PrefillItem(w.num_tokens, w.token_start) for w in plan.prefill]
             row["pred_ms"] = predictor.mixed_ms(items, load)
+            row["items"] = [[i.new, i.reused] for i in items]
             return row
         obs = executor.last_decode
         if obs is not None:
@@ -89,7 +91,12 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--out", default="gpu-results")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    ap.add_argument("--write-serving", default=None, help="write PROFILE with this replay's serving factors here")
+    ap.add_argument("--from-steps", nargs="+", default=None, help="step logs to calibrate from (no replay)")
     args = ap.parse_args()
+    if args.from_steps:
+        calibrate(args, [s for path in args.from_steps for s in json.loads(Path(path).read_text())])
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     raw = load_trace(args.trace)
@@ -143,6 +150,21 @@ def main() -> None:
             wall = sorted(s["launch_ms"] / s["pred_ms"] for s in rows)
             print(f"  {kind}: {len(rows)} steps, wall / predicted median {statistics.median(wall):.2f}, "
                   f"p90 {wall[int(0.9 * len(wall))]:.2f}, p99 {wall[int(0.99 * len(wall))]:.2f}")
+    if args.profile:
+        calibrate(args, steps)
+
+
+def calibrate(args, steps: list[dict]) -> None:
+    """Print the serving factors of `steps` against the profile; with --write-serving, keep them in a copy of it."""
+    if not args.profile:
+        raise SystemExit("serving factors are measured against a profile: pass --profile")
+    profile = read_profile(args.profile)
+    factors = serving_factors(steps, profile.predictor(profile.model.shape["num_layers"], "profile"))
+    print("  serving factors (measured / profiled, total time):",
+          ", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps")
+    if args.write_serving:
+        save_profile(profile.model_copy(update={"serving": {**profile.serving, **factors}}), args.write_serving)
+        print(f"  wrote {args.write_serving}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
         device = device_spec(gpu)
     except ConfigError:
         device = DEVICES["h100"]
-    notes = [f"clock and planner: {predictor.source}", *predictor.notes,
+    serving = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(predictor.serving.items()))
+    notes = [f"clock and planner: {predictor.source}" + (f"; the clock runs serving-calibrated ({serving})"
+                                                          if serving else ""), *predictor.notes,
              f"contract {contract.name!r}: p{contract.slo_for(None).tbt_percentile:g} TBT "
              f"{contract.slo_for(None).tbt_ms:g} ms, attainment {contract.attainment:.0%}"]
     options = None

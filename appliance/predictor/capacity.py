@@ -10,6 +10,7 @@ from appliance.bench import workload as wl
 from appliance.bench.sweep import SweepResult, find_capacity
 from appliance.bench.traces import RequestSpec
 from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.calibrate import ServingClock
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.roofline import DeviceSpec
 from appliance.predictor.simulate import SimConfig, SimResult, Simulator, StepTimer
@@ -61,6 +62,9 @@ class SimulatedBench:
 
     @property
     def timer(self) -> StepTimer:
+        """The clock: a given truth, else the profile slowed by its serving factors, else the predictor itself."""
+        if self.truth is None and self.predictor.serving:
+            self.truth = ServingClock(self.predictor)
         return self.truth if self.truth is not None else self.predictor
 
     def run(self, policy: str, specs: Sequence[RequestSpec], rate: float | None = None) -> PolicyRun:

@@ -31,6 +31,9 @@ class Predictor:
     decode_partitions: tuple[int, ...]
     source: str = "roofline prior"
     notes: list[str] = field(default_factory=list)
+    # how much slower each phase ran while serving than this model predicts ("decode", "prefill"; measured by a
+    # calibration replay): the simulator's clock applies it, plans never do (the planner refines online instead)
+    serving: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def prior(cls, model: ModelConfig, device: DeviceSpec, granularity: int = DEFAULT_GRANULARITY) -> "Predictor":

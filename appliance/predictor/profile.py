@@ -59,6 +59,15 @@ class ProfileFile(_Model):
     contention_default: float = Field(ge=1.0)
     contention: list[CellEntry] = []
     fit: dict[str, float] = {}        # relative errors of the fit on its samples
+    serving: dict[Literal["decode", "prefill"], float] = {}  # serving / profiled time, from a calibration replay
+
+    @field_validator("serving")
+    @classmethod
+    def _serving_factors(cls, factors: dict[str, float]) -> dict[str, float]:
+        for phase, factor in factors.items():
+            if not 0.5 <= factor <= 5.0:
+                raise ValueError(f"{phase} factor {factor} is outside 0.5..5 (serving time / profiled time)")
+        return factors
 
     @field_validator("prefill", "decode")
     @classmethod
@@ -82,7 +91,8 @@ class ProfileFile(_Model):
                          {int(k): tuple(v) for k, v in self.decode.items()},
                          tuple(self.mixed) if self.mixed else None)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
-        return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source)
+        return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
+                         serving=dict(self.serving))
 
 
 def model_shape(cfg: ModelConfig) -> dict[str, int]:

@@ -1,0 +1,62 @@
+"""Serving calibration: how much slower steps run while serving than the profile predicts for them alone. The
+profiler times each step with nothing else in the process; a server's front-end (its event loop, token streaming)
+shares the host with the engine, and the steps the host launches slow down. A replay on the GPU logs every step with
+its measured time (`scripts/mux_diagnose.py`); `serving_factors` reduces such a log to one factor per phase, which the
+profile file keeps and the simulator's clock applies (`ServingClock`). Plans never apply it: the planner refines
+itself online from the steps it measures.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable, Sequence
+
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.workload import DecodeLoad, PrefillItem
+
+MIN_STEPS = 20  # a phase with fewer logged steps gets no factor
+
+
+def serving_factors(steps: Iterable[dict[str, Any]], predictor: Predictor) -> dict[str, float]:
+    """Total measured time over total predicted time, per phase, of a step log's decode steps that ran alone
+    ("decode") and its mixed steps ("prefill": a prompt chunk with decode rows, on all SMs). A step is a dict with
+    launch_ms, mixed, decode (batch size), ctx (the batch's cached tokens) and, for mixed steps, items ([new,
+    reused] per chunk) or prefill_tokens (then counted as new tokens without reuse)."""
+    sums = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}
+    for s in steps:
+        if "launch_ms" not in s or "ctx" not in s or not s.get("decode"):
+            continue
+        load = DecodeLoad(int(s["decode"]), int(s["ctx"]))
+        if s.get("mixed"):
+            items = [PrefillItem(int(n), int(r)) for n, r in s["items"]] if s.get("items") else \
+                [PrefillItem(int(s["prefill_tokens"]), 0)]
+            phase, predicted = "prefill", predictor.mixed_ms(items, load)
+        elif not s.get("beside") and not s.get("layers"):
+            phase, predicted = "decode", predictor.decode_ms(load)
+        else:
+            continue  # decode beside prefill: the contention guard's business
+        if predicted > 0:
+            acc = sums[phase]
+            acc[0] += float(s["launch_ms"])
+            acc[1] += predicted
+            acc[2] += 1
+    return {phase: measured / predicted for phase, (measured, predicted, n) in sums.items() if n >= MIN_STEPS}
+
+
+class ServingClock:
+    """The simulator's clock for a profile with serving factors: the profile's latencies, each phase slowed by its
+    factor. It holds its own copy of the predictor, so the planner's online refinement never feeds back into it."""
+
+    def __init__(self, predictor: Predictor) -> None:
+        self.predictor = copy.deepcopy(predictor)
+        self.num_layers, self.sm_count = predictor.num_layers, predictor.sm_count
+        self.decode_factor = predictor.serving.get("decode", 1.0)
+        self.prefill_factor = predictor.serving.get("prefill", 1.0)
+
+    def prefill_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
+        return self.predictor.prefill_ms(items, sms) * self.prefill_factor
+
+    def decode_ms(self, load: DecodeLoad, sms: int | None = None, concurrent: Sequence[PrefillItem] = ()) -> float:
+        return self.predictor.decode_ms(load, sms, concurrent) * self.decode_factor
+
+    def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
+        return self.predictor.mixed_ms(items, load) * self.prefill_factor

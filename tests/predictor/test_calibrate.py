@@ -1,0 +1,81 @@
+"""Serving calibration: factors from a step log are measured over predicted time per phase; the profile keeps them
+(validated); the simulator's clock applies them while the planner does not, and never feeds its online refinement
+back into the clock."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import ConfigError
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.calibrate import MIN_STEPS, ServingClock, serving_factors
+from appliance.predictor.capacity import SimulatedBench
+from appliance.predictor.predictor import partition_choices
+from appliance.predictor.profile import read_profile, save_profile
+from appliance.predictor.roofline import DEVICES
+from appliance.predictor.simulate import SimConfig
+from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
+from appliance.predictor.workload import DecodeLoad, PrefillItem
+from appliance.slo.contract import default_contract
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ModelConfig.from_file(ROOT / "configs" / "models" / "llama-3.1-8b" / "config.json")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return synthetic_profile(SyntheticGPU(MODEL, DEVICES["h100"]), partition_choices(132), "llama-3.1-8b")
+
+
+def test_factors_are_measured_over_predicted_time_per_phase(profile):
+    p = profile.predictor(MODEL.num_layers, "profile")
+    steps = []
+    for i in range(MIN_STEPS):
+        load = DecodeLoad(1 + i, (1 + i) * 1000)
+        steps.append({"launch_ms": 1.1 * p.decode_ms(load), "mixed": False, "decode": 1 + i, "ctx": 1000 * (1 + i),
+                      "layers": 0})
+        items = [PrefillItem(256 * (1 + i), 512)]
+        steps.append({"launch_ms": 1.25 * p.mixed_ms(items, load), "mixed": True, "decode": 1 + i,
+                      "ctx": 1000 * (1 + i), "items": [[256 * (1 + i), 512]]})
+    # decode beside a prefill, and steps without a measurement, do not count
+    steps.append({"launch_ms": 1e6, "mixed": False, "decode": 4, "ctx": 4000, "beside": 1})
+    steps.append({"mixed": False, "decode": 4, "ctx": 4000})
+    factors = serving_factors(steps, p)
+    assert factors["decode"] == pytest.approx(1.1) and factors["prefill"] == pytest.approx(1.25)
+    assert serving_factors(steps[:4], p) == {}  # too few steps of either phase
+
+
+def test_the_clock_applies_the_factors_and_the_planner_does_not(profile, tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(profile.model_copy(update={"serving": {"decode": 1.1, "prefill": 1.2}}), path)
+    predictor = read_profile(path).predictor(MODEL.num_layers, "profile")
+    bench = SimulatedBench(default_contract(), predictor, SimConfig(num_pages=4096))
+    clock = bench.timer
+    assert isinstance(clock, ServingClock)
+    items, load = [PrefillItem(2048, 0)], DecodeLoad(8, 8000)
+    assert clock.prefill_ms(items, 100) == pytest.approx(1.2 * predictor.prefill_ms(items, 100))
+    assert clock.mixed_ms(items, load) == pytest.approx(1.2 * predictor.mixed_ms(items, load))
+    assert clock.decode_ms(load, 32, items) == pytest.approx(1.1 * predictor.decode_ms(load, 32, items))
+    before = clock.decode_ms(load, 32, items)
+    for _ in range(16):  # the planner learns a larger slowdown online; the clock stays what the GPU is
+        predictor.observe_decode(load, 32, items, 3 * predictor.decode_ms(load, 32, items))
+    assert predictor.decode_ms(load, 32, items) > before / 1.1
+    assert clock.decode_ms(load, 32, items) == pytest.approx(before)
+    # a profile without factors: the predictor is its own clock
+    plain = SimulatedBench(default_contract(), profile.predictor(MODEL.num_layers, "p"), SimConfig(num_pages=4096))
+    assert not isinstance(plain.timer, ServingClock)
+
+
+def test_a_bad_factor_is_refused_by_name(profile, tmp_path):
+    path = tmp_path / "p.json"
+    raw = json.loads(profile.model_dump_json())
+    raw["serving"] = {"decode": 0.01}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="serving.*decode factor 0.01"):
+        read_profile(path)
+    raw["serving"] = {"prefil": 1.1}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="serving"):
+        read_profile(path)
