@@ -4,11 +4,16 @@
 # configs/slo/chat-queue.yaml. Jobs naming the same GPU run in turn, GPUs run in parallel; results are packed into
 # $OUT/goodput.tgz (one directory per job) and the tables printed last.
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET] ...
-#   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:2.2:500 1:.traces/azure_code_2023.csv:chunked:1.74:500:1536
+#   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
+# PROFILE defaults to the committed H200 profile (another GPU falls back to the roofline prior, with a warning).
+# A replay longer than one device command (Mooncake at its capacity: 9-45 minutes) can outlive the command when started
+# in its own session, on a machine kept warm by the next call:
+#   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
+#   call 2 (at once): while pgrep -f goodput.sh > /dev/null; do sleep 10; done; cp /tmp/gp/goodput.tgz $OUT/
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
-profile=${PROFILE:-.prof/llama-3.1-8b-h200.json}
+profile=${PROFILE:-docs/data/profile-llama-3.1-8b-h200-2026-11-22.json}
 model=${MODEL:-configs/models/llama-3.1-8b}
 maxlen=${MAX_MODEL_LEN:-32768}
 work=$(mktemp -d)
