@@ -6,10 +6,11 @@
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
 # PROFILE defaults to the committed H200 profile (another GPU falls back to the roofline prior, with a warning).
-# A replay longer than one device command (Mooncake at its capacity: 9-45 minutes) can outlive the command when started
-# in its own session, on a machine kept warm by the next call:
+# A replay longer than one device command (Mooncake at mux's capacity: 9 minutes) can outlive the command when started
+# in its own session, on a machine kept warm by calls that follow at once (a lent machine is held 30 minutes at most):
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
-#   call 2 (at once): while pgrep -f goodput.sh > /dev/null; do sleep 10; done; cp /tmp/gp/goodput.tgz $OUT/
+#   call 2, 3, ...: for i in $(seq 55); do pgrep -f goodput.sh > /dev/null || break; sleep 10; done;
+#                   cp /tmp/gp/goodput.tgz $OUT/ 2>/dev/null; tail -n 5 /tmp/gp.log
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
