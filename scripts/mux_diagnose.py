@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -27,55 +26,7 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.model_zoo.loader import load_model
 from appliance.predictor.calibrate import serving_factors
 from appliance.predictor.profile import load_predictor, read_profile, save_profile
-from appliance.predictor.workload import DecodeLoad, PrefillItem
-
-
-def instrument(engine: Engine, predictor=None) -> list[dict]:
-    steps: list[dict] = []
-    sched, executor = engine.scheduler, engine.executor
-    schedule, launch = sched.schedule, executor.launch
-
-    def predicted(plan, requests) -> dict:
-        """The profile's figure for the step as planned, beside what the executor measured."""
-        if predictor is None or not plan.decode:
-            return {}
-        load = DecodeLoad(len(plan.decode), sum(requests[i].num_tokens - 1 for i in plan.decode))
-        row = {"ctx": load.reused_tokens}
-        if plan.mixed:
-            items = [PrefillItem(w.num_tokens, w.token_start) for w in plan.prefill]
-            row["pred_ms"] = predictor.mixed_ms(items, load)
-            row["items"] = [[i.new, i.reused] for i in items]
-            return row
-        obs = executor.last_decode
-        if obs is not None:
-            beside = [PrefillItem(w.num_tokens, w.token_start) for w in obs.concurrent]
-            sms = obs.decode_sms if beside else None
-            row.update(obs_ms=obs.ms, beside=len(beside),
-                       pred_ms=predictor.decode_ms(load, sms, beside) if beside else predictor.decode_ms(load))
-        return row
-
-    def timed_schedule():
-        t0 = time.perf_counter()
-        plan = schedule()
-        steps.append({"t": t0, "plan_ms": (time.perf_counter() - t0) * 1e3, "decode": len(plan.decode),
-                      "decode_sms": plan.decode_sms, "mixed": plan.mixed,
-                      "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
-                      "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
-                      "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
-                      "inflight": executor.num_inflight, "waiting": len(sched.waiting)})
-        return plan
-
-    def timed_launch(plan, requests, partition=None):
-        t0 = time.perf_counter()
-        out = launch(plan, requests, partition)
-        if steps:
-            steps[-1]["launch_ms"] = (time.perf_counter() - t0) * 1e3
-            steps[-1]["partition"] = executor.current.name
-            steps[-1].update(predicted(plan, requests))
-        return out
-
-    sched.schedule, executor.launch = timed_schedule, timed_launch
-    return steps
+from appliance.multiplex.steplog import StepLog
 
 
 def main() -> None:
@@ -111,7 +62,7 @@ def main() -> None:
                                               max_model_len=args.max_model_len, chunk_budget=args.chunk_budget))
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
-    steps = instrument(engine, predictor)
+    steps = StepLog(engine, predictor).attach().steps
 
     async def go():
         aengine = AsyncEngine(engine)

@@ -51,6 +51,12 @@ def profile_command(app: typer.Typer) -> None:
                                                   "(the server's --partition-granularity)."),
         holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
                                     "measure the predictor's error)."),
+        calibrate_rate: Optional[float] = typer.Option(None, help="After the grid, replay --trace at this many "
+                                                       "requests/s in process (chunked prefill) and keep how much "
+                                                       "slower steps ran while serving than profiled; `muxd bench "
+                                                       "--simulate` applies it (the replay's time comes out of "
+                                                       "the budget)."),
+        calibrate_requests: int = typer.Option(200, help="Requests in the calibration replay (the trace's first)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     ) -> None:
         """Profile this model on this GPU: solo prefill and decode on every SM partition, decode beside a prefill
@@ -66,6 +72,20 @@ def profile_command(app: typer.Typer) -> None:
                 raise ConfigError(f"--out {out}: give the profile file's path (e.g. llama-8b-h200.json)")
             if not out.parent.is_dir():
                 raise ConfigError(f"--out {out}: directory {out.parent} does not exist")
+            reserve = 0.0
+            if calibrate_rate is not None:
+                if not trace:
+                    raise ConfigError("--calibrate-rate replays --trace: pass --trace FILE")
+                if calibrate_rate <= 0 or calibrate_requests < 1:
+                    raise ConfigError(f"--calibrate-rate must be > 0 and --calibrate-requests >= 1, got "
+                                      f"{calibrate_rate} and {calibrate_requests}")
+                from appliance.multiplex.profiler import calibration_seconds
+
+                reserve = calibration_seconds(calibrate_requests, calibrate_rate)
+                if reserve >= budget_minutes * 60:
+                    raise ConfigError(f"the calibration replay ({calibrate_requests} requests at {calibrate_rate:g}/s, "
+                                      f"about {reserve / 60:.1f} minutes) leaves nothing of --budget-minutes "
+                                      f"{budget_minutes:g} for the grid")
             ranges = (trace_ranges(trace, trace_format) if trace else Ranges()).clipped(
                 max_num_batched_tokens, max_num_seqs, max_model_len)
             cfg = ServeConfig(model=model, dtype=dtype, device=device, load_format=load_format,
@@ -92,8 +112,24 @@ def profile_command(app: typer.Typer) -> None:
                 def on_point(point, ms) -> None:
                     bar.update(task, advance=1, description=f"{point.kind} {point.sms} SMs")
 
-                result = run_profile(timer, points, out, model_name=cfg.model_name, budget_s=budget_minutes * 60,
-                                     started=started, resume=resume, kv_tokens=kv_tokens, on_point=on_point)
+                result = run_profile(timer, points, out, model_name=cfg.model_name,
+                                     budget_s=budget_minutes * 60 - reserve, started=started, resume=resume,
+                                     kv_tokens=kv_tokens, on_point=on_point)
+            if calibrate_rate is not None:
+                from appliance.bench import workload as wl
+                from appliance.bench.traces import load_trace
+                from appliance.multiplex.profiler import calibrate_serving
+                from appliance.predictor.profile import save_profile
+
+                console.print(f"calibrating: {calibrate_requests} requests of {trace} at {calibrate_rate:g}/s ...")
+                specs = wl.select(load_trace(trace, trace_format), max_requests=calibrate_requests)
+                num_layers = engine.model.config.num_layers
+                factors, _ = calibrate_serving(engine, specs, calibrate_rate,
+                                            result.profile.predictor(num_layers, "profile"))
+                result.profile.serving = factors
+                save_profile(result.profile, result.path)
+                console.print("serving factors (serving time / profiled time): "
+                              + (", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps"))
         except ApplianceError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)

@@ -27,7 +27,7 @@ from appliance.errors import ConfigError
 from appliance.multiplex.partitions import Partition
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
-from appliance.predictor.profile import ProfileFile, build_profile, model_shape, save_profile
+from appliance.predictor.profile import SERVING_RANGE, ProfileFile, build_profile, model_shape, save_profile
 from appliance.predictor.roofline import DEVICES, device_spec
 
 log = logging.getLogger("muxd.profile")
@@ -375,3 +375,62 @@ class _CostModel:
 
     def learn(self, point: Point, seconds: float) -> None:
         self.scale.setdefault(point.kind, []).append(seconds / self._raw(point))
+
+
+# ---- serving calibration ---------------------------------------------------------------------------------------
+def calibration_seconds(requests: int, rate: float) -> float:
+    """What a calibration replay takes: its arrivals plus a margin for the last requests to finish."""
+    return requests / rate + 30.0
+
+
+def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
+                      predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
+    """Replay `specs` re-timed to `rate` in process on `engine` under chunked prefill (its budget tuned from
+    `predictor` as `muxd serve --policy chunked` would), log every step, and return the serving factors
+    (predictor/calibrate.py: how much slower decode and mixed steps ran while serving than `predictor` says) and
+    the step log."""
+    import asyncio
+
+    from appliance.bench import workload as wl
+    from appliance.bench.client import InProcessTarget, replay
+    from appliance.bench.prompts import PromptSynth
+    from appliance.engine.async_engine import AsyncEngine
+    from appliance.multiplex.steplog import StepLog
+    from appliance.predictor.calibrate import serving_factors
+    from appliance.slo.contract import default_contract
+    from appliance.slo.policies import PolicyOptions, build_planner
+
+    max_len = engine.pool.num_pages * engine.pool.page_size - 1
+    specs, _ = wl.clip_to_context(wl.retime(list(specs), rate=rate), min(max_len, engine.max_model_len - 1))
+    if not specs:
+        raise ConfigError("the calibration replay has no request that fits the KV pool")
+    synth = PromptSynth(vocab_size=engine.model.config.vocab_size)
+    prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
+    sched = engine.scheduler
+    planner = sched.planner
+    sched.planner = build_planner("chunked", PolicyOptions(), default_contract(), predictor)
+    log_ = StepLog(engine, predictor).attach()
+
+    async def go():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            return await replay(specs, prompts, InProcessTarget(aengine))
+        finally:
+            aengine.shutdown()
+
+    try:
+        result = asyncio.run(go())
+    finally:
+        log_.detach()
+        sched.planner = planner
+    failed = [t.error for t in result.timelines if t.error]
+    if failed:
+        raise ConfigError(f"the calibration replay lost {len(failed)} of {len(specs)} requests (first: {failed[0]})")
+    factors = serving_factors(log_.steps, predictor)
+    for phase, factor in list(factors.items()):
+        if not SERVING_RANGE[0] <= factor <= SERVING_RANGE[1]:
+            log.warning("calibration: %s steps ran %.2fx their profiled time while serving; not kept (outside "
+                        "%g..%g: the profile does not describe this engine)", phase, factor, *SERVING_RANGE)
+            del factors[phase]
+    return factors, log_.steps

@@ -24,6 +24,7 @@ from appliance.predictor.workload import Sample
 
 log = logging.getLogger("muxd.predictor")
 FORMAT, VERSION = "muxd-profile", 1
+SERVING_RANGE = (0.5, 5.0)  # serving time / profiled time a profile may keep
 
 
 class _Model(BaseModel):
@@ -65,8 +66,9 @@ class ProfileFile(_Model):
     @classmethod
     def _serving_factors(cls, factors: dict[str, float]) -> dict[str, float]:
         for phase, factor in factors.items():
-            if not 0.5 <= factor <= 5.0:
-                raise ValueError(f"{phase} factor {factor} is outside 0.5..5 (serving time / profiled time)")
+            if not SERVING_RANGE[0] <= factor <= SERVING_RANGE[1]:
+                raise ValueError(f"{phase} factor {factor} is outside {SERVING_RANGE[0]:g}..{SERVING_RANGE[1]:g} "
+                                 "(serving time / profiled time)")
         return factors
 
     @field_validator("prefill", "decode")

@@ -9,7 +9,8 @@ import pytest
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
-from appliance.multiplex.profiler import StepTimer, run_profile
+from appliance.bench.traces import RequestSpec
+from appliance.multiplex.profiler import StepTimer, calibrate_serving, run_profile
 from appliance.predictor.grid import Ranges, plan_points
 from copy_model import periodic_prompt, train_copy_model
 
@@ -53,6 +54,11 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     assert sorted(int(k) for k in profile.prefill) == sorted(timer.sm_count - d for d in [0, *timer.decode_partitions[:3]])
     assert all(c.slowdown >= 1.0 for c in profile.contention)
     assert result.errors["prefill_n"] > 0 and result.errors["decode_n"] > 0
+    # the serving calibration replays on the multiplexed engine under chunked prefill and puts everything back
+    specs = [RequestSpec(arrival=i * 0.02, prompt_len=64 + 32 * (i % 4), output_len=48) for i in range(24)]
+    factors, steps = calibrate_serving(prof_engine, specs, 200.0, profile.predictor(prof_engine.model.config.num_layers, "profile"))
+    assert "decode" in factors and any(s.get("mixed") for s in steps)
+    assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
     del prof_engine, timer
 
     contract = tmp_path / "tight.yaml"

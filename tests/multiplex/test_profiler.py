@@ -13,7 +13,9 @@ from appliance.bench.traces import load_trace
 from appliance.cli import app
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import ConfigError
-from appliance.multiplex.profiler import StepTimer, read_samples, run_profile, samples_path_for
+from appliance.bench.traces import RequestSpec
+from appliance.multiplex.profiler import StepTimer, calibrate_serving, read_samples, run_profile, samples_path_for
+from appliance.predictor.calibrate import serving_factors
 from appliance.predictor.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.predictor.profile import load_predictor
 
@@ -91,6 +93,23 @@ def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path
     assert len(lines) == 1 + len(points)
 
 
+def test_calibration_replays_under_chunked_and_measures_serving_against_the_profile(timer, tmp_path):
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
+    result = run_profile(timer, points, tmp_path / "p.json", model_name="tiny", budget_s=300,
+                         started=time.perf_counter())
+    engine = timer.engine
+    planner = engine.scheduler.planner
+    predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
+    specs = [RequestSpec(arrival=i * 0.05, prompt_len=24 + 8 * (i % 5), output_len=40) for i in range(16)]
+    schedule = engine.scheduler.schedule
+    factors, steps = calibrate_serving(engine, specs, 400.0, predictor)
+    assert engine.scheduler.planner is planner and engine.scheduler.schedule == schedule  # all put back
+    assert not engine.scheduler.requests and engine.pool.num_free_pages == engine.pool.num_pages
+    assert set(factors) <= {"decode", "prefill"} and factors  # 16 x 40 tokens: well over MIN_STEPS decode steps
+    assert any(s.get("mixed") and "pred_ms" in s for s in steps)  # it ran chunked prefill, predicted step by step
+    assert factors == pytest.approx({k: v for k, v in serving_factors(steps, predictor).items() if 0.5 <= v <= 5.0})
+
+
 def test_an_interrupted_run_resumes_with_the_missing_points_only(timer, tmp_path):
     points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=1)
     out = tmp_path / "p.json"
@@ -126,6 +145,9 @@ def test_samples_of_another_gpu_are_not_resumed(timer, tmp_path):
     (["--budget-minutes", "0"], "--budget-minutes must be > 0"),
     (["--holdout", "-1"], "--holdout must be >= 0"),
     (["--out", "/nonexistent-dir/p.json"], "does not exist"),
+    (["--calibrate-rate", "1"], "--calibrate-rate replays --trace"),
+    (["--calibrate-rate", "0.01", "--trace", str(DATA / "azure_code_2023_head200.csv"), "--budget-minutes", "1"],
+     "leaves nothing of --budget-minutes"),
 ])
 def test_profile_command_rejects_bad_flags(args, message, tmp_path):
     base = ["profile", "--out", str(tmp_path / "p.json"), "--device", "cpu"]
