@@ -8,7 +8,6 @@ prefill launches in flight — plus the executor's timeline; writes them as JSON
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 from collections import Counter
@@ -17,11 +16,10 @@ from pathlib import Path
 import torch
 
 from appliance.bench import workload as wl
-from appliance.bench.client import InProcessTarget, replay
+from appliance.bench.client import replay_in_process
 from appliance.bench.metrics import summarize
 from appliance.bench.prompts import PromptSynth
 from appliance.bench.traces import load_trace
-from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.model_zoo.loader import load_model
 from appliance.predictor.calibrate import serving_factors
@@ -64,15 +62,7 @@ def main() -> None:
     predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
     steps = StepLog(engine, predictor).attach().steps
 
-    async def go():
-        aengine = AsyncEngine(engine)
-        aengine.start()
-        try:
-            return await replay(specs, prompts, InProcessTarget(aengine))
-        finally:
-            aengine.shutdown()
-
-    result = asyncio.run(go())
+    result = replay_in_process(engine, specs, prompts)
     summary = summarize(result.timelines, result.duration)
     engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
     (out / f"steps-{args.policy}.json").write_text(json.dumps(steps))

@@ -239,3 +239,18 @@ def client_lag_note(summary: dict[str, Any], threshold_ms: float = 10.0) -> str 
         return None
     return (f"the client fell behind the schedule (client lag mean {summary['mean_client_lag_ms']:.1f} ms, "
             f"max {lag:.1f} ms); latencies include it")
+
+
+def replay_in_process(engine: Any, specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]]) -> ReplayResult:
+    """Replay on an Engine in this process: an AsyncEngine runs it for the replay's length, then stops."""
+    from appliance.engine.async_engine import AsyncEngine
+
+    async def go() -> ReplayResult:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            return await replay(specs, prompts, InProcessTarget(aengine))
+        finally:
+            aengine.shutdown()
+
+    return asyncio.run(go())

@@ -389,12 +389,9 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
     `predictor` as `muxd serve --policy chunked` would), log every step, and return the serving factors
     (predictor/calibrate.py: how much slower decode and mixed steps ran while serving than `predictor` says) and
     the step log."""
-    import asyncio
-
     from appliance.bench import workload as wl
-    from appliance.bench.client import InProcessTarget, replay
+    from appliance.bench.client import replay_in_process
     from appliance.bench.prompts import PromptSynth
-    from appliance.engine.async_engine import AsyncEngine
     from appliance.multiplex.steplog import StepLog
     from appliance.predictor.calibrate import serving_factors
     from appliance.slo.contract import default_contract
@@ -411,16 +408,8 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
     sched.planner = build_planner("chunked", PolicyOptions(), default_contract(), predictor)
     log_ = StepLog(engine, predictor).attach()
 
-    async def go():
-        aengine = AsyncEngine(engine)
-        aengine.start()
-        try:
-            return await replay(specs, prompts, InProcessTarget(aengine))
-        finally:
-            aengine.shutdown()
-
     try:
-        result = asyncio.run(go())
+        result = replay_in_process(engine, specs, prompts)
     finally:
         log_.detach()
         sched.planner = planner
