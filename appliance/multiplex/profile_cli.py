@@ -144,5 +144,5 @@ def profile_command(app: typer.Typer) -> None:
         Console().print(table)
         typer.echo(f"wrote {result.path}: {result.measured} samples measured, {result.resumed} resumed, "
                    f"{result.skipped_budget} left out by the budget, {result.skipped_memory} larger than the KV pool, "
-                   f"{result.failed} not measurable; "
+                   f"{result.failed} not measurable, {result.revisited} repeated host-bound measurements; "
                    f"{result.elapsed_s / 60:.1f} of {budget_minutes:g} minutes")

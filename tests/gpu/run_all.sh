@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the engine benchmark on a CUDA machine, one call; prints a short table last.
 #   bash tests/gpu/run_all.sh [--quick] [--proof TRACE]   (from the repository root; results under $OUT or ./gpu-results)
-# --proof also profiles the 8B shapes on this GPU (`muxd profile`, 5 minutes, ranges from TRACE) into $out.
+# --proof also profiles the 8B shapes on this GPU (`muxd profile`, 7 minutes, ranges from TRACE) into $out.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -23,7 +23,7 @@ proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
     trace=${@: -1}
     python3 -m appliance profile -m configs/models/llama-3.1-8b --load-format dummy --out "$out/profile.json" \
-        --trace "$trace" --budget-minutes 5 --max-model-len 32768 --no-progress > "$out/profile.log" 2>&1
+        --trace "$trace" --budget-minutes 7 --max-model-len 32768 --no-progress > "$out/profile.log" 2>&1
     proof="exit $? ($(tail -n 1 "$out/profile.log"))"
 fi
 echo
