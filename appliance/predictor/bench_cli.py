@@ -22,7 +22,7 @@ from appliance.predictor.profile import load_predictor
 from appliance.predictor.roofline import DEVICES, device_spec
 from appliance.predictor.simulate import SimConfig
 from appliance.slo.contract import Contract, default_contract
-from appliance.slo.policies import PolicyOptions, check_policy, tune_chunk_budget
+from appliance.slo.policies import PolicyOptions, check_policy
 
 DEFAULT_POLICIES = ("mux", "chunked", "serial")
 Measure = Callable[[float], dict[str, Any]]
@@ -68,8 +68,9 @@ def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, l
     specs, shaped_notes = shape(raw, opts, max_len)
     notes += shaped_notes
     if "chunked" in policies and (bench.options is None or bench.options.chunk_budget is None):
-        notes.append(f"chunked budget {tune_chunk_budget(bench.timer, bench.contract.slo_for(None).tbt_ms)} tokens "
-                     "(the largest whose step meets TBT on an idle GPU)")
+        slo = bench.contract.slo_for(None)
+        notes.append(f"chunked budget {bench.tune_chunk_budget(specs)} tokens (the largest, in steps of 128, whose "
+                     f"replay of this workload keeps p{slo.tbt_percentile:g} TBT <= {slo.tbt_ms:g} ms)")
     return policies, bench, specs, notes
 
 

@@ -3,6 +3,7 @@ the SLO contract, and search the highest request rate that keeps it (the bench's
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -59,6 +60,32 @@ class SimulatedBench:
             budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms)
             options = PolicyOptions(options.max_prefill_tokens, options.layers_per_step, budget, options.preemption)
         return build_planner(policy, options, self.contract, self.predictor)
+
+    def tune_chunk_budget(self, specs: Sequence[RequestSpec], step: int = 128, max_budget: int = 8192,
+                          max_requests: int = 200) -> int:
+        """Chunked prefill tuned to the TBT target on this workload, as the papers tune their baseline: the largest
+        token budget (a multiple of `step`) whose replay of `specs` (its first `max_requests`, at their own times)
+        keeps the contract's TBT percentile; `step` when none does. The options keep it for later replays."""
+        base = list(specs)[:max_requests]
+        target = self.contract.slo_for(None).tbt_ms
+        options = self.options or PolicyOptions()
+
+        def fits(budget: int) -> bool:
+            planner = build_planner("chunked", dataclasses.replace(options, chunk_budget=budget), self.contract,
+                                    self.predictor)
+            result = Simulator(planner, self.timer, self.sim, prompts=self._prompts).run(base)
+            uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0) for s, r in zip(base, result.requests)}
+            return evaluate(self.contract, result.timelines, base, lambda s: uncached[id(s)]).tbt_ms <= target
+
+        lo, hi = 1, max_budget // step  # in steps; fits(lo * step) assumed, the search finds the last that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid * step):
+                lo = mid
+            else:
+                hi = mid - 1
+        self.options = dataclasses.replace(options, chunk_budget=lo * step)
+        return lo * step
 
     @property
     def timer(self) -> StepTimer:

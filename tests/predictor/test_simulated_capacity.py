@@ -17,7 +17,7 @@ from appliance.predictor.roofline import DEVICES
 from appliance.predictor.simulate import SimConfig
 from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
 from appliance.slo.contract import load_contract
-from appliance.slo.policies import tune_chunk_budget
+from appliance.slo.policies import PolicyOptions, tune_chunk_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("mux", "chunked", "serial")
@@ -72,3 +72,24 @@ def test_mux_has_the_highest_capacity(bench, specs):
     mux = sweeps["mux"].capacity
     assert mux is not None and mux >= RATE
     assert all(mux > (sweeps[p].capacity or 0.0) for p in ("chunked", "serial"))
+
+
+def test_chunked_tuned_on_the_workload_keeps_tbt(tmp_path):
+    """The simulated baseline's budget: the largest (in steps of 128) whose replay of the workload keeps the TBT
+    target; one step more breaks it. Idle tuning, which ignores the decode rows and cached context a loaded step
+    carries, picks a larger budget that does not."""
+    model = ModelConfig.from_file(ROOT / "configs" / "models" / "llama-3.1-8b" / "config.json")
+    gpu = SyntheticGPU(model, DEVICES["h100"])
+    path = tmp_path / "p.json"
+    save_profile(synthetic_profile(gpu, partition_choices(132), "llama-3.1-8b"), path)
+    predictor = load_predictor(path, model, "NVIDIA H100 80GB HBM3")
+    contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
+    specs = load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")[:80]
+    bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, DEVICES["h100"])), truth=gpu)
+    budget = bench.tune_chunk_budget(specs, max_requests=80)
+    assert bench.options.chunk_budget == budget and budget % 128 == 0
+    target = contract.slo_for(None).tbt_ms
+    assert bench.run("chunked", specs).report.tbt_ms <= target
+    over = SimulatedBench(contract, predictor, bench.sim, truth=gpu, options=PolicyOptions(chunk_budget=budget + 128))
+    assert over.run("chunked", specs).report.tbt_ms > target
+    assert tune_chunk_budget(gpu, target) > budget
