@@ -51,12 +51,13 @@ def profile_command(app: typer.Typer) -> None:
                                                   "(the server's --partition-granularity)."),
         holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
                                     "measure the predictor's error)."),
-        calibrate_rate: Optional[float] = typer.Option(None, help="After the grid, replay --trace at this many "
+        calibrate_rate: Optional[float] = typer.Option(None, help="After the grid, replay a trace at this many "
                                                        "requests/s in process (chunked prefill) and keep how much "
                                                        "slower steps ran while serving than profiled; `muxd bench "
                                                        "--simulate` applies it (the replay's time comes out of "
                                                        "the budget)."),
         calibrate_requests: int = typer.Option(200, help="Requests in the calibration replay (the trace's first)."),
+        calibrate_trace: Optional[str] = typer.Option(None, help="Trace the calibration replays (default: --trace)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     ) -> None:
         """Profile this model on this GPU: solo prefill and decode on every SM partition, decode beside a prefill
@@ -74,8 +75,9 @@ def profile_command(app: typer.Typer) -> None:
                 raise ConfigError(f"--out {out}: directory {out.parent} does not exist")
             reserve = 0.0
             if calibrate_rate is not None:
-                if not trace:
-                    raise ConfigError("--calibrate-rate replays --trace: pass --trace FILE")
+                calibrate_trace = calibrate_trace or trace
+                if not calibrate_trace:
+                    raise ConfigError("--calibrate-rate replays --calibrate-trace or --trace: pass one")
                 if calibrate_rate <= 0 or calibrate_requests < 1:
                     raise ConfigError(f"--calibrate-rate must be > 0 and --calibrate-requests >= 1, got "
                                       f"{calibrate_rate} and {calibrate_requests}")
@@ -121,8 +123,10 @@ def profile_command(app: typer.Typer) -> None:
                 from appliance.multiplex.profiler import calibrate_serving
                 from appliance.predictor.profile import save_profile
 
-                console.print(f"calibrating: {calibrate_requests} requests of {trace} at {calibrate_rate:g}/s ...")
-                specs = wl.select(load_trace(trace, trace_format), max_requests=calibrate_requests)
+                console.print(f"calibrating: {calibrate_requests} requests of {calibrate_trace} at "
+                              f"{calibrate_rate:g}/s ...")
+                specs = wl.select(load_trace(calibrate_trace, trace_format if calibrate_trace == trace else "auto"),
+                                  max_requests=calibrate_requests)
                 num_layers = engine.model.config.num_layers
                 factors, _ = calibrate_serving(engine, specs, calibrate_rate,
                                             result.profile.predictor(num_layers, "profile"))

@@ -23,7 +23,7 @@ import torch
 from appliance.engine.engine import Engine
 from appliance.engine.request import Request, SamplingParams
 from appliance.engine.scheduler import PrefillWork, StepPlan
-from appliance.errors import ConfigError
+from appliance.errors import CapacityError, ConfigError
 from appliance.multiplex.partitions import Partition
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
@@ -61,6 +61,13 @@ class StepTimer:
     def measure(self, point: Point) -> float | None:
         """Milliseconds of the point's step (median of repetitions; a decode beside prefill: the 90th percentile
         of its steps, since the contention guard plans for the worst case); None when it could not be measured."""
+        try:
+            return self._measure(point)
+        except CapacityError as exc:  # the pool's admission keeps more back than the grid's estimate
+            log.warning("left out %s: %s", point.key, exc)
+            return None
+
+    def _measure(self, point: Point) -> float | None:
         if point.kind == "prefill":
             return self._prefill(point)
         if point.kind == "decode":
@@ -92,7 +99,7 @@ class StepTimer:
         r = self._request(point.new + point.reused)
         if not self.engine.scheduler.admit(r):
             self.engine.abort(r.request_id)
-            raise ConfigError(f"the KV pool cannot hold a prefill of {point.new + point.reused} tokens")
+            raise CapacityError(f"the KV pool cannot hold a prefill of {point.new + point.reused} tokens")
         r.num_computed_tokens = point.reused  # the cached prefix's KV is taken as computed
         layers = self.engine.model.config.num_layers
         return [r], (PrefillWork(r.request_id, point.reused, point.reused + point.new, 0, layers),)
@@ -104,7 +111,7 @@ class StepTimer:
             if not self.engine.scheduler.seat_decoding(r):
                 self.engine.abort(r.request_id)
                 self._clear(reqs)
-                raise ConfigError(f"the KV pool cannot hold a decode batch of {batch} x {context} tokens")
+                raise CapacityError(f"the KV pool cannot hold a decode batch of {batch} x {context} tokens")
             reqs.append(r)
         return reqs
 
@@ -128,7 +135,7 @@ class StepTimer:
         reqs = self._seat(point.batch, point.context)
         try:
             pre, works = self._prefill_works(point)
-        except ConfigError:
+        except CapacityError:
             self._clear(reqs)
             raise
         plan = StepPlan(decode=tuple(r.request_id for r in reqs), prefill=works, mixed=True)

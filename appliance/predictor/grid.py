@@ -66,19 +66,20 @@ class Ranges:
 
     def clipped(self, max_prefill_tokens: int, max_num_seqs: int, max_model_len: int) -> "Ranges":
         """Only what the server will run: prefill batches up to max_prefill_tokens, decode batches up to
-        max_num_seqs, contexts within max_model_len."""
+        max_num_seqs (one fewer beside a prefill), contexts within max_model_len."""
         def cap(values: Iterable[int], top: int) -> tuple[int, ...]:
             kept = sorted({min(v, top) for v in values if v >= 1})
             return tuple(kept) or (top,)
 
         new = cap(self.prefill_new, max_prefill_tokens)
+        beside = max(1, max_num_seqs - 1)  # a decode batch beside a prefill leaves the prompt one sequence
         if max(self.prefill_new) > max_prefill_tokens and len(new) < len(self.prefill_new):
             new = _geometric(new[0], max_prefill_tokens, len(self.prefill_new))  # keep the grid's resolution
         return Ranges(new, tuple(sorted({min(r, max(0, max_model_len - new[-1] - 1)) for r in self.prefill_reused})),
                       cap(self.decode_batch, max_num_seqs), cap(self.decode_context, max_model_len - 32),
-                      cap(self.contended_new, max_prefill_tokens), cap(self.contended_batch, max_num_seqs),
+                      cap(self.contended_new, max_prefill_tokens), cap(self.contended_batch, beside),
                       cap(self.contended_context, max_model_len - 32), cap(self.mixed_new, max_prefill_tokens),
-                      cap(self.mixed_batch, max_num_seqs))
+                      cap(self.mixed_batch, beside))
 
     @classmethod
     def from_lengths(cls, prompt: Sequence[int], output: Sequence[int], reused: Sequence[int]) -> "Ranges":

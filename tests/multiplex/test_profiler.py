@@ -13,6 +13,7 @@ from appliance.bench.traces import load_trace
 from appliance.cli import app
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import ConfigError
+from appliance.model_zoo.config import ModelConfig
 from appliance.bench.traces import RequestSpec
 from appliance.multiplex.profiler import StepTimer, calibrate_serving, read_samples, run_profile, samples_path_for
 from appliance.predictor.calibrate import serving_factors
@@ -20,6 +21,7 @@ from appliance.predictor.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.predictor.profile import load_predictor
 
 DATA = Path(__file__).parent.parent / "data"
+EMBEDDED = Path(__file__).resolve().parents[2] / "appliance" / "model_zoo" / "embedded"
 SMALL = Ranges(prefill_new=(16, 48, 96), prefill_reused=(0, 64), decode_batch=(1, 4, 8), decode_context=(16, 64),
                contended_new=(32,), contended_batch=(4,), contended_context=(32,), mixed_new=(16, 32, 64),
                mixed_batch=(1, 4))
@@ -58,6 +60,8 @@ def test_ranges_follow_the_trace_and_the_server_limits():
     assert ranges.prefill_reused[0] == 0 and len(ranges.prefill_reused) >= 2
     clipped = ranges.clipped(4096, 64, 16384)
     assert max(clipped.prefill_new) == 4096 and max(clipped.decode_batch) == 64
+    # a batch beside a prefill leaves the prompt a sequence of the server's 64
+    assert max(clipped.contended_batch) <= 63 and max(clipped.mixed_batch) <= 63
     assert max(clipped.decode_context) <= 16384 and max(clipped.prefill_reused) + 4096 < 16384
     assert len(clipped.prefill_new) == len(ranges.prefill_new)  # capped, the grid keeps its resolution
     kv = 400_000  # a pool that cannot hold 256 requests of 27k tokens: such points are never planned
@@ -157,7 +161,7 @@ def test_samples_of_another_gpu_are_not_resumed(timer, tmp_path):
     (["--budget-minutes", "0"], "--budget-minutes must be > 0"),
     (["--holdout", "-1"], "--holdout must be >= 0"),
     (["--out", "/nonexistent-dir/p.json"], "does not exist"),
-    (["--calibrate-rate", "1"], "--calibrate-rate replays --trace"),
+    (["--calibrate-rate", "1"], "--calibrate-rate replays --calibrate-trace or --trace"),
     (["--calibrate-rate", "0.01", "--trace", str(DATA / "azure_code_2023_head200.csv"), "--budget-minutes", "1"],
      "leaves nothing of --budget-minutes"),
 ])
@@ -165,3 +169,18 @@ def test_profile_command_rejects_bad_flags(args, message, tmp_path):
     base = ["profile", "--out", str(tmp_path / "p.json"), "--device", "cpu"]
     result = CliRunner().invoke(app, base + args)
     assert result.exit_code == 2 and message in result.output
+
+
+def test_profile_command_calibrates_on_another_trace(tmp_path):
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, [
+        "profile", "--out", str(out), "--device", "cpu", "--no-progress", "--budget-minutes", "3",
+        "--trace", str(DATA / "mooncake_conversation_head200.jsonl"),
+        "--calibrate-trace", str(DATA / "azure_code_2023_head200.csv"), "--calibrate-rate", "20",
+        "--calibrate-requests", "8", "--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+        "--holdout", "0"])
+    assert result.exit_code == 0, result.output
+    assert "calibrating: 8 requests of" in result.output and "serving factors" in result.output
+    saved = json.loads(out.read_text())
+    assert set(saved["serving"]) <= {"decode", "prefill"}
+    assert load_predictor(out, ModelConfig.from_file(EMBEDDED / "config.json"), "cpu").serving == saved["serving"]
