@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the engine benchmark on a CUDA machine, one call; prints a short table last.
 #   bash tests/gpu/run_all.sh [--quick] [--proof TRACE]   (from the repository root; results under $OUT or ./gpu-results)
-# --proof also profiles the 8B shapes on this GPU (`muxd profile`, 7 minutes, ranges from TRACE) into $out.
+# --proof also profiles the 8B shapes on this GPU (`muxd profile`, PROFILE_MINUTES=7, ranges from TRACE) into $out;
+# with CALIBRATE_RATE (and CALIBRATE_TRACE) it also measures the serving factors (e.g. 1.4 on azure_code_2023.csv).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -22,8 +23,12 @@ mux=$?
 proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
     trace=${@: -1}
+    calibrate=()  # CALIBRATE_RATE=R [CALIBRATE_TRACE=FILE]: measure the serving factors too (its time is in the budget)
+    [ -n "${CALIBRATE_RATE:-}" ] && calibrate=(--calibrate-rate "$CALIBRATE_RATE" --calibrate-requests 200 \
+        --calibrate-trace "${CALIBRATE_TRACE:-$trace}")
     python3 -m appliance profile -m configs/models/llama-3.1-8b --load-format dummy --out "$out/profile.json" \
-        --trace "$trace" --budget-minutes 7 --max-model-len 32768 --no-progress > "$out/profile.log" 2>&1
+        --trace "$trace" --budget-minutes "${PROFILE_MINUTES:-7}" --max-model-len 32768 --no-progress \
+        "${calibrate[@]}" > "$out/profile.log" 2>&1
     proof="exit $? ($(tail -n 1 "$out/profile.log"))"
 fi
 echo
