@@ -28,7 +28,7 @@ if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
         --calibrate-trace "${CALIBRATE_TRACE:-$trace}")
     python3 -m appliance profile -m configs/models/llama-3.1-8b --load-format dummy --out "$out/profile.json" \
         --trace "$trace" --budget-minutes "${PROFILE_MINUTES:-7}" --max-model-len 32768 --no-progress \
-        "${calibrate[@]}" > "$out/profile.log" 2>&1
+        ${calibrate[@]+"${calibrate[@]}"} > "$out/profile.log" 2>&1
     proof="exit $? ($(tail -n 1 "$out/profile.log"))"
 fi
 echo
