@@ -132,6 +132,7 @@ def profile_command(app: typer.Typer) -> None:
                                             result.profile.predictor(num_layers, "profile"))
                 result.profile.serving = factors
                 save_profile(result.profile, result.path)
+                result.elapsed_s = time.perf_counter() - started  # the whole run, the replay included
                 console.print("serving factors (serving time / profiled time): "
                               + (", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps"))
         except ApplianceError as exc:
