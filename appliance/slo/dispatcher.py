@@ -274,11 +274,36 @@ class MuxPlanner:
         dl, p = self._dl(sched), self.predictor
         now = sched.clock()
         prio = dl.slo(request).priority
-        ahead = [sched.requests[rid] for rid in self.batch + self.paused if rid in sched.requests]
-        ahead += [r for r in sched.waiting if dl.slo(r).priority <= prio]
-        wait = sum(p.prefill_ms([dl.item(r)], self._prefill_sms) for r in ahead) / 1e3
-        own = p.prefill_ms([dl.item(request)], self._prefill_sms) / 1e3
+        sms = self._prefill_sms
+        own = p.prefill_ms([dl.item(request)], sms) / 1e3
         deadline = dl.deadline(request)
+        wait = 0.0
+        for group in (self.batch, self.paused):  # what the running (and a paused) batch still has to compute
+            batch = [sched.requests[rid] for rid in group if rid in sched.requests]
+            if batch:
+                done = min(r.prefill_layer for r in batch) / p.num_layers
+                remaining = p.prefill_ms([dl.item(r) for r in batch], sms) * (1 - done)
+                # a short prompt that would miss its deadline behind the running batch preempts it when the batch
+                # keeps its own deadlines (as _maybe_preempt decides): it then waits for no more than a layer of it
+                started = done > 0 or any(r.request_id in sched.inflight for r in batch)
+                if (group is self.batch and self.options.preemption and not self.paused and started
+                        and own * 1e3 < remaining and now + remaining / 1e3 + own > deadline
+                        and all(now + own + remaining / 1e3 <= dl.deadline(r) for r in batch)):
+                    remaining /= p.num_layers
+                wait += remaining
+        # the prompts queued ahead of it (a higher priority, or its own with an earlier deadline when the planner
+        # reorders by deadline, else arrived earlier), prefilled together in batches as _start_batch forms them
+        ahead = [r for r in sched.waiting if dl.slo(r).priority < prio or (dl.slo(r).priority == prio and (
+            dl.deadline(r) <= deadline if self.options.reorder else True))]
+        batch, tokens = [], 0
+        for r in ahead:
+            item = dl.item(r)
+            if batch and tokens + item.new > self.options.max_prefill_tokens:
+                wait += p.prefill_ms(batch, sms)
+                batch, tokens = [], 0
+            batch.append(item)
+            tokens += item.new
+        wait = (wait + (p.prefill_ms(batch, sms) if batch else 0.0)) / 1e3
         if now + wait + own <= deadline or now + own > deadline:
             return None  # on time, or late even on an idle GPU: refusing would not help it, it is served late
         self.stats.shed += 1

@@ -259,6 +259,31 @@ def test_sheds_when_the_queue_makes_ttft_impossible():
     assert rig.planner.admission_check(rig.sched, huge) is None
 
 
+def test_admission_counts_the_preemption_a_short_prompt_would_get():
+    """A short prompt that would miss behind a long running prefill preempts it at a layer boundary (the long one
+    still makes its own deadline), so admission does not shed it; a prompt that could wait does not count on it."""
+    rig = Rig(contract=CONTRACT.replace("ttft: {ms: 1000}", "ttft: {ms: 500, per_1k_tokens_ms: 100}"))
+    rig.decoding(1)
+    long = rig.request(20_000)  # 600 ms on 100 SMs; deadline 2.5 s
+    rig.plan()
+    assert rig.sched.launched_layer(long) > 0
+    rig.now = 0.1
+    short = Request("s", list(range(1000)), SamplingParams(), arrival_time=rig.now)  # 30 ms; deadline 0.7 s
+    assert rig.planner.admission_check(rig.sched, short) is None and rig.planner.stats.shed == 0
+    rig.sched.add(short)
+    rig.plan()
+    assert rig.planner.stats.preemptions == 1 and rig.planner.batch == ["s"]  # as admission expected
+    # without preemption it would wait the whole 600 ms and miss: shed
+    rig2 = Rig(contract=CONTRACT.replace("ttft: {ms: 1000}", "ttft: {ms: 500, per_1k_tokens_ms: 100}"),
+               preemption=False)
+    rig2.decoding(1)
+    rig2.request(20_000)
+    rig2.plan()
+    rig2.now = 0.1
+    late = Request("s", list(range(1000)), SamplingParams(), arrival_time=rig2.now)
+    assert rig2.planner.admission_check(rig2.sched, late) is not None
+
+
 def test_queue_mode_never_sheds():
     rig = Rig(contract=CONTRACT.replace("mode: shed", "mode: queue"))
     rig.decoding(1)
