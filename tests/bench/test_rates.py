@@ -120,10 +120,10 @@ def test_sweep_refuses_bad_rates(tmp_path, extra, words):
 
 
 def test_simulated_sweep_at_explicit_rates_writes_every_point(tmp_path):
-    rates = {"mux": [0.25, 1.0, 4.0, 16.0], "serial": [0.25, 1.0, 4.0]}
+    rates = {"mux": [0.25, 1.0, 4.0, 64.0], "serial": [0.25, 1.0, 4.0]}
     args = ["bench", "sweep", "--simulate", "--trace", str(TRACE), "--max-requests", "40", "--max-model-len",
             "8192", "--model", str(MODEL), "--gpu", "h200", "--slo", str(CHAT), "--attainment", "0.99",
-            "--policies", "mux,serial", "--rates", "mux=16,4,1,0.25 serial=0.25,1,4",
+            "--policies", "mux,serial", "--rates", "mux=64,4,1,0.25 serial=0.25,1,4",
             "--result-dir", str(tmp_path), "--no-progress"]
     result = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
@@ -142,7 +142,7 @@ def test_simulated_sweep_at_explicit_rates_writes_every_point(tmp_path):
         if s["interpolated_capacity"] is not None:
             lo, hi = s["interpolated_between"]
             assert lo == s["capacity"] and lo <= s["interpolated_capacity"] <= hi
-    # at 16 req/s 40 requests of up to 8k tokens overload one GPU: mux must fail there, so its capacity is bracketed
+    # at 64 req/s 40 requests of up to 8k tokens overload one GPU: mux must fail there, so its capacity is bracketed
     assert sweeps["mux"]["bracketed"] and sweeps["mux"]["capacity"] is not None
     assert "(the highest measured rate that passed)" in result.output
     assert (tmp_path / "attainment_vs_rate.png").read_bytes()[:4] == b"\x89PNG"
