@@ -78,6 +78,8 @@ def profile_command(app: typer.Typer) -> None:
                 calibrate_trace = calibrate_trace or trace
                 if not calibrate_trace:
                     raise ConfigError("--calibrate-rate replays --calibrate-trace or --trace: pass one")
+                if not Path(calibrate_trace).is_file():  # found out now, not after the grid
+                    raise ConfigError(f"--calibrate-trace {calibrate_trace}: no such file")
                 if calibrate_rate <= 0 or calibrate_requests < 1:
                     raise ConfigError(f"--calibrate-rate must be > 0 and --calibrate-requests >= 1, got "
                                       f"{calibrate_rate} and {calibrate_requests}")

@@ -162,6 +162,7 @@ def test_samples_of_another_gpu_are_not_resumed(timer, tmp_path):
     (["--holdout", "-1"], "--holdout must be >= 0"),
     (["--out", "/nonexistent-dir/p.json"], "does not exist"),
     (["--calibrate-rate", "1"], "--calibrate-rate replays --calibrate-trace or --trace"),
+    (["--calibrate-rate", "1", "--calibrate-trace", "/nonexistent.csv"], "/nonexistent.csv: no such file"),
     (["--calibrate-rate", "0.01", "--trace", str(DATA / "azure_code_2023_head200.csv"), "--budget-minutes", "1"],
      "leaves nothing of --budget-minutes"),
 ])
