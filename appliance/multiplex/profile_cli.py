@@ -129,9 +129,8 @@ def profile_command(app: typer.Typer) -> None:
                               f"{calibrate_rate:g}/s ...")
                 specs = wl.select(load_trace(calibrate_trace, trace_format if calibrate_trace == trace else "auto"),
                                   max_requests=calibrate_requests)
-                num_layers = engine.model.config.num_layers
-                factors, _ = calibrate_serving(engine, specs, calibrate_rate,
-                                            result.profile.predictor(num_layers, "profile"))
+                predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
+                factors, _ = calibrate_serving(engine, specs, calibrate_rate, predictor)
                 result.profile.serving = factors
                 save_profile(result.profile, result.path)
                 result.elapsed_s = time.perf_counter() - started  # the whole run, the replay included

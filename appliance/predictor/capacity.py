@@ -58,7 +58,7 @@ class SimulatedBench:
             # the baseline as the papers tuned it: the largest budget whose step meets TBT on an idle GPU, found on
             # the machine itself (here: the step timer)
             budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms)
-            options = PolicyOptions(options.max_prefill_tokens, options.layers_per_step, budget, options.preemption)
+            options = dataclasses.replace(options, chunk_budget=budget)
         return build_planner(policy, options, self.contract, self.predictor)
 
     def tune_chunk_budget(self, specs: Sequence[RequestSpec], step: int = 128, max_budget: int = 8192,
@@ -71,11 +71,8 @@ class SimulatedBench:
         options = self.options or PolicyOptions()
 
         def fits(budget: int) -> bool:
-            planner = build_planner("chunked", dataclasses.replace(options, chunk_budget=budget), self.contract,
-                                    self.predictor)
-            result = Simulator(planner, self.timer, self.sim, prompts=self._prompts).run(base)
-            uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0) for s, r in zip(base, result.requests)}
-            return evaluate(self.contract, result.timelines, base, lambda s: uncached[id(s)]).tbt_ms <= target
+            self.options = dataclasses.replace(options, chunk_budget=budget)
+            return self.run("chunked", base).report.tbt_ms <= target
 
         lo, hi = 1, max_budget // step  # in steps; fits(lo * step) assumed, the search finds the last that fits
         while lo < hi:
