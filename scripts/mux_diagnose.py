@@ -1,9 +1,11 @@
 """Where a policy's time goes on the GPU: replays a trace slice in process (token-id prompts, dummy weights) and
 records every engine step — planning time, launch time, the plan's mode, decode partition and prefill layers, the
-prefill launches in flight — plus the executor's timeline; writes them as JSON and prints a summary.
+prefill launches in flight — every prefill launch's GPU time, and the executor's timeline; writes them as JSON and
+prints a summary. With a profile it prints the serving factors too (`--write-serving` keeps them in a copy).
 
     PYTHONPATH=. python scripts/mux_diagnose.py --trace PATH --rate 2.2 -n 80 --policy mux \
         --slo configs/slo/chat-queue.yaml --profile PROFILE --out DIR
+    PYTHONPATH=. python scripts/mux_diagnose.py --profile PROFILE --from-prefills DIR/prefills-mux.json  # no replay
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from appliance.multiplex.steplog import StepLog
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="configs/models/llama-3.1-8b")
-    ap.add_argument("--trace", required=True)
+    ap.add_argument("--trace", help="the trace to replay (not needed with --from-steps/--from-prefills)")
     ap.add_argument("-n", type=int, default=80)
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--policy", default="mux")
@@ -41,11 +43,15 @@ def main() -> None:
     ap.add_argument("--out", default="gpu-results")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
     ap.add_argument("--write-serving", default=None, help="write PROFILE with this replay's serving factors here")
-    ap.add_argument("--from-steps", nargs="+", default=None, help="step logs to calibrate from (no replay)")
+    ap.add_argument("--from-steps", nargs="+", default=[], help="step logs to calibrate from (no replay)")
+    ap.add_argument("--from-prefills", nargs="+", default=[], help="prefill launch logs to calibrate from (no replay)")
     args = ap.parse_args()
-    if args.from_steps:
-        calibrate(args, [s for path in args.from_steps for s in json.loads(Path(path).read_text())])
+    if args.from_steps or args.from_prefills:
+        calibrate(args, [s for path in args.from_steps for s in json.loads(Path(path).read_text())],
+                  [p for path in args.from_prefills for p in json.loads(Path(path).read_text())])
         return
+    if not args.trace:
+        ap.error("--trace is needed for a replay")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     raw = load_trace(args.trace)
@@ -60,12 +66,14 @@ def main() -> None:
                                               max_model_len=args.max_model_len, chunk_budget=args.chunk_budget))
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
-    steps = StepLog(engine, predictor).attach().steps
+    log = StepLog(engine, predictor).attach()
+    steps = log.steps
 
     result = replay_in_process(engine, specs, prompts)
     summary = summarize(result.timelines, result.duration)
     engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
     (out / f"steps-{args.policy}.json").write_text(json.dumps(steps))
+    (out / f"prefills-{args.policy}.json").write_text(json.dumps(log.prefills))
     (out / f"requests-{args.policy}.json").write_text(json.dumps(
         [{"arrival": t.arrival, "prompt_tokens": t.prompt_tokens, "token_times": t.token_times, "error": t.error,
           "index": t.index} for t in result.timelines]))
@@ -91,16 +99,24 @@ def main() -> None:
             wall = sorted(s["launch_ms"] / s["pred_ms"] for s in rows)
             print(f"  {kind}: {len(rows)} steps, wall / predicted median {statistics.median(wall):.2f}, "
                   f"p90 {wall[int(0.9 * len(wall))]:.2f}, p99 {wall[int(0.99 * len(wall))]:.2f}")
+    for beside in (False, True):  # layer-wise prefill launches, GPU time over the profile's solo figure
+        rows = [p for p in log.prefills if "pred_ms" in p and p["pred_ms"] > 0 and p["beside"] == beside]
+        if rows:
+            ratio = sorted(p["ms"] / p["pred_ms"] for p in rows)
+            total = sum(p["ms"] for p in rows) / sum(p["pred_ms"] for p in rows)
+            print(f"  prefill launches {'beside decode' if beside else 'alone'}: {len(rows)}, GPU / predicted "
+                  f"median {statistics.median(ratio):.2f}, p90 {ratio[int(0.9 * len(ratio))]:.2f}, total {total:.2f}")
     if args.profile:
-        calibrate(args, steps)
+        calibrate(args, steps, log.prefills)
 
 
-def calibrate(args, steps: list[dict]) -> None:
-    """Print the serving factors of `steps` against the profile; with --write-serving, keep them in a copy of it."""
+def calibrate(args, steps: list[dict], prefills: list[dict]) -> None:
+    """Print the serving factors of `steps` (and prefill launches) against the profile; with --write-serving, keep
+    them in a copy of it."""
     if not args.profile:
         raise SystemExit("serving factors are measured against a profile: pass --profile")
     profile = read_profile(args.profile)
-    factors = serving_factors(steps, profile.predictor(profile.model.shape["num_layers"], "profile"))
+    factors = serving_factors(steps, profile.predictor(profile.model.shape["num_layers"], "profile"), prefills)
     print("  serving factors (measured / profiled, total time):",
           ", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps")
     if args.write_serving:

@@ -183,7 +183,7 @@ def summarize(timelines: Sequence[RequestTimeline], duration: float | None = Non
     result["mean_client_lag_ms"] = float(np.mean(lags)) * 1000 if lags else 0.0
     result["max_client_lag_ms"] = float(np.max(lags)) * 1000 if lags else 0.0
     if detailed:
-        result.update(_detail(timelines))
+        result.update(detailed_arrays(timelines))
     return result
 
 
@@ -202,7 +202,7 @@ def _stats(name: str, values: list[float], percentiles: Sequence[float]) -> dict
     return out
 
 
-def _detail(timelines: Sequence[RequestTimeline]) -> dict[str, list]:
+def detailed_arrays(timelines: Sequence[RequestTimeline]) -> dict[str, list]:
     """Per-request arrays under vLLM's --save-detailed keys (ttfts and itls in seconds, as vLLM writes them)."""
     out: dict[str, list] = {"input_lens": [], "output_lens": [], "ttfts": [], "itls": [], "start_times": [],
                             "errors": []}

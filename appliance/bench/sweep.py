@@ -1,6 +1,7 @@
 """Capacity search: the highest request rate whose SLO attainment meets the target, found by bracketing (doubling or
 halving the rate) then bisection, each point a full replay (explicit rates instead: `rates.py`); every point goes to
-`summary.csv` (as `vllm bench sweep` writes it) and the result to `sweep.json`.
+`summary.csv` (as `vllm bench sweep` writes it), each point's result JSON to `points/` (with per-request arrays under
+--save-detailed) and the result to `sweep.json`.
 """
 from __future__ import annotations
 
@@ -98,12 +99,16 @@ def find_capacity(measure: Callable[[float], dict[str, Any]], target: float, sta
 def write_summary(results: list[SweepResult], out_dir: Path, conditions: Sequence[Criterion] = (),
                   trace: str | None = None) -> tuple[Path, Path]:
     """summary.csv (one row per point, every policy; `target_<key>` columns say what a point had to keep, so the
-    file can be judged again on its own) and sweep.json (capacities and points)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    file can be judged again on its own), points/<policy>-<rate>.json (each point's whole result, as `muxd bench
+    serve` writes it) and sweep.json (capacities and points)."""
+    from appliance.bench.report import slug  # report imports this module
+
+    (out_dir / "points").mkdir(parents=True, exist_ok=True)
     rows = []
     targets = {f"target_{c.key}": c.target for c in conditions}
     for res in results:
         for p in res.points:
+            (out_dir / "points" / f"{slug(res.label)}-{p.rate:g}.json").write_text(json.dumps(p.summary, indent=2))
             row: dict[str, Any] = {"policy": res.label, "request_rate": p.rate, "passed": p.passed, **targets}
             row.update({k: v for k, v in p.summary.items() if isinstance(v, (int, float)) and k not in row})
             if trace is not None:

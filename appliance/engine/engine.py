@@ -128,6 +128,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, mcfg.num_layers, self._planner(device), config.max_num_seqs)
         self.runner = ModelRunner(model, self.kv_cache, config.attention_backend)
         self.executor = Executor(self.runner, self.partitions)
+        self._prefills_mark = 0  # the executor's prefill launches already handed to the planner
         if cuda and config.cuda_graph:
             start = time.perf_counter()
             self.executor.capture(self.max_graph_batch)
@@ -332,8 +333,15 @@ class Engine:
         return outputs + self._merge(self.executor.poll())
 
     def _observe(self, plan: StepPlan) -> None:
-        """Hand a decode step that ran beside prefill layers to the planner (online refinement of its contention
-        guard), before the step's tokens change the batch's contexts."""
+        """Hand a decode step that ran beside prefill layers, and prefill layers that ran on a partition beside
+        decode, to the planner (online refinement of its contention models), before the step's tokens change the
+        batch's contexts."""
+        finished, self._prefills_mark = self.executor.prefills_since(self._prefills_mark)
+        observe_prefill = getattr(self.scheduler.planner, "observe_prefill", None)
+        split = [o for o in finished if o.beside_decode and o.prefill_sms < self.executor.partitions.total_sms]
+        for obs in split if observe_prefill is not None else ():
+            observe_prefill([PrefillItem(w.num_tokens, w.token_start) for w in obs.works],
+                            obs.works[0].layer_end - obs.works[0].layer_start, obs.prefill_sms, obs.ms)
         seen, observe = self.executor.last_decode, getattr(self.scheduler.planner, "observe_decode", None)
         if seen is None or not seen.concurrent or observe is None:
             return

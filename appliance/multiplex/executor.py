@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -36,9 +37,24 @@ class _Launch:
     stream: torch.cuda.Stream | None
     partition: str
     launched_at: float
+    began: torch.cuda.Event | None = None  # recorded on the stream just before the first layer's kernels
+    prefill_sms: int = 0
+    decodes_before: int = 0  # the executor's split decode steps when it was launched
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
+
+
+@dataclass(frozen=True)
+class PrefillObservation:
+    """Prefill layers as they ran: the partition's prefill SMs, the works, their GPU time (from an event before the
+    first layer to one after the last, on the prefill stream) and whether decode steps ran on the other SMs
+    meanwhile."""
+
+    prefill_sms: int
+    works: tuple[PrefillWork, ...]
+    ms: float
+    beside_decode: bool
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,9 @@ class Executor:
         self.switches = 0
         self.layers_launched = 0
         self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
+        self.prefills: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
+        self.prefills_seen = 0  # how many were ever appended (a reader keeps its own mark)
+        self._split_decodes = 0  # decode steps run on a split partition
 
     @property
     def multiplexed(self) -> bool:
@@ -152,6 +171,7 @@ class Executor:
         if timing:
             ms = max(ms, marks[0].elapsed_time(marks[1]))
         self.last_decode = DecodeObservation(part.decode_sms, ms, beside)
+        self._split_decodes += part is not self.partitions.full
         self.timeline.span("decode", f"{part.name} decode", started, ended, batch=len(plan.decode),
                            decode_sms=part.decode_sms)
         return dict(zip(plan.decode, tokens))
@@ -179,13 +199,17 @@ class Executor:
                 if last is not None and stream is not None and last.stream is not stream and last.event is not None:
                     stream.wait_event(last.event)
                     self.runner.use_partials_on(w.request_id, stream)
+            began = event = None
+            if stream is not None:
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(stream)
             ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name))
             tokens = self.runner.sample(ids, logits, requests) if ids else None
-            event = None
             if stream is not None:
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
-        launch = _Launch(works, ids, tokens, event, stream, part.name, started)
+        launch = _Launch(works, ids, tokens, event, stream, part.name, started, began, part.prefill_sms,
+                         self._split_decodes)
         self._inflight.append(launch)
         for w in works:
             self._last[w.request_id] = launch
@@ -210,6 +234,11 @@ class Executor:
                     del self._last[w.request_id]
             if launch.event is not None:
                 now = time.perf_counter()
+                if launch.began is not None:
+                    self.prefills.append(PrefillObservation(
+                        launch.prefill_sms, tuple(launch.works), launch.began.elapsed_time(launch.event),
+                        self._split_decodes > launch.decodes_before))
+                    self.prefills_seen += 1
                 self.timeline.span("prefill", f"{launch.partition} prefill", launch.launched_at, now,
                                    works=len(launch.works),
                                    layers=f"{launch.works[0].layer_start}-{launch.works[0].layer_end}")
@@ -217,6 +246,12 @@ class Executor:
                     self.timeline.instant("merge", f"{launch.partition} prefill", now, requests=len(launch.ids))
         self._inflight = pending
         return done
+
+    def prefills_since(self, mark: int) -> tuple[list[PrefillObservation], int]:
+        """The prefill launches finished since a reader's `mark` (at most the latest the log keeps) and its next
+        mark."""
+        new = min(self.prefills_seen - mark, len(self.prefills))
+        return (list(self.prefills)[len(self.prefills) - new:] if new > 0 else []), self.prefills_seen
 
     def has_inflight(self) -> bool:
         return bool(self._inflight)

@@ -52,10 +52,10 @@ def profile_command(app: typer.Typer) -> None:
         holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
                                     "measure the predictor's error)."),
         calibrate_rate: Optional[float] = typer.Option(None, help="After the grid, replay a trace at this many "
-                                                       "requests/s in process (chunked prefill) and keep how much "
-                                                       "slower steps ran while serving than profiled; `muxd bench "
-                                                       "--simulate` applies it (the replay's time comes out of "
-                                                       "the budget)."),
+                                                       "requests/s in process (chunked prefill, then mux on a GPU) "
+                                                       "and keep how much slower steps ran while serving than "
+                                                       "profiled; `muxd bench --simulate` applies it (the "
+                                                       "replays' time comes out of the budget)."),
         calibrate_requests: int = typer.Option(200, help="Requests in the calibration replay (the trace's first)."),
         calibrate_trace: Optional[str] = typer.Option(None, help="Trace the calibration replays (default: --trace)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),

@@ -28,6 +28,7 @@ from appliance.multiplex.partitions import Partition
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import SERVING_RANGE, ProfileFile, build_profile, model_shape, save_profile
+from appliance.predictor.split import SLOPE_RANGE
 from appliance.predictor.roofline import DEVICES, device_spec
 
 log = logging.getLogger("muxd.profile")
@@ -270,7 +271,7 @@ def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[
     errs: dict[str, list[float]] = {"prefill": [], "decode": [], "contended": [], "mixed": []}
     for point, ms in held:
         if point.kind == "prefill":
-            pred = predictor.prefill_ms(point.items, point.sms)
+            pred = predictor.prefill_solo_ms(point.items, point.sms)
         elif point.kind == "decode":
             pred = predictor.decode_ms(point.load, point.sms)
         elif point.kind == "mixed":
@@ -416,16 +417,19 @@ class _CostModel:
 
 # ---- serving calibration ---------------------------------------------------------------------------------------
 def calibration_seconds(requests: int, rate: float) -> float:
-    """What a calibration replay takes: its arrivals plus a margin for the last requests to finish."""
-    return requests / rate + 30.0
+    """What the calibration takes: two replays (chunked, then mux on a multiplexed engine), each its arrivals plus a
+    margin for the last requests to finish."""
+    return 2 * (requests / rate + 30.0)
 
 
 def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
                       predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
     """Replay `specs` re-timed to `rate` in process on `engine` under chunked prefill (its budget tuned from
-    `predictor` as `muxd serve --policy chunked` would), log every step, and return the serving factors
-    (predictor/calibrate.py: how much slower decode and mixed steps ran while serving than `predictor` says) and
-    the step log."""
+    `predictor` as `muxd serve --policy chunked` would), then, on a multiplexed engine, under mux; log every step
+    and prefill launch, and return the serving factors (predictor/calibrate.py: how much slower decode, mixed steps
+    and layer-wise prefill on a partition ran while serving than `predictor` says) and the step log."""
+    import copy
+
     from appliance.bench import workload as wl
     from appliance.bench.client import replay_in_process
     from appliance.bench.prompts import PromptSynth
@@ -442,21 +446,28 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
     prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
     sched = engine.scheduler
     planner = sched.planner
-    sched.planner = build_planner("chunked", PolicyOptions(), default_contract(), predictor)
-    log_ = StepLog(engine, predictor).attach()
-
-    try:
-        result = replay_in_process(engine, specs, prompts)
-    finally:
-        log_.detach()
-        sched.planner = planner
-    failed = [t.error for t in result.timelines if t.error]
-    if failed:
-        raise ConfigError(f"the calibration replay lost {len(failed)} of {len(specs)} requests (first: {failed[0]})")
-    factors = serving_factors(log_.steps, predictor)
+    steps: list[dict] = []
+    prefills: list[dict] = []
+    for policy in ("chunked", "mux") if engine.executor.multiplexed else ("chunked",):
+        # the mux planner refines its predictor online: a copy, so the factors are measured against the profile
+        sched.planner = build_planner(policy, PolicyOptions(), default_contract(), copy.deepcopy(predictor))
+        log_ = StepLog(engine, predictor).attach()
+        try:
+            result = replay_in_process(engine, specs, prompts)
+        finally:
+            log_.detach()
+            sched.planner = planner
+        failed = [t.error for t in result.timelines if t.error]
+        if failed:
+            raise ConfigError(f"the {policy} calibration replay lost {len(failed)} of {len(specs)} requests "
+                              f"(first: {failed[0]})")
+        steps += log_.steps
+        prefills += log_.prefills
+    factors = serving_factors(steps, predictor, prefills)
     for phase, factor in list(factors.items()):
-        if not SERVING_RANGE[0] <= factor <= SERVING_RANGE[1]:
-            log.warning("calibration: %s steps ran %.2fx their profiled time while serving; not kept (outside "
-                        "%g..%g: the profile does not describe this engine)", phase, factor, *SERVING_RANGE)
+        lo, hi = SLOPE_RANGE if phase.endswith("_per_1k") else SERVING_RANGE
+        if not lo <= factor <= hi:
+            log.warning("calibration: %s came out %.3g while serving; not kept (outside %g..%g: the profile does "
+                        "not describe this engine)", phase, factor, lo, hi)
             del factors[phase]
-    return factors, log_.steps
+    return factors, steps

@@ -1,7 +1,9 @@
 """A log of every engine step, for diagnosis and serving calibration: planning time, launch time (the executor's
 whole step: for a decode or mixed step, launch to tokens on the host), the plan's mode, decode partition and prefill
 layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the executor
-measured. `StepLog.attach` wraps the engine's scheduler and executor; `detach` restores them.
+measured. Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs,
+layers, whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's
+scheduler and executor; `detach` restores them.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ class StepLog:
     def __init__(self, engine: Any, predictor: Predictor | None = None) -> None:
         self.engine, self.predictor = engine, predictor
         self.steps: list[dict[str, Any]] = []
+        self.prefills: list[dict[str, Any]] = []
         self._originals: tuple | None = None
+        self._seen = engine.executor.prefills_seen
 
     def attach(self) -> "StepLog":
         sched, executor = self.engine.scheduler, self.engine.executor
@@ -42,6 +46,7 @@ class StepLog:
                 self.steps[-1]["launch_ms"] = (time.perf_counter() - t0) * 1e3
                 self.steps[-1]["partition"] = executor.current.name
                 self.steps[-1].update(self._predicted(plan, requests))
+            self._collect_prefills()
             return out
 
         sched.schedule, executor.launch = timed_schedule, timed_launch
@@ -51,6 +56,18 @@ class StepLog:
         if self._originals is not None:
             self.engine.scheduler.schedule, self.engine.executor.launch = self._originals
             self._originals = None
+
+    def _collect_prefills(self) -> None:
+        finished, self._seen = self.engine.executor.prefills_since(self._seen)
+        for obs in finished:
+            items = [PrefillItem(w.num_tokens, w.token_start) for w in obs.works]
+            layers = obs.works[0].layer_end - obs.works[0].layer_start
+            row: dict[str, Any] = {"ms": obs.ms, "prefill_sms": obs.prefill_sms, "layers": layers,
+                                   "beside": obs.beside_decode, "items": [[i.new, i.reused] for i in items]}
+            if self.predictor is not None:
+                sms = None if obs.prefill_sms >= self.predictor.sm_count else obs.prefill_sms
+                row["pred_ms"] = self.predictor.prefill_solo_ms(items, sms) * layers / self.predictor.num_layers
+            self.prefills.append(row)
 
     def _predicted(self, plan, requests) -> dict[str, Any]:
         """The predictor's figure for the step as planned, beside what the executor measured."""

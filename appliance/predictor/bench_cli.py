@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.bench import workload as wl
+from appliance.bench.metrics import detailed_arrays
 from appliance.bench.run import BenchOptions, load_workload, model_dir, shape
 from appliance.bench.sweep import SweepResult
 from appliance.bench.traces import RequestSpec
@@ -83,7 +84,9 @@ def simulated_measures(opts: BenchOptions, gpu: str) -> tuple[list[tuple[str, Me
     def measure_for(policy: str) -> Measure:
         def measure(rate: float) -> dict[str, Any]:
             retimed = wl.retime(specs, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
-            return dict(bench.run(policy, retimed).report.summary, request_rate=rate)
+            run = bench.run(policy, retimed)
+            detail = detailed_arrays(run.result.timelines) if opts.save_detailed else {}
+            return dict(run.report.summary, request_rate=rate, **detail)
         return measure
 
     return [(policy, measure_for(policy)) for policy in policies], notes, wl.offered_rate(specs)

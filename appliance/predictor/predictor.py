@@ -1,5 +1,6 @@
 """The Predictor the dispatcher and the simulator ask: solo latency from one LatencyModel (the roofline prior or a
-fitted solo-run model), times the contention guard's worst case when prefill and decode share the GPU.
+fitted solo-run model), times the contention guard's worst case when prefill and decode share the GPU: decode beside
+prefill (`ContentionGuard`), prefill on a partition beside decode (`SplitSlowdown`); both are refined online.
 
 It also knows the partitions the executor offers: decode SM counts (multiples of the granularity), prefill gets
 the rest.
@@ -12,6 +13,7 @@ from typing import Sequence
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.roofline import DeviceSpec, RooflineModel
+from appliance.predictor.split import SplitSlowdown
 from appliance.predictor.workload import DecodeLoad, LatencyModel, PrefillItem
 
 DEFAULT_GRANULARITY = 16  # decode partitions of 16, 32, ... SMs (the multiplex executor's default)
@@ -34,6 +36,7 @@ class Predictor:
     # how much slower each phase ran while serving than this model predicts ("decode", "prefill"; measured by a
     # calibration replay): the simulator's clock applies it, plans never do (the planner refines online instead)
     serving: dict[str, float] = field(default_factory=dict)
+    split: SplitSlowdown = field(default_factory=SplitSlowdown)  # prefill on a partition, beside decode
 
     @classmethod
     def prior(cls, model: ModelConfig, device: DeviceSpec, granularity: int = DEFAULT_GRANULARITY) -> "Predictor":
@@ -45,7 +48,13 @@ class Predictor:
         return self.sm_count if sms is None else sms
 
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
-        """All layers of a prefill batch, alone on `sms` SMs (None: all)."""
+        """All layers of a prefill batch on `sms` SMs (None: all); on a partition, decode runs on the other SMs and
+        slows it (the split slowdown)."""
+        solo = self.prefill_solo_ms(items, sms)
+        return solo * self.split.factor(items) if sms is not None and sms < self.sm_count else solo
+
+    def prefill_solo_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
+        """All layers of a prefill batch alone on `sms` SMs, as profiled."""
         return self.latency.prefill_ms(items, self._sms(sms))
 
     def prefill_layers_ms(self, items: Sequence[PrefillItem], layers: int, sms: int | None = None) -> float:
@@ -68,3 +77,9 @@ class Predictor:
         """Online refinement from a measured decode step that ran beside `concurrent` prefill work."""
         if concurrent and not load.empty:
             self.guard.refine(sms, concurrent, load, self.latency.decode_ms(load, sms), measured_ms)
+
+    def observe_prefill(self, items: Sequence[PrefillItem], layers: int, sms: int, measured_ms: float) -> None:
+        """Online refinement from `layers` layers of a prefill batch measured on a partition's `sms` SMs while
+        decode ran on the others."""
+        if items and 0 < sms < self.sm_count:
+            self.split.observe(self.prefill_solo_ms(items, sms) * layers / self.num_layers, items, measured_ms)

@@ -20,11 +20,12 @@ from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
 from appliance.predictor.solo import SoloModel, fit_error, fit_solo
+from appliance.predictor.split import FACTOR_RANGE, SLOPE_RANGE, SplitSlowdown
 from appliance.predictor.workload import Sample
 
 log = logging.getLogger("muxd.predictor")
 FORMAT, VERSION = "muxd-profile", 1
-SERVING_RANGE = (0.5, 5.0)  # serving time / profiled time a profile may keep
+SERVING_RANGE = FACTOR_RANGE  # serving time / profiled time a profile may keep
 
 
 class _Model(BaseModel):
@@ -60,14 +61,19 @@ class ProfileFile(_Model):
     contention_default: float = Field(ge=1.0)
     contention: list[CellEntry] = []
     fit: dict[str, float] = {}        # relative errors of the fit on its samples
-    serving: dict[Literal["decode", "prefill"], float] = {}  # serving / profiled time, from a calibration replay
+    # measured in a calibration replay: decode and prefill (mixed steps), serving / profiled time, which only the
+    # simulator's clock applies (the host's share of serving); prefill_split (+ prefill_split_per_1k per 1,000
+    # tokens of attention span), layer-wise prefill on a partition beside decode over its solo time, which is
+    # contention: the predictor plans with it and refines it online (split.py)
+    serving: dict[Literal["decode", "prefill", "prefill_split", "prefill_split_per_1k"], float] = {}
 
     @field_validator("serving")
     @classmethod
     def _serving_factors(cls, factors: dict[str, float]) -> dict[str, float]:
         for phase, factor in factors.items():
-            if not SERVING_RANGE[0] <= factor <= SERVING_RANGE[1]:
-                raise ValueError(f"{phase} factor {factor} is outside {SERVING_RANGE[0]:g}..{SERVING_RANGE[1]:g} "
+            lo, hi = SLOPE_RANGE if phase.endswith("_per_1k") else SERVING_RANGE
+            if not lo <= factor <= hi:
+                raise ValueError(f"{phase} factor {factor} is outside {lo:g}..{hi:g} "
                                  "(serving time / profiled time)")
         return factors
 
@@ -93,8 +99,9 @@ class ProfileFile(_Model):
                          {int(k): tuple(v) for k, v in self.decode.items()},
                          tuple(self.mixed) if self.mixed else None)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
+        split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
-                         serving=dict(self.serving))
+                         serving=dict(self.serving), split=split)
 
 
 def model_shape(cfg: ModelConfig) -> dict[str, int]:

@@ -201,11 +201,17 @@ class Simulator:
                                "requests pending and nothing in flight")
         self.clock.now = max(self.clock.now, min(events))
 
-    def _prefill_ms(self, works: Sequence[PrefillWork], sms: int | None) -> float:
+    def _prefill_ms(self, works: Sequence[PrefillWork], sms: int | None, observe: bool = False) -> float:
+        """The launch's time; with `observe` (on a partition, decode beside it) each layer range also refines the
+        planner's split slowdown, as the engine hands it the executor's measured launches."""
         total = 0.0
+        observe_prefill = getattr(self.planner, "observe_prefill", None) if observe else None
         for (start, end), group in groupby(works, key=lambda w: (w.layer_start, w.layer_end)):
             items = [PrefillItem(w.num_tokens, w.token_start) for w in group]
-            total += self.timer.prefill_ms(items, sms) * (end - start) / self.timer.num_layers
+            ms = self.timer.prefill_ms(items, sms) * (end - start) / self.timer.num_layers
+            if observe_prefill is not None and sms is not None and sms < self.timer.sm_count:
+                observe_prefill(items, end - start, sms, ms)
+            total += ms
         return total
 
     def _load(self, plan: StepPlan) -> DecodeLoad:
@@ -232,7 +238,7 @@ class Simulator:
         now = self.clock.now
         if plan.prefill:
             start = max(now, self.stream[-1].end if self.stream else now)
-            duration = self._prefill_ms(plan.prefill, plan.prefill_sms)
+            duration = self._prefill_ms(plan.prefill, plan.prefill_sms, observe=bool(plan.decode))
             items = tuple(PrefillItem(w.num_tokens, w.token_start) for w in plan.prefill)
             self.stream.append(_Launch(start, start + duration / 1e3, plan.prefill, items))
         if not plan.decode:

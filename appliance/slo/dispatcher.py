@@ -265,6 +265,10 @@ class MuxPlanner:
         """An executor's measured decode step beside prefill work: online refinement of the contention guard."""
         self.predictor.observe_decode(load, decode_sms, concurrent, measured_ms)
 
+    def observe_prefill(self, items: list[PrefillItem], layers: int, prefill_sms: int, measured_ms: float) -> None:
+        """Prefill layers measured on a partition beside decode: online refinement of the split slowdown."""
+        self.predictor.observe_prefill(items, layers, prefill_sms, measured_ms)
+
     # ---- admission --------------------------------------------------------------------------------------------
     def admission_check(self, sched: Scheduler, request: Request) -> float | None:
         """None to accept the request; else the Retry-After (seconds) of shedding it, when the contract says shed

@@ -55,7 +55,8 @@ def test_sweep_finds_the_capacity_of_a_fake_server(tmp_path):
             "bench", "sweep", "--url", server.url, "--tokenizer", "embedded", "--num-prompts", "20",
             "--input-len", "8", "--output-len", "2", "--request-rate", "10", "--burstiness", "inf",
             "--goodput", "ttft:150", "--attainment", "0.9", "--start-rate", "16", "--min-rate", "5",
-            "--tolerance", "0.1", "--result-dir", str(out), "--no-progress"], env={"COLUMNS": "160"})
+            "--tolerance", "0.1", "--result-dir", str(out), "--save-detailed", "--no-progress"],
+            env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
     sweep = json.loads((out / "sweep.json").read_text())[0]
     # up to 20 req/s nothing queues (TTFT = 50 ms); above, each request waits (50 ms - gap) longer than the one
@@ -68,6 +69,10 @@ def test_sweep_finds_the_capacity_of_a_fake_server(tmp_path):
     for row in rows:
         assert (row["passed"] == "True") == (float(row["slo_attainment"]) >= 0.9)
         assert float(row["completed"]) == 20
+        # each point's whole result, per-request arrays included (--save-detailed)
+        point = json.loads(next((out / "points").glob(f"*-{float(row['request_rate']):g}.json")).read_text())
+        assert point["slo_attainment"] == float(row["slo_attainment"]) and len(point["ttfts"]) == 20
+    assert len(list((out / "points").iterdir())) == len(rows)
     assert (out / "attainment_vs_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "capacity" in result.output and "muxd bench sweep" in result.output
 

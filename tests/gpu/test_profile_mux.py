@@ -11,13 +11,15 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
 from appliance.bench.traces import RequestSpec
 from appliance.multiplex.profiler import StepTimer, calibrate_serving, run_profile
+from appliance.multiplex.steplog import StepLog
 from appliance.predictor.grid import Ranges, plan_points
 from copy_model import periodic_prompt, train_copy_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 # the copy model's context is 1024 tokens
 SMALL = Ranges(prefill_new=(64, 256, 512), prefill_reused=(0, 256), decode_batch=(1, 4, 16),
-               decode_context=(64, 512), contended_new=(512,), contended_batch=(8,), contended_context=(256,))
+               decode_context=(64, 512), contended_new=(512,), contended_batch=(8,), contended_context=(256,),
+               mixed_new=(128, 512), mixed_batch=(1, 8))
 TIGHT = """version: 1
 name: tight
 attainment: 0.99
@@ -54,10 +56,13 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     assert sorted(int(k) for k in profile.prefill) == sorted(timer.sm_count - d for d in [0, *timer.decode_partitions[:3]])
     assert all(c.slowdown >= 1.0 for c in profile.contention)
     assert result.errors["prefill_n"] > 0 and result.errors["decode_n"] > 0
-    # the serving calibration replays on the multiplexed engine under chunked prefill and puts everything back
+    # the serving calibration replays on the multiplexed engine under chunked prefill, then mux, and puts
+    # everything back
     specs = [RequestSpec(arrival=i * 0.02, prompt_len=64 + 32 * (i % 4), output_len=48) for i in range(24)]
     factors, steps = calibrate_serving(prof_engine, specs, 200.0, profile.predictor(prof_engine.model.config.num_layers, "profile"))
     assert "decode" in factors and any(s.get("mixed") for s in steps)
+    assert any(s.get("mode") == "decode" for s in steps)  # the mux planner's steps (chunked leaves no mode)
+    assert set(factors) <= {"decode", "prefill", "prefill_split", "prefill_split_per_1k"}
     assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
     del prof_engine, timer
 
@@ -89,12 +94,20 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
         observe(plan)
 
     mux._observe = spy
+    log = StepLog(mux, mux.predictor).attach()  # and the prefill launches' GPU time, for serving calibration
     ids = [mux.add_request(p, GREEDY) for p in decoders]
     steps(6)
     ids += [mux.add_request(p, GREEDY) for p in late]  # prompts arriving while the first ones decode
     steps()
+    log.detach()
     stats = mux.scheduler.planner.stats
     assert stats.spatial_steps > 0 and mux.executor.switches >= 1 and mux.executor.layers_launched > 0
+    split = [p for p in log.prefills if p["prefill_sms"] < mux.predictor.sm_count]
+    assert split and all(p["ms"] > 0 and p["pred_ms"] > 0 and p["layers"] > 0 for p in split)
+    assert any(p["beside"] for p in split)  # the layers ran while decode steps did on the other SMs
+    # the engine handed those launches to the planner: online refinement of its split slowdown
+    learned = mux.scheduler.planner.predictor.split.window
+    assert 0 < len(learned) <= sum(p["beside"] for p in split)
     assert sum(len(w) for w in mux.predictor.guard.observations.values()) == len(beside)
     assert all(o.decode_sms in mux.predictor.decode_partitions and o.ms > 0 for o in beside)
     for rid, exp in zip(ids, expected):

@@ -110,6 +110,7 @@ def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path
 
 
 def test_calibration_replays_under_chunked_and_measures_serving_against_the_profile(timer, tmp_path):
+    # (on the CPU the engine is not multiplexed: only the chunked replay runs; tests/gpu/test_profile_mux.py has mux)
     points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
     result = run_profile(timer, points, tmp_path / "p.json", model_name="tiny", budget_s=300,
                          started=time.perf_counter())

@@ -44,10 +44,17 @@ def test_factors_are_measured_over_predicted_time_per_phase(profile):
     steps.append({"mixed": False, "decode": 4, "ctx": 4000})
     factors = serving_factors(steps, p)
     assert factors["decode"] == pytest.approx(1.1) and factors["prefill"] == pytest.approx(1.25)
+    assert "prefill_split" not in factors
     assert serving_factors(steps[:4], p) == {}  # too few steps of either phase
+    # prefill launches on a partition's prefill SMs give prefill_split; those on all SMs do not count
+    launches = [{"ms": 1.4 * p.prefill_layers_ms([PrefillItem(512 * (1 + i), 1024)], 4, 100), "prefill_sms": 100,
+                 "layers": 4, "items": [[512 * (1 + i), 1024]], "beside": i % 2 == 0} for i in range(MIN_STEPS)]
+    launches.append({"ms": 1e6, "prefill_sms": p.sm_count, "layers": 4, "items": [[512, 0]], "beside": False})
+    factors = serving_factors(steps, p, launches)
+    assert factors["prefill_split"] == pytest.approx(1.4) and factors["prefill"] == pytest.approx(1.25)
 
 
-def test_the_clock_applies_the_factors_and_the_planner_does_not(profile, tmp_path):
+def test_the_clock_applies_the_host_factors_and_the_planner_does_not(profile, tmp_path):
     path = tmp_path / "p.json"
     save_profile(profile.model_copy(update={"serving": {"decode": 1.1, "prefill": 1.2}}), path)
     predictor = read_profile(path).predictor(MODEL.num_layers, "profile")
@@ -55,9 +62,12 @@ def test_the_clock_applies_the_factors_and_the_planner_does_not(profile, tmp_pat
     clock = bench.timer
     assert isinstance(clock, ServingClock)
     items, load = [PrefillItem(2048, 0)], DecodeLoad(8, 8000)
-    assert clock.prefill_ms(items, 100) == pytest.approx(1.2 * predictor.prefill_ms(items, 100))
+    assert clock.prefill_ms(items) == pytest.approx(1.2 * predictor.prefill_ms(items))
     assert clock.mixed_ms(items, load) == pytest.approx(1.2 * predictor.mixed_ms(items, load))
     assert clock.decode_ms(load, 32, items) == pytest.approx(1.1 * predictor.decode_ms(load, 32, items))
+    # prefill on a partition: the split slowdown (none measured here), which is the planner's as well
+    assert clock.prefill_ms(items, 100) == pytest.approx(predictor.prefill_ms(items, 100))
+    assert predictor.prefill_ms(items, 100) == pytest.approx(predictor.prefill_solo_ms(items, 100))
     before = clock.decode_ms(load, 32, items)
     for _ in range(16):  # the planner learns a larger slowdown online; the clock stays what the GPU is
         predictor.observe_decode(load, 32, items, 3 * predictor.decode_ms(load, 32, items))
@@ -66,6 +76,27 @@ def test_the_clock_applies_the_factors_and_the_planner_does_not(profile, tmp_pat
     # a profile without factors: the predictor is its own clock
     plain = SimulatedBench(default_contract(), profile.predictor(MODEL.num_layers, "p"), SimConfig(num_pages=4096))
     assert not isinstance(plain.timer, ServingClock)
+
+
+def test_the_split_slowdown_is_planned_with_and_the_clock_keeps_the_profiled_one(profile, tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(profile.model_copy(update={"serving": {"prefill": 1.2, "prefill_split": 1.05,
+                                                        "prefill_split_per_1k": 0.01}}), path)
+    predictor = read_profile(path).predictor(MODEL.num_layers, "profile")
+    clock = ServingClock(predictor)
+    short, long = [PrefillItem(2048, 0)], [PrefillItem(4096, 20000)]  # spans of 2,048 and 24,096 tokens
+    for items, factor in ((short, 1.05 + 0.01 * 2.048), (long, 1.05 + 0.01 * 24.096)):
+        assert predictor.prefill_ms(items, 100) == pytest.approx(factor * predictor.prefill_solo_ms(items, 100))
+        assert clock.prefill_ms(items, 100) == pytest.approx(predictor.prefill_ms(items, 100))
+        # on all SMs there is no decode beside the prefill: the host factor, no split slowdown
+        assert predictor.prefill_ms(items) == pytest.approx(predictor.prefill_solo_ms(items))
+        assert clock.prefill_ms(items) == pytest.approx(1.2 * predictor.prefill_solo_ms(items))
+    for i in range(64):  # the GPU turns out slower beside decode: the planner learns it, the clock stays
+        items = [PrefillItem(1024 * (1 + i % 8), 4096 * (i % 5))]
+        solo = predictor.prefill_solo_ms(items, 100) * 4 / MODEL.num_layers
+        predictor.observe_prefill(items, 4, 100, solo * 1.5)
+    assert predictor.split.flat == pytest.approx(1.5) and predictor.split.per_1k == pytest.approx(0.0, abs=1e-9)
+    assert clock.prefill_ms(long, 100) == pytest.approx((1.05 + 0.01 * 24.096) * predictor.prefill_solo_ms(long, 100))
 
 
 def test_a_bad_factor_is_refused_by_name(profile, tmp_path):

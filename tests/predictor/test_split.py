@@ -1,0 +1,72 @@
+"""Prefill on a partition beside decode: the slowdown is fitted as flat + per 1k tokens of span, refined online from
+measured launches, and the simulator hands the planner its launches as the engine hands it the executor's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance.bench.traces import load_trace
+from appliance.bench.workload import spread_ties
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.capacity import SimulatedBench, kv_pages
+from appliance.predictor.predictor import partition_choices
+from appliance.predictor.roofline import DEVICES
+from appliance.predictor.simulate import SimConfig
+from appliance.predictor.split import MIN_OBSERVATIONS, SplitSlowdown, fit, span_k
+from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
+from appliance.predictor.workload import PrefillItem
+from appliance.slo.contract import load_contract
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ModelConfig.from_file(ROOT / "configs" / "models" / "llama-3.1-8b" / "config.json")
+
+
+def test_the_fit_recovers_flat_and_slope_and_falls_back_to_one_ratio():
+    rng = np.random.default_rng(0)
+    solo = rng.uniform(5, 50, 200)
+    span = rng.uniform(0, 32, 200)
+    measured = solo * (1.05 + 0.01 * span) * rng.normal(1, 0.01, 200)
+    flat, slope = fit(solo, span, measured)
+    assert flat == pytest.approx(1.05, abs=0.01) and slope == pytest.approx(0.01, abs=0.001)
+    # faster with longer spans (a negative slope) is not a contention model: one flat ratio instead
+    flat, slope = fit(solo, span, solo * (1.5 - 0.01 * span))
+    assert slope == 0.0 and flat == pytest.approx(float((solo * (1.5 - 0.01 * span)).sum() / solo.sum()))
+    assert fit(solo[:MIN_OBSERVATIONS - 1], span[:MIN_OBSERVATIONS - 1], measured[:MIN_OBSERVATIONS - 1]) is None
+    assert fit(solo, span, solo * 20) is None  # 20x: not a slowdown a profile describes
+
+
+def test_online_refinement_replaces_the_profiled_slowdown():
+    split = SplitSlowdown(1.2, 0.0)
+    items = [PrefillItem(2048, 8000)]
+    assert split.factor(items) == pytest.approx(1.2) and span_k(items) == pytest.approx(10.048)
+    for i in range(31):
+        batch = [PrefillItem(1024 * (1 + i % 4), 4000 * (i % 6))]
+        split.observe(10.0, batch, 10.0 * (1.0 + 0.02 * span_k(batch)))
+    assert split.flat == 1.2  # no fit before REFIT_EVERY launches
+    split.observe(10.0, [PrefillItem(1024, 0)], 10.0 * (1.0 + 0.02 * 1.024))
+    assert split.flat == pytest.approx(1.0, abs=0.01) and split.per_1k == pytest.approx(0.02, abs=0.001)
+
+
+class SlowSplitGPU(SyntheticGPU):
+    """A GPU whose prefill runs 1.4x slower on a partition (decode beside it) than the profile measured alone."""
+
+    def prefill_ms(self, items, sms=None):
+        solo = super().prefill_ms(items, sms)
+        return solo * 1.4 if sms is not None and sms < self.sm_count else solo
+
+
+def test_the_simulated_planner_learns_the_split_slowdown_from_its_launches():
+    gpu = SlowSplitGPU(MODEL, DEVICES["h100"])
+    predictor = synthetic_profile(SyntheticGPU(MODEL, DEVICES["h100"]), partition_choices(132),
+                                  "llama-3.1-8b").predictor(MODEL.num_layers, "profile")
+    assert predictor.split.flat == 1.0
+    contract = load_contract(ROOT / "configs" / "slo" / "long-context.yaml")
+    bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(MODEL, DEVICES["h100"])), truth=gpu)
+    specs = spread_ties(load_trace(ROOT / "tests" / "data" / "mooncake_conversation_head200.jsonl"), seed=0)[:60]
+    run = bench.run("mux", specs, 1.25)
+    assert run.result.spatial_steps > 0
+    learned = run.planner.predictor.split
+    assert len(learned.window) >= MIN_OBSERVATIONS
+    assert learned.factor([PrefillItem(4096, 0)]) == pytest.approx(1.4, rel=0.05)
