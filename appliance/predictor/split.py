@@ -51,7 +51,9 @@ class SplitSlowdown:
     _since_fit: int = field(default=0, repr=False)
 
     def factor(self, items: Sequence[PrefillItem]) -> float:
-        return self.flat + self.per_1k * span_k(items)
+        """Never below 1: decode beside a prefill does not speed it up (a launch measured faster than its solo
+        figure is the fit's host floor, which launches queued back to back hide)."""
+        return max(1.0, self.flat + self.per_1k * span_k(items))
 
     def observe(self, solo_ms: float, items: Sequence[PrefillItem], measured_ms: float) -> None:
         """A measured launch (its solo prediction and GPU time); every REFIT_EVERY launches the latest window is

@@ -47,6 +47,10 @@ def test_online_refinement_replaces_the_profiled_slowdown():
     assert split.flat == 1.2  # no fit before REFIT_EVERY launches
     split.observe(10.0, [PrefillItem(1024, 0)], 10.0 * (1.0 + 0.02 * 1.024))
     assert split.flat == pytest.approx(1.0, abs=0.01) and split.per_1k == pytest.approx(0.02, abs=0.001)
+    # launches that ran faster than their solo figure never make the planner optimistic
+    for i in range(32):
+        split.observe(10.0, [PrefillItem(1024, 0)], 7.0)
+    assert split.flat < 0.8 and split.factor([PrefillItem(1024, 0)]) == 1.0
 
 
 class SlowSplitGPU(SyntheticGPU):
