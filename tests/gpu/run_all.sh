@@ -2,7 +2,8 @@
 # Runs the GPU tests and the engine benchmark on a CUDA machine, one call; prints a short table last.
 #   bash tests/gpu/run_all.sh [--quick] [--proof TRACE]   (from the repository root; results under $OUT or ./gpu-results)
 # --proof also profiles the 8B shapes on this GPU (`muxd profile`, PROFILE_MINUTES=7, ranges from TRACE) into $out;
-# with CALIBRATE_RATE (and CALIBRATE_TRACE) it also measures the serving factors (e.g. 1.4 on azure_code_2023.csv).
+# with CALIBRATE_RATE (and CALIBRATE_TRACE, CALIBRATE_REQUESTS=100) it also measures the serving factors and the split
+# slowdown: two replays (chunked, then mux), e.g. 1.4 req/s on azure_code_2023.csv, about 3.5 minutes of the budget.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -24,7 +25,8 @@ proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
     trace=${@: -1}
     calibrate=()  # CALIBRATE_RATE=R [CALIBRATE_TRACE=FILE]: measure the serving factors too (its time is in the budget)
-    [ -n "${CALIBRATE_RATE:-}" ] && calibrate=(--calibrate-rate "$CALIBRATE_RATE" --calibrate-requests 200 \
+    [ -n "${CALIBRATE_RATE:-}" ] && calibrate=(--calibrate-rate "$CALIBRATE_RATE" \
+        --calibrate-requests "${CALIBRATE_REQUESTS:-100}" \
         --calibrate-trace "${CALIBRATE_TRACE:-$trace}")
     python3 -m appliance profile -m configs/models/llama-3.1-8b --load-format dummy --out "$out/profile.json" \
         --trace "$trace" --budget-minutes "${PROFILE_MINUTES:-7}" --max-model-len 32768 --no-progress \
