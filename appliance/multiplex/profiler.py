@@ -28,8 +28,8 @@ from appliance.multiplex.partitions import Partition
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import SERVING_RANGE, ProfileFile, build_profile, model_shape, save_profile
-from appliance.predictor.split import SLOPE_RANGE
 from appliance.predictor.roofline import DEVICES, device_spec
+from appliance.predictor.split import SLOPE_RANGE
 
 log = logging.getLogger("muxd.profile")
 SAMPLES_FORMAT = "muxd-profile-samples"
