@@ -110,3 +110,7 @@ def test_a_bad_factor_is_refused_by_name(profile, tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="serving"):
         read_profile(path)
+    raw["serving"] = {"prefill_split": 1.1, "prefill_split_per_1k": 0.5}  # +50 % per 1k tokens: not a slope
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="prefill_split_per_1k factor 0.5 is outside 0..0.1"):
+        read_profile(path)
