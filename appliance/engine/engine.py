@@ -340,8 +340,8 @@ class Engine:
         observe_prefill = getattr(self.scheduler.planner, "observe_prefill", None)
         for obs in finished if observe_prefill is not None else ():
             if obs.beside_decode:  # (on all SMs nothing runs beside it: the predictor keeps to partitions)
-                observe_prefill([PrefillItem(w.num_tokens, w.token_start) for w in obs.works],
-                                obs.works[0].layer_end - obs.works[0].layer_start, obs.prefill_sms, obs.ms)
+                observe_prefill([PrefillItem(w.num_tokens, w.token_start) for w in obs.works], obs.layers,
+                                obs.prefill_sms, obs.ms)
         seen, observe = self.executor.last_decode, getattr(self.scheduler.planner, "observe_decode", None)
         if seen is None or not seen.concurrent or observe is None:
             return

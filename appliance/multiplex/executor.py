@@ -56,6 +56,10 @@ class PrefillObservation:
     ms: float
     beside_decode: bool
 
+    @property
+    def layers(self) -> int:
+        return self.works[0].layer_end - self.works[0].layer_start
+
 
 @dataclass(frozen=True)
 class DecodeObservation:

@@ -61,12 +61,11 @@ class StepLog:
         finished, self._seen = self.engine.executor.prefills_since(self._seen)
         for obs in finished:
             items = [PrefillItem(w.num_tokens, w.token_start) for w in obs.works]
-            layers = obs.works[0].layer_end - obs.works[0].layer_start
-            row: dict[str, Any] = {"ms": obs.ms, "prefill_sms": obs.prefill_sms, "layers": layers,
+            row: dict[str, Any] = {"ms": obs.ms, "prefill_sms": obs.prefill_sms, "layers": obs.layers,
                                    "beside": obs.beside_decode, "items": [[i.new, i.reused] for i in items]}
             if self.predictor is not None:
                 sms = None if obs.prefill_sms >= self.predictor.sm_count else obs.prefill_sms
-                row["pred_ms"] = self.predictor.prefill_solo_ms(items, sms) * layers / self.predictor.num_layers
+                row["pred_ms"] = self.predictor.prefill_solo_ms(items, sms, obs.layers)
             self.prefills.append(row)
 
     def _predicted(self, plan, requests) -> dict[str, Any]:

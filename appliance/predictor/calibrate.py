@@ -55,7 +55,7 @@ def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> d
         if row.get("ms") is None or int(row["prefill_sms"]) >= predictor.sm_count:
             continue
         items = [PrefillItem(int(n), int(r)) for n, r in row["items"]]
-        ms = predictor.prefill_solo_ms(items, int(row["prefill_sms"])) * int(row["layers"]) / predictor.num_layers
+        ms = predictor.prefill_solo_ms(items, int(row["prefill_sms"]), int(row["layers"]))
         if ms > 0:
             solo.append(ms)
             span.append(span_k(items))

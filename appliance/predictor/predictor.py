@@ -53,12 +53,10 @@ class Predictor:
         solo = self.prefill_solo_ms(items, sms)
         return solo * self.split.factor(items) if sms is not None and sms < self.sm_count else solo
 
-    def prefill_solo_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
-        """All layers of a prefill batch alone on `sms` SMs, as profiled."""
-        return self.latency.prefill_ms(items, self._sms(sms))
-
-    def prefill_layers_ms(self, items: Sequence[PrefillItem], layers: int, sms: int | None = None) -> float:
-        return self.prefill_ms(items, sms) * layers / self.num_layers
+    def prefill_solo_ms(self, items: Sequence[PrefillItem], sms: int | None = None, layers: int | None = None) -> float:
+        """All layers (or `layers` of them) of a prefill batch alone on `sms` SMs, as profiled."""
+        ms = self.latency.prefill_ms(items, self._sms(sms))
+        return ms if layers is None else ms * layers / self.num_layers
 
     def decode_ms(self, load: DecodeLoad, sms: int | None = None,
                   concurrent: Sequence[PrefillItem] = ()) -> float:
@@ -82,4 +80,4 @@ class Predictor:
         """Online refinement from `layers` layers of a prefill batch measured on a partition's `sms` SMs while
         decode ran on the others."""
         if items and 0 < sms < self.sm_count:
-            self.split.observe(self.prefill_solo_ms(items, sms) * layers / self.num_layers, items, measured_ms)
+            self.split.observe(self.prefill_solo_ms(items, sms, layers), items, measured_ms)

@@ -47,7 +47,7 @@ def test_factors_are_measured_over_predicted_time_per_phase(profile):
     assert "prefill_split" not in factors
     assert serving_factors(steps[:4], p) == {}  # too few steps of either phase
     # prefill launches on a partition's prefill SMs give prefill_split; those on all SMs do not count
-    launches = [{"ms": 1.4 * p.prefill_layers_ms([PrefillItem(512 * (1 + i), 1024)], 4, 100), "prefill_sms": 100,
+    launches = [{"ms": 1.4 * p.prefill_solo_ms([PrefillItem(512 * (1 + i), 1024)], 100, 4), "prefill_sms": 100,
                  "layers": 4, "items": [[512 * (1 + i), 1024]], "beside": i % 2 == 0} for i in range(MIN_STEPS)]
     launches.append({"ms": 1e6, "prefill_sms": p.sm_count, "layers": 4, "items": [[512, 0]], "beside": False})
     factors = serving_factors(steps, p, launches)
