@@ -61,7 +61,8 @@ def profile_command(app: typer.Typer) -> None:
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     ) -> None:
         """Profile this model on this GPU: solo prefill and decode on every SM partition, decode beside a prefill
-        and mixed (chunked-prefill) steps, within a time budget; write the profile `muxd serve --policy mux --profile` loads."""
+        and mixed (chunked-prefill) steps, within a time budget; write the profile `muxd serve --policy mux --profile` loads.
+        Run it on an otherwise idle machine: short steps take their time from the host."""
         started = time.perf_counter()
         console = Console(stderr=True)
         try:
@@ -99,7 +100,7 @@ def profile_command(app: typer.Typer) -> None:
             cfg.multiplex = True if cfg.resolved_device().startswith("cuda") else None
             cfg.validate()
             logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-            from appliance.multiplex.profiler import StepTimer, run_profile
+            from appliance.multiplex.profiler import NOISY_SPREAD, StepTimer, run_profile
 
             console.print(f"muxd profile: loading {cfg.model_name} ...")
             engine = cfg.build_engine()
@@ -152,3 +153,12 @@ def profile_command(app: typer.Typer) -> None:
                    f"{result.skipped_budget} left out by the budget, {result.skipped_memory} larger than the KV pool, "
                    f"{result.failed} not measurable, {result.revisited} repeated host-bound measurements; "
                    f"{result.elapsed_s / 60:.1f} of {budget_minutes:g} minutes")
+        if result.spread:
+            typer.echo(f"repeated points: their runs differ by {result.spread_median:.1%} at the median, "
+                       f"{result.spread_p90:.1%} at the 90th percentile")
+            if result.noisy:
+                typer.secho(f"warning: one repeated point in ten or more differs by over {NOISY_SPREAD:.0%} "
+                            "between its runs: something else kept this host busy (another process, another GPU's "
+                            "work); the medians absorb some of it, but a profile taken on an idle machine fits "
+                            "tighter", 
+                            fg=typer.colors.YELLOW, err=True)

@@ -35,6 +35,7 @@ log = logging.getLogger("muxd.profile")
 SAMPLES_FORMAT = "muxd-profile-samples"
 REVISIT_MS = 50.0  # prefill and mixed steps shorter than this are host-bound: measured again later (see run_profile)
 REVISITS = 2
+NOISY_SPREAD = 0.2  # runs of one repeated point differing by more than this, at the 90th percentile: a busy host
 CPU_SM_COUNT = DEVICES["cpu"].sm_count  # what a CPU "partition" counts as (the CPU has no SM partitions)
 
 
@@ -222,8 +223,22 @@ class ProfileResult:
     skipped_memory: int = 0
     failed: int = 0            # could not be measured (see the log)
     revisited: int = 0         # host-bound points measured again at later moments
+    spread: list[float] = field(default_factory=list)  # per repeated point: its slowest run over its fastest, - 1
     errors: dict[str, float] = field(default_factory=dict)  # held-out errors by phase
     elapsed_s: float = 0.0
+
+    @property
+    def spread_median(self) -> float:
+        return float(np.median(self.spread)) if self.spread else 0.0
+
+    @property
+    def spread_p90(self) -> float:
+        return float(np.percentile(self.spread, 90)) if self.spread else 0.0
+
+    @property
+    def noisy(self) -> bool:
+        """The host was busy while profiling: repeated measurements of one point disagree too often."""
+        return self.spread_p90 > NOISY_SPREAD
 
 
 def samples_path_for(out: Path) -> Path:
@@ -335,7 +350,7 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
             f.flush()
             if on_point:
                 on_point(point, ms)
-        result.revisited = _revisit(timer, done, measured_now, cost, deadline, f)
+        result.revisited, result.spread = _revisit(timer, done, measured_now, cost, deadline, f)
     fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
     held = [(p, ms) for p, ms in done.values() if p.holdout]
     try:
@@ -349,6 +364,8 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
     result.errors = held_out_errors(profile, timer.engine.model.config.num_layers, held)
     profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
     profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
+    if result.spread:
+        profile.fit["repeat_spread_median"], profile.fit["repeat_spread_p90"] = result.spread_median, result.spread_p90
     save_profile(profile, out)
     result.profile = profile
     result.elapsed_s = time.perf_counter() - started
@@ -356,18 +373,22 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
 
 
 def _revisit(timer: StepTimer, done: dict[str, tuple[Point, float]], measured: Sequence[Point], cost: "_CostModel",
-             deadline: float, log_file) -> int:
+             deadline: float, log_file) -> tuple[int, list[float]]:
     """The host's speed changes in phases of seconds, and a short prefill or mixed step (its layers launched one by
     one) takes its time from the host: a point measured in a slow phase reads up to 1.7x its usual time. With the
     budget left after the grid, each such point is measured REVISITS more times, at moments spread over the rest
-    of the run, and keeps the median. Returns the number of extra measurements."""
+    of the run, and keeps the median. Returns the number of extra measurements and, per point measured more than
+    once, how far its runs spread (slowest over fastest, - 1): on an idle host most agree within a few percent."""
     short = [p for p in measured if p.kind in ("prefill", "mixed") and done[p.key][1] < REVISIT_MS]
     runs = {p.key: [done[p.key][1]] for p in short}
     extra = 0
+    def spread() -> list[float]:
+        return [max(r) / min(r) - 1.0 for r in runs.values() if len(r) > 1 and min(r) > 0]
+
     for _ in range(REVISITS):
         for point in short:
             if time.perf_counter() + cost.estimate(point) > deadline:
-                return extra
+                return extra, spread()
             ms = timer.measure(point)
             if ms is None:
                 continue
@@ -376,7 +397,7 @@ def _revisit(timer: StepTimer, done: dict[str, tuple[Point, float]], measured: S
             done[point.key] = (point, statistics.median(runs[point.key]))
             log_file.write(json.dumps({**asdict(point), "ms": done[point.key][1], "runs": runs[point.key]}) + "\n")
             log_file.flush()
-    return extra
+    return extra, spread()
 
 
 class _CostModel:

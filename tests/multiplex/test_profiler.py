@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -15,7 +16,8 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.bench.traces import RequestSpec
-from appliance.multiplex.profiler import StepTimer, calibrate_serving, read_samples, run_profile, samples_path_for
+from appliance.multiplex.profiler import (NOISY_SPREAD, ProfileResult, StepTimer, calibrate_serving, read_samples,
+                                          run_profile, samples_path_for)
 from appliance.predictor.calibrate import serving_factors
 from appliance.predictor.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.predictor.profile import load_predictor
@@ -103,6 +105,13 @@ def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path
     repeated = [row for row in last.values() if "runs" in row]
     assert len(repeated) == len(short)
     assert all(len(row["runs"]) == 3 and row["ms"] == sorted(row["runs"])[1] for row in repeated)
+    # how far each repeated point's runs spread is reported, and kept in the profile
+    spreads = sorted(max(row["runs"]) / min(row["runs"]) - 1 for row in repeated)
+    assert sorted(result.spread) == pytest.approx(spreads)
+    saved = json.loads(out.read_text())
+    assert saved["fit"]["repeat_spread_median"] == pytest.approx(float(np.median(spreads)))
+    assert saved["fit"]["repeat_spread_p90"] == pytest.approx(float(np.percentile(spreads, 90)))
+    assert result.noisy == (result.spread_p90 > NOISY_SPREAD)
     resumed = read_samples(samples_path_for(out), json.loads(samples_path_for(out).read_text().splitlines()[0]))
     assert all(resumed[p.key][1] == pytest.approx(sorted(r["runs"])[1]) for p in short for r in repeated
                if (r["kind"], r["sms"], r["new"], r["reused"], r["batch"], r["context"]) ==
@@ -184,5 +193,14 @@ def test_profile_command_calibrates_on_another_trace(tmp_path):
     assert result.exit_code == 0, result.output
     assert "calibrating: 8 requests of" in result.output and "serving factors" in result.output
     saved = json.loads(out.read_text())
+    # on the CPU the short points were measured again; how far their runs spread is reported
+    assert f"their runs differ by {saved['fit']['repeat_spread_median']:.1%} at the median" in result.output
     assert set(saved["serving"]) <= {"decode", "prefill"}
     assert load_predictor(out, ModelConfig.from_file(EMBEDDED / "config.json"), "cpu").serving == saved["serving"]
+
+
+def test_a_profile_whose_repeated_runs_disagree_is_called_noisy(tmp_path):
+    calm = ProfileResult(tmp_path / "p.json", tmp_path / "p.json.samples.jsonl", spread=[0.01] * 9 + [0.3])
+    busy = ProfileResult(tmp_path / "p.json", tmp_path / "p.json.samples.jsonl", spread=[0.01] * 8 + [0.3, 0.5])
+    assert not calm.noisy and busy.noisy and busy.spread_median == pytest.approx(0.01)
+    assert not ProfileResult(tmp_path / "p.json", tmp_path / "p.json.samples.jsonl").noisy  # nothing repeated

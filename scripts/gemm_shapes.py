@@ -1,0 +1,87 @@
+"""How one transformer layer's four GEMMs (QKV, O, gate+up, down) scale with the number of tokens on an SM partition:
+the time per token is not smooth where the library's kernel choice changes (cuBLAS chooses for the whole GPU, not
+for the SMs a green context leaves it), and a linear latency model cannot follow such steps.
+
+    python scripts/gemm_shapes.py [--model configs/models/llama-3.1-8b] [--sms 20,52,132] [--tokens 128:1024:32]
+        [--pad N] [--blas default|cublas|cublaslt] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from appliance.model_zoo.config import ModelConfig
+from appliance.multiplex.partitions import PartitionSet
+
+
+def layer_weights(cfg: ModelConfig, device: str) -> list[torch.Tensor]:
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    shapes = [(q + 2 * kv, cfg.hidden_size), (cfg.hidden_size, q), (2 * cfg.intermediate_size, cfg.hidden_size),
+              (cfg.hidden_size, cfg.intermediate_size)]
+    return [torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02 for s in shapes]
+
+
+def time_layer(weights: list[torch.Tensor], tokens: int, stream: torch.cuda.Stream, iters: int, pad: int = 1) -> float:
+    """Milliseconds of one layer's GEMMs for `tokens` rows (padded up to a multiple of `pad`) on `stream` (median of
+    `iters` timed runs)."""
+    rows = -(-tokens // pad) * pad
+    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=w.device, dtype=torch.bfloat16) for w in weights}
+    times = []
+    with torch.cuda.stream(stream):
+        for i in range(iters + 3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for w in weights:
+                torch.nn.functional.linear(x[w.shape[1]], w)
+            end.record(stream)
+            end.synchronize()
+            if i >= 3:
+                times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="configs/models/llama-3.1-8b")
+    ap.add_argument("--sms", default="20,52,132", help="prefill partitions (SMs) to time on")
+    ap.add_argument("--tokens", default="128:1024:32", help="start:stop:step of token counts (stop included)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--pad", type=int, default=1, help="pad the rows up to a multiple of this")
+    ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    cfg = ModelConfig.from_file(f"{args.model}/config.json")
+    parts = PartitionSet.create(0)
+    streams = {parts.total_sms: parts.full.prefill_stream, **{p.prefill_sms: p.prefill_stream for p in parts.splits}}
+    wanted = [int(s) for s in args.sms.split(",")]
+    missing = [s for s in wanted if s not in streams]
+    if missing:
+        raise SystemExit(f"no prefill partition of {missing} SMs; this GPU offers {sorted(streams)}")
+    a, b, c = (int(v) for v in args.tokens.split(":"))
+    weights = layer_weights(cfg, "cuda")
+    rows = []
+    for tokens in range(a, b + 1, c):
+        row = {"tokens": tokens}
+        for sms in wanted:
+            row[str(sms)] = time_layer(weights, tokens, streams[sms], args.iters, args.pad)
+        rows.append(row)
+    print(f"{torch.cuda.get_device_name(0)}: one layer's GEMMs of {args.model}, ms (and us per token); "
+          f"rows padded to a multiple of {args.pad}, BLAS {args.blas}")
+    print("tokens " + " ".join(f"{s:>16} SMs" for s in wanted))
+    for row in rows:
+        print(f"{row['tokens']:6d} " + " ".join(f"{row[str(s)]:9.3f} ({row[str(s)] / row['tokens'] * 1e3:5.2f})"
+                                               for s in wanted))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(0), "model": args.model, "pad": args.pad, "blas": args.blas,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
