@@ -3,7 +3,7 @@ the time per token is not smooth where the library's kernel choice changes (cuBL
 for the SMs a green context leaves it), and a linear latency model cannot follow such steps.
 
     python scripts/gemm_shapes.py [--model configs/models/llama-3.1-8b] [--sms 20,52,132] [--tokens 128:1024:32]
-        [--pad N] [--blas default|cublas|cublaslt] [--json OUT]
+        [--pad N] [--blas default|cublas|cublaslt] [--target-sms] [--json OUT]
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--pad", type=int, default=1, help="pad the rows up to a multiple of this")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default")
+    ap.add_argument("--target-sms", action="store_true", help="tell cuBLASLt how many SMs each partition has (the SM "
+                    "carveout: the GPU's SMs less the partition's) so that it picks its kernel for them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.blas != "default":
@@ -69,10 +71,13 @@ def main() -> None:
     for tokens in range(a, b + 1, c):
         row = {"tokens": tokens}
         for sms in wanted:
+            if args.target_sms:
+                torch._C._set_sm_carveout_experimental(parts.total_sms - sms)
             row[str(sms)] = time_layer(weights, tokens, streams[sms], args.iters, args.pad)
         rows.append(row)
     print(f"{torch.cuda.get_device_name(0)}: one layer's GEMMs of {args.model}, ms (and us per token); "
-          f"rows padded to a multiple of {args.pad}, BLAS {args.blas}")
+          f"rows padded to a multiple of {args.pad}, BLAS {args.blas}"
+          f"{', kernels chosen for each partition' if args.target_sms else ''}")
     print("tokens " + " ".join(f"{s:>16} SMs" for s in wanted))
     for row in rows:
         print(f"{row['tokens']:6d} " + " ".join(f"{row[str(s)]:9.3f} ({row[str(s)] / row['tokens'] * 1e3:5.2f})"
@@ -80,6 +85,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "model": args.model, "pad": args.pad, "blas": args.blas,
+                       "target_sms": args.target_sms,
                        "rows": rows}, f, indent=1)
 
 
