@@ -77,9 +77,12 @@ def serve(
                                 help="Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
                                      "budget, the vLLM/SGLang default), serial (prefill first) or layerwise."),
     slo: Optional[str] = typer.Option(None, help="SLO contract (YAML, see configs/slo/); default: p99 TBT 50 ms."),
-    profile: Optional[str] = typer.Option(None, help="Latency profile of this model on this GPU for --policy mux; "
-                                                     "missing or mismatched: the roofline prior (with a warning)."),
-    chunk_budget: Optional[int] = typer.Option(None, help="Tokens per step for --policy chunked (default 2048)."),
+    profile: Optional[str] = typer.Option(None, help="Latency profile of this model on this GPU for --policy mux "
+                                                     "(and chunked's budget); missing or mismatched: the roofline "
+                                                     "prior (with a warning)."),
+    chunk_budget: Optional[int] = typer.Option(None, help="Tokens per step for --policy chunked (default: with "
+                                                          "--profile, the largest whose step meets the contract's "
+                                                          "TBT target; without, --max-num-batched-tokens)."),
     attention_backend: str = typer.Option("auto", help="auto (flashinfer on CUDA where it supports the model, "
                                                        "else torch), flashinfer or torch."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile each decoder layer "

@@ -166,9 +166,15 @@ class ServeConfig:
             attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph,
             multiplex=self.multiplex, partition_granularity=self.partition_granularity,
             layerwise_decode_sms=self.layerwise_decode_sms, preemption=self.preemption,
-            # vLLM's --max-num-batched-tokens: the tokens of one step, so also the chunked policy's budget
-            chunk_budget=self.chunk_budget if self.chunk_budget is not None else self.max_num_batched_tokens,
+            chunk_budget=self._chunk_budget(),
             **({} if self.max_num_batched_tokens is None else {"max_prefill_tokens": self.max_num_batched_tokens}))
+
+    def _chunk_budget(self) -> int | None:
+        """--chunk-budget; unset, None where a profile lets the engine tune it to the contract's TBT target, else
+        vLLM's --max-num-batched-tokens (the tokens of one step)."""
+        if self.chunk_budget is not None:
+            return self.chunk_budget
+        return None if self.profile is not None else self.max_num_batched_tokens
 
     def build_engine(self) -> Engine:
         """Load the model and tokenizer and size the KV cache (the slow part of start-up)."""

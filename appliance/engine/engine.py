@@ -48,9 +48,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     planner: str = "serial"                 # policy: mux, chunked, serial, layerwise
     layers_per_step: int = 1                # for the layerwise planner
-    chunk_budget: int | None = None         # tokens per step of the chunked planner (default 2048)
+    chunk_budget: int | None = None         # tokens per step of the chunked planner; None: tuned to the contract's
+                                            # TBT target from the profile, 2048 without one
     slo: str | None = None                  # SLO contract file; None: the built-in default contract
-    profile: str | None = None              # latency profile for mux; None or mismatched: the roofline prior
+    profile: str | None = None              # latency profile (mux; chunked's budget); mismatched: the roofline prior
     attention_backend: str = "auto"        # auto: flashinfer on CUDA when installed, else torch
     compile: bool | None = None             # torch.compile each layer; None: on CUDA, off on CPU
     cuda_graph: bool = True                 # capture decode CUDA graphs (CUDA and a graph-capable backend only)
@@ -159,7 +160,8 @@ class Engine:
         return PartitionSet.create(device, cfg.partition_granularity)
 
     def _planner(self, device: torch.device):
-        """The policy's planner; the contract (and for mux the predictor) come from the config's files."""
+        """The policy's planner; the contract (and for mux, or chunked without a budget but with a profile, the
+        predictor) come from the config's files."""
         from appliance.predictor.profile import load_predictor
         from appliance.slo.contract import default_contract, load_contract
         from appliance.slo.policies import PolicyOptions, build_planner
@@ -167,13 +169,18 @@ class Engine:
         cfg = self.config
         self.contract = load_contract(cfg.slo) if cfg.slo else default_contract()
         self.predictor = None
-        if cfg.planner == "mux":
+        if cfg.planner == "mux" or (cfg.planner == "chunked" and cfg.chunk_budget is None and cfg.profile):
             gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             self.predictor = load_predictor(cfg.profile, self.model.config, gpu)
         options = PolicyOptions(max_prefill_tokens=cfg.max_prefill_tokens, layers_per_step=cfg.layers_per_step,
                                 chunk_budget=cfg.chunk_budget, preemption=cfg.preemption,
                                 layerwise_decode_sms=cfg.layerwise_decode_sms)
-        return build_planner(cfg.planner, options, self.contract, self.predictor)
+        planner = build_planner(cfg.planner, options, self.contract, self.predictor)
+        if cfg.planner == "chunked" and cfg.chunk_budget is None and self.predictor is not None:
+            log.info("chunked prefill: a budget of %d tokens per step, the largest whose step the predictor (%s) "
+                     "keeps within the contract's TBT target of %.0f ms", planner.token_budget, self.predictor.source,
+                     self.contract.slo_for(None).tbt_ms)
+        return planner
 
     def slo_class(self, name: str | None) -> str | None:
         """Check a request's SLO class against the contract (RequestError naming the classes when unknown)."""

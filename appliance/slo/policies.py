@@ -59,7 +59,8 @@ def build_planner(name: str, options: PolicyOptions, contract: Contract | None =
     if name == "chunked":
         budget = options.chunk_budget
         if budget is None:
-            budget = (tune_chunk_budget(predictor, contract.slo_for(None).tbt_ms)
+            cap = options.max_prefill_tokens
+            budget = (tune_chunk_budget(predictor, contract.slo_for(None).tbt_ms, lo=min(16, cap), hi=cap)
                       if predictor is not None and contract is not None else DEFAULT_CHUNK_BUDGET)
         return ChunkedPlanner(budget, options.max_prefill_tokens)
     if contract is None or predictor is None:

@@ -3,6 +3,7 @@ and loaded by the server's predictor, held-out errors, resuming an interrupted r
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 
 from appliance.bench.traces import load_trace
 from appliance.cli import app
+from appliance.config import ServeConfig
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
@@ -21,6 +23,7 @@ from appliance.multiplex.profiler import (NOISY_SPREAD, ProfileResult, StepTimer
 from appliance.predictor.calibrate import serving_factors
 from appliance.predictor.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.predictor.profile import load_predictor
+from appliance.slo.policies import tune_chunk_budget
 
 DATA = Path(__file__).parent.parent / "data"
 EMBEDDED = Path(__file__).resolve().parents[2] / "appliance" / "model_zoo" / "embedded"
@@ -204,3 +207,22 @@ def test_a_profile_whose_repeated_runs_disagree_is_called_noisy(tmp_path):
     busy = ProfileResult(tmp_path / "p.json", tmp_path / "p.json.samples.jsonl", spread=[0.01] * 8 + [0.3, 0.5])
     assert not calm.noisy and busy.noisy and busy.spread_median == pytest.approx(0.01)
     assert not ProfileResult(tmp_path / "p.json", tmp_path / "p.json.samples.jsonl").noisy  # nothing repeated
+
+
+def test_chunked_without_a_budget_is_tuned_from_the_profile(timer, llama_checkpoint, tmp_path, caplog):
+    """What `muxd serve --policy chunked --profile FILE` runs: the largest budget whose step the profile keeps within
+    the contract's TBT target; an explicit --chunk-budget, or no profile, keeps vLLM's --max-num-batched-tokens."""
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
+    out = tmp_path / "p.json"
+    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    path, _ = llama_checkpoint
+    common = dict(model=str(path), planner="chunked", max_num_batched_tokens=8192)
+    assert ServeConfig(**common, profile=str(out)).engine_config().chunk_budget is None
+    assert ServeConfig(**common).engine_config().chunk_budget == 8192
+    assert ServeConfig(**common, profile=str(out), chunk_budget=96).engine_config().chunk_budget == 96
+    with caplog.at_level(logging.INFO, logger="muxd.engine"):
+        engine = Engine.from_pretrained(path, config=ServeConfig(**common, profile=str(out)).engine_config())
+    predictor = load_predictor(out, engine.model.config, "cpu")
+    budget = engine.scheduler.planner.token_budget
+    assert budget == tune_chunk_budget(predictor, engine.contract.slo_for(None).tbt_ms, hi=8192)
+    assert 16 <= budget < 8192 and f"a budget of {budget} tokens" in caplog.text
