@@ -18,7 +18,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # the CUDA-core decode kernel is built for group sizes 1, 2, 4, 8; from 4 up the tensor-core path (the prefill
 # kernels) reads the KV faster (measured: 1.5x at batch 64, context 1k, group 4), and it takes any group (Qwen2.5-7B's 7)
-_CUDA_CORE_DECODE_GROUPS = (1, 2)
+CUDA_CORE_DECODE_GROUPS = (1, 2)
 
 
 def make_workspaces(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +48,7 @@ class FlashInferAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.dtype = dtype
         group = cfg.num_heads // cfg.num_kv_heads
-        self.decode_tensor_cores = (group not in _CUDA_CORE_DECODE_GROUPS if decode_tensor_cores is None
+        self.decode_tensor_cores = (group not in CUDA_CORE_DECODE_GROUPS if decode_tensor_cores is None
                                     else decode_tensor_cores)
         # (float, int) workspaces; graph backends of one stream share one pair: their replays never overlap
         self.workspace = (workspaces[0] if workspaces is not None

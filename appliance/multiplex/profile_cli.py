@@ -14,6 +14,7 @@ from rich.table import Table
 
 from appliance.config import ServeConfig
 from appliance.errors import ApplianceError, ConfigError
+from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.grid import Ranges, plan_points, reused_tokens
 
 
@@ -59,6 +60,9 @@ def profile_command(app: typer.Typer) -> None:
         calibrate_requests: int = typer.Option(200, help="Requests in the calibration replay (the trace's first)."),
         calibrate_trace: Optional[str] = typer.Option(None, help="Trace the calibration replays (default: --trace)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+        refit: Optional[Path] = typer.Option(None, help="Measure nothing: fit --out again from this samples log "
+                                             "(OUT.samples.jsonl of an earlier run, after the model's form "
+                                             "changed), keeping the serving block of the profile beside it."),
     ) -> None:
         """Profile this model on this GPU: solo prefill and decode on every SM partition, decode beside a prefill
         and mixed (chunked-prefill) steps, within a time budget; write the profile `muxd serve --policy mux --profile` loads.
@@ -74,6 +78,13 @@ def profile_command(app: typer.Typer) -> None:
                 raise ConfigError(f"--out {out}: give the profile file's path (e.g. llama-8b-h200.json)")
             if not out.parent.is_dir():
                 raise ConfigError(f"--out {out}: directory {out.parent} does not exist")
+            if refit is not None:
+                from appliance.multiplex.profiler import refit_profile
+
+                config = ModelConfig.from_file(ServeConfig(model=model).model_dir / "config.json")
+                result = refit_profile(refit, out, config, max_graph_batch=min(max_num_seqs, 256))
+                _report(result, budget_minutes=None)
+                return
             reserve = 0.0
             if calibrate_rate is not None:
                 calibrate_trace = calibrate_trace or trace
@@ -141,18 +152,7 @@ def profile_command(app: typer.Typer) -> None:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
         result.skipped_memory += too_big
-        table = Table(title=f"held-out error of the fitted predictor ({result.path})")
-        for col in ("phase", "samples", "mean error", "max error"):
-            table.add_column(col, justify="left" if col == "phase" else "right")
-        for kind in ("prefill", "decode", "contended", "mixed"):
-            if f"{kind}_n" in result.errors:
-                table.add_row(kind, f"{result.errors[kind + '_n']:.0f}", f"{result.errors[kind + '_mean']:.1%}",
-                              f"{result.errors[kind + '_max']:.1%}")
-        Console().print(table)
-        typer.echo(f"wrote {result.path}: {result.measured} samples measured, {result.resumed} resumed, "
-                   f"{result.skipped_budget} left out by the budget, {result.skipped_memory} larger than the KV pool, "
-                   f"{result.failed} not measurable, {result.revisited} repeated host-bound measurements; "
-                   f"{result.elapsed_s / 60:.1f} of {budget_minutes:g} minutes")
+        _report(result, budget_minutes)
         if result.spread:
             typer.echo(f"repeated points: their runs differ by {result.spread_median:.1%} at the median, "
                        f"{result.spread_p90:.1%} at the 90th percentile")
@@ -162,3 +162,22 @@ def profile_command(app: typer.Typer) -> None:
                             "work); the medians absorb some of it, but a profile taken on an idle machine fits "
                             "tighter", 
                             fg=typer.colors.YELLOW, err=True)
+
+
+def _report(result, budget_minutes: float | None) -> None:
+    """The held-out error table and what the run did (a refit: what it read)."""
+    table = Table(title=f"held-out error of the fitted predictor ({result.path})")
+    for col in ("phase", "samples", "mean error", "max error"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for kind in ("prefill", "decode", "contended", "mixed"):
+        if f"{kind}_n" in result.errors:
+            table.add_row(kind, f"{result.errors[kind + '_n']:.0f}", f"{result.errors[kind + '_mean']:.1%}",
+                          f"{result.errors[kind + '_max']:.1%}")
+    Console().print(table)
+    if budget_minutes is None:
+        typer.echo(f"wrote {result.path}: fitted again from the {result.resumed} samples of {result.samples_path}")
+        return
+    typer.echo(f"wrote {result.path}: {result.measured} samples measured, {result.resumed} resumed, "
+               f"{result.skipped_budget} left out by the budget, {result.skipped_memory} larger than the KV pool, "
+               f"{result.failed} not measurable, {result.revisited} repeated host-bound measurements; "
+               f"{result.elapsed_s / 60:.1f} of {budget_minutes:g} minutes")

@@ -21,13 +21,17 @@ import numpy as np
 import torch
 
 from appliance.engine.engine import Engine
+from appliance.engine.graphs import capture_sizes
+from appliance.model_zoo.config import ModelConfig
 from appliance.engine.request import Request, SamplingParams
 from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.errors import CapacityError, ConfigError
 from appliance.multiplex.partitions import Partition
+from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
-from appliance.predictor.profile import SERVING_RANGE, ProfileFile, build_profile, model_shape, save_profile
+from appliance.predictor.profile import (SERVING_RANGE, ProfileFile, build_profile, model_shape, read_profile,
+                                         save_profile)
 from appliance.predictor.roofline import DEVICES, device_spec
 from appliance.predictor.split import SLOPE_RANGE
 
@@ -59,6 +63,16 @@ class StepTimer:
     @property
     def decode_partitions(self) -> list[int]:
         return sorted(self._by_decode)
+
+    @property
+    def decode_plan(self) -> DecodePlan | None:
+        """What the decode attention kernel plans from, where the engine runs flashinfer's tensor-core decode (the
+        kernel the critical-path term models, decode_plan.py); None for any other decode."""
+        runner = self.engine.runner
+        if not self.cuda or not getattr(runner.backend, "decode_tensor_cores", False):
+            return None
+        sizes = tuple(capture_sizes(self.engine.max_graph_batch)) if runner.graphs is not None else ()
+        return DecodePlan(self.sm_count, self.engine.model.config.num_kv_heads, self.engine.kv_cache.page_size, sizes)
 
     def measure(self, point: Point) -> float | None:
         """Milliseconds of the point's step (median of repetitions; a decode beside prefill: the 90th percentile
@@ -246,8 +260,10 @@ def samples_path_for(out: Path) -> Path:
 
 
 def _header(timer: StepTimer, model_name: str) -> dict:
+    plan = timer.decode_plan
     return {"format": SAMPLES_FORMAT, "model": model_name, "shape": model_shape(timer.engine.model.config),
-            "gpu": timer.gpu_name, "sm_count": timer.sm_count, "decode_partitions": timer.decode_partitions}
+            "gpu": timer.gpu_name, "sm_count": timer.sm_count, "decode_partitions": timer.decode_partitions,
+            "decode_plan": plan.to_dict() if plan else None}
 
 
 def read_samples(path: Path, header: dict) -> dict[str, tuple[Point, float]]:
@@ -355,6 +371,7 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
     held = [(p, ms) for p, ms in done.values() if p.holdout]
     try:
         profile = build_profile(fit, model_name=model_name, model=timer.engine.model.config,
+                                decode_plan=timer.decode_plan,
                                 gpu_name=timer.gpu_name, sm_count=timer.sm_count,
                                 decode_partitions=timer.decode_partitions)
     except ConfigError as exc:
@@ -369,6 +386,47 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
     save_profile(profile, out)
     result.profile = profile
     result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_graph_batch: int = 256,
+                  page_size: int = 16) -> ProfileResult:
+    """Fit a profile again from a samples log, measuring nothing (after the model's form changed): the same fit,
+    held-out scoring and file as a run, keeping the serving block of the profile the log sits beside. A log that
+    predates recording the decode kernel's plan gets the one a GPU engine with these defaults would have run
+    (flashinfer's tensor-core decode for GQA groups of 3 or more, graphs up to `max_graph_batch`)."""
+    from appliance.attention.flashinfer_backend import CUDA_CORE_DECODE_GROUPS
+
+    lines = samples_path.read_text(encoding="utf-8").splitlines() if samples_path.is_file() else []
+    if not lines:
+        raise ConfigError(f"{samples_path}: no samples log to refit")
+    head = json.loads(lines[0])
+    if head.get("shape") != model_shape(model):
+        raise ConfigError(f"{samples_path}: measured for model shape {head.get('shape')}, not {model_shape(model)}")
+    done = read_samples(samples_path, head)
+    if "decode_plan" in head:
+        plan = DecodePlan.from_dict(head["decode_plan"]) if head["decode_plan"] else None
+    elif head["gpu"] != "cpu" and model.num_heads // model.num_kv_heads not in CUDA_CORE_DECODE_GROUPS:
+        plan = DecodePlan(head["sm_count"], model.num_kv_heads, page_size, tuple(capture_sizes(max_graph_batch)))
+    else:
+        plan = None
+    fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
+    held = [(p, ms) for p, ms in done.values() if p.holdout]
+    profile = build_profile(fit, model_name=head["model"], model=model, gpu_name=head["gpu"],
+                            sm_count=head["sm_count"], decode_partitions=head["decode_partitions"], decode_plan=plan)
+    result = ProfileResult(out, samples_path, resumed=len(done), profile=profile)
+    result.errors = held_out_errors(profile, model.num_layers, held)
+    profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
+    profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
+    stem = samples_path.name.removesuffix(".samples.jsonl")  # OUT.samples.jsonl, or NAME.samples.jsonl of NAME.json
+    for beside in (samples_path.with_name(stem), samples_path.with_name(stem + ".json")):
+        if beside.is_file() and beside.suffix == ".json":
+            try:
+                profile.serving = read_profile(beside).serving
+            except ConfigError as exc:
+                log.warning("%s: its serving block is not kept (%s)", beside, exc)
+            break
+    save_profile(profile, out)
     return result
 
 

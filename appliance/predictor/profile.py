@@ -11,12 +11,13 @@ import logging
 from pathlib import Path
 from typing import Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from appliance import __version__
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
 from appliance.predictor.solo import SoloModel, fit_error, fit_solo
@@ -56,8 +57,10 @@ class ProfileFile(_Model):
     gpu: GpuInfo
     decode_partitions: list[int]
     prefill: dict[str, list[float]]   # SM count -> a, b, c, d[, host floor h]
-    decode: dict[str, list[float]]    # SM count -> e, f, g
+    decode: dict[str, list[float]]    # SM count -> e, f, g[, k: per token on the kernel's critical path]
     mixed: list[float] | None = None  # a', b', c', e', d', h' of a mixed step on all SMs (None: not measured)
+    # what the decode attention kernel's plan depended on (decode_plan.py); None: k is not fitted
+    decode_plan: dict[str, int | list[int]] | None = None
     contention_default: float = Field(ge=1.0)
     contention: list[CellEntry] = []
     fit: dict[str, float] = {}        # relative errors of the fit on its samples
@@ -80,12 +83,30 @@ class ProfileFile(_Model):
     @field_validator("prefill", "decode")
     @classmethod
     def _coefficient_counts(cls, table: dict[str, list[float]], info) -> dict[str, list[float]]:
-        counts = (4, 5) if info.field_name == "prefill" else (3,)
+        counts = (4, 5) if info.field_name == "prefill" else (3, 4)
         for sms, coefficients in table.items():
             if len(coefficients) not in counts:
                 raise ValueError(f"{sms} SMs has {len(coefficients)} coefficients; expected "
                                  f"{' or '.join(map(str, counts))}")
         return table
+
+    @field_validator("decode_plan")
+    @classmethod
+    def _decode_plan(cls, raw: dict | None) -> dict | None:
+        if raw is not None:
+            try:
+                plan = DecodePlan.from_dict(raw)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"needs total_sms, kv_heads, page_size (and graph_sizes): {exc}") from None
+            if min(plan.total_sms, plan.kv_heads, plan.page_size) < 1:
+                raise ValueError(f"total_sms, kv_heads and page_size must be >= 1, got {raw}")
+        return raw
+
+    @model_validator(mode="after")
+    def _critical_path_needs_its_plan(self) -> "ProfileFile":
+        if self.decode_plan is None and any(len(v) == 4 for v in self.decode.values()):
+            raise ValueError("decode has a critical-path coefficient but the profile has no decode_plan")
+        return self
 
     @field_validator("mixed")
     @classmethod
@@ -97,7 +118,8 @@ class ProfileFile(_Model):
     def predictor(self, num_layers: int, source: str) -> Predictor:
         solo = SoloModel({int(k): tuple(v) for k, v in self.prefill.items()},
                          {int(k): tuple(v) for k, v in self.decode.items()},
-                         tuple(self.mixed) if self.mixed else None)
+                         tuple(self.mixed) if self.mixed else None,
+                         DecodePlan.from_dict(self.decode_plan) if self.decode_plan else None)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
@@ -112,9 +134,10 @@ def model_shape(cfg: ModelConfig) -> dict[str, int]:
 
 
 def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelConfig, gpu_name: str, sm_count: int,
-                  decode_partitions: Sequence[int]) -> ProfileFile:
-    """Fit the solo-run model per partition and the contention cells from measured samples."""
-    solo = fit_solo(samples)
+                  decode_partitions: Sequence[int], decode_plan: DecodePlan | None = None) -> ProfileFile:
+    """Fit the solo-run model per partition and the contention cells from measured samples (`decode_plan`: the
+    decode kernel's, when the engine that measured them ran it)."""
+    solo = fit_solo(samples, decode_plan)
     guard = ContentionGuard(default=1.0)
     for s in samples:
         if s.kind == "contended":
@@ -127,6 +150,7 @@ def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelCon
         prefill={str(k): list(v) for k, v in solo.prefill.items()},
         decode={str(k): list(v) for k, v in solo.decode.items()},
         mixed=list(solo.mixed) if solo.mixed else None,
+        decode_plan=decode_plan.to_dict() if decode_plan else None,
         contention_default=max(guard.cells.values(), default=1.0),
         contention=[CellEntry(cell=c, slowdown=v) for c, v in sorted(guard.cells.items())],
         fit={"prefill_max_rel_error": err.prefill_max, "prefill_mean_rel_error": err.prefill_mean,

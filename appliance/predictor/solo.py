@@ -1,6 +1,8 @@
 """The solo-run model of MuxWise, fitted by least squares per partition (SM count):
 prefill = max(h, a*sum(n^2) + b*sum(n*r) + c*sum(n) + d), decode = e*sum(r) + f*bs + g (n new, r reused tokens),
 and, where mixed steps were measured, mixed = max(h', a'*sum(n^2) + b'*sum(n*r) + c'*(sum(n) + bs) + e'*sum(r) + d').
+Where the decode attention kernel's plan is known (decode_plan.py), decode adds k*w, w the tokens on the critical path
+of its CTA waves on the partition: the kernel plans for the whole GPU, and some batches leave a last wave half empty.
 
 h is the host's floor: a short prefill runs its layers eagerly, and below some hundreds of tokens the host launching
 kernels, not the GPU running them, sets its time (MuxWise's model, fitted through such points, bends its GPU terms
@@ -16,10 +18,12 @@ from typing import Sequence
 import numpy as np
 
 from appliance.errors import ConfigError
+from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample, prefill_features
 
 PREFILL_TERMS = ("sum_n2", "sum_nr", "sum_n", "const")
 DECODE_TERMS = ("sum_r", "batch", "const")
+DECODE_PLAN_TERMS = (*DECODE_TERMS, "critical_path")
 MIXED_TERMS = ("sum_n2", "sum_nr", "sum_n+batch", "decode_sum_r", "const")
 
 
@@ -29,8 +33,9 @@ class SoloModel:
     (never optimistic); below the smallest, that one's latency scaled by the SM ratio."""
 
     prefill: dict[int, tuple[float, ...]]  # a, b, c, d[, h] (profiles without a floor have four)
-    decode: dict[int, tuple[float, ...]]
+    decode: dict[int, tuple[float, ...]]   # e, f, g[, k] (k: with a decode plan)
     mixed: tuple[float, ...] | None = None  # a', b', c', e', d', h' on all SMs; None: composed from the others
+    decode_plan: DecodePlan | None = None
     _keys: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -40,12 +45,17 @@ class SoloModel:
         self._keys["decode"] = sorted(self.decode)
 
     def _coefficients(self, kind: str, sms: int) -> tuple[tuple[float, ...], float]:
+        coefficients, scale, _ = self._partition(kind, sms)
+        return coefficients, scale
+
+    def _partition(self, kind: str, sms: int) -> tuple[tuple[float, ...], float, int]:
+        """The coefficients of the profiled partition standing in for `sms`, the scale on its time, its SMs."""
         keys = self._keys[kind]
         table = self.prefill if kind == "prefill" else self.decode
         i = bisect.bisect_right(keys, sms) - 1
         if i < 0:
-            return table[keys[0]], keys[0] / max(sms, 1)
-        return table[keys[i]], 1.0
+            return table[keys[0]], keys[0] / max(sms, 1), keys[0]
+        return table[keys[i]], 1.0, keys[i]
 
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int) -> float:
         if not items:
@@ -57,8 +67,9 @@ class SoloModel:
     def decode_ms(self, load: DecodeLoad, sms: int) -> float:
         if load.empty:
             return 0.0
-        (e, f, g), scale = self._coefficients("decode", sms)
-        return scale * (e * load.reused_tokens + f * load.batch_size + g)
+        (e, f, g, *k), scale, key = self._partition("decode", sms)
+        waves = k[0] * self.decode_plan.critical_tokens(load, key) if k and self.decode_plan else 0.0
+        return scale * (e * load.reused_tokens + f * load.batch_size + g + waves)
 
     def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad, sms: int) -> float:
         """The measured mixed model where there is one; else decode rows ride in the prefill's token batch: they cost
@@ -70,7 +81,7 @@ class SoloModel:
             a, b, c, e, d, h = self.mixed
             return max(h, a * n2 + b * nr + c * (n + load.batch_size) + e * load.reused_tokens + d)
         (a, b, c, d, *h), scale = self._coefficients("prefill", sms)
-        (e, _, g), dscale = self._coefficients("decode", sms)
+        (e, _, g, *_k), dscale = self._coefficients("decode", sms)
         gpu = scale * (a * n2 + b * nr + c * (n + load.batch_size) + max(d, g)) + dscale * e * load.reused_tokens
         return max([gpu, *(scale * x for x in h)])
 
@@ -91,18 +102,20 @@ class FitError:
     mixed_mean: float = 0.0
 
 
-def features(sample: Sample) -> list[float]:
+def features(sample: Sample, decode_plan: DecodePlan | None = None) -> list[float]:
     if sample.kind == "prefill":
         return [*prefill_features(sample.prefill), 1.0]
     if sample.kind == "mixed":
         n2, nr, n = prefill_features(sample.prefill)
         return [n2, nr, n + sample.decode.batch_size, float(sample.decode.reused_tokens), 1.0]
-    return [float(sample.decode.reused_tokens), float(sample.decode.batch_size), 1.0]
+    row = [float(sample.decode.reused_tokens), float(sample.decode.batch_size), 1.0]
+    return row + [decode_plan.critical_tokens(sample.decode, sample.sms)] if decode_plan else row
 
 
-def fit_solo(samples: Sequence[Sample]) -> SoloModel:
+def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None) -> SoloModel:
     """Least-squares fit per (phase, SM count) of solo samples (prefill and mixed with a host floor); each
-    partition needs at least as many distinct samples as terms. Mixed samples are optional."""
+    partition needs at least as many distinct samples as terms. Mixed samples are optional. With `decode_plan`,
+    decode also fits the critical path of the attention kernel's waves (where a partition has the samples for it)."""
     tables: dict[str, dict[int, tuple[float, ...]]] = {"prefill": {}, "decode": {}, "mixed": {}}
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in samples:
@@ -115,12 +128,13 @@ def fit_solo(samples: Sequence[Sample]) -> SoloModel:
                 continue  # too few to fit: the composed estimate stands
             raise ConfigError(f"{kind} on {sms} SMs has {len(group)} samples; the fit of {', '.join(terms)} needs "
                               f"at least {len(terms)}")
-        x = np.array([features(s) for s in group])
+        plan = decode_plan if kind == "decode" and len(group) >= len(DECODE_PLAN_TERMS) else None
+        x = np.array([features(s, plan) for s in group])
         y = np.array([s.ms for s in group])
         beta = _fit_with_floor(x, y) if kind != "decode" else tuple(_nonnegative_relative_lstsq(x, y))
         tables[kind][sms] = tuple(float(v) for v in beta)
     mixed = tables["mixed"][max(tables["mixed"])] if tables["mixed"] else None  # measured on all SMs only
-    return SoloModel(tables["prefill"], tables["decode"], mixed)
+    return SoloModel(tables["prefill"], tables["decode"], mixed, decode_plan)
 
 
 def _fit_with_floor(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:

@@ -15,11 +15,12 @@ from appliance.bench.traces import load_trace
 from appliance.cli import app
 from appliance.config import ServeConfig
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.graphs import capture_sizes
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.bench.traces import RequestSpec
 from appliance.multiplex.profiler import (NOISY_SPREAD, ProfileResult, StepTimer, calibrate_serving, read_samples,
-                                          run_profile, samples_path_for)
+                                          refit_profile, run_profile, samples_path_for)
 from appliance.predictor.calibrate import serving_factors
 from appliance.predictor.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.predictor.profile import load_predictor
@@ -27,6 +28,7 @@ from appliance.slo.policies import tune_chunk_budget
 
 DATA = Path(__file__).parent.parent / "data"
 EMBEDDED = Path(__file__).resolve().parents[2] / "appliance" / "model_zoo" / "embedded"
+REPO = Path(__file__).resolve().parents[2]
 SMALL = Ranges(prefill_new=(16, 48, 96), prefill_reused=(0, 64), decode_batch=(1, 4, 8), decode_context=(16, 64),
                contended_new=(32,), contended_batch=(4,), contended_context=(32,), mixed_new=(16, 32, 64),
                mixed_batch=(1, 4))
@@ -226,3 +228,39 @@ def test_chunked_without_a_budget_is_tuned_from_the_profile(timer, llama_checkpo
     budget = engine.scheduler.planner.token_budget
     assert budget == tune_chunk_budget(predictor, engine.contract.slo_for(None).tbt_ms, hi=8192)
     assert 16 <= budget < 8192 and f"a budget of {budget} tokens" in caplog.text
+
+
+def test_refit_fits_a_committed_gpu_log_again_with_the_decode_kernels_waves(tmp_path):
+    """`muxd profile --refit`: measures nothing, fits the log's samples with today's model form, keeps the serving
+    block of the profile beside the log; this log predates recording the plan, so it gets the H200 engine's."""
+    base = REPO / "docs/data/profile-llama-3.1-8b-h200-2026-11-22.json"
+    out = tmp_path / "refit.json"
+    log = base.with_suffix(".samples.jsonl")
+    result = CliRunner().invoke(app, ["profile", "-m", str(REPO / "configs/models/llama-3.1-8b"), "--out", str(out),
+                                      "--refit", str(log)])
+    assert result.exit_code == 0, result.output
+    assert "fitted again from the 467 samples" in result.output
+    old, new = json.loads(base.read_text()), json.loads(out.read_text())
+    assert new["decode_plan"] == {"total_sms": 132, "kv_heads": 8, "page_size": 16, "graph_sizes": capture_sizes(256)}
+    assert all(len(c) == 4 for c in new["decode"].values()) and new["serving"] == old["serving"]
+    assert new["prefill"].keys() == old["prefill"].keys()  # only decode's form changed
+    assert all(v == pytest.approx(old["prefill"][k], rel=1e-9) for k, v in new["prefill"].items())
+    assert new["fit"]["holdout_decode_max"] < old["fit"]["holdout_decode_max"]
+    wrong = CliRunner().invoke(app, ["profile", "--out", str(out), "--refit", str(log)])
+    assert wrong.exit_code == 2 and "measured for model shape" in wrong.output
+
+
+def test_refit_of_a_cpu_run_reproduces_its_profile(timer, tmp_path):
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=2)
+    out = tmp_path / "cpu.json"
+    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    assert json.loads(samples_path_for(out).read_text().splitlines()[0])["decode_plan"] is None  # no flashinfer
+    again = refit_profile(samples_path_for(out), tmp_path / "again.json", timer.engine.model.config)
+    first, second = json.loads(out.read_text()), json.loads((tmp_path / "again.json").read_text())
+    assert first["decode_plan"] is None and second["decode_plan"] is None
+    for key in ("prefill", "decode"):
+        assert first[key].keys() == second[key].keys()
+        assert all(v == pytest.approx(first[key][k], rel=1e-9, abs=1e-12) for k, v in second[key].items()), key
+    assert second["mixed"] == pytest.approx(first["mixed"], rel=1e-9, abs=1e-12)
+    assert again.errors == pytest.approx({k[len("holdout_"):]: v for k, v in first["fit"].items()
+                                          if k.startswith("holdout_")})
