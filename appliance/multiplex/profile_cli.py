@@ -65,8 +65,8 @@ def profile_command(app: typer.Typer) -> None:
                                              "changed), keeping the serving block of the profile beside it."),
     ) -> None:
         """Profile this model on this GPU: solo prefill and decode on every SM partition, decode beside a prefill
-        and mixed (chunked-prefill) steps, within a time budget; write the profile `muxd serve --policy mux --profile` loads.
-        Run it on an otherwise idle machine: short steps take their time from the host."""
+        and mixed (chunked-prefill) steps, within a time budget; write the profile `muxd serve --policy mux
+        --profile` loads. Run it on an otherwise idle machine: short steps take their time from the host."""
         started = time.perf_counter()
         console = Console(stderr=True)
         try:
@@ -160,8 +160,7 @@ def profile_command(app: typer.Typer) -> None:
                 typer.secho(f"warning: one repeated point in ten or more differs by over {NOISY_SPREAD:.0%} "
                             "between its runs: something else kept this host busy (another process, another GPU's "
                             "work); the medians absorb some of it, but a profile taken on an idle machine fits "
-                            "tighter", 
-                            fg=typer.colors.YELLOW, err=True)
+                            "tighter", fg=typer.colors.YELLOW, err=True)
 
 
 def _report(result, budget_minutes: float | None) -> None:

@@ -22,10 +22,10 @@ import torch
 
 from appliance.engine.engine import Engine
 from appliance.engine.graphs import capture_sizes
-from appliance.model_zoo.config import ModelConfig
 from appliance.engine.request import Request, SamplingParams
 from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.errors import CapacityError, ConfigError
+from appliance.model_zoo.config import ModelConfig
 from appliance.multiplex.partitions import Partition
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.grid import Point
@@ -440,6 +440,7 @@ def _revisit(timer: StepTimer, done: dict[str, tuple[Point, float]], measured: S
     short = [p for p in measured if p.kind in ("prefill", "mixed") and done[p.key][1] < REVISIT_MS]
     runs = {p.key: [done[p.key][1]] for p in short}
     extra = 0
+
     def spread() -> list[float]:
         return [max(r) / min(r) - 1.0 for r in runs.values() if len(r) > 1 and min(r) > 0]
 

@@ -72,7 +72,8 @@ def _critical_pages(batch: int, pages: int, pad: int, heads: int, limit: int, mi
             hi = mid
     chunks = math.ceil(pages / lo)
     last = pages - (chunks - 1) * lo
-    groups = [(batch * (chunks - 1) * heads, lo), (batch * heads, last), (pad * heads, 1)]  # (CTAs, pages), longest first
+    # (CTAs, pages each), longest first: whole chunks, each request's last chunk, the padding rows
+    groups = [(batch * (chunks - 1) * heads, lo), (batch * heads, last), (pad * heads, 1)]
     total, start = 0, 0
     for count, size in groups:
         if count:
