@@ -166,13 +166,14 @@ def profile_command(app: typer.Typer) -> None:
 def _report(result, budget_minutes: float | None) -> None:
     """The held-out error table and what the run did (a refit: what it read)."""
     table = Table(title=f"held-out error of the fitted predictor ({result.path})")
-    for col in ("phase", "samples", "mean error", "max error"):
-        table.add_column(col, justify="left" if col == "phase" else "right")
+    for col in ("phase", "samples", "mean error", "max error", "worst point: measured / predicted"):
+        table.add_column(col, justify="left" if col in ("phase", "worst point: measured / predicted") else "right")
     for kind in ("prefill", "decode", "contended", "mixed"):
         if f"{kind}_n" in result.errors:
             table.add_row(kind, f"{result.errors[kind + '_n']:.0f}", f"{result.errors[kind + '_mean']:.1%}",
-                          f"{result.errors[kind + '_max']:.1%}")
-    Console().print(table)
+                          f"{result.errors[kind + '_max']:.1%}", _describe(*result.worst[kind]) if kind in
+                          result.worst else "")
+    Console(width=160).print(table)
     if budget_minutes is None:
         typer.echo(f"wrote {result.path}: fitted again from the {result.resumed} samples of {result.samples_path}")
         return
@@ -180,3 +181,13 @@ def _report(result, budget_minutes: float | None) -> None:
                f"{result.skipped_budget} left out by the budget, {result.skipped_memory} larger than the KV pool, "
                f"{result.failed} not measurable, {result.revisited} repeated host-bound measurements; "
                f"{result.elapsed_s / 60:.1f} of {budget_minutes:g} minutes")
+
+
+def _describe(point, measured: float, predicted: float) -> str:
+    """A held-out point in words: what ran where, measured and predicted milliseconds."""
+    prompt = f"{point.new} new + {point.reused} cached tokens"
+    batch = f"batch {point.batch} x {point.context} tokens"
+    what = {"prefill": f"{point.sms} SMs, {prompt}", "decode": f"{point.sms} SMs, {batch}",
+            "contended": f"decode on {point.sms} SMs, {batch}, beside a prefill of {prompt}",
+            "mixed": f"all SMs, {prompt} with {batch}"}[point.kind]
+    return f"{what}: {measured:.1f} / {predicted:.1f} ms"

@@ -239,6 +239,7 @@ class ProfileResult:
     revisited: int = 0         # host-bound points measured again at later moments
     spread: list[float] = field(default_factory=list)  # per repeated point: its slowest run over its fastest, - 1
     errors: dict[str, float] = field(default_factory=dict)  # held-out errors by phase
+    worst: dict[str, tuple[Point, float, float]] = field(default_factory=dict)  # per phase: point, measured, predicted
     elapsed_s: float = 0.0
 
     @property
@@ -295,11 +296,11 @@ def read_samples(path: Path, header: dict) -> dict[str, tuple[Point, float]]:
     return out
 
 
-def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[Point, float]]) -> dict[str, float]:
-    """Mean and max relative error of the fitted predictor on held-out samples, per phase (contended: the guarded
-    worst case against the measured step)."""
+def held_out_predictions(profile: ProfileFile, num_layers: int,
+                         held: Sequence[tuple[Point, float]]) -> list[tuple[Point, float, float]]:
+    """(point, measured ms, predicted ms) for each held-out sample (contended: the guarded worst case)."""
     predictor: Predictor = profile.predictor(num_layers, "profile")
-    errs: dict[str, list[float]] = {"prefill": [], "decode": [], "contended": [], "mixed": []}
+    out = []
     for point, ms in held:
         if point.kind == "prefill":
             pred = predictor.prefill_solo_ms(point.items, point.sms)
@@ -309,6 +310,15 @@ def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[
             pred = predictor.mixed_ms(point.items, point.load)
         else:
             pred = predictor.decode_ms(point.load, point.sms, point.items)
+        out.append((point, ms, pred))
+    return out
+
+
+def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[Point, float]]) -> dict[str, float]:
+    """Mean and max relative error of the fitted predictor on held-out samples, per phase (contended: the guarded
+    worst case against the measured step)."""
+    errs: dict[str, list[float]] = {"prefill": [], "decode": [], "contended": [], "mixed": []}
+    for point, ms, pred in held_out_predictions(profile, num_layers, held):
         errs[point.kind].append((pred - ms) / ms)
     out = {}
     for kind, values in errs.items():
@@ -317,6 +327,17 @@ def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[
             out[f"{kind}_mean"], out[f"{kind}_max"] = float(a.mean()), float(a.max())
             out[f"{kind}_n"] = float(len(values))
     return out
+
+
+def worst_held_out(profile: ProfileFile, num_layers: int,
+                   held: Sequence[tuple[Point, float]]) -> dict[str, tuple[Point, float, float]]:
+    """Per phase, the held-out sample the predictor missed most: (point, measured ms, predicted ms)."""
+    worst: dict[str, tuple[Point, float, float]] = {}
+    for point, ms, pred in held_out_predictions(profile, num_layers, held):
+        seen = worst.get(point.kind)
+        if seen is None or abs(pred - ms) / ms > abs(seen[2] - seen[1]) / seen[1]:
+            worst[point.kind] = (point, ms, pred)
+    return worst
 
 
 def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_name: str, budget_s: float,
@@ -379,6 +400,7 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
                           f"measured are kept in {log_path}: run again with --resume, or a larger --budget-minutes"
                           ) from None
     result.errors = held_out_errors(profile, timer.engine.model.config.num_layers, held)
+    result.worst = worst_held_out(profile, timer.engine.model.config.num_layers, held)
     profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
     profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
     if result.spread:
@@ -416,6 +438,7 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
                             sm_count=head["sm_count"], decode_partitions=head["decode_partitions"], decode_plan=plan)
     result = ProfileResult(out, samples_path, resumed=len(done), profile=profile)
     result.errors = held_out_errors(profile, model.num_layers, held)
+    result.worst = worst_held_out(profile, model.num_layers, held)
     profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
     profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
     stem = samples_path.name.removesuffix(".samples.jsonl")  # OUT.samples.jsonl, or NAME.samples.jsonl of NAME.json

@@ -239,7 +239,7 @@ def test_refit_fits_a_committed_gpu_log_again_with_the_decode_kernels_waves(tmp_
     result = CliRunner().invoke(app, ["profile", "-m", str(REPO / "configs/models/llama-3.1-8b"), "--out", str(out),
                                       "--refit", str(log)])
     assert result.exit_code == 0, result.output
-    assert "fitted again from the 467 samples" in result.output
+    assert "fitted again from the 467 samples" in result.output and "worst point: measured / predicted" in result.output
     old, new = json.loads(base.read_text()), json.loads(out.read_text())
     assert new["decode_plan"] == {"total_sms": 132, "kv_heads": 8, "page_size": 16, "graph_sizes": capture_sizes(256)}
     assert all(len(c) == 4 for c in new["decode"].values()) and new["serving"] == old["serving"]
@@ -264,3 +264,8 @@ def test_refit_of_a_cpu_run_reproduces_its_profile(timer, tmp_path):
     assert second["mixed"] == pytest.approx(first["mixed"], rel=1e-9, abs=1e-12)
     assert again.errors == pytest.approx({k[len("holdout_"):]: v for k, v in first["fit"].items()
                                           if k.startswith("holdout_")})
+    # the point each phase missed most, with what was measured and predicted (printed by muxd profile)
+    assert set(again.worst) == {"prefill", "decode", "mixed"}
+    for kind, (point, measured, predicted) in again.worst.items():
+        assert point.kind == kind and point.holdout
+        assert abs(predicted - measured) / measured == pytest.approx(again.errors[f"{kind}_max"])
