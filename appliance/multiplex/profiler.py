@@ -422,7 +422,13 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
     lines = samples_path.read_text(encoding="utf-8").splitlines() if samples_path.is_file() else []
     if not lines:
         raise ConfigError(f"{samples_path}: no samples log to refit")
-    head = json.loads(lines[0])
+    try:
+        head = json.loads(lines[0])
+    except json.JSONDecodeError:
+        head = None
+    if not isinstance(head, dict) or head.get("format") != SAMPLES_FORMAT or not all(
+            k in head for k in ("model", "gpu", "sm_count", "decode_partitions")):
+        raise ConfigError(f"{samples_path}: not a muxd profile samples log (its first line is not the header)")
     if head.get("shape") != model_shape(model):
         raise ConfigError(f"{samples_path}: measured for model shape {head.get('shape')}, not {model_shape(model)}")
     done = read_samples(samples_path, head)

@@ -248,6 +248,12 @@ def test_refit_fits_a_committed_gpu_log_again_with_the_decode_kernels_waves(tmp_
     assert new["fit"]["holdout_decode_max"] < old["fit"]["holdout_decode_max"]
     wrong = CliRunner().invoke(app, ["profile", "--out", str(out), "--refit", str(log)])
     assert wrong.exit_code == 2 and "measured for model shape" in wrong.output
+    for text, message in (("", "no samples log to refit"), ("not json\n", "not a muxd profile samples log"),
+                          ('{"format": "muxd-profile-samples"}\n', "not a muxd profile samples log")):
+        bad = tmp_path / "bad.samples.jsonl"
+        bad.write_text(text)
+        result = CliRunner().invoke(app, ["profile", "--out", str(out), "--refit", str(bad)])
+        assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_refit_of_a_cpu_run_reproduces_its_profile(timer, tmp_path):
