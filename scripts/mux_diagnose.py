@@ -79,7 +79,7 @@ def main() -> None:
           "index": t.index} for t in result.timelines]))
     stats = getattr(engine.scheduler.planner, "stats", None)
     print(f"{args.policy}: {len(specs)} requests at {args.rate} req/s, {len(steps)} steps, "
-          f"{torch.cuda.get_device_name() if cuda else 'cpu'}")
+          f"{gpu}")
     for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms"):
         print(f"  {k} {summary.get(k, float('nan')):.1f}")
     print("  modes", Counter(s["mode"] for s in steps))

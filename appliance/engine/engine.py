@@ -26,7 +26,7 @@ from appliance.errors import CapacityError, ConfigError, RequestError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
 from appliance.model_zoo.tokenizer import Tokenizer
-from appliance.predictor.workload import DecodeLoad, PrefillItem
+from appliance.predictor.workload import decode_load, prefill_items
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for prompt + max_tokens over the context
@@ -169,14 +169,15 @@ class Engine:
         cfg = self.config
         self.contract = load_contract(cfg.slo) if cfg.slo else default_contract()
         self.predictor = None
-        if cfg.planner == "mux" or (cfg.planner == "chunked" and cfg.chunk_budget is None and cfg.profile):
+        tune_chunks = cfg.planner == "chunked" and cfg.chunk_budget is None and cfg.profile is not None
+        if cfg.planner == "mux" or tune_chunks:
             gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             self.predictor = load_predictor(cfg.profile, self.model.config, gpu)
         options = PolicyOptions(max_prefill_tokens=cfg.max_prefill_tokens, layers_per_step=cfg.layers_per_step,
                                 chunk_budget=cfg.chunk_budget, preemption=cfg.preemption,
                                 layerwise_decode_sms=cfg.layerwise_decode_sms)
         planner = build_planner(cfg.planner, options, self.contract, self.predictor)
-        if cfg.planner == "chunked" and cfg.chunk_budget is None and self.predictor is not None:
+        if tune_chunks:
             log.info("chunked prefill: a budget of %d tokens per step, the largest whose step the predictor (%s) "
                      "keeps within the contract's TBT target of %.0f ms", planner.token_budget, self.predictor.source,
                      self.contract.slo_for(None).tbt_ms)
@@ -345,16 +346,15 @@ class Engine:
         batch's contexts."""
         finished, self._prefills_mark = self.executor.prefills_since(self._prefills_mark)
         observe_prefill = getattr(self.scheduler.planner, "observe_prefill", None)
-        for obs in finished if observe_prefill is not None else ():
-            if obs.beside_decode:  # (on all SMs nothing runs beside it: the predictor keeps to partitions)
-                observe_prefill([PrefillItem(w.num_tokens, w.token_start) for w in obs.works], obs.layers,
-                                obs.prefill_sms, obs.ms)
+        if observe_prefill is not None:
+            for obs in finished:
+                if obs.beside_decode:  # (on all SMs nothing runs beside it: the predictor keeps to partitions)
+                    observe_prefill(prefill_items(obs.works), obs.layers, obs.prefill_sms, obs.ms)
         seen, observe = self.executor.last_decode, getattr(self.scheduler.planner, "observe_decode", None)
         if seen is None or not seen.concurrent or observe is None:
             return
-        requests = self.scheduler.requests
-        load = DecodeLoad(len(plan.decode), sum(requests[rid].num_tokens - 1 for rid in plan.decode))
-        observe(load, seen.decode_sms, [PrefillItem(w.num_tokens, w.token_start) for w in seen.concurrent], seen.ms)
+        observe(decode_load(self.scheduler.requests, plan.decode), seen.decode_sms, prefill_items(seen.concurrent),
+                seen.ms)
 
     def _merge(self, done: list) -> list[RequestOutput]:
         """Record prefill works whose layers have all run; a prompt's last chunk brings its first token."""

@@ -30,10 +30,9 @@ from appliance.multiplex.partitions import Partition
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
-from appliance.predictor.profile import (SERVING_RANGE, ProfileFile, build_profile, model_shape, read_profile,
-                                         save_profile)
+from appliance.predictor.profile import (ProfileFile, build_profile, model_shape, read_profile, save_profile,
+                                         serving_range)
 from appliance.predictor.roofline import DEVICES, device_spec
-from appliance.predictor.split import SLOPE_RANGE
 
 log = logging.getLogger("muxd.profile")
 SAMPLES_FORMAT = "muxd-profile-samples"
@@ -296,11 +295,13 @@ def read_samples(path: Path, header: dict) -> dict[str, tuple[Point, float]]:
     return out
 
 
-def held_out_predictions(profile: ProfileFile, num_layers: int,
-                         held: Sequence[tuple[Point, float]]) -> list[tuple[Point, float, float]]:
-    """(point, measured ms, predicted ms) for each held-out sample (contended: the guarded worst case)."""
+def score_held_out(profile: ProfileFile, num_layers: int, held: Sequence[tuple[Point, float]]
+                   ) -> tuple[dict[str, float], dict[str, tuple[Point, float, float]]]:
+    """The fitted predictor on held-out samples, per phase (contended: the guarded worst case against the measured
+    step): mean and max relative error, and the sample it missed most (point, measured ms, predicted ms)."""
     predictor: Predictor = profile.predictor(num_layers, "profile")
-    out = []
+    rows: dict[str, list[tuple[float, Point, float, float]]] = {"prefill": [], "decode": [], "contended": [],
+                                                                 "mixed": []}
     for point, ms in held:
         if point.kind == "prefill":
             pred = predictor.prefill_solo_ms(point.items, point.sms)
@@ -310,34 +311,29 @@ def held_out_predictions(profile: ProfileFile, num_layers: int,
             pred = predictor.mixed_ms(point.items, point.load)
         else:
             pred = predictor.decode_ms(point.load, point.sms, point.items)
-        out.append((point, ms, pred))
-    return out
+        rows[point.kind].append((abs(pred - ms) / ms, point, ms, pred))
+    out, worst = {}, {}
+    for kind, scored in rows.items():
+        if scored:
+            top = max(scored, key=lambda row: row[0])
+            out[f"{kind}_mean"], out[f"{kind}_max"] = float(np.mean([row[0] for row in scored])), float(top[0])
+            out[f"{kind}_n"] = float(len(scored))
+            worst[kind] = top[1:]
+    return out, worst
 
 
-def held_out_errors(profile: ProfileFile, num_layers: int, held: Sequence[tuple[Point, float]]) -> dict[str, float]:
-    """Mean and max relative error of the fitted predictor on held-out samples, per phase (contended: the guarded
-    worst case against the measured step)."""
-    errs: dict[str, list[float]] = {"prefill": [], "decode": [], "contended": [], "mixed": []}
-    for point, ms, pred in held_out_predictions(profile, num_layers, held):
-        errs[point.kind].append((pred - ms) / ms)
-    out = {}
-    for kind, values in errs.items():
-        if values:
-            a = np.abs(values)
-            out[f"{kind}_mean"], out[f"{kind}_max"] = float(a.mean()), float(a.max())
-            out[f"{kind}_n"] = float(len(values))
-    return out
-
-
-def worst_held_out(profile: ProfileFile, num_layers: int,
-                   held: Sequence[tuple[Point, float]]) -> dict[str, tuple[Point, float, float]]:
-    """Per phase, the held-out sample the predictor missed most: (point, measured ms, predicted ms)."""
-    worst: dict[str, tuple[Point, float, float]] = {}
-    for point, ms, pred in held_out_predictions(profile, num_layers, held):
-        seen = worst.get(point.kind)
-        if seen is None or abs(pred - ms) / ms > abs(seen[2] - seen[1]) / seen[1]:
-            worst[point.kind] = (point, ms, pred)
-    return worst
+def _fit_profile(result: "ProfileResult", done: dict[str, tuple[Point, float]], model: ModelConfig, **header
+                 ) -> ProfileFile:
+    """Fit the profile of `done`'s samples (the held-out ones scored, never fitted) into `result`; `header`: what
+    build_profile takes besides the samples and the model."""
+    fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
+    held = [(p, ms) for p, ms in done.values() if p.holdout]
+    profile = build_profile(fit, model=model, **header)
+    result.errors, result.worst = score_held_out(profile, model.num_layers, held)
+    profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
+    profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
+    result.profile = profile
+    return profile
 
 
 def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_name: str, budget_s: float,
@@ -388,25 +384,17 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
             if on_point:
                 on_point(point, ms)
         result.revisited, result.spread = _revisit(timer, done, measured_now, cost, deadline, f)
-    fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
-    held = [(p, ms) for p, ms in done.values() if p.holdout]
     try:
-        profile = build_profile(fit, model_name=model_name, model=timer.engine.model.config,
-                                decode_plan=timer.decode_plan,
-                                gpu_name=timer.gpu_name, sm_count=timer.sm_count,
-                                decode_partitions=timer.decode_partitions)
+        profile = _fit_profile(result, done, timer.engine.model.config, model_name=model_name,
+                               gpu_name=timer.gpu_name, sm_count=timer.sm_count,
+                               decode_partitions=timer.decode_partitions, decode_plan=timer.decode_plan)
     except ConfigError as exc:
         raise ConfigError(f"the budget ran out before the fit had its samples ({exc}); the {len(done)} samples "
                           f"measured are kept in {log_path}: run again with --resume, or a larger --budget-minutes"
                           ) from None
-    result.errors = held_out_errors(profile, timer.engine.model.config.num_layers, held)
-    result.worst = worst_held_out(profile, timer.engine.model.config.num_layers, held)
-    profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
-    profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
     if result.spread:
         profile.fit["repeat_spread_median"], profile.fit["repeat_spread_p90"] = result.spread_median, result.spread_p90
     save_profile(profile, out)
-    result.profile = profile
     result.elapsed_s = time.perf_counter() - started
     return result
 
@@ -438,15 +426,9 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
         plan = DecodePlan(head["sm_count"], model.num_kv_heads, page_size, tuple(capture_sizes(max_graph_batch)))
     else:
         plan = None
-    fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
-    held = [(p, ms) for p, ms in done.values() if p.holdout]
-    profile = build_profile(fit, model_name=head["model"], model=model, gpu_name=head["gpu"],
-                            sm_count=head["sm_count"], decode_partitions=head["decode_partitions"], decode_plan=plan)
-    result = ProfileResult(out, samples_path, resumed=len(done), profile=profile)
-    result.errors = held_out_errors(profile, model.num_layers, held)
-    result.worst = worst_held_out(profile, model.num_layers, held)
-    profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
-    profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))
+    result = ProfileResult(out, samples_path, resumed=len(done))
+    profile = _fit_profile(result, done, model, model_name=head["model"], gpu_name=head["gpu"],
+                           sm_count=head["sm_count"], decode_partitions=head["decode_partitions"], decode_plan=plan)
     stem = samples_path.name.removesuffix(".samples.jsonl")  # OUT.samples.jsonl, or NAME.samples.jsonl of NAME.json
     for beside in (samples_path.with_name(stem), samples_path.with_name(stem + ".json")):
         if beside.is_file() and beside.suffix == ".json":
@@ -574,7 +556,7 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
         prefills += log_.prefills
     factors = serving_factors(steps, predictor, prefills)
     for phase, factor in list(factors.items()):
-        lo, hi = SLOPE_RANGE if phase.endswith("_per_1k") else SERVING_RANGE
+        lo, hi = serving_range(phase)
         if not lo <= factor <= hi:
             log.warning("calibration: %s came out %.3g while serving; not kept (outside %g..%g: the profile does "
                         "not describe this engine)", phase, factor, lo, hi)

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from appliance.predictor.predictor import Predictor
-from appliance.predictor.workload import DecodeLoad, PrefillItem
+from appliance.predictor.workload import decode_load, prefill_items
 
 
 class StepLog:
@@ -60,7 +60,7 @@ class StepLog:
     def _collect_prefills(self) -> None:
         finished, self._seen = self.engine.executor.prefills_since(self._seen)
         for obs in finished:
-            items = [PrefillItem(w.num_tokens, w.token_start) for w in obs.works]
+            items = prefill_items(obs.works)
             row: dict[str, Any] = {"ms": obs.ms, "prefill_sms": obs.prefill_sms, "layers": obs.layers,
                                    "beside": obs.beside_decode, "items": [[i.new, i.reused] for i in items]}
             if self.predictor is not None:
@@ -73,15 +73,15 @@ class StepLog:
         if self.predictor is None or not plan.decode:
             return {}
         p = self.predictor
-        load = DecodeLoad(len(plan.decode), sum(requests[i].num_tokens - 1 for i in plan.decode))
+        load = decode_load(requests, plan.decode)
         row: dict[str, Any] = {"ctx": load.reused_tokens}
         if plan.mixed:
-            items = [PrefillItem(w.num_tokens, w.token_start) for w in plan.prefill]
+            items = prefill_items(plan.prefill)
             row.update(pred_ms=p.mixed_ms(items, load), items=[[i.new, i.reused] for i in items])
             return row
         obs = self.engine.executor.last_decode
         if obs is not None:
-            beside = [PrefillItem(w.num_tokens, w.token_start) for w in obs.concurrent]
+            beside = prefill_items(obs.concurrent)
             row.update(obs_ms=obs.ms, beside=len(beside),
                        pred_ms=p.decode_ms(load, obs.decode_sms, beside) if beside else p.decode_ms(load))
         return row

@@ -29,6 +29,11 @@ FORMAT, VERSION = "muxd-profile", 1
 SERVING_RANGE = FACTOR_RANGE  # serving time / profiled time a profile may keep
 
 
+def serving_range(phase: str) -> tuple[float, float]:
+    """What a profile's serving block may hold for `phase`: a slope per 1k tokens of span, or a factor."""
+    return SLOPE_RANGE if phase.endswith("_per_1k") else SERVING_RANGE
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -74,7 +79,7 @@ class ProfileFile(_Model):
     @classmethod
     def _serving_factors(cls, factors: dict[str, float]) -> dict[str, float]:
         for phase, factor in factors.items():
-            lo, hi = SLOPE_RANGE if phase.endswith("_per_1k") else SERVING_RANGE
+            lo, hi = serving_range(phase)
             if not lo <= factor <= hi:
                 raise ValueError(f"{phase} factor {factor} is outside {lo:g}..{hi:g} "
                                  "(serving time / profiled time)")

@@ -20,7 +20,7 @@ from appliance.engine.kv_cache import PagePool, PageTable
 from appliance.engine.request import Request, RequestStatus, SamplingParams
 from appliance.engine.scheduler import Planner, PrefillWork, Scheduler, StepPlan
 from appliance.errors import CapacityError, ConfigError
-from appliance.predictor.workload import DecodeLoad, PrefillItem
+from appliance.predictor.workload import DecodeLoad, PrefillItem, decode_load, prefill_items
 
 SAMPLED_TOKEN = 0  # every simulated output token; only counts and times matter
 
@@ -207,7 +207,7 @@ class Simulator:
         total = 0.0
         observe_prefill = getattr(self.planner, "observe_prefill", None) if observe else None
         for (start, end), group in groupby(works, key=lambda w: (w.layer_start, w.layer_end)):
-            items = [PrefillItem(w.num_tokens, w.token_start) for w in group]
+            items = prefill_items(group)
             ms = self.timer.prefill_ms(items, sms) * (end - start) / self.timer.num_layers
             if observe_prefill is not None and sms is not None and sms < self.timer.sm_count:
                 observe_prefill(items, end - start, sms, ms)
@@ -215,15 +215,14 @@ class Simulator:
         return total
 
     def _load(self, plan: StepPlan) -> DecodeLoad:
-        reqs = self.sched.requests
-        return DecodeLoad(len(plan.decode), sum(reqs[rid].num_tokens - 1 for rid in plan.decode))
+        return decode_load(self.sched.requests, plan.decode)
 
     def _run_all_sms(self, plan: StepPlan) -> None:
         """Decode and prefill on all SMs, after the prefill stream drains; everything completes at the end."""
         start = max(self.clock.now, self.stream[-1].end if self.stream else 0.0)
         self._complete_until(start)
         if plan.mixed:
-            items = [PrefillItem(w.num_tokens, w.token_start) for w in plan.prefill]
+            items = prefill_items(plan.prefill)
             duration = self.timer.mixed_ms(items, self._load(plan))
         else:
             duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
@@ -239,7 +238,7 @@ class Simulator:
         if plan.prefill:
             start = max(now, self.stream[-1].end if self.stream else now)
             duration = self._prefill_ms(plan.prefill, plan.prefill_sms, observe=bool(plan.decode))
-            items = tuple(PrefillItem(w.num_tokens, w.token_start) for w in plan.prefill)
+            items = prefill_items(plan.prefill)
             self.stream.append(_Launch(start, start + duration / 1e3, plan.prefill, items))
         if not plan.decode:
             self._wait()

@@ -44,10 +44,6 @@ class SoloModel:
         self._keys["prefill"] = sorted(self.prefill)
         self._keys["decode"] = sorted(self.decode)
 
-    def _coefficients(self, kind: str, sms: int) -> tuple[tuple[float, ...], float]:
-        coefficients, scale, _ = self._partition(kind, sms)
-        return coefficients, scale
-
     def _partition(self, kind: str, sms: int) -> tuple[tuple[float, ...], float, int]:
         """The coefficients of the profiled partition standing in for `sms`, the scale on its time, its SMs."""
         keys = self._keys[kind]
@@ -60,7 +56,7 @@ class SoloModel:
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int) -> float:
         if not items:
             return 0.0
-        (a, b, c, d, *h), scale = self._coefficients("prefill", sms)
+        (a, b, c, d, *h), scale, _ = self._partition("prefill", sms)
         n2, nr, n = prefill_features(items)
         return scale * max([a * n2 + b * nr + c * n + d, *h])
 
@@ -80,8 +76,8 @@ class SoloModel:
         if self.mixed is not None:
             a, b, c, e, d, h = self.mixed
             return max(h, a * n2 + b * nr + c * (n + load.batch_size) + e * load.reused_tokens + d)
-        (a, b, c, d, *h), scale = self._coefficients("prefill", sms)
-        (e, _, g, *_k), dscale = self._coefficients("decode", sms)
+        (a, b, c, d, *h), scale, _ = self._partition("prefill", sms)
+        (e, _, g, *_k), dscale, _ = self._partition("decode", sms)
         gpu = scale * (a * n2 + b * nr + c * (n + load.batch_size) + max(d, g)) + dscale * e * load.reused_tokens
         return max([gpu, *(scale * x for x in h)])
 

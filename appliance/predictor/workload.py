@@ -5,7 +5,7 @@ interface every model (roofline prior, fitted solo-run model) implements.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Iterable, Literal, Mapping, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,17 @@ class LatencyModel(Protocol):
 
     def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad, sms: int) -> float:
         """One forward holding the decode rows and the prefill chunks together (aggregated, Sarathi-style)."""
+
+
+def prefill_items(works: Iterable) -> tuple[PrefillItem, ...]:
+    """The prefill items of scheduled works (anything with `num_tokens` computed after `token_start` cached ones)."""
+    return tuple(PrefillItem(w.num_tokens, w.token_start) for w in works)
+
+
+def decode_load(requests: Mapping, ids: Iterable[str]) -> DecodeLoad:
+    """The decode batch of requests `ids`: each reads its tokens so far, less the one it decodes from."""
+    ids = tuple(ids)
+    return DecodeLoad(len(ids), sum(requests[rid].num_tokens - 1 for rid in ids))
 
 
 def prefill_features(items: Sequence[PrefillItem]) -> tuple[float, float, float]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import PrefillWork, Scheduler, StepPlan, _reserve_all
 from appliance.predictor.predictor import Predictor
-from appliance.predictor.workload import DecodeLoad, PrefillItem
+from appliance.predictor.workload import DecodeLoad, PrefillItem, decode_load
 from appliance.slo.admission import Deadlines, reorder
 from appliance.slo.contract import Contract
 
@@ -248,7 +248,7 @@ class MuxPlanner:
         return self._deadlines
 
     def _load(self, sched: Scheduler, decode: tuple[str, ...]) -> DecodeLoad:
-        return DecodeLoad(len(decode), sum(sched.requests[rid].num_tokens - 1 for rid in decode))
+        return decode_load(sched.requests, decode)
 
     def _tbt_ms(self, sched: Scheduler, decode: tuple[str, ...]) -> float:
         dl = self._dl(sched)
