@@ -13,35 +13,17 @@ import json
 import torch
 
 from appliance.model_zoo.config import ModelConfig
+from appliance.multiplex.gemm_probe import time_gemms
 from appliance.multiplex.partitions import PartitionSet
 
 
-def layer_weights(cfg: ModelConfig, device: str) -> list[torch.Tensor]:
+def layer_linears(cfg: ModelConfig, device: str) -> list[torch.nn.Linear]:
+    """One layer's GEMMs (QKV, O, gate+up, down) with random bf16 weights."""
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
-    shapes = [(q + 2 * kv, cfg.hidden_size), (cfg.hidden_size, q), (2 * cfg.intermediate_size, cfg.hidden_size),
-              (cfg.hidden_size, cfg.intermediate_size)]
-    return [torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02 for s in shapes]
-
-
-def time_layer(weights: list[torch.Tensor], tokens: int, stream: torch.cuda.Stream, iters: int, pad: int = 1) -> float:
-    """Milliseconds of one layer's GEMMs for `tokens` rows (padded up to a multiple of `pad`) on `stream` (median of
-    `iters` timed runs)."""
-    rows = -(-tokens // pad) * pad
-    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=w.device, dtype=torch.bfloat16) for w in weights}
-    times = []
-    with torch.cuda.stream(stream):
-        for i in range(iters + 3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            for w in weights:
-                torch.nn.functional.linear(x[w.shape[1]], w)
-            end.record(stream)
-            end.synchronize()
-            if i >= 3:
-                times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    shapes = [(cfg.hidden_size, q + 2 * kv), (q, cfg.hidden_size), (cfg.hidden_size, 2 * cfg.intermediate_size),
+              (cfg.intermediate_size, cfg.hidden_size)]
+    return [torch.nn.Linear(i, o, bias=False, device=device, dtype=torch.bfloat16) for i, o in shapes]
 
 
 def main() -> None:
@@ -66,14 +48,18 @@ def main() -> None:
     if missing:
         raise SystemExit(f"no prefill partition of {missing} SMs; this GPU offers {sorted(streams)}")
     a, b, c = (int(v) for v in args.tokens.split(":"))
-    weights = layer_weights(cfg, "cuda")
+    linears = layer_linears(cfg, "cuda")
+    inputs = {w: torch.randn(-(-b // args.pad) * args.pad, w, device="cuda", dtype=torch.bfloat16)
+              for w in {x.in_features for x in linears}}
     rows = []
     for tokens in range(a, b + 1, c):
         row = {"tokens": tokens}
         for sms in wanted:
             if args.target_sms:
                 torch._C._set_sm_carveout_experimental(parts.total_sms - sms)
-            row[str(sms)] = time_layer(weights, tokens, streams[sms], args.iters, args.pad)
+            with torch.inference_mode():
+                row[str(sms)] = time_gemms(linears, inputs, -(-tokens // args.pad) * args.pad, streams[sms],
+                                           args.iters)
         rows.append(row)
     print(f"{torch.cuda.get_device_name(0)}: one layer's GEMMs of {args.model}, ms (and us per token); "
           f"rows padded to a multiple of {args.pad}, BLAS {args.blas}"

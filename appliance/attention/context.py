@@ -63,7 +63,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     ctx = _context
     if ctx is None:
         raise RuntimeError("paged_attention called outside forward_context(); the runner sets it around forwards")
-    return ctx.backend.forward(q, k, v, ctx.kv_cache[ctx.layer], ctx.metadata)
+    rows, tokens = q.shape[0], ctx.metadata.num_tokens
+    if rows == tokens:
+        return ctx.backend.forward(q, k, v, ctx.kv_cache[ctx.layer], ctx.metadata)
+    if rows < tokens:
+        raise RuntimeError(f"attention got {rows} rows for a batch of {tokens} tokens")
+    # rows past the batch's tokens pad the GEMMs to a cheaper size (runner): no KV, zero output
+    out = ctx.backend.forward(q[:tokens], k[:tokens], v[:tokens], ctx.kv_cache[ctx.layer], ctx.metadata)
+    return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, rows - tokens))
 
 
 @torch.library.custom_op("muxd::paged_attention", mutates_args=())

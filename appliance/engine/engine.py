@@ -137,6 +137,8 @@ class Engine:
             self.startup["graph_memory_bytes"] = self.executor.graph_memory_bytes()
         if self.predictor is not None and self.executor.multiplexed:
             self.predictor.decode_partitions = [p.decode_sms for p in self.partitions.splits]
+        if self.predictor is not None and self.predictor.gemm is not None:  # the profile's GEMM row buckets
+            self.executor.pad_prefills(self.predictor.gemm, config.max_prefill_tokens, self.predictor.sm_count)
         graphs = self.runner.graphs
         log.info("engine: attention %s, compiled %s, decode graphs %s, %s, %d KV pages of %d tokens",
                  self.runner.backend_name, self.compiled,

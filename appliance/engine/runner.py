@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Callable
 
 import numpy as np
 import torch
@@ -176,9 +177,10 @@ class ModelRunner:
         return [ids[i] for i in picked], self._logits_at(hidden, residual, batch.last_rows[picked])
 
     def prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
-                backend: AttentionBackend | None = None) -> Logits:
+                backend: AttentionBackend | None = None, pad_rows: Callable[[int], int] | None = None) -> Logits:
         """Layers [start, end) of the works' token chunks on the current stream; logits of the chunks that end their
-        prompt once the last layer has run (activations of unfinished ranges wait in the runner)."""
+        prompt once the last layer has run (activations of unfinished ranges wait in the runner). `pad_rows` maps
+        the token count to the rows the layers run (the executor's GEMM buckets; the padding rows are dropped)."""
         reqs = [requests[w.request_id] for w in works]
         spans = [(w.token_start, w.token_end) for w in works]
         carried = None
@@ -190,7 +192,7 @@ class ModelRunner:
             carried = (torch.cat([p.hidden for p in partials]),
                        None if partials[0].residual is None else torch.cat([p.residual for p in partials]))
         batch = self.batches.build(reqs, spans, with_ids=carried is None)
-        hidden, residual = self._layers(batch, start, end, carried, reqs, backend)
+        hidden, residual = self._layers(batch, start, end, carried, reqs, backend, pad_rows)
         if end < self.num_layers:
             sizes = [w.num_tokens for w in works]
             res_parts = residual.split(sizes) if residual is not None else [None] * len(works)
@@ -210,16 +212,27 @@ class ModelRunner:
 
     def _layers(self, batch: TokenBatch, start: int, end: int,
                 carried: tuple[torch.Tensor, torch.Tensor | None] | None, reqs: list[Request] | None = None,
-                backend: AttentionBackend | None = None):
-        """Layers [start, end) over the batch (embedding first when nothing is carried over)."""
+                backend: AttentionBackend | None = None, pad_rows: Callable[[int], int] | None = None):
+        """Layers [start, end) over the batch (embedding first when nothing is carried over), on the rows
+        `pad_rows` asks for: zero rows appended, which attention leaves out and the result drops."""
         if carried is None:
             hidden, residual = self.model.embed(batch.input_ids), None
         else:
             hidden, residual = carried
+        positions = batch.positions
         lengths = None
         if reqs is not None and self.model.config.rope.length_dependent:
             # dynamic NTK: prompt rows take their prompt's length (other rows default to position + 1)
             lengths = dynamic_lengths(batch.positions, [r.num_prompt_tokens for r in reqs], batch.metadata.query_lens)
+        rows = hidden.shape[0]
+        extra = pad_rows(rows) - rows if pad_rows is not None and lengths is None else 0
+        if extra > 0:
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, extra))
+            residual = None if residual is None else torch.nn.functional.pad(residual, (0, 0, 0, extra))
+            positions = torch.nn.functional.pad(positions, (0, extra))
         ctx = ForwardContext(backend or self.backend, batch.metadata, self.kv_cache.data)
         with forward_context(ctx), rope_lengths(lengths):
-            return self.model.forward_layers(batch.positions, hidden, residual, start, end)
+            hidden, residual = self.model.forward_layers(positions, hidden, residual, start, end)
+        if extra > 0:
+            hidden, residual = hidden[:rows], None if residual is None else residual[:rows]
+        return hidden, residual

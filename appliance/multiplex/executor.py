@@ -5,6 +5,8 @@ Each iteration launches the decode step on the chosen partition's decode stream 
 planned prefill layers on its prefill stream, and waits for the decode tokens only. A prefill launch records an event
 after its last layer; `poll()` reports the works whose events have fired, so prefill may finish iterations later and
 decode never waits for it. A request's continued prefill on another stream first waits for its previous event.
+With a profiled GEMM table (`pad_prefills`), a prefill launch runs its layers on the cheapest row bucket of its
+partition at or above its token count (predictor/gemm_table.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Callable
 
 import torch
 
@@ -23,6 +26,7 @@ from appliance.engine.runner import ModelRunner
 from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.multiplex.partitions import Partition, PartitionSet
 from appliance.multiplex.timeline import Timeline
+from appliance.predictor.gemm_table import GemmTable
 
 
 @dataclass
@@ -93,6 +97,26 @@ class Executor:
         self.prefills: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
         self.prefills_seen = 0  # how many were ever appended (a reader keeps its own mark)
         self._split_decodes = 0  # decode steps run on a split partition
+        self._gemm: GemmTable | None = None
+        self._max_rows = 0
+        self._null_sms = 0
+
+    def pad_prefills(self, table: GemmTable | None, max_rows: int, null_sms: int = 0) -> None:
+        """Run each prefill launch on `table`'s cheapest row bucket for its partition (None: on its tokens), never
+        on more than `max_rows` rows (the activations reserved); `null_sms`: the SM count the null partition (no
+        streams) stands for in the table."""
+        self._gemm, self._max_rows, self._null_sms = table, max_rows, null_sms
+
+    def pad_rows(self, prefill_sms: int) -> Callable[[int], int] | None:
+        """What a prefill launch on a partition of `prefill_sms` SMs pads its token count to (None: no padding)."""
+        table, sms = self._gemm, prefill_sms or self._null_sms
+        if table is None or sms not in table.ms:
+            return None
+
+        def pad(tokens: int) -> int:
+            rows = table.padded_rows(tokens, sms)
+            return rows if rows <= self._max_rows else tokens
+        return pad
 
     @property
     def multiplexed(self) -> bool:
@@ -207,7 +231,8 @@ class Executor:
             if stream is not None:
                 began = torch.cuda.Event(enable_timing=True)
                 began.record(stream)
-            ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name))
+            ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name),
+                                              self.pad_rows(part.prefill_sms))
             tokens = self.runner.sample(ids, logits, requests) if ids else None
             if stream is not None:
                 event = torch.cuda.Event(enable_timing=True)

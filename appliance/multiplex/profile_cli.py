@@ -52,6 +52,7 @@ def profile_command(app: typer.Typer) -> None:
                                                   "(the server's --partition-granularity)."),
         holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
                                     "measure the predictor's error)."),
+        seed: int = typer.Option(0, help="Seed of the held-out points' draw (another seed, other points)."),
         calibrate_rate: Optional[float] = typer.Option(None, help="After the grid, replay a trace at this many "
                                                        "requests/s in process (chunked prefill, then mux on a GPU) "
                                                        "and keep how much slower steps ran while serving than "
@@ -117,8 +118,8 @@ def profile_command(app: typer.Typer) -> None:
             engine = cfg.build_engine()
             timer = StepTimer(engine)
             kv_tokens = engine.pool.num_pages * engine.pool.page_size
-            points = plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, kv_tokens=kv_tokens)
-            too_big = len(plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout)) - len(points)
+            points = plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, seed, kv_tokens=kv_tokens)
+            too_big = len(plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, seed)) - len(points)
             console.print(f"{timer.gpu_name}: {timer.sm_count} SMs, decode partitions {timer.decode_partitions or 'none'}"
                           f"; {len(points)} points to measure ({too_big} larger than the KV pool left out)")
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -27,7 +27,9 @@ from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.errors import CapacityError, ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.multiplex.partitions import Partition
+from appliance.multiplex.gemm_probe import measure_gemm_table
 from appliance.predictor.decode_plan import DecodePlan
+from appliance.predictor.gemm_table import GemmTable, bucket_sizes
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import (ProfileFile, build_profile, model_shape, read_profile, save_profile,
@@ -72,6 +74,22 @@ class StepTimer:
             return None
         sizes = tuple(capture_sizes(self.engine.max_graph_batch)) if runner.graphs is not None else ()
         return DecodePlan(self.sm_count, self.engine.model.config.num_kv_heads, self.engine.kv_cache.page_size, sizes)
+
+    @property
+    def prefill_streams(self) -> dict[int, torch.cuda.Stream | None]:
+        """Each prefill partition's SM count and stream (None: the null partition, which runs on the current
+        stream)."""
+        parts = self.executor.partitions
+        return {self.sm_count: parts.full.prefill_stream, **{p.prefill_sms: p.prefill_stream for p in parts.splits}}
+
+    def measure_gemm(self) -> GemmTable:
+        """One layer's GEMM time at the row buckets up to the largest prefill batch, on every prefill partition."""
+        return measure_gemm_table(self.engine.model, self.prefill_streams,
+                                  bucket_sizes(self.engine.config.max_prefill_tokens))
+
+    def pad_prefills(self, table: GemmTable | None) -> None:
+        """Measure prefill as serving with this profile will run it: padded to `table`'s buckets (None: not)."""
+        self.executor.pad_prefills(table, self.engine.config.max_prefill_tokens, self.sm_count)
 
     def measure(self, point: Point) -> float | None:
         """Milliseconds of the point's step (median of repetitions; a decode beside prefill: the 90th percentile
@@ -266,6 +284,13 @@ def _header(timer: StepTimer, model_name: str) -> dict:
             "decode_plan": plan.to_dict() if plan else None}
 
 
+def logged_gemm(path: Path) -> GemmTable | None:
+    """The GEMM table a samples log's prefills were padded by (None: they were not)."""
+    with path.open(encoding="utf-8") as f:
+        head = json.loads(f.readline() or "{}")
+    return GemmTable.from_dict(head["gemm"]) if isinstance(head, dict) and head.get("gemm") else None
+
+
 def read_samples(path: Path, header: dict) -> dict[str, tuple[Point, float]]:
     """Samples measured by an earlier run (key -> point, ms); ConfigError when they were measured for another
     model, GPU or partition set."""
@@ -339,12 +364,22 @@ def _fit_profile(result: "ProfileResult", done: dict[str, tuple[Point, float]], 
 def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_name: str, budget_s: float,
                 started: float, resume: bool = False, kv_tokens: int | None = None,
                 on_point: Callable[[Point, float | None], None] | None = None) -> ProfileResult:
-    """Measure `points` in order until the budget (counted from `started`, a perf_counter time) would run out, then
-    fit and write the profile. Samples go to the log as they are measured."""
+    """Measure the GEMM table (prefills are padded by it from then on; a resumed run keeps its log's) and `points` in
+    order until the budget (counted from `started`, a perf_counter time) would run out, then fit and write the
+    profile. Samples go to the log as they are measured."""
     out = Path(out)
     log_path = samples_path_for(out)
     header = _header(timer, model_name)
     done = read_samples(log_path, header) if resume and log_path.is_file() else {}
+    if done:
+        gemm = logged_gemm(log_path)  # the resumed samples' padding; none before the log recorded one
+    else:
+        t0 = time.perf_counter()
+        gemm = timer.measure_gemm()
+        log.info("GEMM times at %d row buckets on %d prefill partitions measured in %.1f s", len(gemm.rows),
+                 len(gemm.ms), time.perf_counter() - t0)
+    timer.pad_prefills(gemm)
+    header["gemm"] = gemm.to_dict() if gemm else None
     result = ProfileResult(out, log_path, resumed=len(done))
     cost = _CostModel(timer)
     deadline = started + budget_s
@@ -387,7 +422,7 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
     try:
         profile = _fit_profile(result, done, timer.engine.model.config, model_name=model_name,
                                gpu_name=timer.gpu_name, sm_count=timer.sm_count,
-                               decode_partitions=timer.decode_partitions, decode_plan=timer.decode_plan)
+                               decode_partitions=timer.decode_partitions, decode_plan=timer.decode_plan, gemm=gemm)
     except ConfigError as exc:
         raise ConfigError(f"the budget ran out before the fit had its samples ({exc}); the {len(done)} samples "
                           f"measured are kept in {log_path}: run again with --resume, or a larger --budget-minutes"
@@ -427,8 +462,10 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
     else:
         plan = None
     result = ProfileResult(out, samples_path, resumed=len(done))
+    gemm = GemmTable.from_dict(head["gemm"]) if head.get("gemm") else None
     profile = _fit_profile(result, done, model, model_name=head["model"], gpu_name=head["gpu"],
-                           sm_count=head["sm_count"], decode_partitions=head["decode_partitions"], decode_plan=plan)
+                           sm_count=head["sm_count"], decode_partitions=head["decode_partitions"], decode_plan=plan,
+                           gemm=gemm)
     stem = samples_path.name.removesuffix(".samples.jsonl")  # OUT.samples.jsonl, or NAME.samples.jsonl of NAME.json
     for beside in (samples_path.with_name(stem), samples_path.with_name(stem + ".json")):
         if beside.is_file() and beside.suffix == ".json":

@@ -44,6 +44,11 @@ class Predictor:
         return cls(RooflineModel(model, device), ContentionGuard(default=1.0 + device.contention), model.num_layers,
                    device.sm_count, partition_choices(device.sm_count, min(granularity, device.sm_count // 2)))
 
+    @property
+    def gemm(self):
+        """The profiled GEMM row buckets the executor pads prefill launches to (gemm_table.py), or None."""
+        return getattr(self.latency, "gemm", None)
+
     def _sms(self, sms: int | None) -> int:
         return self.sm_count if sms is None else sms
 

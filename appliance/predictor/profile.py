@@ -18,6 +18,7 @@ from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.decode_plan import DecodePlan
+from appliance.predictor.gemm_table import GemmTable
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
 from appliance.predictor.solo import SoloModel, fit_error, fit_solo
@@ -61,11 +62,14 @@ class ProfileFile(_Model):
     model: ModelInfo
     gpu: GpuInfo
     decode_partitions: list[int]
-    prefill: dict[str, list[float]]   # SM count -> a, b, c, d[, host floor h]
+    prefill: dict[str, list[float]]   # SM count -> a, b, c, d[, host floor h[, q: per GEMM ms of the table]]
     decode: dict[str, list[float]]    # SM count -> e, f, g[, k: per token on the kernel's critical path]
     mixed: list[float] | None = None  # a', b', c', e', d', h' of a mixed step on all SMs (None: not measured)
     # what the decode attention kernel's plan depended on (decode_plan.py); None: k is not fitted
     decode_plan: dict[str, int | list[int]] | None = None
+    # one layer's GEMM time per prefill partition at the row buckets prefill launches are padded to (gemm_table.py);
+    # None: no padding, q is not fitted
+    gemm: dict[str, list[int] | dict[str, list[float]]] | None = None
     contention_default: float = Field(ge=1.0)
     contention: list[CellEntry] = []
     fit: dict[str, float] = {}        # relative errors of the fit on its samples
@@ -88,7 +92,7 @@ class ProfileFile(_Model):
     @field_validator("prefill", "decode")
     @classmethod
     def _coefficient_counts(cls, table: dict[str, list[float]], info) -> dict[str, list[float]]:
-        counts = (4, 5) if info.field_name == "prefill" else (3, 4)
+        counts = (4, 5, 6) if info.field_name == "prefill" else (3, 4)
         for sms, coefficients in table.items():
             if len(coefficients) not in counts:
                 raise ValueError(f"{sms} SMs has {len(coefficients)} coefficients; expected "
@@ -107,10 +111,26 @@ class ProfileFile(_Model):
                 raise ValueError(f"total_sms, kv_heads and page_size must be >= 1, got {raw}")
         return raw
 
+    @field_validator("gemm")
+    @classmethod
+    def _gemm_table(cls, raw: dict | None) -> dict | None:
+        if raw is not None:
+            try:
+                GemmTable.from_dict(raw)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"needs rows (ascending bucket sizes) and ms (per SM count, a time per bucket): "
+                                 f"{exc}") from None
+        return raw
+
     @model_validator(mode="after")
-    def _critical_path_needs_its_plan(self) -> "ProfileFile":
+    def _terms_need_their_tables(self) -> "ProfileFile":
         if self.decode_plan is None and any(len(v) == 4 for v in self.decode.values()):
             raise ValueError("decode has a critical-path coefficient but the profile has no decode_plan")
+        gemm = GemmTable.from_dict(self.gemm) if self.gemm is not None else None
+        for sms, coefficients in self.prefill.items():
+            if len(coefficients) == 6 and (gemm is None or int(sms) not in gemm.ms):
+                raise ValueError(f"prefill on {sms} SMs has a GEMM coefficient but the profile has no GEMM times "
+                                 "for that partition")
         return self
 
     @field_validator("mixed")
@@ -124,7 +144,8 @@ class ProfileFile(_Model):
         solo = SoloModel({int(k): tuple(v) for k, v in self.prefill.items()},
                          {int(k): tuple(v) for k, v in self.decode.items()},
                          tuple(self.mixed) if self.mixed else None,
-                         DecodePlan.from_dict(self.decode_plan) if self.decode_plan else None)
+                         DecodePlan.from_dict(self.decode_plan) if self.decode_plan else None,
+                         GemmTable.from_dict(self.gemm) if self.gemm else None)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
@@ -139,10 +160,12 @@ def model_shape(cfg: ModelConfig) -> dict[str, int]:
 
 
 def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelConfig, gpu_name: str, sm_count: int,
-                  decode_partitions: Sequence[int], decode_plan: DecodePlan | None = None) -> ProfileFile:
+                  decode_partitions: Sequence[int], decode_plan: DecodePlan | None = None,
+                  gemm: GemmTable | None = None) -> ProfileFile:
     """Fit the solo-run model per partition and the contention cells from measured samples (`decode_plan`: the
-    decode kernel's, when the engine that measured them ran it)."""
-    solo = fit_solo(samples, decode_plan)
+    decode kernel's, when the engine that measured them ran it; `gemm`: the GEMM times at the row buckets the
+    engine padded its prefills to)."""
+    solo = fit_solo(samples, decode_plan, gemm)
     guard = ContentionGuard(default=1.0)
     for s in samples:
         if s.kind == "contended":
@@ -156,6 +179,7 @@ def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelCon
         decode={str(k): list(v) for k, v in solo.decode.items()},
         mixed=list(solo.mixed) if solo.mixed else None,
         decode_plan=decode_plan.to_dict() if decode_plan else None,
+        gemm=gemm.to_dict() if gemm else None,
         contention_default=max(guard.cells.values(), default=1.0),
         contention=[CellEntry(cell=c, slowdown=v) for c, v in sorted(guard.cells.items())],
         fit={"prefill_max_rel_error": err.prefill_max, "prefill_mean_rel_error": err.prefill_mean,

@@ -56,6 +56,9 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     assert sorted(int(k) for k in profile.prefill) == sorted(timer.sm_count - d for d in [0, *timer.decode_partitions[:3]])
     assert all(c.slowdown >= 1.0 for c in profile.contention)
     assert result.errors["prefill_n"] > 0 and result.errors["decode_n"] > 0
+    # the GEMMs were timed at the row buckets on every prefill partition first, and the prefills ran padded
+    assert {int(k) for k in profile.gemm["ms"]} == set(timer.prefill_streams) >= {int(k) for k in profile.prefill}
+    assert profile.gemm["rows"][-1] >= 2048 and all(t > 0 for ms in profile.gemm["ms"].values() for t in ms)
     # the serving calibration replays on the multiplexed engine under chunked prefill, then mux, and puts
     # everything back
     specs = [RequestSpec(arrival=i * 0.02, prompt_len=64 + 32 * (i % 4), output_len=48) for i in range(24)]
@@ -72,6 +75,8 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     mux = engine(copy_model, planner="mux", slo=str(contract), profile=str(out))
     assert mux.executor.multiplexed and mux.predictor.source.startswith("profile")
     assert list(mux.predictor.decode_partitions) == [p.decode_sms for p in mux.partitions.splits]
+    # its prefill launches run padded to the profile's GEMM buckets (and still compute what serial does, below)
+    assert all(mux.executor.pad_rows(p.prefill_sms) is not None for p in mux.partitions.partitions)
     decoders = [periodic_prompt(s, 40 + s) for s in range(4)]
     late = [periodic_prompt(10 + s, 600 + 97 * s) for s in range(3)]
     expected = ref.generate(decoders + late, GREEDY)

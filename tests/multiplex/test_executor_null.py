@@ -87,3 +87,31 @@ def test_prefill_layers_timed_beside_decode_refine_the_mux_planners_split_slowdo
     assert len(split.window) == 1 and split.window[0][2] == 30.0
     engine._observe(StepPlan())  # each launch is handed over once
     assert len(split.window) == 1
+
+
+def test_prefill_padded_to_gemm_buckets_computes_the_same_tokens(llama_checkpoint, monkeypatch):
+    from appliance.predictor.gemm_table import GemmTable
+
+    path, _ = llama_checkpoint
+    prompts = [[3 + i * 7 % 200 for i in range(n)] for n in (12, 30, 5)]
+    serial = Engine.from_pretrained(path, config=EngineConfig(num_pages=64)).generate(prompts, GREEDY)
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="layerwise", layers_per_step=1))
+    # 32 rows cost more than 64: 13..64 tokens run on 64 rows; 65..96 on 96; 1..12 on 12 (cheaper than any bucket)
+    engine.executor.pad_prefills(GemmTable((12, 32, 64, 96), {7: (0.1, 2.0, 1.0, 1.5)}), max_rows=64, null_sms=7)
+    seen = []
+    forward_layers = engine.model.forward_layers
+
+    def spy(positions, hidden, residual, start, end):
+        seen.append((hidden.shape[0], positions.shape[0], None if residual is None else residual.shape[0]))
+        return forward_layers(positions, hidden, residual, start, end)
+
+    monkeypatch.setattr(engine.model, "forward_layers", spy)
+    out = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in out] == [c.token_ids for c in serial]
+    prefill_rows = {rows for rows, positions, _ in seen if rows > len(prompts)}
+    assert prefill_rows == {64}  # the 47 prompt tokens (or a part of them) ran padded to 64 rows, layer by layer
+    assert all(rows == positions and residual in (None, rows) for rows, positions, residual in seen)
+    assert engine.pool.num_free_pages == engine.pool.num_pages and not engine.scheduler.requests
+    pad = engine.executor.pad_rows(0)
+    assert [pad(n) for n in (5, 12, 13, 64, 65, 200)] == [12, 12, 64, 64, 65, 200]  # past max_rows: not padded
+    assert engine.executor.pad_rows(8) is None  # a partition the table does not have

@@ -194,7 +194,7 @@ def test_profile_command_calibrates_on_another_trace(tmp_path):
         "--trace", str(DATA / "mooncake_conversation_head200.jsonl"),
         "--calibrate-trace", str(DATA / "azure_code_2023_head200.csv"), "--calibrate-rate", "20",
         "--calibrate-requests", "8", "--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-        "--holdout", "0"])
+        "--holdout", "0", "--seed", "3"])
     assert result.exit_code == 0, result.output
     assert "calibrating: 8 requests of" in result.output and "serving factors" in result.output
     saved = json.loads(out.read_text())
@@ -275,3 +275,30 @@ def test_refit_of_a_cpu_run_reproduces_its_profile(timer, tmp_path):
     for kind, (point, measured, predicted) in again.worst.items():
         assert point.kind == kind and point.holdout
         assert abs(predicted - measured) / measured == pytest.approx(again.errors[f"{kind}_max"])
+
+
+def test_prefills_are_profiled_padded_to_gemm_buckets_timed_first_and_a_resume_keeps_them(timer, tmp_path):
+    from appliance.predictor.gemm_table import GemmTable, bucket_sizes
+
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=1)
+    out = tmp_path / "p.json"
+    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    head = json.loads(samples_path_for(out).read_text().splitlines()[0])
+    table = GemmTable.from_dict(head["gemm"])
+    assert table.rows == bucket_sizes(timer.engine.config.max_prefill_tokens)
+    assert set(table.ms) == {timer.sm_count} and json.loads(out.read_text())["gemm"] == head["gemm"]
+    assert timer.executor.pad_rows(0)(40) == table.padded_rows(40, timer.sm_count)  # samples ran padded
+    # a resumed run keeps the table its samples were padded by (here: another one written into the log)
+    other = GemmTable((16, 4096), {timer.sm_count: (2.0, 1.0)})
+    lines = samples_path_for(out).read_text().splitlines()
+    samples_path_for(out).write_text("\n".join([json.dumps({**head, "gemm": other.to_dict()}), *lines[1:6]]) + "\n")
+    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
+    assert json.loads(out.read_text())["gemm"] == other.to_dict()
+    assert timer.executor.pad_rows(0)(40) == 4096
+    again = refit_profile(samples_path_for(out), tmp_path / "again.json", timer.engine.model.config)
+    assert again.profile.gemm == other.to_dict()
+    # a log from before GEMM tables resumes without padding, as its samples ran
+    samples_path_for(out).write_text("\n".join([json.dumps({k: v for k, v in head.items() if k != "gemm"}),
+                                                *lines[1:6]]) + "\n")
+    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
+    assert json.loads(out.read_text())["gemm"] is None and timer.executor.pad_rows(0) is None
