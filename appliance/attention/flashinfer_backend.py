@@ -27,6 +27,17 @@ def make_workspaces(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.zeros(8 << 20, dtype=torch.uint8, device=device))
 
 
+def prefill_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel flashinfer's paged prefill runs here ("fa3" on Hopper, else "fa2"), as its "auto" choice makes
+    it; "unknown" where this flashinfer does not say."""
+    try:
+        from flashinfer.utils import determine_attention_backend
+
+        return determine_attention_backend(torch.device(device), 0, False, False, dtype, dtype)
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return "unknown"
+
+
 def flashinfer_available() -> bool:
     try:
         import flashinfer  # noqa: F401
@@ -55,6 +66,7 @@ class FlashInferAttention:
                           else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device))
         self.graph_batch_size = graph_batch_size
         self.prefill = None
+        self.prefill_kernel = prefill_kernel(device, dtype)
         if graph_batch_size is None:
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

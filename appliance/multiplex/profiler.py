@@ -30,6 +30,7 @@ from appliance.multiplex.partitions import Partition
 from appliance.multiplex.gemm_probe import measure_gemm_table
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.gemm_table import GemmTable, bucket_sizes
+from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.grid import Point
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import (ProfileFile, build_profile, model_shape, read_profile, save_profile,
@@ -74,6 +75,15 @@ class StepTimer:
             return None
         sizes = tuple(capture_sizes(self.engine.max_graph_batch)) if runner.graphs is not None else ()
         return DecodePlan(self.sm_count, self.engine.model.config.num_kv_heads, self.engine.kv_cache.page_size, sizes)
+
+    @property
+    def prefill_plan(self) -> PrefillPlan | None:
+        """What the prefill attention kernel plans from, where the engine runs flashinfer's FA3 prefill (the kernel
+        the critical-path term models, prefill_plan.py); None for any other prefill."""
+        backend = self.engine.runner.backend
+        if not self.cuda or getattr(backend, "prefill_kernel", None) != "fa3":
+            return None
+        return PrefillPlan(self.sm_count, self.engine.model.config.num_heads)
 
     @property
     def prefill_streams(self) -> dict[int, torch.cuda.Stream | None]:
@@ -281,7 +291,8 @@ def _header(timer: StepTimer, model_name: str) -> dict:
     plan = timer.decode_plan
     return {"format": SAMPLES_FORMAT, "model": model_name, "shape": model_shape(timer.engine.model.config),
             "gpu": timer.gpu_name, "sm_count": timer.sm_count, "decode_partitions": timer.decode_partitions,
-            "decode_plan": plan.to_dict() if plan else None}
+            "decode_plan": plan.to_dict() if plan else None,
+            "prefill_plan": timer.prefill_plan.to_dict() if timer.prefill_plan else None}
 
 
 def logged_gemm(path: Path) -> GemmTable | None:
@@ -422,7 +433,8 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
     try:
         profile = _fit_profile(result, done, timer.engine.model.config, model_name=model_name,
                                gpu_name=timer.gpu_name, sm_count=timer.sm_count,
-                               decode_partitions=timer.decode_partitions, decode_plan=timer.decode_plan, gemm=gemm)
+                               decode_partitions=timer.decode_partitions, decode_plan=timer.decode_plan, gemm=gemm,
+                               prefill_plan=timer.prefill_plan)
     except ConfigError as exc:
         raise ConfigError(f"the budget ran out before the fit had its samples ({exc}); the {len(done)} samples "
                           f"measured are kept in {log_path}: run again with --resume, or a larger --budget-minutes"
@@ -438,8 +450,9 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
                   page_size: int = 16) -> ProfileResult:
     """Fit a profile again from a samples log, measuring nothing (after the model's form changed): the same fit,
     held-out scoring and file as a run, keeping the serving block of the profile the log sits beside. A log that
-    predates recording the decode kernel's plan gets the one a GPU engine with these defaults would have run
-    (flashinfer's tensor-core decode for GQA groups of 3 or more, graphs up to `max_graph_batch`)."""
+    predates recording the attention kernels' plans gets those a GPU engine with these defaults would have run
+    (flashinfer's tensor-core decode for GQA groups of 3 or more, graphs up to `max_graph_batch`; FA3 prefill on
+    Hopper)."""
     from appliance.attention.flashinfer_backend import CUDA_CORE_DECODE_GROUPS
 
     lines = samples_path.read_text(encoding="utf-8").splitlines() if samples_path.is_file() else []
@@ -463,9 +476,13 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
         plan = None
     result = ProfileResult(out, samples_path, resumed=len(done))
     gemm = GemmTable.from_dict(head["gemm"]) if head.get("gemm") else None
+    if "prefill_plan" in head:
+        prefill_plan = PrefillPlan.from_dict(head["prefill_plan"]) if head["prefill_plan"] else None
+    else:  # Hopper's flashinfer ran FA3 prefill (for bf16 and fp16 models)
+        prefill_plan = PrefillPlan(head["sm_count"], model.num_heads) if _hopper(head["gpu"]) else None
     profile = _fit_profile(result, done, model, model_name=head["model"], gpu_name=head["gpu"],
                            sm_count=head["sm_count"], decode_partitions=head["decode_partitions"], decode_plan=plan,
-                           gemm=gemm)
+                           gemm=gemm, prefill_plan=prefill_plan)
     stem = samples_path.name.removesuffix(".samples.jsonl")  # OUT.samples.jsonl, or NAME.samples.jsonl of NAME.json
     for beside in (samples_path.with_name(stem), samples_path.with_name(stem + ".json")):
         if beside.is_file() and beside.suffix == ".json":
@@ -476,6 +493,10 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
             break
     save_profile(profile, out)
     return result
+
+
+def _hopper(gpu_name: str) -> bool:
+    return any(name in gpu_name.upper() for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
 def _revisit(timer: StepTimer, done: dict[str, tuple[Point, float]], measured: Sequence[Point], cost: "_CostModel",

@@ -19,6 +19,7 @@ from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.gemm_table import GemmTable
+from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
 from appliance.predictor.solo import SoloModel, fit_error, fit_solo
@@ -62,7 +63,9 @@ class ProfileFile(_Model):
     model: ModelInfo
     gpu: GpuInfo
     decode_partitions: list[int]
-    prefill: dict[str, list[float]]   # SM count -> a, b, c, d[, host floor h[, q: per GEMM ms of the table]]
+    # SM count -> a, b, c, d[, host floor h[, q: per GEMM ms of the table[, w: per unit of the attention plan's
+    # critical path]]]
+    prefill: dict[str, list[float]]
     decode: dict[str, list[float]]    # SM count -> e, f, g[, k: per token on the kernel's critical path]
     mixed: list[float] | None = None  # a', b', c', e', d', h' of a mixed step on all SMs (None: not measured)
     # what the decode attention kernel's plan depended on (decode_plan.py); None: k is not fitted
@@ -70,6 +73,8 @@ class ProfileFile(_Model):
     # one layer's GEMM time per prefill partition at the row buckets prefill launches are padded to (gemm_table.py);
     # None: no padding, q is not fitted
     gemm: dict[str, list[int] | dict[str, list[float]]] | None = None
+    # what the prefill attention kernel's plan depended on (prefill_plan.py); None: w is not fitted
+    prefill_plan: dict[str, int] | None = None
     contention_default: float = Field(ge=1.0)
     contention: list[CellEntry] = []
     fit: dict[str, float] = {}        # relative errors of the fit on its samples
@@ -92,34 +97,31 @@ class ProfileFile(_Model):
     @field_validator("prefill", "decode")
     @classmethod
     def _coefficient_counts(cls, table: dict[str, list[float]], info) -> dict[str, list[float]]:
-        counts = (4, 5, 6) if info.field_name == "prefill" else (3, 4)
+        counts = (4, 5, 6, 7) if info.field_name == "prefill" else (3, 4)
         for sms, coefficients in table.items():
             if len(coefficients) not in counts:
                 raise ValueError(f"{sms} SMs has {len(coefficients)} coefficients; expected "
                                  f"{' or '.join(map(str, counts))}")
         return table
 
-    @field_validator("decode_plan")
+    @field_validator("decode_plan", "prefill_plan", "gemm")
     @classmethod
-    def _decode_plan(cls, raw: dict | None) -> dict | None:
+    def _kernel_inputs(cls, raw: dict | None, info) -> dict | None:
+        """Each kernel block parses into its class (decode_plan.py, prefill_plan.py, gemm_table.py) with positive
+        sizes."""
+        kind, needs, sizes = {
+            "decode_plan": (DecodePlan, "total_sms, kv_heads, page_size (and graph_sizes)",
+                            ("total_sms", "kv_heads", "page_size")),
+            "prefill_plan": (PrefillPlan, "total_sms and qo_heads (and tile_q)", ("total_sms", "qo_heads", "tile_q")),
+            "gemm": (GemmTable, "rows (ascending bucket sizes) and ms (per SM count, a time per bucket)", ()),
+        }[info.field_name]
         if raw is not None:
             try:
-                plan = DecodePlan.from_dict(raw)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"needs total_sms, kv_heads, page_size (and graph_sizes): {exc}") from None
-            if min(plan.total_sms, plan.kv_heads, plan.page_size) < 1:
-                raise ValueError(f"total_sms, kv_heads and page_size must be >= 1, got {raw}")
-        return raw
-
-    @field_validator("gemm")
-    @classmethod
-    def _gemm_table(cls, raw: dict | None) -> dict | None:
-        if raw is not None:
-            try:
-                GemmTable.from_dict(raw)
+                parsed = kind.from_dict(raw)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise ValueError(f"needs rows (ascending bucket sizes) and ms (per SM count, a time per bucket): "
-                                 f"{exc}") from None
+                raise ValueError(f"needs {needs}: {exc}") from None
+            if sizes and min(getattr(parsed, k) for k in sizes) < 1:
+                raise ValueError(f"{', '.join(sizes)} must be >= 1, got {raw}")
         return raw
 
     @model_validator(mode="after")
@@ -128,9 +130,12 @@ class ProfileFile(_Model):
             raise ValueError("decode has a critical-path coefficient but the profile has no decode_plan")
         gemm = GemmTable.from_dict(self.gemm) if self.gemm is not None else None
         for sms, coefficients in self.prefill.items():
-            if len(coefficients) == 6 and (gemm is None or int(sms) not in gemm.ms):
+            if len(coefficients) >= 6 and (gemm is None or int(sms) not in gemm.ms):
                 raise ValueError(f"prefill on {sms} SMs has a GEMM coefficient but the profile has no GEMM times "
                                  "for that partition")
+            if len(coefficients) == 7 and self.prefill_plan is None:
+                raise ValueError(f"prefill on {sms} SMs has a critical-path coefficient but the profile has no "
+                                 "prefill_plan")
         return self
 
     @field_validator("mixed")
@@ -145,7 +150,8 @@ class ProfileFile(_Model):
                          {int(k): tuple(v) for k, v in self.decode.items()},
                          tuple(self.mixed) if self.mixed else None,
                          DecodePlan.from_dict(self.decode_plan) if self.decode_plan else None,
-                         GemmTable.from_dict(self.gemm) if self.gemm else None)
+                         GemmTable.from_dict(self.gemm) if self.gemm else None,
+                         PrefillPlan.from_dict(self.prefill_plan) if self.prefill_plan else None)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
@@ -161,11 +167,11 @@ def model_shape(cfg: ModelConfig) -> dict[str, int]:
 
 def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelConfig, gpu_name: str, sm_count: int,
                   decode_partitions: Sequence[int], decode_plan: DecodePlan | None = None,
-                  gemm: GemmTable | None = None) -> ProfileFile:
+                  gemm: GemmTable | None = None, prefill_plan: PrefillPlan | None = None) -> ProfileFile:
     """Fit the solo-run model per partition and the contention cells from measured samples (`decode_plan`: the
     decode kernel's, when the engine that measured them ran it; `gemm`: the GEMM times at the row buckets the
-    engine padded its prefills to)."""
-    solo = fit_solo(samples, decode_plan, gemm)
+    engine padded its prefills to; `prefill_plan`: the prefill attention kernel's)."""
+    solo = fit_solo(samples, decode_plan, gemm, prefill_plan)
     guard = ContentionGuard(default=1.0)
     for s in samples:
         if s.kind == "contended":
@@ -180,6 +186,7 @@ def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelCon
         mixed=list(solo.mixed) if solo.mixed else None,
         decode_plan=decode_plan.to_dict() if decode_plan else None,
         gemm=gemm.to_dict() if gemm else None,
+        prefill_plan=prefill_plan.to_dict() if prefill_plan else None,
         contention_default=max(guard.cells.values(), default=1.0),
         contention=[CellEntry(cell=c, slowdown=v) for c, v in sorted(guard.cells.items())],
         fit={"prefill_max_rel_error": err.prefill_max, "prefill_mean_rel_error": err.prefill_mean,

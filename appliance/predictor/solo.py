@@ -5,6 +5,9 @@ Where the decode attention kernel's plan is known (decode_plan.py), decode adds 
 of its CTA waves on the partition: the kernel plans for the whole GPU, and some batches leave a last wave half empty.
 Where the profile measured the GEMMs per partition (gemm_table.py), prefill adds q*G(sum(n)), G one layer's GEMM time
 for the padded rows the executor runs: kernel choices make it a staircase with spikes no term in n can follow.
+Where the prefill attention kernel's plan is known too (prefill_plan.py), prefill adds w*v, v the cost on the
+critical path of its persistent CTAs on the partition: the kernel's grid is the whole GPU's, and query tiles come
+in waves.
 
 h is the host's floor: a short prefill runs its layers eagerly, and below some hundreds of tokens the host launching
 kernels, not the GPU running them, sets its time (MuxWise's model, fitted through such points, bends its GPU terms
@@ -22,10 +25,12 @@ import numpy as np
 from appliance.errors import ConfigError
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.gemm_table import GemmTable
+from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample, prefill_features
 
 PREFILL_TERMS = ("sum_n2", "sum_nr", "sum_n", "const")
 PREFILL_GEMM_TERMS = (*PREFILL_TERMS, "gemm_ms")
+PREFILL_PLAN_TERMS = (*PREFILL_GEMM_TERMS, "critical_path")
 DECODE_TERMS = ("sum_r", "batch", "const")
 DECODE_PLAN_TERMS = (*DECODE_TERMS, "critical_path")
 MIXED_TERMS = ("sum_n2", "sum_nr", "sum_n+batch", "decode_sum_r", "const")
@@ -36,11 +41,12 @@ class SoloModel:
     """Coefficients per SM count. An SM count between profiled ones uses the next smaller profiled partition
     (never optimistic); below the smallest, that one's latency scaled by the SM ratio."""
 
-    prefill: dict[int, tuple[float, ...]]  # a, b, c, d[, h[, q]] (without a floor four; q: with a GEMM table)
+    prefill: dict[int, tuple[float, ...]]  # a, b, c, d[, h[, q[, w]]] (q: with a GEMM table, w: and a plan)
     decode: dict[int, tuple[float, ...]]   # e, f, g[, k] (k: with a decode plan)
     mixed: tuple[float, ...] | None = None  # a', b', c', e', d', h' on all SMs; None: composed from the others
     decode_plan: DecodePlan | None = None
     gemm: GemmTable | None = None
+    prefill_plan: PrefillPlan | None = None
     _keys: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,22 +64,24 @@ class SoloModel:
             return table[keys[0]], keys[0] / max(sms, 1), keys[0]
         return table[keys[i]], 1.0, keys[i]
 
-    def _prefill(self, sms: int) -> tuple[tuple[float, ...], float, int, float]:
-        """a, b, c, d, h, q of the partition standing in for `sms` (0 where a profile has no h or q), the scale on
-        its time and its SMs."""
+    def _prefill(self, sms: int) -> tuple[tuple[float, ...], float, int]:
+        """a, b, c, d, h, q, w of the partition standing in for `sms` (0 where a profile has no h, q or w), the
+        scale on its time and its SMs."""
         coefficients, scale, key = self._partition("prefill", sms)
-        a, b, c, d, h, q = (*coefficients, 0.0, 0.0)[:6]
-        return (a, b, c, d, h, q), scale, key
+        a, b, c, d, h, q, w = (*coefficients, 0.0, 0.0, 0.0)[:7]
+        return (a, b, c, d, h, q, w), scale, key
 
-    def _gemm(self, q: float, tokens: int, sms: int) -> float:
-        return q * self.gemm.gemm_ms(tokens, sms) if q and self.gemm is not None else 0.0
+    def _kernels(self, q: float, w: float, items: Sequence[PrefillItem], rows: int, sms: int) -> float:
+        """The GEMM table's and the attention plan's terms."""
+        gemm = q * self.gemm.gemm_ms(rows, sms) if q and self.gemm is not None else 0.0
+        return gemm + (w * self.prefill_plan.critical_tokens(items, sms) if w and self.prefill_plan else 0.0)
 
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int) -> float:
         if not items:
             return 0.0
-        (a, b, c, d, h, q), scale, key = self._prefill(sms)
+        (a, b, c, d, h, q, w), scale, key = self._prefill(sms)
         n2, nr, n = prefill_features(items)
-        return scale * max(h, a * n2 + b * nr + c * n + d + self._gemm(q, int(n), key))
+        return scale * max(h, a * n2 + b * nr + c * n + d + self._kernels(q, w, items, int(n), key))
 
     def decode_ms(self, load: DecodeLoad, sms: int) -> float:
         if load.empty:
@@ -91,10 +99,11 @@ class SoloModel:
         if self.mixed is not None:
             a, b, c, e, d, h = self.mixed
             return max(h, a * n2 + b * nr + c * (n + load.batch_size) + e * load.reused_tokens + d)
-        (a, b, c, d, h, q), scale, key = self._prefill(sms)
+        (a, b, c, d, h, q, w), scale, key = self._prefill(sms)
         (e, _, g, *_k), dscale, _ = self._partition("decode", sms)
         rows = int(n) + load.batch_size
-        gpu = scale * (a * n2 + b * nr + c * rows + max(d, g) + self._gemm(q, rows, key)) + dscale * e * load.reused_tokens
+        gpu = (scale * (a * n2 + b * nr + c * rows + max(d, g) + self._kernels(q, w, items, rows, key))
+               + dscale * e * load.reused_tokens)
         return max(gpu, scale * h)
 
     @property
@@ -114,10 +123,15 @@ class FitError:
     mixed_mean: float = 0.0
 
 
-def features(sample: Sample, decode_plan: DecodePlan | None = None, gemm: GemmTable | None = None) -> list[float]:
+def features(sample: Sample, decode_plan: DecodePlan | None = None, gemm: GemmTable | None = None,
+             prefill_plan: PrefillPlan | None = None) -> list[float]:
     if sample.kind == "prefill":
         row = [*prefill_features(sample.prefill), 1.0]
-        return row + [gemm.gemm_ms(int(row[2]), sample.sms)] if gemm else row
+        if gemm:
+            row.append(gemm.gemm_ms(int(row[2]), sample.sms))
+            if prefill_plan:
+                row.append(prefill_plan.critical_tokens(sample.prefill, sample.sms))
+        return row
     if sample.kind == "mixed":
         n2, nr, n = prefill_features(sample.prefill)
         return [n2, nr, n + sample.decode.batch_size, float(sample.decode.reused_tokens), 1.0]
@@ -126,11 +140,12 @@ def features(sample: Sample, decode_plan: DecodePlan | None = None, gemm: GemmTa
 
 
 def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None,
-             gemm: GemmTable | None = None) -> SoloModel:
+             gemm: GemmTable | None = None, prefill_plan: PrefillPlan | None = None) -> SoloModel:
     """Least-squares fit per (phase, SM count) of solo samples (prefill and mixed with a host floor); each
     partition needs at least as many distinct samples as terms. Mixed samples are optional. With `decode_plan`,
-    decode also fits the critical path of the attention kernel's waves, and with `gemm` prefill the measured GEMM
-    time (each where a partition has the samples for it)."""
+    decode also fits the critical path of the attention kernel's waves, with `gemm` prefill the measured GEMM
+    time, and with both `gemm` and `prefill_plan` the critical path of the prefill attention kernel (each where a
+    partition has the samples for it)."""
     tables: dict[str, dict[int, tuple[float, ...]]] = {"prefill": {}, "decode": {}, "mixed": {}}
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in samples:
@@ -146,14 +161,15 @@ def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None,
         plan = decode_plan if kind == "decode" and len(group) >= len(DECODE_PLAN_TERMS) else None
         table = gemm if (kind == "prefill" and gemm is not None and sms in gemm.ms
                          and len(group) >= len(PREFILL_GEMM_TERMS)) else None
-        x = np.array([features(s, plan, table) for s in group])
+        waves = prefill_plan if table is not None and len(group) >= len(PREFILL_PLAN_TERMS) else None
+        x = np.array([features(s, plan, table, waves) for s in group])
         y = np.array([s.ms for s in group])
         beta = _fit_with_floor(x, y) if kind != "decode" else tuple(_nonnegative_relative_lstsq(x, y))
-        if table is not None:  # (a, b, c, d, q, h) -> (a, b, c, d, h, q)
-            beta = (*beta[:4], beta[5], beta[4])
+        if table is not None:  # (a, b, c, d, q[, w], h) -> (a, b, c, d, h, q[, w])
+            beta = (*beta[:4], beta[-1], *beta[4:-1])
         tables[kind][sms] = tuple(float(v) for v in beta)
     mixed = tables["mixed"][max(tables["mixed"])] if tables["mixed"] else None  # measured on all SMs only
-    return SoloModel(tables["prefill"], tables["decode"], mixed, decode_plan, gemm)
+    return SoloModel(tables["prefill"], tables["decode"], mixed, decode_plan, gemm, prefill_plan)
 
 
 def _fit_with_floor(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
@@ -59,6 +60,12 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     # the GEMMs were timed at the row buckets on every prefill partition first, and the prefills ran padded
     assert {int(k) for k in profile.gemm["ms"]} == set(timer.prefill_streams) >= {int(k) for k in profile.prefill}
     assert profile.gemm["rows"][-1] >= 2048 and all(t > 0 for ms in profile.gemm["ms"].values() for t in ms)
+    # the prefill attention kernel's plan is recorded where flashinfer runs FA3 (Hopper, 16-bit models)
+    kernel = prof_engine.runner.backend.prefill_kernel
+    dtype = next(prof_engine.model.parameters()).dtype
+    if torch.cuda.get_device_capability()[0] == 9 and dtype in (torch.bfloat16, torch.float16):
+        assert kernel == "fa3"
+    assert (profile.prefill_plan is not None) == (kernel == "fa3")
     # the serving calibration replays on the multiplexed engine under chunked prefill, then mux, and puts
     # everything back
     specs = [RequestSpec(arrival=i * 0.02, prompt_len=64 + 32 * (i % 4), output_len=48) for i in range(24)]

@@ -302,3 +302,22 @@ def test_prefills_are_profiled_padded_to_gemm_buckets_timed_first_and_a_resume_k
                                                 *lines[1:6]]) + "\n")
     run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
     assert json.loads(out.read_text())["gemm"] is None and timer.executor.pad_rows(0) is None
+
+
+def test_refit_of_a_gpu_log_with_gemm_buckets_adds_the_prefill_kernels_waves(tmp_path):
+    """A log measured with prefills padded to GEMM buckets (it records the table) and before the prefill attention
+    plan was recorded: the refit gets the H200's FA3 plan, and the held-out prefill points fit better."""
+    base = REPO / "docs/data/profile-llama-3.1-8b-h200-buckets-seed2-2026-11-22.json"
+    log = base.with_name(base.name + ".samples.jsonl")
+    again = refit_profile(log, tmp_path / "refit.json", ModelConfig.from_file(
+        REPO / "configs/models/llama-3.1-8b/config.json"))
+    old, new = json.loads(base.read_text()), json.loads((tmp_path / "refit.json").read_text())
+    assert new["gemm"] == json.loads(log.read_text().splitlines()[0])["gemm"] == old["gemm"]
+    assert new["prefill_plan"] == {"total_sms": 132, "qo_heads": 32, "tile_q": 128} and old.get("prefill_plan") is None
+    assert all(len(c) == 7 for c in new["prefill"].values()) and all(len(c) == 6 for c in old["prefill"].values())
+    assert new["fit"]["holdout_prefill_mean"] < old["fit"]["holdout_prefill_mean"]
+    # the point a model linear in new x cached tokens missed by a quarter: two waves of query tiles on 52 SMs
+    point = Point("prefill", 52, 159, 19679, holdout=True)
+    measured = read_samples(log, json.loads(log.read_text().splitlines()[0]))[point.key][1]
+    predicted = again.profile.predictor(32, "profile").prefill_solo_ms(point.items, 52)
+    assert abs(predicted - measured) / measured < 0.05
