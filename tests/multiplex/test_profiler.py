@@ -321,3 +321,24 @@ def test_refit_of_a_gpu_log_with_gemm_buckets_adds_the_prefill_kernels_waves(tmp
     measured = read_samples(log, json.loads(log.read_text().splitlines()[0]))[point.key][1]
     predicted = again.profile.predictor(32, "profile").prefill_solo_ms(point.items, 52)
     assert abs(predicted - measured) / measured < 0.05
+
+
+def test_serving_with_a_bucket_profile_pads_prefills_and_answers_as_serial(timer, llama_checkpoint, tmp_path):
+    """`muxd serve --policy mux --profile FILE`: the profile's GEMM buckets reach the executor, which pads prefill
+    launches by them; the tokens are those of serial execution and no page is lost."""
+    from appliance.engine.request import SamplingParams
+
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
+    out = tmp_path / "p.json"
+    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    path, _ = llama_checkpoint
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[3 + i * 5 % 97 for i in range(n)] for n in (7, 45, 20)]
+    config = dict(num_pages=128, enable_prefix_caching=False)
+    mux = Engine.from_pretrained(path, config=EngineConfig(planner="mux", profile=str(out), **config))
+    pad = mux.executor.pad_rows(0)
+    table = mux.predictor.gemm
+    assert pad is not None and table is not None and pad(45) == table.padded_rows(45, timer.sm_count) >= 45
+    serial = Engine.from_pretrained(path, config=EngineConfig(**config)).generate(prompts, greedy)
+    assert [c.token_ids for c in mux.generate(prompts, greedy)] == [c.token_ids for c in serial]
+    assert mux.pool.num_free_pages == mux.pool.num_pages
