@@ -288,11 +288,11 @@ def samples_path_for(out: Path) -> Path:
 
 
 def _header(timer: StepTimer, model_name: str) -> dict:
-    plan = timer.decode_plan
+    decode, prefill = timer.decode_plan, timer.prefill_plan
     return {"format": SAMPLES_FORMAT, "model": model_name, "shape": model_shape(timer.engine.model.config),
             "gpu": timer.gpu_name, "sm_count": timer.sm_count, "decode_partitions": timer.decode_partitions,
-            "decode_plan": plan.to_dict() if plan else None,
-            "prefill_plan": timer.prefill_plan.to_dict() if timer.prefill_plan else None}
+            "decode_plan": decode.to_dict() if decode else None,
+            "prefill_plan": prefill.to_dict() if prefill else None}
 
 
 def logged_gemm(path: Path) -> GemmTable | None:
@@ -496,7 +496,11 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
 
 
 def _hopper(gpu_name: str) -> bool:
-    return any(name in gpu_name.upper() for name in ("H100", "H200", "H800", "H20", "GH200"))
+    """The GPU is one of the Hopper devices muxd knows (roofline.py)."""
+    try:
+        return device_spec(gpu_name) in (DEVICES["h100"], DEVICES["h200"])
+    except ConfigError:
+        return False
 
 
 def _revisit(timer: StepTimer, done: dict[str, tuple[Point, float]], measured: Sequence[Point], cost: "_CostModel",
