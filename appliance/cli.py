@@ -89,6 +89,8 @@ def serve(
                                            "(default: on with CUDA, off on CPU)."),
     cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Replay decode steps as CUDA "
                                     "graphs (CUDA with the flashinfer backend); off for debugging."),
+    prefill_graph_rows: int = typer.Option(512, help="Prefill launches of up to this many tokens replay piecewise "
+                                           "CUDA graphs (attention eager between them, as in vLLM); 0: off."),
     multiplex: Optional[bool] = typer.Option(None, "--multiplex/--no-multiplex", help="Run prefill and decode at "
                                              "once on disjoint SM partitions (default: on with CUDA for the mux and "
                                              "layerwise policies)."),
@@ -116,7 +118,7 @@ def serve(
                       max_num_batched_tokens=max_num_batched_tokens, page_size=block_size, seed=seed,
                       chat_template=chat_template, api_key=api_key, max_request_bytes=max_request_bytes,
                       shutdown_timeout=shutdown_timeout, attention_backend=attention_backend, compile=compile,
-                      cuda_graph=cuda_graph, multiplex=multiplex, partition_granularity=partition_granularity,
+                      cuda_graph=cuda_graph, prefill_graph_rows=prefill_graph_rows, multiplex=multiplex, partition_granularity=partition_granularity,
                       layerwise_decode_sms=layerwise_decode_sms, preemption=preemption, trace_dir=trace_dir)
     try:
         cfg.validate()

@@ -62,6 +62,7 @@ class ServeConfig:
     attention_backend: str = "auto"
     compile: bool | None = None     # None: on CUDA, off on CPU
     cuda_graph: bool = True
+    prefill_graph_rows: int = 512
     multiplex: bool | None = None
     partition_granularity: int = 16
     layerwise_decode_sms: int = 64
@@ -93,6 +94,8 @@ class ServeConfig:
         """Check every flag and the model directory's config.json now; returns the model's config."""
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.prefill_graph_rows < 0:
+            raise ConfigError(f"--prefill-graph-rows must be >= 0 (0: no prefill graphs), got {self.prefill_graph_rows}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         from appliance.slo.contract import load_contract
@@ -164,7 +167,8 @@ class ServeConfig:
             gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
             planner=self.planner, max_waiting=self.max_waiting, slo=self.slo, profile=self.profile,
             attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph,
-            multiplex=self.multiplex, partition_granularity=self.partition_granularity,
+            prefill_graph_rows=self.prefill_graph_rows, multiplex=self.multiplex,
+            partition_granularity=self.partition_granularity,
             layerwise_decode_sms=self.layerwise_decode_sms, preemption=self.preemption,
             chunk_budget=self._chunk_budget(),
             **({} if self.max_num_batched_tokens is None else {"max_prefill_tokens": self.max_num_batched_tokens}))

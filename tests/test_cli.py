@@ -26,7 +26,8 @@ def test_version_and_module_entry_point():
 @pytest.mark.parametrize("command, words", [
     ("serve", ["--model", "--host", "--port", "--dtype", "--load-format", "--max-num-seqs", "--kv-cache-memory",
                "--api-key", "MUXD_API_KEY", "--max-num-batched-tokens", "--block-size", "--seed", "--chat-template",
-               "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-request-bytes", "--shutdown-timeout"]),
+               "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-request-bytes", "--shutdown-timeout",
+               "--prefill-graph-rows"]),
     ("generate", ["prompt", "--max-tokens", "--temperature", "--chat", "--top-k", "--stop", "--system"]),
     ("version", ["version"]),
 ])
@@ -59,6 +60,7 @@ def test_generate_chat_mode(text_checkpoint):
     (["--block-size", "0"], "--block-size"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--prefill-graph-rows", "-1"], "--prefill-graph-rows must be >= 0"),
     (["--max-request-bytes", "lots"], "--max-request-bytes"),
     (["--api-key", " "], "--api-key"),
     (["--chat-template", "no/such/file.jinja"], "no such file"),

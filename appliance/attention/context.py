@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -36,6 +36,8 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_cache: torch.Tensor  # [layers, 2, pages, page_size, Hkv, D]
     layer: int = 0          # the layer whose attention runs next; the model advances it
+    cut: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # replaces attention
+    # while a piecewise CUDA-graph capture runs (engine/prefill_graphs.py)
 
 
 _context: ForwardContext | None = None
@@ -53,6 +55,13 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         _context = previous
 
 
+def current_context() -> ForwardContext:
+    """The forward context in effect (an error outside one)."""
+    if _context is None:
+        raise RuntimeError("paged_attention called outside forward_context(); the runner sets it around forwards")
+    return _context
+
+
 def set_layer(layer: int) -> None:
     """Point the current forward context at `layer`'s KV pages (called by the model before each layer)."""
     if _context is not None:
@@ -60,9 +69,9 @@ def set_layer(layer: int) -> None:
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    ctx = _context
-    if ctx is None:
-        raise RuntimeError("paged_attention called outside forward_context(); the runner sets it around forwards")
+    ctx = current_context()
+    if ctx.cut is not None:
+        return ctx.cut(q, k, v)
     rows, tokens = q.shape[0], ctx.metadata.num_tokens
     if rows == tokens:
         return ctx.backend.forward(q, k, v, ctx.kv_cache[ctx.layer], ctx.metadata)

@@ -5,6 +5,7 @@ Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thr
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -56,6 +57,7 @@ class EngineConfig:
     compile: bool | None = None             # torch.compile each layer; None: on CUDA, off on CPU
     cuda_graph: bool = True                 # capture decode CUDA graphs (CUDA and a graph-capable backend only)
     max_graph_batch: int | None = None      # largest captured decode batch; default min(max_num_seqs, 256)
+    prefill_graph_rows: int = 512           # prefill launches of up to this many tokens replay piecewise graphs
     multiplex: bool | None = None           # SM partitions; None: on with CUDA for the spatial policies
     partition_granularity: int = 16         # decode partitions are multiples of this many SMs
     layerwise_decode_sms: int = 64          # the layerwise policy's fixed decode partition
@@ -73,6 +75,8 @@ class EngineConfig:
             raise ConfigError(f"planner {self.planner!r} is unknown; choose one of {', '.join(POLICIES)}")
         if self.chunk_budget is not None and self.chunk_budget < 1:
             raise ConfigError(f"chunk_budget must be >= 1, got {self.chunk_budget}")
+        if self.prefill_graph_rows < 0:
+            raise ConfigError(f"prefill_graph_rows must be >= 0 (0: no prefill graphs), got {self.prefill_graph_rows}")
         for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_waiting", "layers_per_step",
                      "partition_granularity", "layerwise_decode_sms"):
             if getattr(self, name) < 1:
@@ -137,8 +141,13 @@ class Engine:
             self.startup["graph_memory_bytes"] = self.executor.graph_memory_bytes()
         if self.predictor is not None and self.executor.multiplexed:
             self.predictor.decode_partitions = [p.decode_sms for p in self.partitions.splits]
-        if self.predictor is not None and self.predictor.gemm is not None:  # the profile's GEMM row buckets
-            self.executor.pad_prefills(self.predictor.gemm, config.max_prefill_tokens, self.predictor.sm_count)
+        self.executor.pad_prefills(self._gemm_table(), config.max_prefill_tokens,
+                                   self.predictor.sm_count if self.predictor is not None else 0)
+        if self.prefill_graph_rows:
+            start = time.perf_counter()
+            self.executor.capture_prefill(self.prefill_graph_rows)
+            self.startup["prefill_graph_capture_s"] = time.perf_counter() - start
+            self.startup["graph_memory_bytes"] = self.executor.graph_memory_bytes()
         graphs = self.runner.graphs
         log.info("engine: attention %s, compiled %s, decode graphs %s, %s, %d KV pages of %d tokens",
                  self.runner.backend_name, self.compiled,
@@ -204,6 +213,30 @@ class Engine:
     def max_graph_batch(self) -> int:
         return self.config.max_graph_batch or min(self.config.max_num_seqs, 256)
 
+    @property
+    def prefill_graph_rows(self) -> int:
+        """Prefill launches of up to this many tokens run as piecewise graphs (0: none, as without CUDA, decode
+        graphs or a graph-capable attention backend; never above a step's prefill tokens)."""
+        cfg = self.config
+        capable = (cfg.cuda_graph and next(self.model.parameters()).is_cuda
+                   and self.runner.backend.supports_cuda_graph)
+        return min(cfg.prefill_graph_rows, cfg.max_prefill_tokens) if capable else 0
+
+    def _gemm_table(self):
+        """The profile's GEMM row buckets (None without), padding graph-sized launches within this engine's
+        prefill graphs; a profile measured with other prefill graphs is used as it is, with a warning."""
+        gemm = self.predictor.gemm if self.predictor is not None else None
+        if gemm is None:
+            return None
+        rows = self.prefill_graph_rows
+        if gemm.graph_rows != rows:
+            log.warning("the profile was measured with prefill graphs up to %d rows, this engine runs them up to %d: "
+                        "its prefill predictions may be off (profile again with the same --prefill-graph-rows)",
+                        gemm.graph_rows, rows)
+            gemm = dataclasses.replace(gemm, graph_rows=rows)
+            self.predictor.latency = dataclasses.replace(self.predictor.latency, gemm=gemm)
+        return gemm
+
     def _profile_activations(self, num_tokens: int) -> int:
         """Run the warm-up forwards (compiling the layers) on a throw-away KV cache of a few pages and return the
         device memory the largest prefill step needs beyond the weights, plus sampling and graph headroom."""
@@ -224,7 +257,11 @@ class Engine:
         torch.cuda.empty_cache()
         sampling = cfg.max_num_seqs * mcfg.vocab_size * 4 * 6  # logits, probs, sort values + indices, noise
         graphs = self.max_graph_batch * mcfg.vocab_size * 4 + GRAPH_RESERVE_BYTES if cfg.cuda_graph else 0
-        # with SM partitions: a graph set and a prefill attention workspace per partition
+        # prefill graphs: fixed buffers and a pool for one layer's activations at their largest size, taken as twice
+        # the warm-up prefill's peak per token
+        rows = min(cfg.prefill_graph_rows, num_tokens) if cfg.cuda_graph else 0
+        graphs += 2 * peak * rows // num_tokens
+        # with SM partitions: graph sets and a prefill attention workspace per partition
         return peak + sampling + graphs * len(self.partitions.partitions) + PREFILL_WORKSPACE_BYTES * (
             len(self.partitions.partitions) if not self.partitions.full.is_null else 0)
 

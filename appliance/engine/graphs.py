@@ -7,9 +7,11 @@ runs on the host before a replay, only `run()` is captured. Padded rows read and
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -21,6 +23,23 @@ from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.llama import DecoderForCausalLM
 
 log = logging.getLogger("muxd.graphs")
+
+
+CAPTURE_MODE = "thread_local"  # another thread's CUDA calls (a compile worker's) cannot invalidate a capture
+
+
+@contextlib.contextmanager
+def quiet_capture() -> Iterator[None]:
+    """No garbage collection while graphs are captured: freeing an unreachable object's CUDA memory or events in
+    the middle of a capture would invalidate it (collected once before, as torch.cuda.graph does)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -83,6 +102,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, so that smaller graphs reuse the pool's memory."""
+        with quiet_capture():
+            self._capture()
+
+    def _capture(self) -> None:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
@@ -100,7 +123,7 @@ class DecodeGraphs:
                     self._forward(size)  # warm-up on the capture stream (library handles, workspaces)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
                     self._forward(size)
             self._graphs[size] = (graph, backend)
         torch.cuda.synchronize()

@@ -18,6 +18,7 @@ from appliance.attention import (AttentionBackend, ForwardContext, forward_conte
                                  resolve_backend_name)
 from appliance.engine.batch import BatchBuilder, TokenBatch
 from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.request import Request
 from appliance.engine.sampler import sample_tensor
@@ -79,13 +80,13 @@ class ModelRunner:
         """Dummy forwards on the scratch page (a prefill of num_tokens rows, decodes of 1 and 2 rows) so that
         compilation, kernel loading and library handles happen before serving and before graph capture."""
         for lens in ([num_tokens], [1], [1, 1]):
-            batch = self._scratch_batch(lens)
+            batch = self.scratch_batch(lens)
             hidden, residual = self._layers(batch, 0, self.num_layers, None)
             self._logits_at(hidden, residual, batch.last_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _scratch_batch(self, lens: list[int]) -> TokenBatch:
+    def scratch_batch(self, lens: list[int]) -> TokenBatch:
         """Sequences of token 0 whose every page is the scratch page."""
         page, size = self.kv_cache.scratch_page, self.kv_cache.page_size
         pages = [np.full(-(-n // size), page, np.int32) for n in lens]
@@ -177,10 +178,12 @@ class ModelRunner:
         return [ids[i] for i in picked], self._logits_at(hidden, residual, batch.last_rows[picked])
 
     def prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
-                backend: AttentionBackend | None = None, pad_rows: Callable[[int], int] | None = None) -> Logits:
+                backend: AttentionBackend | None = None, pad_rows: Callable[[int], int] | None = None,
+                graphs: PrefillGraphs | None = None) -> Logits:
         """Layers [start, end) of the works' token chunks on the current stream; logits of the chunks that end their
         prompt once the last layer has run (activations of unfinished ranges wait in the runner). `pad_rows` maps
-        the token count to the rows the layers run (the executor's GEMM buckets; the padding rows are dropped)."""
+        the token count to the rows the layers run (the executor's GEMM buckets; the padding rows are dropped);
+        `graphs` replays its piecewise graphs where it has captured that many rows."""
         reqs = [requests[w.request_id] for w in works]
         spans = [(w.token_start, w.token_end) for w in works]
         carried = None
@@ -192,7 +195,7 @@ class ModelRunner:
             carried = (torch.cat([p.hidden for p in partials]),
                        None if partials[0].residual is None else torch.cat([p.residual for p in partials]))
         batch = self.batches.build(reqs, spans, with_ids=carried is None)
-        hidden, residual = self._layers(batch, start, end, carried, reqs, backend, pad_rows)
+        hidden, residual = self._layers(batch, start, end, carried, reqs, backend, pad_rows, graphs)
         if end < self.num_layers:
             sizes = [w.num_tokens for w in works]
             res_parts = residual.split(sizes) if residual is not None else [None] * len(works)
@@ -212,20 +215,27 @@ class ModelRunner:
 
     def _layers(self, batch: TokenBatch, start: int, end: int,
                 carried: tuple[torch.Tensor, torch.Tensor | None] | None, reqs: list[Request] | None = None,
-                backend: AttentionBackend | None = None, pad_rows: Callable[[int], int] | None = None):
+                backend: AttentionBackend | None = None, pad_rows: Callable[[int], int] | None = None,
+                graphs: PrefillGraphs | None = None):
         """Layers [start, end) over the batch (embedding first when nothing is carried over), on the rows
-        `pad_rows` asks for: zero rows appended, which attention leaves out and the result drops."""
+        `pad_rows` asks for: zero rows appended, which attention leaves out and the result drops; a replay of
+        `graphs` where it has captured that many rows."""
+        lengths = None
+        if reqs is not None and self.model.config.rope.length_dependent:
+            # dynamic NTK: prompt rows take their prompt's length (other rows default to position + 1)
+            lengths = dynamic_lengths(batch.positions, [r.num_prompt_tokens for r in reqs], batch.metadata.query_lens)
+        rows = batch.metadata.num_tokens
+        padded = pad_rows(rows) if pad_rows is not None and lengths is None else rows
+        if graphs is not None and lengths is None and self.use_graphs and graphs.padded_size(padded) is not None:
+            return graphs.run(padded, batch.metadata, batch.positions, start, end,
+                              input_ids=batch.input_ids if carried is None else None, carried=carried,
+                              backend=backend or self.backend)
         if carried is None:
             hidden, residual = self.model.embed(batch.input_ids), None
         else:
             hidden, residual = carried
         positions = batch.positions
-        lengths = None
-        if reqs is not None and self.model.config.rope.length_dependent:
-            # dynamic NTK: prompt rows take their prompt's length (other rows default to position + 1)
-            lengths = dynamic_lengths(batch.positions, [r.num_prompt_tokens for r in reqs], batch.metadata.query_lens)
-        rows = hidden.shape[0]
-        extra = pad_rows(rows) - rows if pad_rows is not None and lengths is None else 0
+        extra = padded - rows
         if extra > 0:
             hidden = torch.nn.functional.pad(hidden, (0, 0, 0, extra))
             residual = None if residual is None else torch.nn.functional.pad(residual, (0, 0, 0, extra))

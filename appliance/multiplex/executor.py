@@ -6,7 +6,8 @@ planned prefill layers on its prefill stream, and waits for the decode tokens on
 after its last layer; `poll()` reports the works whose events have fired, so prefill may finish iterations later and
 decode never waits for it. A request's continued prefill on another stream first waits for its previous event.
 With a profiled GEMM table (`pad_prefills`), a prefill launch runs its layers on the cheapest row bucket of its
-partition at or above its token count (predictor/gemm_table.py).
+partition at or above its token count (predictor/gemm_table.py). Launches of up to `graph_rows` tokens replay
+piecewise CUDA graphs captured per partition at the buckets up to that size (engine/prefill_graphs.py).
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ import torch
 
 from appliance.attention import AttentionBackend, make_backend
 from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.request import Request
 from appliance.engine.runner import ModelRunner
 from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.multiplex.partitions import Partition, PartitionSet
 from appliance.multiplex.timeline import Timeline
-from appliance.predictor.gemm_table import GemmTable
+from appliance.predictor.gemm_table import GemmTable, bucket_sizes
 
 
 @dataclass
@@ -100,6 +102,8 @@ class Executor:
         self._gemm: GemmTable | None = None
         self._max_rows = 0
         self._null_sms = 0
+        self._prefill_graphs: dict[str, PrefillGraphs] = {}
+        self._graph_sizes: tuple[int, ...] = ()  # the prefill graphs' row counts (the same on every partition)
 
     def pad_prefills(self, table: GemmTable | None, max_rows: int, null_sms: int = 0) -> None:
         """Run each prefill launch on `table`'s cheapest row bucket for its partition (None: on its tokens), never
@@ -108,15 +112,46 @@ class Executor:
         self._gemm, self._max_rows, self._null_sms = table, max_rows, null_sms
 
     def pad_rows(self, prefill_sms: int) -> Callable[[int], int] | None:
-        """What a prefill launch on a partition of `prefill_sms` SMs pads its token count to (None: no padding)."""
-        table, sms = self._gemm, prefill_sms or self._null_sms
-        if table is None or sms not in table.ms:
+        """What a prefill launch on a partition of `prefill_sms` SMs pads its token count to (None: no padding):
+        the table's cheapest bucket, else the smallest prefill graph that holds it."""
+        table, sms, sizes = self._gemm, prefill_sms or self._null_sms, self._graph_sizes
+        if table is not None and sms in table.ms:
+            def pad(tokens: int) -> int:
+                rows = table.padded_rows(tokens, sms)
+                return rows if rows <= self._max_rows else tokens
+            return pad
+        if not sizes:
             return None
 
-        def pad(tokens: int) -> int:
-            rows = table.padded_rows(tokens, sms)
-            return rows if rows <= self._max_rows else tokens
-        return pad
+        def to_graph(tokens: int) -> int:
+            return next((s for s in sizes if s >= tokens), tokens)
+        return to_graph
+
+    @torch.inference_mode()
+    def capture_prefill(self, graph_rows: int) -> None:
+        """Piecewise prefill graphs at the row buckets up to `graph_rows` (the GEMM table's, where one is set) on
+        every partition's prefill stream, each with its own pool (they may run at once); no-op without CUDA graphs
+        or for 0 rows."""
+        runner = self.runner
+        self._prefill_graphs.clear()
+        self._graph_sizes = ()
+        if graph_rows < 1 or runner.device.type != "cuda" or not runner.backend.supports_cuda_graph:
+            return
+        limit = min(graph_rows, self._max_rows) if self._max_rows else graph_rows
+        rows = self._gemm.rows if self._gemm is not None else bucket_sizes(limit)
+        sizes = tuple(r for r in rows if r <= limit)
+        if not sizes:
+            return
+
+        def metadata_for(size: int):
+            return runner.scratch_batch([size]).metadata
+
+        for p in self.partitions.partitions:
+            backend = self._prefill_backends.get(p.name, runner.backend)
+            graphs = PrefillGraphs(runner.model, runner.kv_cache, backend, list(sizes), stream=p.prefill_stream)
+            graphs.capture(metadata_for)
+            self._prefill_graphs[p.name] = graphs
+        self._graph_sizes = sizes
 
     @property
     def multiplexed(self) -> bool:
@@ -142,7 +177,12 @@ class Executor:
         runner.graphs = self._graphs.get(self.partitions.full.name)
 
     def graph_memory_bytes(self) -> int:
-        return sum(g.memory_bytes for g in self._graphs.values() if g is not None)
+        return sum(g.memory_bytes for g in (*self._graphs.values(), *self._prefill_graphs.values()) if g is not None)
+
+    @property
+    def prefill_graph_launches(self) -> int:
+        """Prefill launches that ran as piecewise graph replays."""
+        return sum(g.launches for g in self._prefill_graphs.values())
 
     # ---- one iteration ----------------------------------------------------------------------------------------
     def partition_for(self, plan: StepPlan) -> Partition:
@@ -232,7 +272,7 @@ class Executor:
                 began = torch.cuda.Event(enable_timing=True)
                 began.record(stream)
             ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name),
-                                              self.pad_rows(part.prefill_sms))
+                                              self.pad_rows(part.prefill_sms), self._prefill_graphs.get(part.name))
             tokens = self.runner.sample(ids, logits, requests) if ids else None
             if stream is not None:
                 event = torch.cuda.Event(enable_timing=True)

@@ -50,6 +50,8 @@ def profile_command(app: typer.Typer) -> None:
         max_model_len: int = typer.Option(32768, help="Longest context profiled."),
         partition_granularity: int = typer.Option(16, help="Decode partitions are multiples of this many SMs "
                                                   "(the server's --partition-granularity)."),
+        prefill_graph_rows: int = typer.Option(512, help="Prefill launches of up to this many tokens replay "
+                                               "piecewise CUDA graphs (the server's --prefill-graph-rows)."),
         holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
                                     "measure the predictor's error)."),
         seed: int = typer.Option(0, help="Seed of the held-out points' draw (another seed, other points)."),
@@ -108,7 +110,7 @@ def profile_command(app: typer.Typer) -> None:
             cfg = ServeConfig(model=model, dtype=dtype, device=device, load_format=load_format,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-                              partition_granularity=partition_granularity)
+                              partition_granularity=partition_granularity, prefill_graph_rows=prefill_graph_rows)
             cfg.multiplex = True if cfg.resolved_device().startswith("cuda") else None
             cfg.validate()
             logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

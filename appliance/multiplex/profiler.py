@@ -9,6 +9,8 @@ prefill from its launch to its last layer's completion.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import statistics
@@ -94,8 +96,9 @@ class StepTimer:
 
     def measure_gemm(self) -> GemmTable:
         """One layer's GEMM time at the row buckets up to the largest prefill batch, on every prefill partition."""
-        return measure_gemm_table(self.engine.model, self.prefill_streams,
-                                  bucket_sizes(self.engine.config.max_prefill_tokens))
+        table = measure_gemm_table(self.engine.model, self.prefill_streams,
+                                   bucket_sizes(self.engine.config.max_prefill_tokens))
+        return dataclasses.replace(table, graph_rows=self.engine.prefill_graph_rows)
 
     def pad_prefills(self, table: GemmTable | None) -> None:
         """Measure prefill as serving with this profile will run it: padded to `table`'s buckets (None: not)."""
@@ -384,6 +387,10 @@ def run_profile(timer: StepTimer, points: Sequence[Point], out: Path, *, model_n
     done = read_samples(log_path, header) if resume and log_path.is_file() else {}
     if done:
         gemm = logged_gemm(log_path)  # the resumed samples' padding; none before the log recorded one
+        rows = timer.engine.prefill_graph_rows
+        if gemm is not None and gemm.graph_rows != rows:
+            raise ConfigError(f"{log_path} was measured with prefill graphs up to {gemm.graph_rows} rows, this run "
+                              f"has them up to {rows}: resume with --prefill-graph-rows {gemm.graph_rows}")
     else:
         t0 = time.perf_counter()
         gemm = timer.measure_gemm()

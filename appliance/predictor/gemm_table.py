@@ -7,7 +7,9 @@ stream, and on a partition some row counts get a poor choice: on 20 SMs of an H2
 prefill pays them. So `muxd profile` times the GEMMs at bucket sizes (16 per octave, from 32 rows up to the largest
 prefill batch) on each partition, the executor pads a prefill launch's rows to the cheapest bucket at or above its
 token count (padded rows are zeros that attention skips and the runner drops), and the solo-run model reads the
-table for the GEMM time of the rows it will run: measured, not fitted. Pure arithmetic: no CUDA.
+table for the GEMM time of the rows it will run: measured, not fitted. Launches of at most `graph_rows` tokens run
+as piecewise CUDA graphs captured at the buckets up to `graph_rows` (engine/prefill_graphs.py), so they pad only
+within those. Pure arithmetic: no CUDA.
 """
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ def bucket_sizes(max_rows: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class GemmTable:
-    """One layer's GEMM milliseconds at each bucket size (`rows`, ascending), per prefill SM count."""
+    """One layer's GEMM milliseconds at each bucket size (`rows`, ascending), per prefill SM count; launches of at
+    most `graph_rows` tokens pad to buckets of at most `graph_rows` rows (0: no such limit)."""
 
     rows: tuple[int, ...]
     ms: dict[int, tuple[float, ...]]
+    graph_rows: int = 0
     _best: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,9 +49,10 @@ class GemmTable:
                 raise ValueError(f"{sms} SMs has {len(times)} times for {len(self.rows)} bucket sizes")
             if min(times) <= 0:
                 raise ValueError(f"{sms} SMs has a time <= 0")
-            best, j = [0] * len(times), len(times) - 1  # the cheapest bucket at or above each one (ties: smaller)
+            # the cheapest bucket at or above each one (ties: the smaller), on its side of graph_rows
+            best, j = [0] * len(times), len(times) - 1
             for i in range(len(times) - 1, -1, -1):
-                if times[i] <= times[j]:
+                if times[i] <= times[j] or (self.rows[i] <= self.graph_rows < self.rows[j]):
                     j = i
                 best[i] = j
             self._best[sms] = best
@@ -72,10 +77,15 @@ class GemmTable:
             return times[-1] * tokens / self.rows[-1]
         return times[best[i]]
 
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The buckets that launches run as CUDA graphs."""
+        return tuple(r for r in self.rows if r <= self.graph_rows)
+
     def to_dict(self) -> dict:
-        return {"rows": list(self.rows), "ms": {str(k): list(v) for k, v in sorted(self.ms.items())}}
+        return {"rows": list(self.rows), "ms": {str(k): list(v) for k, v in sorted(self.ms.items())},
+                "graph_rows": self.graph_rows}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "GemmTable":
         return cls(tuple(int(r) for r in raw["rows"]),
-                   {int(k): tuple(float(x) for x in v) for k, v in raw["ms"].items()})
+                   {int(k): tuple(float(x) for x in v) for k, v in raw["ms"].items()}, int(raw.get("graph_rows", 0)))

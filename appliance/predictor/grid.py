@@ -127,7 +127,8 @@ def plan_points(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int],
                 seed: int = 0, kv_tokens: int | None = None) -> list[Point]:
     """Every point to measure, in order: the fit's core on every partition, `holdout` random points per partition
     and phase, then the rest of the grid. Without partitions (CPU) only the all-SMs prefill and decode. With
-    `kv_tokens`, only points the KV pool holds (a decode batch of long contexts the pool cannot hold never runs)."""
+    `kv_tokens`, only points the KV pool holds (a decode batch of long contexts the pool cannot hold runs as the
+    largest batch of them it holds)."""
     points = _plan(ranges, sm_count, decode_partitions, holdout, seed, kv_tokens or 1 << 62)
     return [p for p in points if kv_tokens is None or p.tokens <= kv_tokens]
 
@@ -176,7 +177,10 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
         held.append(Point("mixed", sm_count, _log_uniform(rng, mn[0], mn[-1]), 0 if rng.random() < 0.5 else
                           int(rng.integers(0, hit + 1)), b, _log_uniform(rng, context[0], context[-1]), holdout=True))
     rest = [Point("prefill", s, n, r) for s in prefill_sms for n in new for r in reused]
-    rest += [Point("decode", s, batch=b, context=c) for s in decode_sms for b in batch for c in context]
+    # a batch of long contexts that the pool cannot hold is measured at the largest batch it can: the fit then
+    # reaches as much KV as serving (and the held-out draw) can have at once
+    rest += [Point("decode", s, batch=min(b, max(1, kv_tokens // (c + 16))), context=c)
+             for s in decode_sms for b in batch for c in context]
     rest += [Point("contended", d, n, 0, b, c) for d in splits for n in ranges.contended_new
              for b in ranges.contended_batch for c in ranges.contended_context]
     rest += [Point("mixed", sm_count, n, r, b, ctx) for n in mn for r in sorted({0, hit}) for b in mb]

@@ -72,7 +72,7 @@ class ProfileFile(_Model):
     decode_plan: dict[str, int | list[int]] | None = None
     # one layer's GEMM time per prefill partition at the row buckets prefill launches are padded to (gemm_table.py);
     # None: no padding, q is not fitted
-    gemm: dict[str, list[int] | dict[str, list[float]]] | None = None
+    gemm: dict[str, int | list[int] | dict[str, list[float]]] | None = None
     # what the prefill attention kernel's plan depended on (prefill_plan.py); None: w is not fitted
     prefill_plan: dict[str, int] | None = None
     contention_default: float = Field(ge=1.0)
@@ -113,7 +113,8 @@ class ProfileFile(_Model):
             "decode_plan": (DecodePlan, "total_sms, kv_heads, page_size (and graph_sizes)",
                             ("total_sms", "kv_heads", "page_size")),
             "prefill_plan": (PrefillPlan, "total_sms and qo_heads (and tile_q)", ("total_sms", "qo_heads", "tile_q")),
-            "gemm": (GemmTable, "rows (ascending bucket sizes) and ms (per SM count, a time per bucket)", ()),
+            "gemm": (GemmTable, "rows (ascending bucket sizes) and ms (per SM count, a time per bucket), and "
+                     "graph_rows", ()),
         }[info.field_name]
         if raw is not None:
             try:

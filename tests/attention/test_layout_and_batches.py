@@ -76,3 +76,25 @@ def test_backend_choice_is_explicit_about_what_cannot_run():
         resolve_backend_name("flashinfer", cfg, torch.bfloat16, cpu)
     with pytest.raises(ConfigError, match="unknown"):
         resolve_backend_name("triton", cfg, torch.bfloat16, cpu)
+
+
+def test_a_capture_cut_replaces_attention_inside_the_forward_context():
+    """While piecewise graphs capture, the context's cut hook runs in place of attention (engine/prefill_graphs.py)."""
+    from appliance.attention import ForwardContext, TorchAttention, forward_context, paged_attention
+    from appliance.attention.metadata import AttentionMetadata
+
+    q, k, v = torch.randn(3, 2, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+    seen = []
+
+    def cut(*qkv):
+        seen.append(qkv)
+        return torch.full_like(qkv[0], 7.0)
+
+    meta = AttentionMetadata(np.array([0, 3], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
+                             np.array([3], np.int32), np.array([3], np.int32), 16, torch.zeros(3, dtype=torch.long))
+    with forward_context(ForwardContext(TorchAttention(), meta, torch.zeros(1, 2, 1, 16, 1, 4), cut=cut)):
+        out = paged_attention(q, k, v)
+    assert len(seen) == 1 and seen[0][0] is q and seen[0][2] is v
+    assert torch.equal(out, torch.full_like(q, 7.0))
+    with pytest.raises(RuntimeError, match="outside forward_context"):
+        paged_attention(q, k, v)

@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
-profile=${PROFILE:-docs/data/profile-llama-3.1-8b-h200-2026-11-22.json}
+profile=${PROFILE:-docs/data/profile-llama-3.1-8b-h200-graphs-seed1-calibrated-2026-11-22.json}
 model=${MODEL:-configs/models/llama-3.1-8b}
 maxlen=${MAX_MODEL_LEN:-32768}
 work=$(mktemp -d)

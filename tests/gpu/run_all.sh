@@ -21,6 +21,8 @@ python3 -m appliance bench engine --startup-only --json "$out/startup-warm.json"
 python3 -m appliance bench engine --multiplex --batches 64 --contexts 1024 --prefill 8192 --iters 30 \
     --json "$out/multiplex.json" --markdown "$out/multiplex.md" > "$out/multiplex.log" 2>&1
 mux=$?
+python3 scripts/prefill_graphs_bench.py --json "$out/prefill-graphs.json" > "$out/prefill-graphs.md" 2>"$out/prefill-graphs.log"
+pgraphs=$?
 proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
     trace=${@: -1}
@@ -40,9 +42,12 @@ echo "| tests/gpu | $(tail -n 1 "$out/gpu-tests.log") |"
 echo "| bench engine | exit $bench |"
 echo "| warm start | $(grep -o 'start-up: .*' "$out/startup-warm.log") |"
 echo "| bench engine --multiplex | exit $mux |"
+echo "| prefill graphs bench | exit $pgraphs |"
 echo "| muxd profile | $proof |"
 echo
 cat "$out/multiplex.md" 2>/dev/null
+echo
+cat "$out/prefill-graphs.md" 2>/dev/null
 echo
 cat "$out/engine-bench.md" 2>/dev/null
 [ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$mux" = 0 ]

@@ -71,9 +71,15 @@ def test_ranges_follow_the_trace_and_the_server_limits():
     assert max(clipped.contended_batch) <= 63 and max(clipped.mixed_batch) <= 63
     assert max(clipped.decode_context) <= 16384 and max(clipped.prefill_reused) + 4096 < 16384
     assert len(clipped.prefill_new) == len(ranges.prefill_new)  # capped, the grid keeps its resolution
-    kv = 400_000  # a pool that cannot hold 256 requests of 27k tokens: such points are never planned
+    kv = 400_000  # a pool that cannot hold 64 requests of 16k tokens: such points are never planned
     points = plan_points(clipped, 132, [16, 64], holdout=2, kv_tokens=kv)
     assert points and all(p.tokens <= kv for p in points)
+    # instead, the largest batch of the longest context that the pool holds: the fit reaches a full pool
+    longest = max(clipped.decode_context)
+    full = kv // (longest + 16)
+    assert full < max(clipped.decode_batch)
+    for s in (16, 64, 132):
+        assert any(p.kind == "decode" and p.sms == s and (p.batch, p.context) == (full, longest) for p in points)
     for s in (16, 64, 132):  # the decode fit still has its core on every partition
         assert sum(p.kind == "decode" and p.sms == s and not p.holdout for p in points) >= 3
 
@@ -302,6 +308,11 @@ def test_prefills_are_profiled_padded_to_gemm_buckets_timed_first_and_a_resume_k
                                                 *lines[1:6]]) + "\n")
     run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
     assert json.loads(out.read_text())["gemm"] is None and timer.executor.pad_rows(0) is None
+    # samples measured with prefill graphs (none run on the CPU) are not resumed without them
+    graphs = GemmTable((16, 4096), {timer.sm_count: (2.0, 1.0)}, graph_rows=512)
+    samples_path_for(out).write_text("\n".join([json.dumps({**head, "gemm": graphs.to_dict()}), *lines[1:6]]) + "\n")
+    with pytest.raises(ConfigError, match="prefill graphs up to 512 rows.*--prefill-graph-rows 512"):
+        run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
 
 
 def test_refit_of_a_gpu_log_with_gemm_buckets_adds_the_prefill_kernels_waves(tmp_path):
@@ -312,7 +323,10 @@ def test_refit_of_a_gpu_log_with_gemm_buckets_adds_the_prefill_kernels_waves(tmp
     again = refit_profile(log, tmp_path / "refit.json", ModelConfig.from_file(
         REPO / "configs/models/llama-3.1-8b/config.json"))
     old, new = json.loads(base.read_text()), json.loads((tmp_path / "refit.json").read_text())
-    assert new["gemm"] == json.loads(log.read_text().splitlines()[0])["gemm"] == old["gemm"]
+    from appliance.predictor.gemm_table import GemmTable
+
+    logged = json.loads(log.read_text().splitlines()[0])["gemm"]
+    assert GemmTable.from_dict(new["gemm"]) == GemmTable.from_dict(logged) == GemmTable.from_dict(old["gemm"])
     assert new["prefill_plan"] == {"total_sms": 132, "qo_heads": 32, "tile_q": 128} and old.get("prefill_plan") is None
     assert all(len(c) == 7 for c in new["prefill"].values()) and all(len(c) == 6 for c in old["prefill"].values())
     assert new["fit"]["holdout_prefill_mean"] < old["fit"]["holdout_prefill_mean"]

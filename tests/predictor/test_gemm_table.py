@@ -46,6 +46,20 @@ def test_a_prefill_is_padded_to_the_cheapest_bucket_at_or_above_it():
     assert all(table.gemm_ms(n, 20) <= H200_20[ROWS.index(-(-n // 32) * 32)] for n in range(128, 1281))
 
 
+def test_launches_that_run_as_graphs_pad_only_within_the_graph_sizes():
+    table = GemmTable(ROWS, {20: tuple(H200_20)}, graph_rows=480)
+    assert table.graph_sizes() == tuple(range(128, 481, 32))
+    # 445 tokens: 512 rows (1.73 ms) would be cheaper, but 445 tokens run as a graph of 448 or 480 rows
+    assert table.padded_rows(445, 20) == 448 and table.gemm_ms(445, 20) == pytest.approx(2.33)
+    assert table.padded_rows(481, 20) == 512  # past the graphs: the cheapest bucket, as before
+    assert table.padded_rows(300, 20) == 352 and table.padded_rows(1, 20) == 128
+    assert all(table.padded_rows(n, 20) in table.graph_sizes() for n in range(1, 481))
+    assert all(table.padded_rows(n, 20) > 480 for n in range(481, 1281))
+    back = GemmTable.from_dict(json.loads(json.dumps(table.to_dict())))
+    assert back == table and back.padded_rows(445, 20) == 448
+    assert GemmTable.from_dict({"rows": [32], "ms": {"20": [1.0]}}).graph_rows == 0  # a table from before graphs
+
+
 @pytest.mark.parametrize("rows, ms, message", [
     ((), {}, "ascending"),
     ((64, 32), {20: (1.0, 2.0)}, "ascending"),

@@ -1,0 +1,173 @@
+"""Piecewise CUDA graphs of the prefill layers, one set per stream, at fixed row counts (the padded sizes).
+
+A short prefill's time is set by the host launching 32 layers' kernels, not by the GPU, and a host that changes
+speed makes it unpredictable. Here each decoder layer is captured as two graphs, the part before attention and the
+part after it; attention (its KV write and the paged kernel, whose plan changes with every batch) runs eagerly
+between them, as in vLLM's piecewise capture. A prefill of layers [start, end) on `size` rows then costs the host
+two graph launches and one attention call per layer.
+
+Capture cuts the model's own forward: while a set captures, the forward context's `cut` hook ends the current graph
+at each attention call, runs attention on fixed buffers, and begins the next graph. Inputs (positions, the hidden
+state and residual between layers) and the attention buffers are fixed tensors of the set; every layer reads and
+writes the same ones, so a launch may start at any layer. Padding rows are zeros that attention never sees.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, set_layer
+from appliance.attention.context import current_context
+from appliance.engine.graphs import CAPTURE_MODE, quiet_capture
+from appliance.engine.kv_cache import KVCache
+from appliance.model_zoo.llama import DecoderForCausalLM
+
+log = logging.getLogger("muxd.graphs")
+
+Carried = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class PrefillGraphs:
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+                 sizes: list[int], stream: torch.cuda.Stream | None = None) -> None:
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.sizes = sorted(set(sizes))
+        self.stream = stream
+        self.pool = torch.cuda.graph_pool_handle()  # its own: prefill on another stream may run meanwhile
+        cfg, device = model.config, kv_cache.data.device
+        dtype = next(model.parameters()).dtype
+        n = self.sizes[-1]
+        with torch.inference_mode():  # like every batch tensor: compiled layers guard on the dispatch keys
+            self.positions = torch.zeros(n, dtype=torch.long, device=device)
+            self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+            self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+            self.q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+            self.k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+            self.out = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # per size: [before attn 0, after attn 0, ...]
+        self._capturing: list[torch.cuda.CUDAGraph] | None = None
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+        self.launches = 0
+
+    # ---- capture ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, metadata_for: Callable[[int], AttentionMetadata]) -> None:
+        """Capture every size, largest first (smaller sizes reuse the pool's memory); `metadata_for(size)` is a
+        valid batch of `size` tokens to capture on (the runner's scratch page)."""
+        with quiet_capture():
+            self._capture(metadata_for)
+
+    def _capture(self, metadata_for: Callable[[int], AttentionMetadata]) -> None:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        stream = self.stream or torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                ctx = ForwardContext(self.backend, metadata_for(size), self.kv_cache.data)
+                with forward_context(ctx):
+                    self.positions.zero_()
+                    self.hidden.zero_()
+                    self._layers(size)  # warm-up on the capture stream (library handles, kernel loading)
+                    stream.synchronize()
+                    ctx.cut = self._cut
+                    self._capturing = []
+                    self._layers(size, capture=True)
+                    graphs, self._capturing = self._capturing, None
+                if len(graphs) != 2 * self.model.num_layers:
+                    raise RuntimeError(f"piecewise capture of {size} rows made {len(graphs)} graphs for "
+                                       f"{self.model.num_layers} layers: each layer must call attention once")
+                self._graphs[size] = graphs
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = torch.cuda.memory_allocated() - before
+        log.info("captured prefill graphs (%d..%d rows, %d sizes) in %.1f s, %.0f MiB", self.sizes[0],
+                 self.sizes[-1], len(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
+
+    def _layers(self, size: int, capture: bool = False) -> None:
+        """Every layer on the fixed buffers' first `size` rows; when capturing, a graph begins at each layer's start
+        and ends at its end (attention's cut splits it in two)."""
+        layers, positions = self.model.model.layers, self.positions[:size]
+        hidden, residual = self.hidden[:size], self.residual[:size]
+        for i, layer in enumerate(layers):
+            set_layer(i)
+            if capture:
+                self._begin()
+            h, r = layer(positions, hidden, None if i == 0 else residual)
+            hidden.copy_(h)
+            residual.copy_(r)
+            if capture:
+                self._end()
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_MODE)
+        self._capturing.append(graph)
+
+    def _end(self) -> None:
+        self._capturing[-1].capture_end()
+
+    def _cut(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The forward context's attention while capturing: the graph so far ends with q/k/v in the fixed buffers,
+        attention runs on them eagerly, and the next graph begins reading its output buffer."""
+        rows = q.shape[0]
+        self.q[:rows].copy_(q)
+        self.k[:rows].copy_(k)
+        self.v[:rows].copy_(v)
+        self._end()
+        self._attend()
+        self._begin()
+        return self.out[:rows]
+
+    def _attend(self) -> None:
+        """Attention of the current layer for the context's batch, its output into the fixed buffer's rows."""
+        ctx = current_context()
+        tokens = ctx.metadata.num_tokens
+        out = ctx.backend.forward(self.q[:tokens], self.k[:tokens], self.v[:tokens], ctx.kv_cache[ctx.layer],
+                                  ctx.metadata)
+        self.out[:tokens].copy_(out)
+
+    # ---- replay -----------------------------------------------------------------------------------------------
+    def padded_size(self, rows: int) -> int | None:
+        """The captured size `rows` is, or None."""
+        return rows if rows in self._graphs else None
+
+    @torch.inference_mode()
+    def run(self, size: int, metadata: AttentionMetadata, positions: torch.Tensor, start: int, end: int,
+            input_ids: torch.Tensor | None = None, carried: Carried | None = None,
+            backend: AttentionBackend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [start, end) of a batch of `metadata.num_tokens` tokens on `size` rows, on the current stream:
+        from the embeddings of `input_ids` (start 0) or the `carried` activations. Returns (hidden, residual) of
+        the batch's rows: views of the set's buffers when `end` is the last layer (read them before the next
+        launch on this stream), copies otherwise."""
+        graphs = self._graphs[size]
+        tokens = metadata.num_tokens
+        if carried is None:
+            if start != 0:
+                raise RuntimeError(f"a prefill resuming at layer {start} needs the activations it stopped with")
+            torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=self.hidden[:tokens])
+        else:
+            self.hidden[:tokens].copy_(carried[0])
+            self.residual[:tokens].copy_(carried[1])
+        self.positions[:tokens].copy_(positions)
+        if size > tokens:
+            self.hidden[tokens:size].zero_()
+            self.residual[tokens:size].zero_()
+            self.positions[tokens:size].zero_()
+        kv = self.kv_cache.data
+        with forward_context(ForwardContext(backend or self.backend, metadata, kv)):
+            for i in range(start, end):
+                set_layer(i)
+                graphs[2 * i].replay()
+                self._attend()
+                graphs[2 * i + 1].replay()
+        self.launches += 1
+        hidden, residual = self.hidden[:tokens], self.residual[:tokens]
+        if end < self.model.num_layers:
+            return hidden.clone(), residual.clone()
+        return hidden, residual

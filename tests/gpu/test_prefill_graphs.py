@@ -1,0 +1,60 @@
+"""Piecewise prefill graphs on the GPU: greedy outputs with prefills replayed as graphs (whole prompts, cached prefixes,
+and one layer per step on SM partitions) equal the eager engine's token for token; prompts longer than the largest
+graph run eagerly; no page is lost."""
+from __future__ import annotations
+
+import pytest
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.request import SamplingParams
+from copy_model import periodic_prompt, train_copy_model
+
+pytest.importorskip("triton")
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory):
+    return train_copy_model(tmp_path_factory.mktemp("copy-model-prefill-graphs"))
+
+
+def engine(path, **kw) -> Engine:
+    return Engine.from_pretrained(path, device="cuda", config=EngineConfig(
+        num_pages=1024, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+
+
+def test_prefill_graphs_equal_eager_whole_prompts_prefixes_and_layer_steps(copy_model):
+    eager = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
+    # the serial planner prefills the waiting prompts together: 871 tokens, then 185 new ones over cached prefixes
+    graphs = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=1024)
+    layered = engine(copy_model, planner="layerwise", multiplex=True, prefill_graph_rows=1024)
+    assert eager.executor.prefill_graph_launches == 0 and not eager.executor._prefill_graphs
+    assert layered.executor.multiplexed
+    assert set(layered.executor._prefill_graphs) == {p.name for p in layered.partitions.partitions}
+    prompts = [periodic_prompt(s, n) for s, n in ((1, 20), (2, 70), (3, 131), (4, 250), (5, 400))]
+    # the same prompts again, extended: their prefixes are cached, the new tokens prefill over them
+    extended = [p + periodic_prompt(10 + i, 37) for i, p in enumerate(prompts)]
+    for prompts_now in (prompts, extended):
+        expected = [c.token_ids for c in eager.generate(prompts_now, GREEDY)]
+        for e in (graphs, layered):
+            before = e.executor.prefill_graph_launches
+            assert [c.token_ids for c in e.generate(prompts_now, GREEDY)] == expected
+            assert e.executor.prefill_graph_launches > before
+    cached = graphs.generate([extended[0]], GREEDY)[0]
+    assert cached.num_cached_tokens > 0
+    for e in (eager, graphs, layered):
+        assert e.pool.num_free_pages == e.pool.num_pages
+
+
+def test_prefill_graph_sizes_follow_the_rows_and_longer_prompts_run_eagerly(copy_model):
+    e = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=100)
+    graphs = e.executor._prefill_graphs["null"]
+    assert graphs.sizes == [32, 64, 96]
+    pad = e.executor.pad_rows(0)
+    assert [pad(n) for n in (1, 32, 33, 96, 97, 300)] == [32, 32, 64, 96, 97, 300]
+    before = graphs.launches
+    long = periodic_prompt(7, 300)
+    ref = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
+    assert e.generate([long], GREEDY)[0].token_ids == ref.generate([long], GREEDY)[0].token_ids
+    assert graphs.launches == before  # 300 tokens: no graph holds them
