@@ -133,9 +133,9 @@ class PrefillGraphs:
         self.out[:tokens].copy_(out)
 
     # ---- replay -----------------------------------------------------------------------------------------------
-    def padded_size(self, rows: int) -> int | None:
-        """The captured size `rows` is, or None."""
-        return rows if rows in self._graphs else None
+    def holds(self, rows: int) -> bool:
+        """Whether a graph of exactly `rows` rows was captured (the executor pads launches to these sizes)."""
+        return rows in self._graphs
 
     @torch.inference_mode()
     def run(self, size: int, metadata: AttentionMetadata, positions: torch.Tensor, start: int, end: int,

@@ -226,7 +226,7 @@ class ModelRunner:
             lengths = dynamic_lengths(batch.positions, [r.num_prompt_tokens for r in reqs], batch.metadata.query_lens)
         rows = batch.metadata.num_tokens
         padded = pad_rows(rows) if pad_rows is not None and lengths is None else rows
-        if graphs is not None and lengths is None and self.use_graphs and graphs.padded_size(padded) is not None:
+        if graphs is not None and lengths is None and self.use_graphs and graphs.holds(padded):
             return graphs.run(padded, batch.metadata, batch.positions, start, end,
                               input_ids=batch.input_ids if carried is None else None, carried=carried,
                               backend=backend or self.backend)

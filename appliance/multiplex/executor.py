@@ -102,8 +102,7 @@ class Executor:
         self._gemm: GemmTable | None = None
         self._max_rows = 0
         self._null_sms = 0
-        self._prefill_graphs: dict[str, PrefillGraphs] = {}
-        self._graph_sizes: tuple[int, ...] = ()  # the prefill graphs' row counts (the same on every partition)
+        self._prefill_graphs: dict[str, PrefillGraphs] = {}  # per partition, all at the same row counts
 
     def pad_prefills(self, table: GemmTable | None, max_rows: int, null_sms: int = 0) -> None:
         """Run each prefill launch on `table`'s cheapest row bucket for its partition (None: on its tokens), never
@@ -114,14 +113,15 @@ class Executor:
     def pad_rows(self, prefill_sms: int) -> Callable[[int], int] | None:
         """What a prefill launch on a partition of `prefill_sms` SMs pads its token count to (None: no padding):
         the table's cheapest bucket, else the smallest prefill graph that holds it."""
-        table, sms, sizes = self._gemm, prefill_sms or self._null_sms, self._graph_sizes
+        table, sms = self._gemm, prefill_sms or self._null_sms
         if table is not None and sms in table.ms:
             def pad(tokens: int) -> int:
                 rows = table.padded_rows(tokens, sms)
                 return rows if rows <= self._max_rows else tokens
             return pad
-        if not sizes:
+        if not self._prefill_graphs:
             return None
+        sizes = next(iter(self._prefill_graphs.values())).sizes
 
         def to_graph(tokens: int) -> int:
             return next((s for s in sizes if s >= tokens), tokens)
@@ -134,7 +134,6 @@ class Executor:
         or for 0 rows."""
         runner = self.runner
         self._prefill_graphs.clear()
-        self._graph_sizes = ()
         if graph_rows < 1 or runner.device.type != "cuda" or not runner.backend.supports_cuda_graph:
             return
         limit = min(graph_rows, self._max_rows) if self._max_rows else graph_rows
@@ -151,7 +150,6 @@ class Executor:
             graphs = PrefillGraphs(runner.model, runner.kv_cache, backend, list(sizes), stream=p.prefill_stream)
             graphs.capture(metadata_for)
             self._prefill_graphs[p.name] = graphs
-        self._graph_sizes = sizes
 
     @property
     def multiplexed(self) -> bool:
