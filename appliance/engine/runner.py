@@ -128,11 +128,13 @@ class ModelRunner:
         self.gpu_wait_s += time.perf_counter() - start
         return out
 
-    def forward(self, plan: StepPlan, requests: dict[str, Request]) -> Logits:
-        """Run the plan's forwards; fp32 next-token logits of every request that decoded or finished its prefill."""
+    def forward(self, plan: StepPlan, requests: dict[str, Request], pad_rows: Callable[[int], int] | None = None,
+                graphs: PrefillGraphs | None = None) -> Logits:
+        """Run the plan's forwards; fp32 next-token logits of every request that decoded or finished its prefill. A
+        mixed step runs on the rows `pad_rows` asks for, a replay of `graphs` where it has captured that many."""
         parts: list[Logits] = []
         if plan.mixed:
-            parts.append(self._mixed(plan, requests))
+            parts.append(self._mixed(plan, requests, pad_rows, graphs))
         else:
             if plan.decode:
                 parts.append(self.decode([requests[i] for i in plan.decode]))
@@ -160,7 +162,8 @@ class ModelRunner:
         hidden, residual = self._layers(batch, 0, self.num_layers, None, backend=backend)
         return ids, self.model.compute_logits(hidden, residual)
 
-    def _mixed(self, plan: StepPlan, requests: dict[str, Request]) -> Logits:
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request], pad_rows: Callable[[int], int] | None = None,
+               graphs: PrefillGraphs | None = None) -> Logits:
         """Decode rows and whole-model prefill chunks in one forward; logits for the decode rows and the chunks that
         end their request's prompt."""
         for w in plan.prefill:
@@ -171,7 +174,7 @@ class ModelRunner:
         pre = [requests[w.request_id] for w in plan.prefill]
         spans = [(r.num_tokens - 1, r.num_tokens) for r in dec] + [(w.token_start, w.token_end) for w in plan.prefill]
         batch = self.batches.build(dec + pre, spans)
-        hidden, residual = self._layers(batch, 0, self.num_layers, None, dec + pre)
+        hidden, residual = self._layers(batch, 0, self.num_layers, None, dec + pre, pad_rows=pad_rows, graphs=graphs)
         picked = list(range(len(dec))) + [len(dec) + i for i, (w, r) in enumerate(zip(plan.prefill, pre))
                                           if w.token_end == r.num_tokens]
         ids = list(plan.decode) + [w.request_id for w in plan.prefill]

@@ -243,10 +243,19 @@ class Executor:
         return dict(zip(plan.decode, tokens))
 
     def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition) -> dict[str, int]:
-        """A mixed (chunked-prefill) step is one forward on all SMs, complete when it returns."""
+        """A mixed (chunked-prefill) step is one forward on all SMs, complete when it returns. It replays the
+        partition's prefill graphs where one holds its rows (padded to the smallest that does), unless a prefill
+        launch still running there may be using their buffers."""
         started = time.perf_counter()
+        graphs = self._prefill_graphs.get(part.name)
+        if graphs is not None and any(l.partition == part.name and not l.done() for l in self._inflight):
+            graphs = None
+        pad = None
+        if graphs is not None:
+            def pad(tokens: int) -> int:
+                return next((s for s in graphs.sizes if s >= tokens), tokens)
         with _on(part.decode_stream):
-            ids, logits = self.runner.forward(plan, requests)
+            ids, logits = self.runner.forward(plan, requests, pad, graphs)
             sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
         self.timeline.span("mixed", f"{part.name} decode", started, time.perf_counter(), batch=len(plan.decode),
                            prefill_tokens=sum(w.num_tokens for w in plan.prefill))

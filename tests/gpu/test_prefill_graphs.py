@@ -58,3 +58,17 @@ def test_prefill_graph_sizes_follow_the_rows_and_longer_prompts_run_eagerly(copy
     ref = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
     assert e.generate([long], GREEDY)[0].token_ids == ref.generate([long], GREEDY)[0].token_ids
     assert graphs.launches == before  # 300 tokens: no graph holds them
+
+
+def test_chunked_mixed_steps_replay_the_graphs_and_equal_eager(copy_model):
+    eager = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
+    # 64-token chunks beside the decode rows of the prompts already started: mixed steps of up to 64 + 16 rows
+    chunked = engine(copy_model, planner="chunked", chunk_budget=64, multiplex=False, prefill_graph_rows=1024)
+    prompts = [periodic_prompt(s, n) for s, n in ((21, 30), (22, 90), (23, 150), (24, 260))]
+    expected = [c.token_ids for c in eager.generate(prompts, GREEDY)]
+    graphs = chunked.executor._prefill_graphs["null"]
+    before = graphs.launches
+    assert [c.token_ids for c in chunked.generate(prompts, GREEDY)] == expected
+    assert graphs.launches > before
+    for e in (eager, chunked):
+        assert e.pool.num_free_pages == e.pool.num_pages
