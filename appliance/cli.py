@@ -89,8 +89,9 @@ def serve(
                                            "(default: on with CUDA, off on CPU)."),
     cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Replay decode steps as CUDA "
                                     "graphs (CUDA with the flashinfer backend); off for debugging."),
-    prefill_graph_rows: int = typer.Option(512, help="Prefill launches of up to this many tokens replay piecewise "
-                                           "CUDA graphs (attention eager between them, as in vLLM); 0: off."),
+    prefill_graph_rows: int = typer.Option(512, help="Prefill launches and chunked prefill's mixed steps of up to "
+                                           "this many tokens replay piecewise CUDA graphs (attention eager between "
+                                           "them, as in vLLM); 0: off."),
     multiplex: Optional[bool] = typer.Option(None, "--multiplex/--no-multiplex", help="Run prefill and decode at "
                                              "once on disjoint SM partitions (default: on with CUDA for the mux and "
                                              "layerwise policies)."),
