@@ -100,6 +100,10 @@ def serve(
     layerwise_decode_sms: int = typer.Option(64, help="SMs the layerwise policy gives decode while prefill runs."),
     preemption: bool = typer.Option(True, "--preemption/--no-preemption", help="mux: a short prompt may preempt "
                                     "a long prefill between layers."),
+    mixed_chunks: bool = typer.Option(False, "--mixed-chunks/--no-mixed-chunks", help="mux: run a chunk of the "
+                                      "prompt beside the decode rows on all SMs, sized to the TBT target, whenever "
+                                      "the profile predicts it prefills faster than the SM split (adaptive chunked "
+                                      "prefill)."),
     trace_dir: Optional[str] = typer.Option(None, help="Write the executor's timeline (Chrome-trace JSON) here "
                                                        "when the server stops; GET /debug/timeline serves it live."),
     log_level: str = typer.Option("info", help="debug, info, warning, error."),
@@ -120,7 +124,8 @@ def serve(
                       chat_template=chat_template, api_key=api_key, max_request_bytes=max_request_bytes,
                       shutdown_timeout=shutdown_timeout, attention_backend=attention_backend, compile=compile,
                       cuda_graph=cuda_graph, prefill_graph_rows=prefill_graph_rows, multiplex=multiplex, partition_granularity=partition_granularity,
-                      layerwise_decode_sms=layerwise_decode_sms, preemption=preemption, trace_dir=trace_dir)
+                      layerwise_decode_sms=layerwise_decode_sms, preemption=preemption, mixed_chunks=mixed_chunks,
+                      trace_dir=trace_dir)
     try:
         cfg.validate()
     except ApplianceError as exc:

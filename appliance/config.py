@@ -67,6 +67,7 @@ class ServeConfig:
     partition_granularity: int = 16
     layerwise_decode_sms: int = 64
     preemption: bool = True
+    mixed_chunks: bool = False
     trace_dir: str | None = None
 
     @property
@@ -170,7 +171,7 @@ class ServeConfig:
             prefill_graph_rows=self.prefill_graph_rows, multiplex=self.multiplex,
             partition_granularity=self.partition_granularity,
             layerwise_decode_sms=self.layerwise_decode_sms, preemption=self.preemption,
-            chunk_budget=self._chunk_budget(),
+            mixed_chunks=self.mixed_chunks, chunk_budget=self._chunk_budget(),
             **({} if self.max_num_batched_tokens is None else {"max_prefill_tokens": self.max_num_batched_tokens}))
 
     def _chunk_budget(self) -> int | None:

@@ -62,6 +62,7 @@ class EngineConfig:
     partition_granularity: int = 16         # decode partitions are multiples of this many SMs
     layerwise_decode_sms: int = 64          # the layerwise policy's fixed decode partition
     preemption: bool = True                 # mux: a short prompt may preempt a long prefill between layers
+    mixed_chunks: bool = False              # mux: TBT-sized prompt chunks beside decode where they beat the split
 
     def validate(self) -> None:
         from appliance.slo.policies import POLICIES
@@ -186,7 +187,7 @@ class Engine:
             self.predictor = load_predictor(cfg.profile, self.model.config, gpu)
         options = PolicyOptions(max_prefill_tokens=cfg.max_prefill_tokens, layers_per_step=cfg.layers_per_step,
                                 chunk_budget=cfg.chunk_budget, preemption=cfg.preemption,
-                                layerwise_decode_sms=cfg.layerwise_decode_sms)
+                                layerwise_decode_sms=cfg.layerwise_decode_sms, mixed_chunks=cfg.mixed_chunks)
         planner = build_planner(cfg.planner, options, self.contract, self.predictor)
         if tune_chunks:
             log.info("chunked prefill: a budget of %d tokens per step, the largest whose step the predictor (%s) "

@@ -47,13 +47,19 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
              f"contract {contract.name!r}: p{contract.slo_for(None).tbt_percentile:g} TBT "
              f"{contract.slo_for(None).tbt_ms:g} ms, attainment {contract.attainment:.0%}"]
     options = None
-    if "--chunk-budget" in opts.serve_args:  # the one serve flag a simulation honours: chunked's token budget
+    # the serve flags a simulation honours: chunked's token budget and mux's adaptive chunks
+    mixed_chunks = "--mixed-chunks" in opts.serve_args
+    if "--chunk-budget" in opts.serve_args:
         at = opts.serve_args.index("--chunk-budget")
         try:
-            options = PolicyOptions(chunk_budget=int(opts.serve_args[at + 1]))
+            options = PolicyOptions(chunk_budget=int(opts.serve_args[at + 1]), mixed_chunks=mixed_chunks)
         except (IndexError, ValueError):
             raise ConfigError("--serve-args: --chunk-budget needs a whole number of tokens") from None
         notes.append(f"chunked budget {options.chunk_budget} tokens (--chunk-budget)")
+    elif mixed_chunks:
+        options = PolicyOptions(mixed_chunks=True)
+    if mixed_chunks:
+        notes.append("mux takes TBT-sized mixed chunks where they prefill faster than the split (--mixed-chunks)")
     return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)),
                           options=options), model, notes
 

@@ -1,8 +1,10 @@
 """The `mux` planner: every step, from the SLO contract and the latency predictor, decides how decode and prefill
 share the GPU. Decode gets the smallest partition whose worst-case step meets the TBT target and prefill the rest,
 advancing ceil(T_decode * L / T_prefill) layers per step (MuxWise); a mixed batch on all SMs when that already meets
-TBT (DuetServe); waiting prompts reordered by predicted time when no deadline breaks (Bullet); a short prompt
-preempts a long one at a layer boundary when the long one still makes its TTFT; shedding per the contract.
+TBT (DuetServe); with `mixed_chunks`, a chunk of the prompt sized to the TBT target beside the decode rows on all SMs
+when that prefills faster than the split would (adaptive chunked prefill); waiting prompts reordered by predicted time
+when no deadline breaks (Bullet); a short prompt preempts a long one at a layer or chunk boundary when the long one
+still makes its TTFT; shedding per the contract.
 
 Prefill may be asynchronous: layers launched in one step can still run steps later. The planner reads what is in
 flight from the scheduler (`launched_layer`) and never relaunches it.
@@ -31,6 +33,8 @@ class MuxOptions:
     reorder: bool = True
     max_inflight_chunks: int = 2    # prefill chunks queued on the prefill stream (one running, one waiting)
     growth_tokens: int = 1024       # KV kept free for each running request's next output tokens
+    mixed_chunks: bool = False      # chunks of the prompt beside decode on all SMs when they prefill faster
+    chunk_tbt: float = 0.8          # such a mixed step is planned to this fraction of the TBT target
 
 
 @dataclass
@@ -39,6 +43,7 @@ class MuxStats:
 
     spatial_steps: int = 0
     aggregated_steps: int = 0
+    chunk_steps: int = 0
     decode_only_steps: int = 0
     prefill_only_steps: int = 0
     preemptions: int = 0
@@ -60,6 +65,7 @@ class MuxPlanner:
         self._prefill_sms = predictor.sm_count  # of the last step, for predictions outside a step
         self._steps = 0
         self._preempt_seen: tuple = ()
+        self._chunked: set[str] = set()  # prompts that ran a mixed chunk: started, preemptible between chunks
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def plan(self, sched: Scheduler) -> StepPlan:
@@ -87,6 +93,10 @@ class MuxPlanner:
             self.stats.aggregated_steps += 1
             self.stats.last_mode = "aggregated"
             return StepPlan(decode=decode, prefill=self._works(batch, 0, self.predictor.num_layers), mixed=True)
+        if self.options.mixed_chunks and start == 0 and not sched.has_inflight():
+            chunk = self._chunk(decode, load, batch, items, tbt)
+            if chunk is not None:
+                return chunk
         return self._spatial(sched, decode, load, batch, start, items, tbt)
 
     def _decode_only(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, tbt: float) -> StepPlan:
@@ -127,6 +137,42 @@ class MuxPlanner:
             works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
         return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
 
+    def _chunk(self, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], items: list[PrefillItem],
+               tbt: float) -> StepPlan | None:
+        """Adaptive chunked prefill: the largest chunk of the batch (its prompts in order) whose mixed step with the
+        decode rows is predicted within `chunk_tbt` x TBT, when those tokens go faster that way than the batch would
+        on the split beside decode; None when the split is faster (or decode needs all SMs)."""
+        p = self.predictor
+        d = self._decode_partition(load, items, tbt)
+        if d is None:
+            return None
+        total, reused = sum(i.new for i in items), items[0].reused
+        limit = self.options.chunk_tbt * tbt
+
+        def fits(n: int) -> bool:
+            return p.mixed_ms([PrefillItem(n, reused)], load) <= limit
+
+        lo, hi = 0, total  # the largest chunk that fits: fits(lo) holds (or lo is 0)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < 1 or lo / p.mixed_ms([PrefillItem(lo, reused)], load) <= total / p.prefill_ms(items, p.sm_count - d):
+            return None
+        works, left = [], lo
+        for r in batch:
+            if left <= 0:
+                break
+            n = min(left, r.num_tokens - r.num_computed_tokens)
+            works.append(PrefillWork(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, 0, p.num_layers))
+            left -= n
+        self._chunked.update(w.request_id for w in works)
+        self.stats.chunk_steps += 1
+        self.stats.last_mode = "chunk"
+        return StepPlan(decode=decode, prefill=tuple(works), mixed=True)
+
     def _decode_partition(self, load: DecodeLoad, items: list[PrefillItem], tbt: float) -> int | None:
         """The smallest decode partition whose worst-case step beside `items` meets `tbt`; when none does, None if
         decode alone on all SMs would, else the largest partition (the best that can be done)."""
@@ -164,14 +210,15 @@ class MuxPlanner:
             return
         # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
         # remaining time alike)
-        seen = (len(sched.waiting), sched.waiting[-1].request_id, tuple(self.batch))
+        seen = (len(sched.waiting), sched.waiting[-1].request_id, tuple(self.batch),
+                sum(sched.requests[rid].num_computed_tokens for rid in self.batch) if self._chunked else 0)
         if seen == self._preempt_seen:
             return
         self._preempt_seen = seen
         dl, p = self._dl(sched), self.predictor
         batch = [sched.requests[rid] for rid in self.batch]
         done = min(r.prefill_layer for r in batch)
-        if done == 0 and not any(r.request_id in sched.inflight for r in batch):
+        if done == 0 and not any(r.request_id in sched.inflight or r.request_id in self._chunked for r in batch):
             return  # not started: nothing to preempt, it simply waits its turn
         remaining = p.prefill_ms([dl.item(r) for r in batch], self._prefill_sms) * (1 - done / p.num_layers) / 1e3
         for w in self._order(sched, now)[:PREEMPT_CANDIDATES]:
@@ -230,6 +277,7 @@ class MuxPlanner:
             return r is not None and r.status is RequestStatus.PREFILLING
 
         self.paused = [rid for rid in self.paused if live(rid)]
+        self._chunked = {rid for rid in self._chunked if live(rid)}
         self.batch = [rid for rid in self.batch
                       if live(rid) and sched.launched_layer(sched.requests[rid]) < self.predictor.num_layers]
         if not self.batch and self.paused:

@@ -22,6 +22,7 @@ class PolicyOptions:
     layers_per_step: int = 1           # layerwise
     chunk_budget: int | None = None    # chunked; None: tuned to the TBT target when a predictor is given, else 2048
     preemption: bool = True            # mux
+    mixed_chunks: bool = False         # mux: adaptive chunked prefill where it beats the split
     layerwise_decode_sms: int = 64     # layerwise: its fixed decode partition
 
 
@@ -66,4 +67,5 @@ def build_planner(name: str, options: PolicyOptions, contract: Contract | None =
     if contract is None or predictor is None:
         raise ConfigError("the mux policy needs an SLO contract and a latency predictor")
     return MuxPlanner(contract, predictor, MuxOptions(max_prefill_tokens=options.max_prefill_tokens,
-                                                      preemption=options.preemption))
+                                                      preemption=options.preemption,
+                                                      mixed_chunks=options.mixed_chunks))

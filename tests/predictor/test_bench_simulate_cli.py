@@ -19,10 +19,16 @@ TRACE = ROOT / "tests" / "data" / "mooncake_conversation_head200.jsonl"
 runner = CliRunner()
 
 
-def test_simulate_prints_capacity_per_policy(tmp_path):
+def synthetic_profile_file(tmp_path: Path) -> Path:
+    """A profile of the synthetic H100 for the 8B shapes (a known latency function, no GPU)."""
     profile = tmp_path / "profile.json"
     gpu = SyntheticGPU(ModelConfig.from_file(MODEL / "config.json"), DEVICES["h100"])
     save_profile(synthetic_profile(gpu, partition_choices(132), "llama-3.1-8b"), profile)
+    return profile
+
+
+def test_simulate_prints_capacity_per_policy(tmp_path):
+    profile = synthetic_profile_file(tmp_path)
     args = ["bench", "--simulate", "--policies", "mux,serial", "--trace", str(TRACE), "--max-requests", "30",
             "--spread-ties", "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100",
             "--slo", str(ROOT / "configs" / "slo" / "long-context.yaml"), "--result-dir", str(tmp_path / "out")]
@@ -46,3 +52,21 @@ def test_simulate_refuses_what_it_cannot_do():
                          (["--policies", "fastest"], "fastest")):
         result = runner.invoke(app, base + extra, env={"COLUMNS": "200"})
         assert result.exit_code != 0 and words in result.output, result.output
+
+
+
+def test_simulate_honours_mux_mixed_chunks(tmp_path):
+    from appliance.bench.run import BenchOptions
+    from appliance.predictor.bench_cli import simulated_bench
+
+    profile = synthetic_profile_file(tmp_path)
+    args = ["bench", "--simulate", "--policies", "mux", "--trace", str(TRACE), "--max-requests", "20", "--model",
+            str(MODEL), "--profile", str(profile), "--slo", str(ROOT / "configs" / "slo" / "long-context.yaml"),
+            "--serve-args=--mixed-chunks", "--result-dir", str(tmp_path / "out")]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "--mixed-chunks" in result.output
+    for serve_args, on in ((["--mixed-chunks"], True), (["--chunk-budget", "512", "--mixed-chunks"], True),
+                           ([], False)):
+        bench, _, _ = simulated_bench(BenchOptions(model=str(MODEL), profile=profile, serve_args=serve_args), "h100")
+        assert bench.planner("mux").options.mixed_chunks is on

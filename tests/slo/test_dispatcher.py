@@ -1,5 +1,6 @@
 """The mux dispatcher on hand-made predictor tables: smallest feasible decode partition, layer count, aggregated
-fallback, reordering that breaks no TTFT, preemption only when the preempted request keeps its TTFT, shedding."""
+fallback, adaptive mixed chunks, reordering that breaks no TTFT, preemption only when the preempted request keeps its
+TTFT (between layers or between chunks), shedding."""
 from __future__ import annotations
 
 import itertools
@@ -311,3 +312,66 @@ def test_nobody_passes_a_request_recomputing_after_preemption():
     short = rig.request(1_000)
     plan = rig.plan()
     assert [w.request_id for w in plan.prefill] == [stalled.request_id] and short.status is RequestStatus.WAITING
+
+
+@dataclass
+class ChunkTable(Table):
+    """A mixed step costs `mixed_base` ms plus `mixed_per_token` ms per new token."""
+
+    mixed_base: float = 10.0
+    mixed_per_token: float = 0.02
+
+    def mixed_ms(self, items, load, sms):
+        return self.mixed_base + self.mixed_per_token * sum(i.new for i in items)
+
+
+def test_mixed_chunks_when_they_prefill_faster_than_the_split():
+    # the split: decode on 32 SMs (45 ms), prefill on 100 SMs at 0.03 ms a token (33 tokens/ms); a mixed step
+    # planned to 0.8 x 50 ms holds 10 + 0.02 n <= 40: 1,500 tokens in 40 ms (37.5 tokens/ms)
+    rig = Rig(table=ChunkTable(), mixed_chunks=True)
+    rig.decoding(3)
+    r = rig.request(10_000)
+    plan = rig.plan()
+    assert plan.mixed and len(plan.decode) == 3 and plan.decode_sms is None
+    assert [(w.request_id, w.token_start, w.token_end, w.layer_start, w.layer_end) for w in plan.prefill] == [
+        (r.request_id, 0, 1_500, 0, LAYERS)]
+    assert rig.planner.stats.chunk_steps == 1 and rig.planner.stats.last_mode == "chunk"
+    rig.finish(plan)
+    assert r.status is RequestStatus.PREFILLING and r.num_computed_tokens == 1_500
+    nxt = rig.plan()
+    assert [(w.token_start, w.token_end) for w in nxt.prefill] == [(1_500, 3_000)]
+    # the same chunk at 0.03 ms a token (1,000 tokens in 40 ms, 25 tokens/ms) is slower than the split
+    rig = Rig(table=ChunkTable(mixed_per_token=0.03), mixed_chunks=True)
+    rig.decoding(3)
+    rig.request(10_000)
+    plan = rig.plan()
+    assert not plan.mixed and plan.decode_sms == 32 and rig.planner.stats.chunk_steps == 0
+    # off by default
+    rig = Rig(table=ChunkTable())
+    rig.decoding(3)
+    rig.request(10_000)
+    assert not rig.plan().mixed
+
+
+def test_a_short_prompt_preempts_a_chunked_one_between_chunks():
+    rig = Rig(table=ChunkTable(), mixed_chunks=True, contract=long_contract(3000).replace(
+        "overload: {mode: shed}", """classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk
+overload: {mode: queue}"""))
+    rig.decoding(1)
+    long_ = rig.request(60_000)
+    rig.finish(rig.plan())
+    assert long_.num_computed_tokens == 1_500 and long_.prefill_layer == 0
+    rig.now = 0.1
+    short = rig.request(3_000)
+    short.slo_class = "chat"  # 200 ms: behind the long one's 58,500 tokens (1.17 s on all SMs) it misses
+    plan = rig.plan()
+    assert rig.planner.stats.preemptions == 1 and rig.planner.paused == [long_.request_id]
+    assert [w.request_id for w in plan.prefill] == [short.request_id]
+    while short.status is not RequestStatus.DECODING:
+        rig.finish(plan)
+        plan = rig.plan()
+    # the long one resumes from the tokens it had computed
+    assert [(w.request_id, w.token_start) for w in plan.prefill] == [(long_.request_id, 1_500)]

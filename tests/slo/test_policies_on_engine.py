@@ -10,7 +10,7 @@ from appliance.engine.request import SamplingParams
 from appliance.errors import CapacityError, ConfigError, RequestError
 from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.predictor import Predictor
-from appliance.slo.dispatcher import MuxPlanner
+from appliance.slo.dispatcher import MuxOptions, MuxPlanner
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -26,6 +26,13 @@ class SlowTable:
 
     def mixed_ms(self, items, load, sms):
         return 1e6
+
+
+class ChunkTable(SlowTable):
+    """Mixed steps of 5 ms + 2 ms a token: a whole prompt misses the 50 ms TBT, a 17-token chunk fits 0.8 x 50."""
+
+    def mixed_ms(self, items, load, sms):
+        return 5.0 + 2.0 * sum(i.new for i in items)
 
 
 def prompts() -> list[list[int]]:
@@ -54,15 +61,17 @@ def reference(llama_checkpoint):
 
 
 @pytest.mark.parametrize("policy, extra", [
-    ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {})])
+    ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {}), ("mux-chunks", {})])
 def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
     path, _ = llama_checkpoint
     engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner=policy.split("-")[0], **extra))
-    if policy == "mux-spatial":
+    if policy in ("mux-spatial", "mux-chunks"):
         planner = engine.scheduler.planner
         layers = engine.model.config.num_layers
-        engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(SlowTable(), ContentionGuard(default=1.0),
-                                                                         layers, 132, (16, 32)))
+        table = SlowTable() if policy == "mux-spatial" else ChunkTable()
+        engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(table, ContentionGuard(default=1.0),
+                                                                         layers, 132, (16, 32)),
+                                              MuxOptions(mixed_chunks=policy == "mux-chunks"))
         assert isinstance(planner, MuxPlanner)
     seen = []
     inner = engine.scheduler.schedule
@@ -78,6 +87,9 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
         spatial = [p for p in seen if p.decode_sms is not None]
         assert spatial and all(p.decode_sms == 32 and p.prefill_sms == 100 for p in spatial)
         assert any(w.layer_end - w.layer_start == 1 for p in spatial for w in p.prefill)
+    if policy == "mux-chunks":  # prompts of 25-40 tokens run as 17-token chunks beside the decode rows
+        assert engine.scheduler.planner.stats.chunk_steps > 0
+        assert any(p.mixed and p.decode and w.token_end - w.token_start == 17 for p in seen for w in p.prefill)
 
 
 def write_contract(tmp_path, overload: str) -> str:
