@@ -1,8 +1,8 @@
 """The `mux` planner: every step, from the SLO contract and the latency predictor, decides how decode and prefill
 share the GPU. Decode gets the smallest partition whose worst-case step meets the TBT target and prefill the rest,
 advancing ceil(T_decode * L / T_prefill) layers per step (MuxWise); a mixed batch on all SMs when that already meets
-TBT (DuetServe); with `mixed_chunks`, a chunk of the prompt sized to the TBT target beside the decode rows on all SMs
-when that prefills faster than the split would (adaptive chunked prefill); waiting prompts reordered by predicted time
+TBT (DuetServe); with `mixed_chunks`, a chunk of prompt tokens sized to the TBT target beside the decode rows on all
+SMs, earliest deadline first, when that prefills faster than the split would (adaptive chunked prefill); waiting prompts reordered by predicted time
 when no deadline breaks (Bullet); a short prompt preempts a long one at a layer or chunk boundary when the long one
 still makes its TTFT; shedding per the contract.
 
@@ -94,7 +94,7 @@ class MuxPlanner:
             self.stats.last_mode = "aggregated"
             return StepPlan(decode=decode, prefill=self._works(batch, 0, self.predictor.num_layers), mixed=True)
         if self.options.mixed_chunks and start == 0 and not sched.has_inflight():
-            chunk = self._chunk(decode, load, batch, items, tbt)
+            chunk = self._chunk(sched, decode, load, batch, items, tbt)
             if chunk is not None:
                 return chunk
         return self._spatial(sched, decode, load, batch, start, items, tbt)
@@ -137,12 +137,13 @@ class MuxPlanner:
             works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
         return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
 
-    def _chunk(self, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], items: list[PrefillItem],
-               tbt: float) -> StepPlan | None:
-        """Adaptive chunked prefill: the largest chunk of the batch (its prompts in order) whose mixed step with the
-        decode rows is predicted within `chunk_tbt` x TBT, when those tokens go faster that way than the batch would
-        on the split beside decode; None when the split is faster (or decode needs all SMs)."""
-        p = self.predictor
+    def _chunk(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request],
+               items: list[PrefillItem], tbt: float) -> StepPlan | None:
+        """Adaptive chunked prefill: as many of the batch's tokens as a mixed step with the decode rows is predicted
+        to take within `chunk_tbt` x TBT, when they go faster that way than the batch would on the split beside
+        decode (None when the split is faster, or decode needs all SMs). The chunk takes its tokens earliest TTFT
+        deadline first, from the batch and the most urgent waiting prompts (which join the batch)."""
+        p, dl = self.predictor, self._dl(sched)
         d = self._decode_partition(load, items, tbt)
         if d is None:
             return None
@@ -161,10 +162,15 @@ class MuxPlanner:
                 hi = mid - 1
         if lo < 1 or lo / p.mixed_ms([PrefillItem(lo, reused)], load) <= total / p.prefill_ms(items, p.sm_count - d):
             return None
+        queue = sorted(batch + self._order(sched, sched.clock())[:PREEMPT_CANDIDATES], key=dl.deadline)
         works, left = [], lo
-        for r in batch:
+        for r in queue:
             if left <= 0:
                 break
+            if r not in batch:
+                if not self._admit(sched, r):
+                    continue
+                self.batch.append(r.request_id)
             n = min(left, r.num_tokens - r.num_computed_tokens)
             works.append(PrefillWork(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, 0, p.num_layers))
             left -= n

@@ -375,3 +375,25 @@ overload: {mode: queue}"""))
         plan = rig.plan()
     # the long one resumes from the tokens it had computed
     assert [(w.request_id, w.token_start) for w in plan.prefill] == [(long_.request_id, 1_500)]
+
+
+def test_mixed_chunks_take_tokens_earliest_deadline_first():
+    rig = Rig(table=ChunkTable(), mixed_chunks=True, contract=CONTRACT.replace("overload: {mode: shed}", """\
+classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk
+overload: {mode: queue}"""))
+    rig.decoding(3)
+    long_ = rig.request(10_000)  # due at 1 s
+    rig.finish(rig.plan())
+    assert long_.num_computed_tokens == 1_500
+    rig.now = 0.05
+    short = rig.request(300)
+    short.slo_class = "chat"  # due at 0.25 s; behind the long one's 8,500 tokens (0.17 s) it still makes it
+    plan = rig.plan()
+    assert rig.planner.stats.preemptions == 0
+    assert [(w.request_id, w.token_start, w.token_end) for w in plan.prefill] == [
+        (short.request_id, 0, 300), (long_.request_id, 1_500, 2_700)]
+    rig.finish(plan)
+    assert short.status is RequestStatus.DECODING and long_.num_computed_tokens == 2_700
