@@ -5,7 +5,8 @@
 # $OUT/goodput.tgz (one directory per job) and the tables printed last.
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
-# PROFILE defaults to the committed H200 profile (another GPU falls back to the roofline prior, with a warning).
+# PROFILE defaults to the committed H200 profile (another GPU falls back to the roofline prior, with a warning);
+# SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # A replay longer than one device command (Mooncake at mux's capacity: 9 minutes) can outlive the command when started
 # in its own session, on a machine kept warm by calls that follow at once (a lent machine is held 30 minutes at most):
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
@@ -21,8 +22,9 @@ work=$(mktemp -d)
 mkdir -p "$out"
 run_job() {
     IFS=: read -r gpu trace policy rates n budget <<< "$1"
-    name="$(basename "${trace%.*}")-$policy-$rates-$n"
-    serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen"
+    extra=${SERVE_ARGS:-}
+    name="$(basename "${trace%.*}")-$policy-$rates-$n${extra:+-$(echo "$extra" | tr -d ' -')}"
+    serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
     ties=""; case "$trace" in *mooncake*) ties="--spread-ties";; esac
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
