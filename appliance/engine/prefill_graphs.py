@@ -133,6 +133,10 @@ class PrefillGraphs:
         self.out[:tokens].copy_(out)
 
     # ---- replay -----------------------------------------------------------------------------------------------
+    def padded(self, tokens: int) -> int:
+        """The smallest captured size that holds `tokens` rows (`tokens` itself when none does: eager)."""
+        return next((s for s in self.sizes if s >= tokens), tokens)
+
     def holds(self, rows: int) -> bool:
         """Whether a graph of exactly `rows` rows was captured (the executor pads launches to these sizes)."""
         return rows in self._graphs

@@ -121,11 +121,7 @@ class Executor:
             return pad
         if not self._prefill_graphs:
             return None
-        sizes = next(iter(self._prefill_graphs.values())).sizes
-
-        def to_graph(tokens: int) -> int:
-            return next((s for s in sizes if s >= tokens), tokens)
-        return to_graph
+        return next(iter(self._prefill_graphs.values())).padded
 
     @torch.inference_mode()
     def capture_prefill(self, graph_rows: int) -> None:
@@ -250,12 +246,8 @@ class Executor:
         graphs = self._prefill_graphs.get(part.name)
         if graphs is not None and any(l.partition == part.name and not l.done() for l in self._inflight):
             graphs = None
-        pad = None
-        if graphs is not None:
-            def pad(tokens: int) -> int:
-                return next((s for s in graphs.sizes if s >= tokens), tokens)
         with _on(part.decode_stream):
-            ids, logits = self.runner.forward(plan, requests, pad, graphs)
+            ids, logits = self.runner.forward(plan, requests, graphs.padded if graphs else None, graphs)
             sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
         self.timeline.span("mixed", f"{part.name} decode", started, time.perf_counter(), batch=len(plan.decode),
                            prefill_tokens=sum(w.num_tokens for w in plan.prefill))
