@@ -381,15 +381,18 @@ class Engine:
         return outputs + self._merge(self.executor.poll())
 
     def _observe(self, plan: StepPlan) -> None:
-        """Hand a decode step that ran beside prefill layers, and prefill layers that ran on a partition beside
-        decode, to the planner (online refinement of its contention models), before the step's tokens change the
-        batch's contexts."""
+        """Hand a decode step that ran beside prefill layers, prefill layers that ran on a partition beside decode,
+        and a mixed step, to the planner (online refinement of its contention models), before the step's tokens
+        change the batch's contexts."""
         finished, self._prefills_mark = self.executor.prefills_since(self._prefills_mark)
         observe_prefill = getattr(self.scheduler.planner, "observe_prefill", None)
         if observe_prefill is not None:
             for obs in finished:
                 if obs.beside_decode:  # (on all SMs nothing runs beside it: the predictor keeps to partitions)
                     observe_prefill(prefill_items(obs.works), obs.layers, obs.prefill_sms, obs.ms)
+        mixed_ms, observe_mixed = self.executor.last_mixed_ms, getattr(self.scheduler.planner, "observe_mixed", None)
+        if plan.mixed and plan.prefill and mixed_ms is not None and observe_mixed is not None:
+            observe_mixed(prefill_items(plan.prefill), decode_load(self.scheduler.requests, plan.decode), mixed_ms)
         seen, observe = self.executor.last_decode, getattr(self.scheduler.planner, "observe_decode", None)
         if seen is None or not seen.concurrent or observe is None:
             return

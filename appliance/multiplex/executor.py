@@ -96,6 +96,7 @@ class Executor:
         self.switches = 0
         self.layers_launched = 0
         self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
+        self.last_mixed_ms: float | None = None  # the latest step's time when it was a mixed step (online refinement)
         self.prefills: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
         self.prefills_seen = 0  # how many were ever appended (a reader keeps its own mark)
         self._split_decodes = 0  # decode steps run on a split partition
@@ -194,7 +195,7 @@ class Executor:
         """Launch the plan and return the decode tokens; prefill results come from `poll()`. `partition` overrides
         the planned one (the profiler measures each partition alone)."""
         part = partition or self.partition_for(plan)
-        self.last_decode = None
+        self.last_decode = self.last_mixed_ms = None
         if part is not self.current:
             self.switches += 1
             self.timeline.instant("partition switch", f"{part.name} decode", previous=self.current.name,
@@ -249,7 +250,9 @@ class Executor:
         with _on(part.decode_stream):
             ids, logits = self.runner.forward(plan, requests, graphs.padded if graphs else None, graphs)
             sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
-        self.timeline.span("mixed", f"{part.name} decode", started, time.perf_counter(), batch=len(plan.decode),
+        ended = time.perf_counter()
+        self.last_mixed_ms = (ended - started) * 1e3  # launch to tokens on the host: what the decode rows wait
+        self.timeline.span("mixed", f"{part.name} decode", started, ended, batch=len(plan.decode),
                            prefill_tokens=sum(w.num_tokens for w in plan.prefill))
         ends = [w.request_id for w in plan.prefill if w.token_end == requests[w.request_id].num_tokens]
         tokens = torch.tensor([sampled[i] for i in ends], dtype=torch.long)

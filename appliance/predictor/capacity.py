@@ -3,6 +3,8 @@ the SLO contract, and search the highest request rate that keeps it (the bench's
 """
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -59,7 +61,8 @@ class SimulatedBench:
             # the machine itself (here: the step timer)
             budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms)
             options = dataclasses.replace(options, chunk_budget=budget)
-        return build_planner(policy, options, self.contract, self.predictor)
+        # each replay starts from the profile, as a fresh server does: what one replay learns online stays there
+        return build_planner(policy, options, self.contract, copy.deepcopy(self.predictor))
 
     def tune_chunk_budget(self, specs: Sequence[RequestSpec], step: int = 128, max_budget: int = 8192,
                           max_requests: int = 200) -> int:

@@ -1,6 +1,7 @@
 """The Predictor the dispatcher and the simulator ask: solo latency from one LatencyModel (the roofline prior or a
 fitted solo-run model), times the contention guard's worst case when prefill and decode share the GPU: decode beside
-prefill (`ContentionGuard`), prefill on a partition beside decode (`SplitSlowdown`); both are refined online.
+prefill (`ContentionGuard`), prefill on a partition beside decode (`SplitSlowdown`); both are refined online, as is
+how much longer mixed steps (prompt chunks beside the decode rows, on all SMs) run while serving.
 
 It also knows the partitions the executor offers: decode SM counts (multiples of the granularity), prefill gets
 the rest.
@@ -37,6 +38,7 @@ class Predictor:
     # calibration replay): the simulator's clock applies it, plans never do (the planner refines online instead)
     serving: dict[str, float] = field(default_factory=dict)
     split: SplitSlowdown = field(default_factory=SplitSlowdown)  # prefill on a partition, beside decode
+    mixed: SplitSlowdown = field(default_factory=SplitSlowdown)  # mixed steps while serving, against the profile
 
     @classmethod
     def prior(cls, model: ModelConfig, device: DeviceSpec, granularity: int = DEFAULT_GRANULARITY) -> "Predictor":
@@ -72,8 +74,8 @@ class Predictor:
         return solo * self.guard.slowdown(sms, concurrent, load)
 
     def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
-        """One aggregated forward (decode rows and prefill chunks together) on all SMs."""
-        return self.latency.mixed_ms(items, load, self.sm_count)
+        """One aggregated forward (decode rows and prefill chunks together) on all SMs, as measured while serving."""
+        return self.latency.mixed_ms(items, load, self.sm_count) * self.mixed.factor(items)
 
     def observe_decode(self, load: DecodeLoad, sms: int, concurrent: Sequence[PrefillItem],
                        measured_ms: float) -> None:
@@ -86,3 +88,8 @@ class Predictor:
         decode ran on the others."""
         if items and 0 < sms < self.sm_count:
             self.split.observe(self.prefill_solo_ms(items, sms, layers), items, measured_ms)
+
+    def observe_mixed(self, items: Sequence[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
+        """Online refinement from a measured mixed step (prompt chunks `items` beside the decode rows `load`)."""
+        if items:
+            self.mixed.observe(self.latency.mixed_ms(items, load, self.sm_count), items, measured_ms)

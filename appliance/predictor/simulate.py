@@ -224,6 +224,9 @@ class Simulator:
         if plan.mixed:
             items = prefill_items(plan.prefill)
             duration = self.timer.mixed_ms(items, self._load(plan))
+            observe = getattr(self.planner, "observe_mixed", None)
+            if observe is not None and items:  # the measured step refines the planner's mixed-step model
+                observe(items, self._load(plan), duration)
         else:
             duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
         self.clock.now = end = start + duration / 1e3

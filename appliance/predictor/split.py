@@ -5,7 +5,8 @@ Decode on the other SMs competes for memory bandwidth, the more so the longer th
 modelled as `flat + per_1k * span`, span being the batch's longest attention span (new + reused tokens of a chunk)
 in thousands of tokens. `fit` estimates it by least squares from (solo, span, measured) triples; `SplitSlowdown` is
 what the predictor applies, starting from the profile's calibration and refined online from the prefill launches
-the executor measures.
+the executor measures. The predictor keeps a second one for mixed steps (a prompt chunk beside the decode rows on all
+SMs): how much longer they run while serving than the profile's mixed-step fit, learned from the steps measured.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ class SplitSlowdown:
     def observe(self, solo_ms: float, items: Sequence[PrefillItem], measured_ms: float) -> None:
         """A measured launch (its solo prediction and GPU time); every REFIT_EVERY launches the latest window is
         fitted again and replaces the slowdown."""
-        if solo_ms <= 0 or measured_ms <= 0:
-            return
+        if solo_ms <= 0 or not FACTOR_RANGE[0] <= measured_ms / solo_ms <= FACTOR_RANGE[1]:
+            return  # (a stall, e.g. a first launch compiling its kernels, says nothing about the slowdown)
         self.window.append((solo_ms, span_k(items), measured_ms))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:

@@ -323,6 +323,10 @@ class MuxPlanner:
         """Prefill layers measured on a partition beside decode: online refinement of the split slowdown."""
         self.predictor.observe_prefill(items, layers, prefill_sms, measured_ms)
 
+    def observe_mixed(self, items: list[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
+        """A mixed step measured on all SMs: online refinement of what mixed steps cost while serving."""
+        self.predictor.observe_mixed(items, load, measured_ms)
+
     # ---- admission --------------------------------------------------------------------------------------------
     def admission_check(self, sched: Scheduler, request: Request) -> float | None:
         """None to accept the request; else the Retry-After (seconds) of shedding it, when the contract says shed

@@ -11,6 +11,7 @@ from appliance.engine.request import SamplingParams
 from appliance.errors import ConfigError
 from appliance.multiplex.partitions import PartitionSet
 from appliance.multiplex.timeline import Timeline
+from appliance.predictor.workload import DecodeLoad, PrefillItem
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
@@ -87,6 +88,22 @@ def test_prefill_layers_timed_beside_decode_refine_the_mux_planners_split_slowdo
     assert len(split.window) == 1 and split.window[0][2] == 30.0
     engine._observe(StepPlan())  # each launch is handed over once
     assert len(split.window) == 1
+
+
+def test_a_mixed_step_refines_the_mux_planners_mixed_step_model(llama_checkpoint):
+    from appliance.engine.scheduler import PrefillWork, StepPlan
+
+    path, _ = llama_checkpoint
+    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="mux"))
+    rid = engine.add_request([5, 6, 7, 8], GREEDY)
+    mixed = engine.predictor.mixed
+    works = (PrefillWork("other", 0, 1500, 0, engine.predictor.num_layers),)
+    expected = engine.predictor.mixed_ms([PrefillItem(1500, 0)], DecodeLoad(1, 4)) * 1.2
+    engine.executor.last_mixed_ms = expected
+    engine._observe(StepPlan(decode=(rid,), prefill=works))  # not a mixed step: nothing to learn
+    assert not mixed.window
+    engine._observe(StepPlan(decode=(rid,), prefill=works, mixed=True))
+    assert len(mixed.window) == 1 and mixed.window[0][2] == expected
 
 
 def test_prefill_padded_to_gemm_buckets_computes_the_same_tokens(llama_checkpoint, monkeypatch):

@@ -1,5 +1,6 @@
 """Prefill on a partition beside decode: the slowdown is fitted as flat + per 1k tokens of span, refined online from
-measured launches, and the simulator hands the planner its launches as the engine hands it the executor's."""
+measured launches, and the simulator hands the planner its launches as the engine hands it the executor's. Mixed
+steps (prompt chunks beside decode on all SMs) are refined online the same way."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,8 @@ from appliance.predictor.roofline import DEVICES
 from appliance.predictor.simulate import SimConfig
 from appliance.predictor.split import MIN_OBSERVATIONS, SplitSlowdown, fit, span_k
 from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
-from appliance.predictor.workload import PrefillItem
+from appliance.predictor.workload import DecodeLoad, PrefillItem
+from appliance.slo.policies import PolicyOptions
 from appliance.slo.contract import load_contract
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +55,25 @@ def test_online_refinement_replaces_the_profiled_slowdown():
     assert split.flat < 0.8 and split.factor([PrefillItem(1024, 0)]) == 1.0
 
 
+def test_a_stall_is_not_a_slowdown():
+    split = SplitSlowdown()
+    split.observe(10.0, [PrefillItem(1024, 0)], 500.0)  # 50x: a first launch compiling, a host hiccup
+    split.observe(10.0, [PrefillItem(1024, 0)], 12.0)
+    assert [m for _, _, m in split.window] == [12.0]
+
+
+def test_the_predictor_learns_how_long_mixed_steps_run_while_serving():
+    predictor = synthetic_profile(SyntheticGPU(MODEL, DEVICES["h100"]), partition_choices(132),
+                                  "llama-3.1-8b").predictor(MODEL.num_layers, "profile")
+    items, load = [PrefillItem(1024, 0)], DecodeLoad(16, 32000)
+    profiled = predictor.mixed_ms(items, load)
+    for _ in range(31):
+        predictor.observe_mixed(items, load, profiled * 1.25)
+    assert predictor.mixed_ms(items, load) == profiled  # no fit before REFIT_EVERY steps
+    predictor.observe_mixed(items, load, profiled * 1.25)
+    assert predictor.mixed_ms(items, load) == pytest.approx(profiled * 1.25)
+
+
 class SlowSplitGPU(SyntheticGPU):
     """A GPU whose prefill runs 1.4x slower on a partition (decode beside it) than the profile measured alone."""
 
@@ -74,3 +95,32 @@ def test_the_simulated_planner_learns_the_split_slowdown_from_its_launches():
     learned = run.planner.predictor.split
     assert len(learned.window) >= MIN_OBSERVATIONS
     assert learned.factor([PrefillItem(4096, 0)]) == pytest.approx(1.4, rel=0.05)
+
+
+class SlowMixedGPU(SyntheticGPU):
+    """A GPU whose mixed steps run 1.25x longer while serving than the profile measured."""
+
+    def mixed_ms(self, items, load):
+        return super().mixed_ms(items, load) * 1.25
+
+
+def test_mux_sizes_its_mixed_chunks_to_the_mixed_steps_it_measured():
+    gpu = SlowMixedGPU(MODEL, DEVICES["h100"])
+    predictor = synthetic_profile(SyntheticGPU(MODEL, DEVICES["h100"]), partition_choices(132),
+                                  "llama-3.1-8b").predictor(MODEL.num_layers, "profile")
+    contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
+    bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(MODEL, DEVICES["h100"])), truth=gpu,
+                           options=PolicyOptions(mixed_chunks=True))
+    specs = load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")[:150]
+    run = bench.run("mux", specs, 3.0)
+    stats = run.planner.stats
+    assert stats.chunk_steps > 0 and stats.chunk_steps + stats.aggregated_steps >= 32  # mixed steps, measured
+    learned = run.planner.predictor.mixed
+    assert len(learned.window) >= MIN_OBSERVATIONS
+    assert 1.15 < learned.factor([PrefillItem(1024, 0)]) < 1.35  # (the profile is a fit: not exactly 1.25)
+    solo, span, measured = (np.array(x) for x in zip(*learned.window))
+    refined = solo * np.maximum(1.0, learned.flat + learned.per_1k * span)
+    assert np.abs(refined / measured - 1).mean() < 0.5 * np.abs(solo / measured - 1).mean()
+    # the replay learned on its own copy: the next one starts from the profile, as a fresh server does
+    assert not predictor.mixed.window and not predictor.split.window
+    assert bench.run("mux", specs, 2.0).planner.predictor is not run.planner.predictor

@@ -73,7 +73,9 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
                                                                          layers, 132, (16, 32)),
                                               MuxOptions(mixed_chunks=policy == "mux-chunks"))
         assert isinstance(planner, MuxPlanner)
-    seen = []
+    seen, measured = [], []
+    if policy == "mux-chunks":  # every mixed step's measured time is handed to the planner (online refinement)
+        engine.scheduler.planner.observe_mixed = lambda items, load, ms: measured.append((items, load, ms))
     inner = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: seen.append(inner()) or seen[-1]
     assert staggered(engine) == reference
@@ -90,6 +92,10 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
     if policy == "mux-chunks":  # prompts of 25-40 tokens run as 17-token chunks beside the decode rows
         assert engine.scheduler.planner.stats.chunk_steps > 0
         assert any(p.mixed and p.decode and w.token_end - w.token_start == 17 for p in seen for w in p.prefill)
+        mixed = [p for p in seen if p.mixed and p.prefill]
+        assert len(measured) == len(mixed) and all(ms > 0 for _, _, ms in measured)
+        assert [sum(i.new for i in items) for items, _, _ in measured] == [
+            sum(w.num_tokens for w in p.prefill) for p in mixed]
 
 
 def write_contract(tmp_path, overload: str) -> str:
