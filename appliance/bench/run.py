@@ -206,6 +206,9 @@ class Session:
         out["short_outputs"] = result.short_outputs
         out.update(contract_verdict(opts.slo, result.timelines, specs))
         out["notes"] = notes + result.notes
+        planner = getattr(getattr(getattr(self.engine, "engine", None), "scheduler", None), "planner", None)
+        if hasattr(planner, "snapshot"):  # in process: what the planner decided and learned, since the engine began
+            out["planner"] = planner.snapshot()
         return out
 
 

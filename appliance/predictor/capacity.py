@@ -113,6 +113,8 @@ class SimulatedBench:
         report.summary.update(policy=policy, request_rate=rate, offered_rate=wl.offered_rate(list(specs)),
                               contract_met=report.met, contract_tbt_ms=report.tbt_ms, contract_ttft_ok=report.ttft_ok,
                               shed=result.shed, steps=result.steps, spatial_steps=result.spatial_steps)
+        if hasattr(planner, "snapshot"):
+            report.summary["planner"] = planner.snapshot()
         return PolicyRun(policy, rate, report, result, planner)
 
     def capacity(self, policy: str, specs: Sequence[RequestSpec], start_rate: float, tolerance: float = 0.05,

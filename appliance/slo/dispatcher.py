@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import PrefillWork, Scheduler, StepPlan, _reserve_all
@@ -326,6 +326,16 @@ class MuxPlanner:
     def observe_mixed(self, items: list[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
         """A mixed step measured on all SMs: online refinement of what mixed steps cost while serving."""
         self.predictor.observe_mixed(items, load, measured_ms)
+
+    def snapshot(self) -> dict:
+        """What the planner decided and learned online so far (a replay's result JSON keeps it): its step counts,
+        and the split and mixed-step slowdowns it plans with, with how many measured launches or steps they hold."""
+        p = self.predictor
+        stats = asdict(self.stats)
+        stats["decode_sms"] = {str(k): v for k, v in sorted(self.stats.decode_sms.items())}
+        return {"stats": stats, "contention_cells": len(p.guard.observations), **{
+            name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
+            for name, model in (("split", p.split), ("mixed", p.mixed))}}
 
     # ---- admission --------------------------------------------------------------------------------------------
     def admission_check(self, sched: Scheduler, request: Request) -> float | None:

@@ -125,7 +125,16 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     r = json.loads((tmp_path / "contract" / "result.json").read_text())
     assert r["slo"] == "contract chat" and r["good_requests"] is not None
     assert isinstance(r["contract_met"], bool) and r["contract_met"] == (not r["contract_misses"])
-    assert "Contract kept" in result.output
+    assert "Contract kept" in result.output and "planner" not in r  # serial: nothing planned online
+    # mux: the result keeps what the planner decided and learned online
+    bench("--in-process", "--model", str(path), "--num-prompts", "4", "--input-len", "20", "--output-len", "5",
+          "--slo", str(contract), "--policies", "mux", "--result-dir", str(tmp_path / "mux"))
+    planner = json.loads((tmp_path / "mux" / "result.json").read_text())["planner"]
+    steps = planner["stats"]
+    assert sum(steps[k] for k in ("spatial_steps", "aggregated_steps", "chunk_steps", "decode_only_steps",
+                                  "prefill_only_steps")) > 0
+    assert set(planner) == {"stats", "contention_cells", "split", "mixed"}
+    assert planner["mixed"]["observations"] <= steps["aggregated_steps"] + steps["chunk_steps"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -121,6 +121,9 @@ def test_mux_sizes_its_mixed_chunks_to_the_mixed_steps_it_measured():
     solo, span, measured = (np.array(x) for x in zip(*learned.window))
     refined = solo * np.maximum(1.0, learned.flat + learned.per_1k * span)
     assert np.abs(refined / measured - 1).mean() < 0.5 * np.abs(solo / measured - 1).mean()
+    snapshot = run.report.summary["planner"]  # the simulated result JSON keeps what the planner learned
+    assert snapshot["mixed"]["observations"] == len(learned.window) and snapshot["mixed"]["flat"] == learned.flat
+    assert snapshot["stats"]["chunk_steps"] == stats.chunk_steps
     # the replay learned on its own copy: the next one starts from the profile, as a fresh server does
     assert not predictor.mixed.window and not predictor.split.window
     assert bench.run("mux", specs, 2.0).planner.predictor is not run.planner.predictor
