@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--slo", default=None)
     ap.add_argument("--profile", default=None)
     ap.add_argument("--chunk-budget", type=int, default=None)
+    ap.add_argument("--mixed-chunks", action="store_true", help="mux: TBT-sized mixed chunks (muxd serve's flag)")
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--out", default="gpu-results")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
@@ -63,7 +64,8 @@ def main() -> None:
     synth = PromptSynth(vocab_size=model.config.vocab_size)
     prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
     engine = Engine(model, None, EngineConfig(planner=args.policy, slo=args.slo, profile=args.profile,
-                                              max_model_len=args.max_model_len, chunk_budget=args.chunk_budget))
+                                              max_model_len=args.max_model_len, chunk_budget=args.chunk_budget,
+                                              mixed_chunks=args.mixed_chunks))
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
     log = StepLog(engine, predictor).attach()
@@ -89,7 +91,16 @@ def main() -> None:
         vals = [s[k] for s in steps if k in s]
         print(f"  {k}: median {statistics.median(vals):.2f}, p99 {sorted(vals)[int(0.99 * len(vals))]:.2f}, "
               f"total {sum(vals) / 1e3:.1f} s of {result.duration:.1f} s")
-    if stats is not None:
+    for kind in ("mixed", "decode"):  # host time between a busy step's launch and the next step's planning
+        gaps = sorted(b["gap_ms"] for a, b in zip(steps, steps[1:]) if b.get("gap_ms") is not None and a["decode"]
+                      and a["mixed"] == (kind == "mixed"))
+        if gaps:
+            print(f"  host after {kind} steps: {len(gaps)}, median {statistics.median(gaps):.2f} ms, "
+                  f"p90 {gaps[int(0.9 * len(gaps))]:.2f}, p99 {gaps[int(0.99 * len(gaps))]:.2f}")
+    snapshot = getattr(engine.scheduler.planner, "snapshot", None)
+    if snapshot is not None:
+        print("  planner", snapshot())
+    elif stats is not None:
         print("  planner", {k: v for k, v in vars(stats).items() if k != "decode_sms"})
     print(f"  switches {engine.executor.switches}, layers launched {engine.executor.layers_launched}")
     for kind, key in (("mixed", "mixed"), ("decode beside prefill", "beside"), ("decode alone", None)):

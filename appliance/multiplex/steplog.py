@@ -1,7 +1,8 @@
 """A log of every engine step, for diagnosis and serving calibration: planning time, launch time (the executor's
-whole step: for a decode or mixed step, launch to tokens on the host), the plan's mode, decode partition and prefill
-layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the executor
-measured. Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs,
+whole step: for a decode or mixed step, launch to tokens on the host), the host time since the previous step's launch
+ended (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition
+and prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the
+executor measured. Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs,
 layers, whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's
 scheduler and executor; `detach` restores them.
 """
@@ -21,6 +22,7 @@ class StepLog:
         self.prefills: list[dict[str, Any]] = []
         self._originals: tuple | None = None
         self._seen = engine.executor.prefills_seen
+        self._launch_end: float | None = None  # when the previous step's launch returned
 
     def attach(self) -> "StepLog":
         sched, executor = self.engine.scheduler, self.engine.executor
@@ -32,6 +34,7 @@ class StepLog:
             plan = schedule()
             self.steps.append({
                 "t": t0, "plan_ms": (time.perf_counter() - t0) * 1e3, "decode": len(plan.decode),
+                "gap_ms": None if self._launch_end is None else (t0 - self._launch_end) * 1e3,
                 "decode_sms": plan.decode_sms, "mixed": plan.mixed,
                 "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
                 "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
@@ -47,6 +50,7 @@ class StepLog:
                 self.steps[-1]["partition"] = executor.current.name
                 self.steps[-1].update(self._predicted(plan, requests))
             self._collect_prefills()
+            self._launch_end = time.perf_counter()
             return out
 
         sched.schedule, executor.launch = timed_schedule, timed_launch
