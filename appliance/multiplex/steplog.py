@@ -2,9 +2,9 @@
 whole step: for a decode or mixed step, launch to tokens on the host), the host time since the previous step's launch
 ended (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition
 and prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the
-executor measured. Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs,
-layers, whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's
-scheduler and executor; `detach` restores them.
+executor measured. Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time,
+prefill SMs, layers, whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the
+engine's scheduler and executor; `detach` restores them.
 """
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ the SLO contract, and search the highest request rate that keeps it (the bench's
 from __future__ import annotations
 
 import copy
-
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
