@@ -12,6 +12,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def copy_model(tmp_path_factory):
+    """The copy model (`copy_model.py`), trained once per session: the GPU tests that compare outputs token for token
+    share it."""
+    from copy_model import train_copy_model
+
+    return train_copy_model(tmp_path_factory.mktemp("copy-model"))
+
+
 def pytest_configure(config):
     # several models of different shapes are compiled in one test process; a server compiles one
     import torch._dynamo

@@ -2,19 +2,13 @@
 on a small model trained to continue periodic sequences (confident predictions that need attention to be right)."""
 from __future__ import annotations
 
-import pytest
 from torch._dynamo.utils import counters
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
-from copy_model import PERIOD, periodic_prompt, train_copy_model
+from copy_model import PERIOD, periodic_prompt
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory):
-    return train_copy_model(tmp_path_factory.mktemp("copy-model"))
 
 
 def fast(path, **kw) -> Engine:

@@ -11,17 +11,12 @@ import torch
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
 from appliance.engine.scheduler import PrefillWork, Scheduler, StepPlan, _admit_fcfs, _reserve_all, chunk_end
-from copy_model import periodic_prompt, train_copy_model
+from copy_model import periodic_prompt
 
 pytest.importorskip("triton")
 from smid import launch_probe, read_probe  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory):
-    return train_copy_model(tmp_path_factory.mktemp("copy-model-mux"))
 
 
 class ShortFirstLayerwise:

@@ -7,16 +7,11 @@ import pytest
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.request import SamplingParams
-from copy_model import periodic_prompt, train_copy_model
+from copy_model import periodic_prompt
 
 pytest.importorskip("triton")
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory):
-    return train_copy_model(tmp_path_factory.mktemp("copy-model-prefill-graphs"))
 
 
 def engine(path, **kw) -> Engine:

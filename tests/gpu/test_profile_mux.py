@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from appliance.engine.engine import Engine, EngineConfig
@@ -14,7 +13,7 @@ from appliance.bench.traces import RequestSpec
 from appliance.multiplex.profiler import StepTimer, calibrate_serving, run_profile
 from appliance.multiplex.steplog import StepLog
 from appliance.predictor.grid import Ranges, plan_points
-from copy_model import periodic_prompt, train_copy_model
+from copy_model import periodic_prompt
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 # the copy model's context is 1024 tokens
@@ -28,11 +27,6 @@ targets:
   ttft: {ms: 5000}
   tbt: {ms: 1.0}
 """
-
-
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory):
-    return train_copy_model(tmp_path_factory.mktemp("copy-model-profile"))
 
 
 def engine(path, **kw) -> Engine:
