@@ -142,38 +142,48 @@ class MuxPlanner:
         """Adaptive chunked prefill: as many of the batch's tokens as a mixed step with the decode rows is predicted
         to take within `chunk_tbt` x TBT, when they go faster that way than the batch would on the split beside
         decode (None when the split is faster, or decode needs all SMs). The chunk takes its tokens earliest TTFT
-        deadline first, from the batch and the most urgent waiting prompts (which join the batch)."""
+        deadline first, from the batch and the most urgent waiting prompts (which join the batch), and is sized by the
+        mixed step of those very chunks (their contexts differ)."""
         p, dl = self.predictor, self._dl(sched)
         d = self._decode_partition(load, items, tbt)
         if d is None:
             return None
-        total, reused = sum(i.new for i in items), items[0].reused
-        limit = self.options.chunk_tbt * tbt
+        total, limit = sum(i.new for i in items), self.options.chunk_tbt * tbt
+        queue = [(r, dl.item(r)) for r in sorted(batch + self._order(sched, sched.clock())[:PREEMPT_CANDIDATES],
+                                                 key=dl.deadline)]
 
-        def fits(n: int) -> bool:
-            return p.mixed_ms([PrefillItem(n, reused)], load) <= limit
+        def fill(budget: int) -> list[tuple[Request, PrefillItem]]:
+            """`budget` tokens, earliest deadline first: each prompt and its chunk (its tokens, the context before)."""
+            out, left = [], budget
+            for r, item in queue:
+                n = min(left, item.new)
+                if n > 0:
+                    out.append((r, PrefillItem(n, item.reused)))
+                    left -= n
+            return out
 
-        lo, hi = 0, total  # the largest chunk that fits: fits(lo) holds (or lo is 0)
+        def mixed_ms(budget: int) -> float:  # the mixed step of that chunk, as it would run
+            return p.mixed_ms([item for _, item in fill(budget)], load)
+
+        lo, hi = 0, total  # the largest chunk that fits: mixed_ms(lo) <= limit (or lo is 0)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(mid):
+            if mixed_ms(mid) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
-        if lo < 1 or lo / p.mixed_ms([PrefillItem(lo, reused)], load) <= total / p.prefill_ms(items, p.sm_count - d):
+        if lo < 1 or lo / mixed_ms(lo) <= total / p.prefill_ms(items, p.sm_count - d):
             return None
-        queue = sorted(batch + self._order(sched, sched.clock())[:PREEMPT_CANDIDATES], key=dl.deadline)
-        works, left = [], lo
-        for r in queue:
-            if left <= 0:
-                break
+        works = []
+        for r, item in fill(lo):
             if r not in batch:
                 if not self._admit(sched, r):
-                    continue
+                    continue  # (its tokens stay out of this chunk: the step only gets shorter)
                 self.batch.append(r.request_id)
-            n = min(left, r.num_tokens - r.num_computed_tokens)
-            works.append(PrefillWork(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, 0, p.num_layers))
-            left -= n
+            start = r.num_computed_tokens
+            works.append(PrefillWork(r.request_id, start, min(start + item.new, r.num_tokens), 0, p.num_layers))
+        if not works:
+            return None
         self._chunked.update(w.request_id for w in works)
         self.stats.chunk_steps += 1
         self.stats.last_mode = "chunk"
