@@ -24,7 +24,7 @@ from appliance.bench.prompts import PromptSynth
 from appliance.bench.traces import load_trace
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.model_zoo.loader import load_model
-from appliance.predictor.calibrate import serving_factors
+from appliance.predictor.calibrate import full_prefill_factor, serving_factors
 from appliance.predictor.profile import load_predictor, read_profile, save_profile
 from appliance.multiplex.steplog import StepLog
 
@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--model", default="configs/models/llama-3.1-8b")
     ap.add_argument("--trace", help="the trace to replay (not needed with --from-steps/--from-prefills)")
     ap.add_argument("-n", type=int, default=80)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the trace's first SKIP requests")
+    ap.add_argument("--max-idle", type=float, default=None, help="cut idle waits to this many seconds (muxd bench's "
+                                                                 "flag): serial at low rates")
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--policy", default="mux")
     ap.add_argument("--slo", default=None)
@@ -56,7 +59,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     raw = load_trace(args.trace)
-    specs = wl.select(wl.spread_ties(raw) if "mooncake" in args.trace else raw, max_requests=args.n)
+    specs = wl.select(wl.spread_ties(raw) if "mooncake" in args.trace else raw, skip=args.skip, max_requests=args.n)
     specs = wl.retime(specs, rate=args.rate)
     specs, _ = wl.clip_to_context(specs, args.max_model_len - 1)
     cuda = args.device.startswith("cuda")
@@ -71,7 +74,7 @@ def main() -> None:
     log = StepLog(engine, predictor).attach()
     steps = log.steps
 
-    result = replay_in_process(engine, specs, prompts)
+    result = replay_in_process(engine, specs, prompts, max_idle=args.max_idle)
     summary = summarize(result.timelines, result.duration)
     engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
     (out / f"steps-{args.policy}.json").write_text(json.dumps(steps))
@@ -118,16 +121,17 @@ def main() -> None:
             print(f"  prefill launches {'beside decode' if beside else 'alone'}: {len(rows)}, GPU / predicted "
                   f"median {statistics.median(ratio):.2f}, p90 {ratio[int(0.9 * len(ratio))]:.2f}, total {total:.2f}")
     if args.profile:
-        calibrate(args, steps, log.prefills)
+        calibrate(args, steps, log.prefills, result.timelines if args.policy == "serial" else ())
 
 
-def calibrate(args, steps: list[dict], prefills: list[dict]) -> None:
-    """Print the serving factors of `steps` (and prefill launches) against the profile; with --write-serving, keep
-    them in a copy of it."""
+def calibrate(args, steps: list[dict], prefills: list[dict], serial_timelines=()) -> None:
+    """Print the serving factors of `steps` (and prefill launches; a serial replay's first tokens) against the
+    profile; with --write-serving, keep them in a copy of it."""
     if not args.profile:
         raise SystemExit("serving factors are measured against a profile: pass --profile")
     profile = read_profile(args.profile)
-    factors = serving_factors(steps, profile.predictor(profile.model.shape["num_layers"], "profile"), prefills)
+    predictor = profile.predictor(profile.model.shape["num_layers"], "profile")
+    factors = {**serving_factors(steps, predictor, prefills), **full_prefill_factor(serial_timelines, predictor)}
     print("  serving factors (measured / profiled, total time):",
           ", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps")
     if args.write_serving:

@@ -91,6 +91,12 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                               rich_help_panel=_T)], None),
     "request_timeout": (Annotated[Optional[float], typer.Option(help="Seconds after which a request counts as "
                                                                      "failed.", rich_help_panel=_T)], None),
+    "max_idle": (Annotated[Optional[float], typer.Option(help="While no request is in flight, wait at most this "
+                                                              "many seconds for the next arrival and move the rest "
+                                                              "of the schedule earlier (latencies are unchanged, "
+                                                              "times reported on the trace's clock): long replays "
+                                                              "at low rates take their busy time only.",
+                                                         rich_help_panel=_T)], None),
     "goodput": (Annotated[Optional[list[str]], typer.Option(help="vLLM-style SLO, a request is good when it meets "
                                                                  "every target: ttft:MS tpot:MS e2el:MS (repeat the "
                                                                  "flag or quote them together).",
@@ -161,6 +167,8 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError(f"--trace-format must be one of auto, {', '.join(FORMATS)}, got {kw['trace_format']!r}")
     if kw["max_concurrency"] is not None and kw["max_concurrency"] < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
+    if kw["max_idle"] is not None and kw["max_idle"] < 0:
+        raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
     if kw["in_process"] and kw["endpoint"] == "chat":
         raise ConfigError("--in-process sends prompts straight to the engine; --endpoint chat needs a server")
     slo = _slo(kw.pop("goodput") or [], kw.pop("slo"))

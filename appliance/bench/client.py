@@ -179,20 +179,32 @@ class InProcessTarget:
 async def replay(specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]], target: Target,
                  max_concurrency: int | None = None, request_timeout: float | None = None,
                  on_done: Callable[[RequestTimeline], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> ReplayResult:
+                 clock: Callable[[], float] = time.perf_counter, max_idle: float | None = None) -> ReplayResult:
     """Send specs[i] with prompts[i] at its arrival (open loop), wait for every request, return the timelines.
 
     With max_concurrency, a request waits for a free slot and its latencies count from when it is sent (the trace's
     arrival times no longer hold there); otherwise they count from the scheduled arrival.
+
+    With max_idle, a wait for the next arrival while no request is in flight lasts at most max_idle seconds: the
+    schedule moves earlier by the rest. No request spans such a cut, so every latency is what it would have been;
+    the timelines come back on the trace's clock, as if the idle time had passed.
     """
     if len(specs) != len(prompts):
         raise ValueError("one prompt per spec")
+    if max_idle is not None and max_idle < 0:
+        raise ConfigError(f"--max-idle must be >= 0 seconds, got {max_idle:g}")
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     started_at = datetime.now().astimezone().isoformat(timespec="seconds")
     t0 = clock() + LEAD_S
+    cut = 0.0                # seconds of idle schedule skipped so far
+    cuts: list[float] = []   # per request: `cut` when it was sent
+    in_flight = 0
+    idle = asyncio.Event()
+    idle.set()
 
     async def one(i: int, spec: RequestSpec) -> RequestTimeline:
-        timeline = RequestTimeline(arrival=t0 + spec.arrival, prompt_tokens=spec.prompt_len, index=i)
+        nonlocal in_flight
+        timeline = RequestTimeline(arrival=t0 + spec.arrival - cuts[i], prompt_tokens=spec.prompt_len, index=i)
         if slots is not None:
             await slots.acquire()
         try:
@@ -207,29 +219,54 @@ async def replay(specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]
         finally:
             if slots is not None:
                 slots.release()
+            in_flight -= 1
+            if not in_flight:
+                idle.set()
         if timeline.error is None and not timeline.token_times:
             timeline.error = "no token arrived"
         if on_done is not None:
             on_done(timeline)
         return timeline
 
+    async def wait_until(due: float, may_cut: bool) -> None:
+        nonlocal cut
+        while (delay := due - cut - clock()) > 0:
+            if max_idle is None or not may_cut:
+                await asyncio.sleep(delay)
+            elif idle.is_set():
+                if delay > max_idle:
+                    cut += delay - max_idle
+                await asyncio.sleep(min(delay, max_idle))
+            else:  # requests in flight: wait for the arrival, or for the last of them to finish
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(idle.wait(), delay)
+                continue
+            return
+
     tasks = []
+    wall0 = clock()
     for i, spec in enumerate(specs):
-        delay = t0 + spec.arrival - clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        await wait_until(t0 + spec.arrival, may_cut=i > 0)  # the lead before the first is not the trace's
+        cuts.append(cut)
+        in_flight += 1
+        idle.clear()
         tasks.append(asyncio.create_task(one(i, spec)))
     timelines = list(await asyncio.gather(*tasks))
-    end = max((t.token_times[-1] for t in timelines if t.token_times), default=t0)
+    wall = clock() - wall0
     short = sum(1 for t, s in zip(timelines, specs) if t.success and t.num_output_tokens < s.output_len)
-    for t in timelines:  # the replay clock: 0 = scheduled arrival of the first request
-        t.arrival -= t0
-        t.sent = t.sent - t0 if t.sent is not None else None
-        t.token_times = [x - t0 for x in t.token_times]
+    for t, c in zip(timelines, cuts):  # the replay clock: 0 = scheduled arrival of the first request
+        t.arrival += c - t0
+        t.sent = t.sent + c - t0 if t.sent is not None else None
+        t.token_times = [x + c - t0 for x in t.token_times]
+    end = max((t.token_times[-1] for t in timelines if t.token_times), default=0.0)
     notes = []
     if short:
         notes.append(f"{short} requests got fewer output tokens than asked: the server may not honour ignore_eos")
-    return ReplayResult(getattr(target, "label", "target"), timelines, max(0.0, end - t0), started_at, short, notes)
+    if cut > 0:
+        notes.append(f"--max-idle {max_idle:g}: {cut:.0f} s of idle time (no request in flight) were skipped; the "
+                     f"replay took {wall:.0f} s of wall time; no request spanned a skip, and times are on the "
+                     "trace's clock")
+    return ReplayResult(getattr(target, "label", "target"), timelines, max(0.0, end), started_at, short, notes)
 
 
 def client_lag_note(summary: dict[str, Any], threshold_ms: float = 10.0) -> str | None:
@@ -241,7 +278,8 @@ def client_lag_note(summary: dict[str, Any], threshold_ms: float = 10.0) -> str 
             f"max {lag:.1f} ms); latencies include it")
 
 
-def replay_in_process(engine: Any, specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]]) -> ReplayResult:
+def replay_in_process(engine: Any, specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]],
+                      max_idle: float | None = None) -> ReplayResult:
     """Replay on an Engine in this process: an AsyncEngine runs it for the replay's length, then stops."""
     from appliance.engine.async_engine import AsyncEngine
 
@@ -249,7 +287,7 @@ def replay_in_process(engine: Any, specs: Sequence[RequestSpec], prompts: Sequen
         aengine = AsyncEngine(engine)
         aengine.start()
         try:
-            return await replay(specs, prompts, InProcessTarget(aengine))
+            return await replay(specs, prompts, InProcessTarget(aengine), max_idle=max_idle)
         finally:
             aengine.shutdown()
 

@@ -48,6 +48,7 @@ class BenchOptions:
     temperature: float = 0.0
     max_concurrency: int | None = None
     request_timeout: float | None = None
+    max_idle: float | None = None       # idle waits (nothing in flight) cut to this many seconds
     slo: SLO | None = None
     percentiles: tuple[float, ...] = PERCENTILES
     result_dir: Path | None = None
@@ -173,7 +174,7 @@ class Session:
         assert self.target is not None, "use the session as a context manager"
         self.loop.run_until_complete(self._check(prompts[0]))
         return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
-                                                   self.opts.request_timeout, on_done))
+                                                   self.opts.request_timeout, on_done, max_idle=self.opts.max_idle))
 
     async def _check(self, prompt: str | list[int]) -> None:
         """One short request before the replay, so a wrong model name or endpoint fails clearly and at once."""

@@ -576,25 +576,31 @@ class _CostModel:
 
 
 # ---- serving calibration ---------------------------------------------------------------------------------------
+SERIAL_IDLE_S = 0.2  # the serial calibration replay idles this long between requests
+
+
 def calibration_seconds(requests: int, rate: float) -> float:
     """What the calibration takes: two replays (chunked, then mux on a multiplexed engine), each its arrivals plus a
-    margin for the last requests to finish."""
-    return 2 * (requests / rate + 30.0)
+    margin for the last requests to finish, and the serial replay (each request alone, then a short idle)."""
+    return 2 * (requests / rate + 30.0) + requests * SERIAL_IDLE_S + requests / rate + 30.0
 
 
 def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
                       predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
     """Replay `specs` re-timed to `rate` in process on `engine` under chunked prefill (its budget tuned from
     `predictor` as `muxd serve --policy chunked` would), then, on a multiplexed engine, under mux; log every step
-    and prefill launch, and return the serving factors (predictor/calibrate.py: how much slower decode, mixed steps
-    and layer-wise prefill on a partition ran while serving than `predictor` says) and the step log."""
+    and prefill launch; then replay the same prompts, sharing no prefix, one at a time under serial, each followed by
+    SERIAL_IDLE_S of idle time. Return the serving factors (predictor/calibrate.py: how much slower decode, mixed
+    steps, layer-wise prefill on a partition and a whole prompt's prefill on all SMs ran while serving than
+    `predictor` says) and the step log of the first two."""
     import copy
+    import dataclasses
 
     from appliance.bench import workload as wl
     from appliance.bench.client import replay_in_process
     from appliance.bench.prompts import PromptSynth
     from appliance.multiplex.steplog import StepLog
-    from appliance.predictor.calibrate import serving_factors
+    from appliance.predictor.calibrate import full_prefill_factor, serving_factors
     from appliance.slo.contract import default_contract
     from appliance.slo.policies import PolicyOptions, build_planner
 
@@ -624,6 +630,19 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
         steps += log_.steps
         prefills += log_.prefills
     factors = serving_factors(steps, predictor, prefills)
+    # serial: every request alone (arrivals far apart, the idle time between them cut), fresh prompts
+    alone = [dataclasses.replace(s, arrival=1000.0 * i, hash_ids=(), block_size=0) for i, s in enumerate(specs)]
+    sched.planner = build_planner("serial", PolicyOptions(), default_contract(), copy.deepcopy(predictor))
+    try:
+        result = replay_in_process(engine, alone, [synth.token_ids(s, i, salt=1) for i, s in enumerate(alone)],
+                                   max_idle=SERIAL_IDLE_S)
+    finally:
+        sched.planner = planner
+    failed = [t.error for t in result.timelines if t.error]
+    if failed:
+        raise ConfigError(f"the serial calibration replay lost {len(failed)} of {len(specs)} requests "
+                          f"(first: {failed[0]})")
+    factors.update(full_prefill_factor(result.timelines, predictor))
     for phase, factor in list(factors.items()):
         lo, hi = serving_range(phase)
         if not lo <= factor <= hi:

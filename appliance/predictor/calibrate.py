@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Iterable, Sequence
 
+from appliance.bench.metrics import RequestTimeline
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.split import fit, span_k
 from appliance.predictor.workload import DecodeLoad, PrefillItem
@@ -47,6 +48,27 @@ def serving_factors(steps: Iterable[dict[str, Any]], predictor: Predictor,
     return {**factors, **split_factors(prefills, predictor)}
 
 
+def full_prefill_factor(timelines: Sequence[RequestTimeline], predictor: Predictor) -> dict[str, float]:
+    """Whole prompts prefilled alone on all SMs while serving ("prefill_full"), from a serial replay of prompts that
+    share no prefix: the time to first token of every request that arrived with nothing in flight and had the engine
+    to itself until its first token, over the profile's all-SM prefill of its prompt. The profiler measures prefill
+    back to back; a server that idles between requests may run it faster (the GPU's clocks), or slower (the host)."""
+    done = sorted((t for t in timelines if t.success and t.token_times), key=lambda t: t.arrival)
+    measured = predicted = 0.0
+    n = 0
+    busy_until = float("-inf")  # the last token of every earlier request
+    for i, t in enumerate(done):
+        first = t.token_times[0]
+        alone = t.arrival > busy_until and (i + 1 == len(done) or done[i + 1].arrival > first)
+        busy_until = max(busy_until, t.token_times[-1])
+        ms = predictor.prefill_ms([PrefillItem(t.prompt_tokens, 0)]) if alone and t.prompt_tokens else 0.0
+        if ms > 0:
+            measured += (first - t.arrival) * 1e3
+            predicted += ms
+            n += 1
+    return {"prefill_full": measured / predicted} if n >= MIN_STEPS else {}
+
+
 def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> dict[str, float]:
     """Layer-wise prefill on a partition's prefill SMs while serving (decode beside it) against the profile's solo
     figure for those SMs, fitted as `split.fit` does: prefill_split + prefill_split_per_1k per 1,000 tokens of span."""
@@ -66,18 +88,20 @@ def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> d
 
 class ServingClock:
     """The simulator's clock for a profile with serving factors: the profile's latencies, decode and all-SM steps
-    slowed by their factor (prefill on a partition already carries the profile's split slowdown). It holds its own
-    copy of the predictor, so the planner's online refinement never feeds back into it."""
+    slowed by their factor (prefill on a partition already carries the profile's split slowdown; prefill on all SMs
+    takes prefill_full where the profile has it, else the mixed steps' factor). It holds its own copy of the
+    predictor, so the planner's online refinement never feeds back into it."""
 
     def __init__(self, predictor: Predictor) -> None:
         self.predictor = copy.deepcopy(predictor)
         self.num_layers, self.sm_count = predictor.num_layers, predictor.sm_count
         self.decode_factor = predictor.serving.get("decode", 1.0)
         self.prefill_factor = predictor.serving.get("prefill", 1.0)
+        self.full_factor = predictor.serving.get("prefill_full", self.prefill_factor)
 
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
         split = sms is not None and sms < self.sm_count
-        return self.predictor.prefill_ms(items, sms) * (1.0 if split else self.prefill_factor)
+        return self.predictor.prefill_ms(items, sms) * (1.0 if split else self.full_factor)
 
     def decode_ms(self, load: DecodeLoad, sms: int | None = None, concurrent: Sequence[PrefillItem] = ()) -> float:
         return self.predictor.decode_ms(load, sms, concurrent) * self.decode_factor

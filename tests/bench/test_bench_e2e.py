@@ -85,6 +85,11 @@ def test_url_and_in_process_replays_match(side_by_side, server, tmp_path):
         for key in ("completed", "failed", "total_input_tokens", "total_output_tokens", "num_prompts"):
             assert r[key] == launched[key], key
     assert via_url["model_id"] == "muxd-embedded" and local["backend"] == "in-process"
+    # --max-idle: the same replay without its idle waits, reported on the trace's clock
+    bench(*AZURE, "--in-process", "--max-idle", "0", "--speedup", "0.25", "--result-dir", str(tmp_path / "cut"))
+    cut = json.loads((tmp_path / "cut" / "result.json").read_text())
+    assert (cut["completed"], cut["total_output_tokens"]) == (launched["completed"], launched["total_output_tokens"])
+    assert any(n.startswith("--max-idle 0: ") for n in cut["notes"]), cut["notes"]
     assert server.url in result.output
     # chat: the template adds prompt tokens, the outputs are still forced to the recorded lengths
     bench(*AZURE, "--url", server.url, "--tokenizer", "embedded", "--endpoint", "chat", "--max-concurrency", "4",
@@ -148,6 +153,7 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     (["--trace", "/nonexistent.csv", "--in-process"], "trace file not found"),
     (["--url", "http://127.0.0.1:9", "--trace", str(DATA / "azure_code_2023_head200.csv")], "--tokenizer"),
     (["--window", "9:3"], "--window"),
+    (["--max-idle", "-1"], "--max-idle must be >= 0"),
 ])
 def test_bad_flags_are_refused_before_starting(args, message):
     result = CliRunner().invoke(app, ["bench", *args, "--no-progress"], env={"COLUMNS": "200"})

@@ -51,6 +51,65 @@ def test_replay_keeps_order_clock_and_failures():
     assert short.short_outputs == 1 and "ignore_eos" in short.notes[0]
 
 
+class TimedTarget:
+    """Answers every request with three tokens 20 ms apart and records when each request was sent."""
+
+    label = "timed"
+
+    def __init__(self) -> None:
+        self.sent_at: list[float] = []
+
+    async def send(self, prompt, spec: RequestSpec, timeline: RequestTimeline) -> None:
+        loop = asyncio.get_running_loop()
+        self.sent_at.append(loop.time())
+        for _ in range(3):
+            await asyncio.sleep(0.02)
+            timeline.token_times.append(loop.time())
+
+
+def test_max_idle_cuts_only_idle_waits_and_reports_on_the_trace_clock():
+    # 0 and 0.01 overlap; 0.3 arrives while nothing is in flight (cut); 0.31 overlaps it; 0.33 arrives while
+    # 0.31 is still answering (no cut before it)
+    specs = [RequestSpec(a, 4, 3) for a in (0.0, 0.01, 3.0, 3.01, 3.03)]
+    target = TimedTarget()
+    loop = asyncio.new_event_loop()
+    try:
+        result = loop.run_until_complete(replay(specs, list("abcde"), target, clock=loop.time, max_idle=0.05))
+    finally:
+        loop.close()
+    sent = [t - target.sent_at[0] for t in target.sent_at]
+    assert sent[2] < 1.0  # the 3 s schedule moved earlier: 0.06 s of work, then at most 0.05 s idle
+    assert sent[2] >= 0.06 + 0.05 - 0.01  # ... and it waited out the work and the allowed idle time
+    assert sent[3] - sent[2] == pytest.approx(0.01, abs=0.015) and sent[4] - sent[2] == pytest.approx(0.03, abs=0.015)
+    # on the trace's clock: arrivals as scheduled, latencies as measured, the duration as if the idle time passed
+    assert [t.arrival for t in result.timelines] == pytest.approx([0.0, 0.01, 3.0, 3.01, 3.03], abs=1e-9)
+    for t in result.timelines:
+        assert t.token_times[0] - t.arrival == pytest.approx(0.02, abs=0.015)
+    assert result.duration == pytest.approx(max(t.token_times[-1] for t in result.timelines)) and result.duration > 3
+    skipped = float(result.notes[-1].split(":")[1].split("s of idle")[0])
+    assert "--max-idle 0.05" in result.notes[-1] and skipped == pytest.approx(3.0 - 0.06 - 0.05, abs=0.5)
+
+
+def test_max_idle_never_cuts_while_a_request_is_in_flight():
+    class Slow(TimedTarget):
+        async def send(self, prompt, spec, timeline):
+            self.sent_at.append(asyncio.get_running_loop().time())
+            await asyncio.sleep(0.3 if prompt == "long" else 0.01)
+            timeline.token_times.append(asyncio.get_running_loop().time())
+
+    target = Slow()
+    loop = asyncio.new_event_loop()
+    try:
+        result = loop.run_until_complete(replay([RequestSpec(0.0, 4, 1), RequestSpec(0.2, 4, 1)], ["long", "x"],
+                                                target, clock=loop.time, max_idle=0.0))
+    finally:
+        loop.close()
+    assert target.sent_at[1] - target.sent_at[0] == pytest.approx(0.2, abs=0.03)
+    assert not any("max-idle" in n for n in result.notes)
+    with pytest.raises(ConfigError, match="--max-idle"):
+        asyncio.run(replay([RequestSpec(0.0, 4, 1)], ["x"], target, max_idle=-1.0))
+
+
 @pytest.mark.parametrize("chunk, endpoint, counts", [
     ({"choices": [{"text": " tok", "finish_reason": None}]}, "completions", True),
     ({"choices": [{"text": "", "finish_reason": None}]}, "completions", True),     # text held back, token came

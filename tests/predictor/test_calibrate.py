@@ -10,7 +10,8 @@ import pytest
 
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
-from appliance.predictor.calibrate import MIN_STEPS, ServingClock, serving_factors
+from appliance.bench.metrics import RequestTimeline
+from appliance.predictor.calibrate import MIN_STEPS, ServingClock, full_prefill_factor, serving_factors
 from appliance.predictor.capacity import SimulatedBench
 from appliance.predictor.predictor import partition_choices
 from appliance.predictor.profile import read_profile, save_profile
@@ -54,6 +55,25 @@ def test_factors_are_measured_over_predicted_time_per_phase(profile):
     assert factors["prefill_split"] == pytest.approx(1.4) and factors["prefill"] == pytest.approx(1.25)
 
 
+def test_whole_prompt_prefill_is_measured_from_the_first_tokens_of_requests_served_alone(profile):
+    p = profile.predictor(MODEL.num_layers, "profile")
+
+    def served(arrival: float, prompt: int, factor: float, outputs: int = 4) -> RequestTimeline:
+        first = arrival + factor * p.prefill_ms([PrefillItem(prompt, 0)]) / 1e3
+        return RequestTimeline(arrival=arrival, prompt_tokens=prompt, token_times=[first + 0.01 * k
+                                                                                   for k in range(outputs)])
+
+    alone = [served(10.0 * i, 512 * (1 + i % 7), 0.9) for i in range(MIN_STEPS + 1)]
+    # a request that arrives while another is still answering, or one whose first token comes after the next
+    # request's arrival (alone[3] here), was not alone: it does not count
+    crowded = [served(alone[3].arrival + 0.001, 4096, 3.0), served(300.0, 8192, 3.0), served(300.001, 256, 3.0)]
+    failed = RequestTimeline(arrival=400.0, prompt_tokens=1024, error="boom")
+    factor = full_prefill_factor(alone + crowded + [failed], p)["prefill_full"]
+    assert factor == pytest.approx(0.9)
+    assert full_prefill_factor(alone[:MIN_STEPS - 1], p) == {}  # too few
+    assert "prefill_full" not in full_prefill_factor(alone[:MIN_STEPS] + crowded, p)  # alone[3] does not count
+
+
 def test_the_clock_applies_the_host_factors_and_the_planner_does_not(profile, tmp_path):
     path = tmp_path / "p.json"
     save_profile(profile.model_copy(update={"serving": {"decode": 1.1, "prefill": 1.2}}), path)
@@ -73,6 +93,12 @@ def test_the_clock_applies_the_host_factors_and_the_planner_does_not(profile, tm
         predictor.observe_decode(load, 32, items, 3 * predictor.decode_ms(load, 32, items))
     assert predictor.decode_ms(load, 32, items) > before / 1.1
     assert clock.decode_ms(load, 32, items) == pytest.approx(before)
+    # a whole prompt on all SMs takes prefill_full where the profile has it; mixed steps keep the prefill factor
+    save_profile(profile.model_copy(update={"serving": {"decode": 1.1, "prefill": 1.2, "prefill_full": 0.9}}), path)
+    full = ServingClock(read_profile(path).predictor(MODEL.num_layers, "profile"))
+    assert full.prefill_ms(items) == pytest.approx(0.9 * predictor.prefill_ms(items))
+    assert full.prefill_ms(items, predictor.sm_count) == pytest.approx(0.9 * predictor.prefill_ms(items))
+    assert full.mixed_ms(items, load) == pytest.approx(1.2 * predictor.mixed_ms(items, load))
     # a profile without factors: the predictor is its own clock
     plain = SimulatedBench(default_contract(), profile.predictor(MODEL.num_layers, "p"), SimConfig(num_pages=4096))
     assert not isinstance(plain.timer, ServingClock)
