@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from appliance.bench.rates import Criterion, estimate, measure_rates, parse_rates
+from appliance.bench.report import capacity_lines
 from appliance.bench.sweep import SweepPoint
 from appliance.cli import app
 from appliance.errors import ConfigError
@@ -88,6 +89,19 @@ def test_capacity_without_a_bracket_or_a_pass():
     # not monotone: a failing rate below the highest pass does not lower the capacity
     e = estimate([point(1, False, 0.9), point(2, True), point(3, False, 0.97)], CONDITIONS)
     assert e.highest_pass == 2 and e.between == (2, 3)
+
+
+def test_capacity_line_names_a_failing_rate_below_the_highest_pass():
+    """The measured serial sweep on Azure failed p99 TBT at 0.09 req/s and passed at 0.1: the line must not claim
+    that no tested rate failed."""
+    res = measure_rates(lambda r: {"slo_attainment": 1.0, "contract_tbt_ms": 51.9 if r < 0.095 else 50.0},
+                        (0.09, 0.1), 0.99, label="serial", passes=lambda s: s["contract_tbt_ms"] <= 50.0)
+    (line,) = capacity_lines([res])
+    assert "capacity 0.100 req/s" in line and "no higher tested rate failed" in line
+    assert "a lower rate failed (0.09 req/s)" in line and "no tested rate failed" not in line
+    res = measure_rates(lambda r: {"slo_attainment": 1.0}, (1.0, 2.0), 0.99, label="mux")
+    (line,) = capacity_lines([res])
+    assert line.endswith("(a lower bound: no higher tested rate failed)")
 
 
 def test_measure_rates_measures_exactly_the_rates_given():
