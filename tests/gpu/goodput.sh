@@ -8,7 +8,7 @@
 # PROFILE defaults to the committed H200 profile (another GPU falls back to the roofline prior, with a warning);
 # SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # MAX_IDLE=S cuts every wait with no request in flight to S seconds (`muxd bench --max-idle`): serial on Azure at its
-# capacity is busy 85 of 7,450 s, so its 500 requests replay in about 2.5 minutes instead of two hours.
+# capacity (0.09 req/s) spreads 500 requests over 5,540 s, and with MAX_IDLE=0.2 they replay in 136 s.
 # A replay longer than one device command (Mooncake at mux's capacity: 9 minutes) can outlive the command when started
 # in its own session, on a machine kept warm by calls that follow at once (a lent machine is held 30 minutes at most):
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
