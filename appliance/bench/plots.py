@@ -79,7 +79,8 @@ def comparison_plot(measured: dict[str, Sequence[SweepPoint]], simulated: dict[s
                     tbt_target: float | None = None) -> Path:
     """Per policy against the rate: SLO attainment (left) and the contract's TBT percentile (right, when the points
     carry `contract_tbt_ms`). Measured: solid lines with markers, an x where the point missed the SLO; simulated:
-    dashed lines in the same colour. The targets are dotted horizontal lines; a log rate axis when rates span 10x."""
+    dashed lines in the same colour. The targets are dotted horizontal lines; a log rate axis when rates span 10x,
+    a log TBT axis when the TBT percentiles do."""
     tbt = any("contract_tbt_ms" in p.summary for pts in (*measured.values(), *simulated.values()) for p in pts)
     from matplotlib.figure import Figure
 
@@ -113,7 +114,9 @@ def comparison_plot(measured: dict[str, Sequence[SweepPoint]], simulated: dict[s
         ax.grid(alpha=0.3)
     axes[0].set_ylim(0, 102)
     if tbt:
-        axes[1].set_yscale("log")
+        low, high = axes[1].dataLim.intervaly
+        if low > 0 and high > 10 * low:  # log only where TBT spans 10x; a narrow range reads better linear
+            axes[1].set_yscale("log")
         axes[1].legend(loc="upper left", fontsize="small")
     axes[0].legend(loc="lower left", fontsize="small")
     fig.suptitle(title)
