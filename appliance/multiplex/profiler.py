@@ -589,8 +589,8 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
                       predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
     """Replay `specs` re-timed to `rate` in process on `engine` under chunked prefill (its budget tuned from
     `predictor` as `muxd serve --policy chunked` would), then, on a multiplexed engine, under mux; log every step
-    and prefill launch; then replay the same prompts, sharing no prefix, one at a time under serial, each followed by
-    SERIAL_IDLE_S of idle time. Return the serving factors (predictor/calibrate.py: how much slower decode, mixed
+    and prefill launch, each replay with prompts of its own (none hits the previous one's prefix cache); then replay
+    the same requests, sharing no prefix, one at a time under serial, each followed by SERIAL_IDLE_S of idle time. Return the serving factors (predictor/calibrate.py: how much slower decode, mixed
     steps, layer-wise prefill on a partition and a whole prompt's prefill on all SMs ran while serving than
     `predictor` says) and the step log of the first two."""
     import copy
@@ -609,12 +609,14 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
     if not specs:
         raise ConfigError("the calibration replay has no request that fits the KV pool")
     synth = PromptSynth(vocab_size=engine.model.config.vocab_size)
-    prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
     sched = engine.scheduler
     planner = sched.planner
     steps: list[dict] = []
     prefills: list[dict] = []
-    for policy in ("chunked", "mux") if engine.executor.multiplexed else ("chunked",):
+    # each replay draws its own prompts (salt), so that none finds the previous one's prompts in the prefix cache;
+    # prompts that share hash ids still share their prefix within a replay, as in the trace
+    for policy, salt in (("chunked", 0), ("mux", 2)) if engine.executor.multiplexed else (("chunked", 0),):
+        prompts = [synth.token_ids(s, i, salt=salt) for i, s in enumerate(specs)]
         # the mux planner refines its predictor online: a copy, so the factors are measured against the profile
         sched.planner = build_planner(policy, PolicyOptions(), default_contract(), copy.deepcopy(predictor))
         log_ = StepLog(engine, predictor).attach()
