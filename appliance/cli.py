@@ -11,7 +11,7 @@ import typer
 
 from appliance import __version__
 from appliance.bench.cli import app as bench_app
-from appliance.bench.compare_cli import compare_command
+from appliance.bench.compare_cli import compare_command, pool_command
 from appliance.bench.engine_cli import engine_bench_command
 from appliance.config import ServeConfig
 from appliance.errors import ApplianceError
@@ -22,6 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
 engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
 compare_command(bench_app)  # and `muxd bench compare`
+pool_command(bench_app)  # and `muxd bench pool`
 app.add_typer(bench_app, name="bench")
 app.add_typer(slo_app, name="slo")
 profile_command(app)
