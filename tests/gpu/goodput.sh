@@ -9,6 +9,8 @@
 # SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # MAX_IDLE=S cuts every wait with no request in flight to S seconds (`muxd bench --max-idle`): serial on Azure at its
 # capacity (0.09 req/s) spreads 500 requests over 5,540 s, and with MAX_IDLE=0.2 they replay in 136 s.
+# SKIP=K starts every job's trace at its request K (`--skip`): slices of one long replay, judged together afterwards
+# with `muxd bench pool` (docs/BENCH.md, "Slices of one replay").
 # A replay longer than one device command (Mooncake at mux's capacity: 9 minutes) can outlive the command when started
 # in its own session, on a machine kept warm by calls that follow at once (a lent machine is held 30 minutes at most):
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
@@ -25,14 +27,14 @@ mkdir -p "$out"
 run_job() {
     IFS=: read -r gpu trace policy rates n budget <<< "$1"
     extra=${SERVE_ARGS:-}
-    name="$(basename "${trace%.*}")-$policy-$rates-$n${extra:+-$(echo "$extra" | tr -d ' -')}"
+    name="$(basename "${trace%.*}")-$policy-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
     ties=""; case "$trace" in *mooncake*) ties="--spread-ties";; esac
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
         --trace "$trace" $ties --max-requests "$n" --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
         --slo configs/slo/chat-queue.yaml --attainment 0.99 --serve-args "$serve" --save-detailed \
-        ${MAX_IDLE:+--max-idle "$MAX_IDLE"} \
+        ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
     echo "job $1: exit $?" >> "$work/$name.log"
 }
