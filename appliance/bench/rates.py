@@ -108,12 +108,14 @@ def criteria(attainment: float, slo: Any) -> list[Criterion]:
 class Estimate:
     """The capacity read off measured points. `highest_pass`: the highest rate that passed (None: none did);
     `interpolated`: where the missed condition crosses its target between it and the lowest failing rate above
-    (`between`, `on` names the condition); None when no failing rate lies above or no known condition explains it."""
+    (`between`, `on` names the condition); None when no failing rate lies above or no known condition explains it.
+    `failed_below`: rates under the highest pass that failed (points near a knee are noisy)."""
 
     highest_pass: float | None
     interpolated: float | None = None
     between: tuple[float, float] | None = None
     on: str | None = None
+    failed_below: tuple[float, ...] = ()
 
     @property
     def bracketed(self) -> bool:
@@ -129,10 +131,16 @@ class Estimate:
             return "no rate passed"
         if self.interpolated is not None:
             lo, hi = self.between
-            return f"interpolated on {self.on} between {lo:.3g} and {hi:.3g} req/s"
-        if self.between is None:
-            return "highest passing rate; a lower bound (no higher rate failed)"
-        return "highest passing rate"
+            how = f"interpolated on {self.on} between {lo:.3g} and {hi:.3g} req/s"
+        elif self.between is None:
+            how = "highest passing rate; a lower bound (no higher rate failed)"
+        else:
+            how = "highest passing rate"
+        return how + (f"; a lower rate failed ({self.failed_note})" if self.failed_below else "")
+
+    @property
+    def failed_note(self) -> str:
+        return ", ".join(f"{r:.3g}" for r in self.failed_below) + " req/s"
 
 
 def estimate(points: Iterable[SweepPoint], conditions: Sequence[Criterion]) -> Estimate:
@@ -142,9 +150,10 @@ def estimate(points: Iterable[SweepPoint], conditions: Sequence[Criterion]) -> E
     if not passing:
         return Estimate(None)
     lo = max(passing, key=lambda p: p.rate)
+    below = tuple(sorted(p.rate for p in points if not p.passed and p.rate < lo.rate))
     above = [p for p in points if not p.passed and p.rate > lo.rate]
     if not above:
-        return Estimate(lo.rate)
+        return Estimate(lo.rate, failed_below=below)
     hi = min(above, key=lambda p: p.rate)
     crossings = []
     for c in conditions:
@@ -153,9 +162,9 @@ def estimate(points: Iterable[SweepPoint], conditions: Sequence[Criterion]) -> E
             continue
         crossings.append((lo.rate + (a - c.target) / (a - b) * (hi.rate - lo.rate), c.key))
     if not crossings:
-        return Estimate(lo.rate, between=(lo.rate, hi.rate))
+        return Estimate(lo.rate, between=(lo.rate, hi.rate), failed_below=below)
     rate, key = min(crossings)
-    return Estimate(lo.rate, rate, (lo.rate, hi.rate), key)
+    return Estimate(lo.rate, rate, (lo.rate, hi.rate), key, below)
 
 
 def _value(summary: dict[str, Any], key: str) -> float | None:

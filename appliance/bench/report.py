@@ -136,10 +136,9 @@ def capacity_lines(sweeps: Sequence[SweepResult]) -> list[str]:
         if s.capacity is None:
             lines.append(f"{s.label}: no tested rate met {100 * s.target:.0f}% attainment")
             continue
-        below = sorted(p.rate for p in s.points if not p.passed and p.rate < s.capacity)
         bound = "" if s.bracketed else " (a lower bound: no higher tested rate failed)"
-        if below:  # near the knee one replay's p99 moves by more than the step between rates
-            bound += f"; a lower rate failed ({', '.join(f'{r:.3g}' for r in below)} req/s): the points are noisy here"
+        if s.estimate is not None and s.estimate.failed_below:  # near a knee one replay moves more than a rate step
+            bound += f"; a lower rate failed ({s.estimate.failed_note}): the points are noisy here"
         ratio = f", {s.capacity / base:.2f}x {sweeps[0].label}" if base and s is not sweeps[0] else ""
         how = " (the highest measured rate that passed)" if s.mode == "rates" else ""
         lines.append(f"{s.label}: capacity {s.capacity:.3f} req/s{how} at {100 * s.target:.0f}% attainment{bound}"

@@ -89,6 +89,7 @@ def test_capacity_without_a_bracket_or_a_pass():
     # not monotone: a failing rate below the highest pass does not lower the capacity
     e = estimate([point(1, False, 0.9), point(2, True), point(3, False, 0.97)], CONDITIONS)
     assert e.highest_pass == 2 and e.between == (2, 3)
+    assert e.failed_below == (1,) and e.how.endswith("; a lower rate failed (1 req/s)")
 
 
 def test_capacity_line_names_a_failing_rate_below_the_highest_pass():
