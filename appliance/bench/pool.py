@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from appliance.errors import ConfigError
+from appliance.slo.attainment import contract_misses
 from appliance.slo.contract import Contract
 
 DETAILED = ("ttfts", "itls", "errors")
@@ -87,12 +88,5 @@ def pool(points: Sequence[dict[str, Any]], contract: Contract, attainment: float
     gaps = [g for p in points for itl, e in zip(p["itls"], p["errors"]) if not e for g in itl]
     tbt = float(np.percentile(np.asarray(gaps) * 1e3, cls.tbt_percentile)) if gaps else 0.0
     ttft_ms = {f"p{q}": float(np.percentile(np.asarray(ttfts) * 1e3, q)) if ttfts else 0.0 for q in (50, 90, 99)}
-    target = max(attainment, contract.attainment)
-    misses = {}
-    if good / n < target:
-        misses["attainment"] = f"attainment {good / n:.1%} < {target:.1%}"
-    if tbt > cls.tbt_ms:
-        misses["tbt"] = f"p{cls.tbt_percentile:g} TBT {tbt:.1f} ms > {cls.tbt_ms:g} ms"
-    if ttft_ok < cls.ttft_percentile / 100:
-        misses["ttft"] = f"TTFT met by {ttft_ok:.1%} < {cls.ttft_percentile:g} %"
+    misses = contract_misses(contract, good / n, ttft_ok, tbt, max(attainment, contract.attainment))
     return Pooled(str(policies.pop()), rates[0], n, good, good / n, ttft_ok, tbt, ttft_ms, misses, list(sources))

@@ -590,9 +590,10 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
     """Replay `specs` re-timed to `rate` in process on `engine` under chunked prefill (its budget tuned from
     `predictor` as `muxd serve --policy chunked` would), then, on a multiplexed engine, under mux; log every step
     and prefill launch, each replay with prompts of its own (none hits the previous one's prefix cache); then replay
-    the same requests, sharing no prefix, one at a time under serial, each followed by SERIAL_IDLE_S of idle time. Return the serving factors (predictor/calibrate.py: how much slower decode, mixed
-    steps, layer-wise prefill on a partition and a whole prompt's prefill on all SMs ran while serving than
-    `predictor` says) and the step log of the first two."""
+    the same requests, sharing no prefix, one at a time under serial, each followed by SERIAL_IDLE_S of idle time.
+    Return the serving factors (predictor/calibrate.py: how much slower decode, mixed steps, layer-wise prefill on a
+    partition and a whole prompt's prefill on all SMs ran while serving than `predictor` says) and the step log of
+    the first two."""
     import copy
     import dataclasses
 

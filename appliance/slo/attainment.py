@@ -59,14 +59,24 @@ def evaluate(contract: Contract, timelines: Sequence[RequestTimeline], specs: Se
     tbt = float(np.percentile(np.asarray(gaps) * 1e3, s.tbt_percentile)) if gaps else 0.0
     ttft_ok = np.mean(good_flags(timelines, _OnlyTTFT(slo), specs)) if timelines else 0.0
     attainment = summary["slo_attainment"] or 0.0
+    misses = contract_misses(contract, attainment, float(ttft_ok), tbt)
+    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses)
+
+
+def contract_misses(contract: Contract, attainment: float, ttft_ok: float, tbt_ms: float,
+                    target: float | None = None) -> dict[str, str]:
+    """Which of the contract's conditions a replay missed ("attainment" / "tbt" / "ttft" -> why); `target` replaces
+    the contract's attainment where given."""
+    s = contract.slo_for(None)
+    target = contract.attainment if target is None else target
     misses = {}
-    if attainment < contract.attainment:
-        misses["attainment"] = f"attainment {attainment:.1%} < {contract.attainment:.1%}"
-    if tbt > s.tbt_ms:
-        misses["tbt"] = f"p{s.tbt_percentile:g} TBT {tbt:.1f} ms > {s.tbt_ms:g} ms"
+    if attainment < target:
+        misses["attainment"] = f"attainment {attainment:.1%} < {target:.1%}"
+    if tbt_ms > s.tbt_ms:
+        misses["tbt"] = f"p{s.tbt_percentile:g} TBT {tbt_ms:.1f} ms > {s.tbt_ms:g} ms"
     if ttft_ok < s.ttft_percentile / 100:
         misses["ttft"] = f"TTFT met by {ttft_ok:.1%} < {s.ttft_percentile:g} %"
-    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses)
+    return misses
 
 
 class _OnlyTTFT:
