@@ -69,8 +69,9 @@ def pool_command(bench_app: typer.Typer) -> None:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from None
         verdict = "passes" if result.passed else "fails: " + "; ".join(result.misses.values())
-        Console().print(f"{result.policy} at {result.rate:g} req/s, {result.requests} requests in {len(points)} "
-                        f"slices: attainment {result.attainment:.1%}, TTFT met by {result.ttft_ok:.1%}, p99 TTFT "
+        slices = f"{len(points)} slice{'s' if len(points) > 1 else ''}"
+        Console().print(f"{result.policy} at {result.rate:g} req/s, {result.requests} requests in {slices}: "
+                        f"attainment {result.attainment:.1%}, TTFT met by {result.ttft_ok:.1%}, p99 TTFT "
                         f"{result.ttft_ms['p99']:.1f} ms, contract TBT {result.tbt_ms:.1f} ms: {verdict}")
         if out is not None:
             out.write_text(json.dumps(result.as_dict(), indent=2) + "\n")

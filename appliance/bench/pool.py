@@ -6,6 +6,7 @@ What the slices cannot give is the state at their boundaries (queue, prefix cach
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass, field
@@ -48,9 +49,10 @@ class Pooled:
 
 
 def read_point(path: Path) -> dict[str, Any]:
-    """One point's result JSON, written with --save-detailed (per-request arrays) under an SLO contract."""
+    """One point's result JSON (or .json.gz), written with --save-detailed (per-request arrays) under a contract."""
     try:
-        point = json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
+        point = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file (give the point JSONs of a sweep's points/ directory)") from None
     except (OSError, ValueError) as exc:

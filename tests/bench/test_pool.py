@@ -3,6 +3,7 @@ simulated slices pool to the counts and percentiles of all their requests; hand-
 points that cannot be pooled are refused with the reason."""
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -91,3 +92,11 @@ def test_points_that_cannot_be_pooled_are_refused(tmp_path):
     assert result.exit_code == 2 and "--save-detailed" in result.output
     result = runner.invoke(app, ["bench", "pool", str(tmp_path / "none.json"), "--slo", str(CHAT)])
     assert result.exit_code == 2 and "no such file" in result.output
+
+
+def test_a_gzipped_point_reads_as_the_plain_one(tmp_path):
+    point = _point([0.1, 0.2], [[0.01, 0.02], [0.03]], good=2, ttft_ok=1.0)
+    plain, packed = tmp_path / "p.json", tmp_path / "p.json.gz"
+    plain.write_text(json.dumps(point))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_point(packed) == read_point(plain) == point

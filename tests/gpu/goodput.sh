@@ -14,8 +14,10 @@
 # A replay longer than one device command (Mooncake at mux's capacity: 9 minutes) can outlive the command when started
 # in its own session, on a machine kept warm by calls that follow at once (a lent machine is held 30 minutes at most):
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
-#   call 2, 3, ...: for i in $(seq 55); do pgrep -f goodput.sh > /dev/null || break; sleep 10; done;
+#   call 2, 3, ...: for i in $(seq 55); do [ -e /tmp/gp/done ] && break; sleep 10; done;
 #                   cp /tmp/gp/goodput.tgz $OUT/ 2>/dev/null; tail -n 5 /tmp/gp.log
+# ($out/done appears once the results are packed; `pgrep -f goodput.sh` would match the polling command itself.)
+# Each call must follow the last within the machine's idle release (30 s), or the machine and the replay are gone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
@@ -23,7 +25,7 @@ profile=${PROFILE:-docs/data/profile-llama-3.1-8b-h200-graphs-seed1-calibrated-2
 model=${MODEL:-configs/models/llama-3.1-8b}
 maxlen=${MAX_MODEL_LEN:-32768}
 work=$(mktemp -d)
-mkdir -p "$out"
+mkdir -p "$out" && rm -f "$out/done"
 run_job() {
     IFS=: read -r gpu trace policy rates n budget <<< "$1"
     extra=${SERVE_ARGS:-}
@@ -46,5 +48,5 @@ for gpu in "${!queues[@]}"; do  # staggered: two interpreters starting at once o
     delay=$((delay + 20))
 done
 wait
-tar czf "$out/goodput.tgz" -C "$work" .
+tar czf "$out/goodput.tgz" -C "$work" . && touch "$out/done"
 for log in "$work"/*.log; do echo "== $(basename "$log")"; grep -E "│|capacity|exit|rror" "$log" | tail -8; done
