@@ -16,7 +16,7 @@
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
 #   call 2, 3, ...: for i in $(seq 55); do [ -e /tmp/gp/done ] && break; sleep 10; done;
 #                   cp /tmp/gp/goodput.tgz $OUT/ 2>/dev/null; tail -n 5 /tmp/gp.log
-# ($out/done appears once the results are packed; `pgrep -f goodput.sh` would match the polling command itself.)
+# ($out/done appears once the results are packed and the tables printed; `pgrep -f goodput.sh` would match the polling command itself.)
 # Each call must follow the last within the machine's idle release (30 s), or the machine and the replay are gone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,5 +48,6 @@ for gpu in "${!queues[@]}"; do  # staggered: two interpreters starting at once o
     delay=$((delay + 20))
 done
 wait
-tar czf "$out/goodput.tgz" -C "$work" . && touch "$out/done"
+tar czf "$out/goodput.tgz" -C "$work" .
 for log in "$work"/*.log; do echo "== $(basename "$log")"; grep -E "│|capacity|exit|rror" "$log" | tail -8; done
+touch "$out/done"
