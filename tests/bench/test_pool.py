@@ -3,8 +3,12 @@ simulated slices pool to the counts and percentiles of all their requests; hand-
 points that cannot be pooled are refused with the reason."""
 from __future__ import annotations
 
+import csv
 import gzip
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +104,25 @@ def test_a_gzipped_point_reads_as_the_plain_one(tmp_path):
     plain.write_text(json.dumps(point))
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     assert read_point(packed) == read_point(plain) == point
+
+
+def test_one_row_per_request_from_a_point(tmp_path):
+    """scripts/point_requests.py: the rows kept beside measured summaries, in milliseconds on the replay's clock."""
+    point = _point([0.1, 0.25, 0.05], [[0.01, 0.03], [], [0.02] * 99 + [0.2]], good=3, ttft_ok=1.0)
+    point.update(start_times=[10.0, 10.5, 12.25], input_lens=[100, 7, 40], output_lens=[3, 1, 101])
+    src, out = tmp_path / "p.json.gz", tmp_path / "p.requests.csv"
+    src.write_bytes(gzip.compress(json.dumps(point).encode()))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "point_requests.py"), str(src), str(out)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.reader(out.open()))
+    assert rows[0] == ["start_s", "input_tokens", "output_tokens", "ttft_ms", "p99_tbt_ms", "max_tbt_ms"]
+    assert rows[1] == ["0.000", "100", "3", "100.0", f"{np.percentile([10.0, 30.0], 99):.1f}", "30.0"]
+    assert rows[2] == ["0.500", "7", "1", "250.0", "", ""]  # one token: no gap to report
+    assert rows[3][:4] == ["2.250", "40", "101", "50.0"] and rows[3][5] == "200.0"
+    assert float(rows[3][4]) == pytest.approx(np.percentile([20.0] * 99 + [200.0], 99), abs=0.05)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"policy": "mux", "request_rate": 1.0, "good_requests": 3}))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "point_requests.py"), str(bare), str(out)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert done.returncode == 2 and "--save-detailed" in done.stderr and "Traceback" not in done.stderr
