@@ -296,7 +296,8 @@ def schemathesis_run(server: ServerProcess, examples: int, seed: int = 1, max_re
                "--generation-database", "none", "--no-color", "--report", "json", "--report-json-path", str(report)]
         env = {**__import__("os").environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
                "PYTHONPATH": str(ROOT / "scripts")}
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        # run in the temporary directory: schemathesis keeps a crash cache in its working directory
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         doc = json.loads(report.read_text()) if report.is_file() else {}
     failures = {f["code"]: f["count"] for f in doc.get("failures", [])}
     return {"exit_code": out.returncode, "examples_per_operation": examples, "phases": phases,
