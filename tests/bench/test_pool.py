@@ -106,14 +106,18 @@ def test_a_gzipped_point_reads_as_the_plain_one(tmp_path):
     assert read_point(packed) == read_point(plain) == point
 
 
+def _point_requests(src: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "point_requests.py"), str(src), str(out)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+
+
 def test_one_row_per_request_from_a_point(tmp_path):
     """scripts/point_requests.py: the rows kept beside measured summaries, in milliseconds on the replay's clock."""
     point = _point([0.1, 0.25, 0.05], [[0.01, 0.03], [], [0.02] * 99 + [0.2]], good=3, ttft_ok=1.0)
     point.update(start_times=[10.0, 10.5, 12.25], input_lens=[100, 7, 40], output_lens=[3, 1, 101])
     src, out = tmp_path / "p.json.gz", tmp_path / "p.requests.csv"
     src.write_bytes(gzip.compress(json.dumps(point).encode()))
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "point_requests.py"), str(src), str(out)],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    done = _point_requests(src, out)
     assert done.returncode == 0, done.stderr
     rows = list(csv.reader(out.open()))
     assert rows[0] == ["start_s", "input_tokens", "output_tokens", "ttft_ms", "p99_tbt_ms", "max_tbt_ms"]
@@ -123,6 +127,5 @@ def test_one_row_per_request_from_a_point(tmp_path):
     assert float(rows[3][4]) == pytest.approx(np.percentile([20.0] * 99 + [200.0], 99), abs=0.05)
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"policy": "mux", "request_rate": 1.0, "good_requests": 3}))
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "point_requests.py"), str(bare), str(out)],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    done = _point_requests(bare, out)
     assert done.returncode == 2 and "--save-detailed" in done.stderr and "Traceback" not in done.stderr
