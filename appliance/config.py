@@ -1,24 +1,35 @@
-"""ServeConfig: everything `muxd serve` / `muxd generate` need, built once from flags and validated before any work.
+"""The one configuration of muxd: frozen dataclasses grouped by concern (model, cache, scheduler, runtime, server).
 
-Also resolves the defaults that depend on the machine (device, dtype) and names the embedded default model.
+Every field is a `muxd serve` flag of the same name (vLLM's name where vLLM has the concept); `serve_flags()` makes
+the typer parameters from the fields, so the flags, the config and `muxd bench --serve-args` never drift apart. Cheap
+checks run when a group is built; `Config.check()` does the ones that read files (model directory, SLO contract,
+latency profile, chat template) before anything slow. The contract and the profile are parsed once, here, and the
+loaded objects travel with the config.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
 from appliance.attention import BACKEND_NAMES
-from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
 from appliance.model_zoo.tokenizer import compile_chat_template
+from appliance.predictor.profile import ProfileFile, read_profile
+from appliance.slo.contract import Contract, default_contract, load_contract
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
+POLICIES = ("mux", "chunked", "serial", "layerwise")  # engine/planners/registry.py builds each
+SPATIAL_POLICIES = ("mux", "layerwise")  # the policies that run prefill and decode on disjoint SM partitions
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ki": 2**10,
@@ -26,49 +37,50 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 
 def parse_size(text: str, flag: str = "--kv-cache-memory") -> int:
-    """'4GiB', '512MB', '1e9'-free plain integers -> bytes."""
+    """'4GiB', '512MB', plain integers -> bytes."""
     m = _SIZE.match(str(text))
     if not m:
         raise ConfigError(f"{flag}: cannot read {text!r} as a size; write e.g. 4GiB, 512MiB or 1073741824")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-@dataclass
-class ServeConfig:
-    model: str = "embedded"
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "auto"
-    dtype: str = "auto"
-    load_format: str = "auto"
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    kv_cache_memory: str | None = None
-    gpu_memory_utilization: float = 0.9
-    page_size: int = 16
-    enable_prefix_caching: bool = True
-    planner: str = "serial"                 # the policy (--policy, alias --planner)
-    max_waiting: int = 4096
-    slo: str | None = None
-    profile: str | None = None
-    chunk_budget: int | None = None
-    max_num_batched_tokens: int | None = None
-    seed: int | None = None
-    chat_template: str | None = None
-    api_key: str | None = None
-    max_request_bytes: str = "16MiB"
-    shutdown_timeout: float = 30.0
-    attention_backend: str = "auto"
-    compile: bool | None = None     # None: on CUDA, off on CPU
-    cuda_graph: bool = True
-    prefill_graph_rows: int = 512
-    multiplex: bool | None = None
-    partition_granularity: int = 16
-    layerwise_decode_sms: int = 64
-    preemption: bool = True
-    mixed_chunks: bool = False
-    trace_dir: str | None = None
+def flag(default: Any, help: str, *names: str, envvar: str | None = None, hidden: bool = False) -> Any:
+    """A config field that is also a `muxd serve` flag: `names` are extra spellings (the field's own,
+    --field-name, always comes first)."""
+    return field(default=default, metadata={"help": help, "names": names, "envvar": envvar, "hidden": hidden})
+
+
+def _at_least(group: Any, minimum: float, *names: str) -> None:
+    for name in names:
+        value = getattr(group, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {minimum:g}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model: str = flag("embedded", "Hugging Face model directory (config.json, safetensors, tokenizer.json), or "
+                      "'embedded' for the small model shipped inside muxd.", "-m")
+    served_model_name: Optional[str] = flag(None, "Model name clients send in 'model' (default: the directory "
+                                            "name, or muxd-embedded).")
+    dtype: str = flag("auto", "Weights and KV dtype: auto (checkpoint's on GPU, float32 on CPU), bfloat16, "
+                      "float16, float32.")
+    load_format: str = flag("auto", "auto/safetensors reads the weights; dummy draws random ones of the right "
+                            "shapes (for benchmarking without a checkpoint).")
+    max_model_len: Optional[int] = flag(None, "Prompt + output tokens per request (default: the model's limit, "
+                                        "capped by the KV cache).")
+    chat_template: Optional[str] = flag(None, "Chat template to use instead of the model's: a file, or the jinja "
+                                        "template itself.")
+    seed: Optional[int] = flag(None, "Seed the sampling generator once at start-up, as vLLM does: the same requests "
+                               "in the same order sample the same tokens. A request's own 'seed' fixes its output "
+                               "regardless.")
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype, "--dtype")
+        _at_least(self, 2, "max_model_len")
 
     @property
     def model_dir(self) -> Path:
@@ -80,76 +92,10 @@ class ServeConfig:
             return self.served_model_name
         return EMBEDDED_NAME if self.model == "embedded" else self.model_dir.resolve().name
 
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
-
-    def resolved_dtype(self) -> str | None:
-        """None keeps the checkpoint's dtype (GPU default); the CPU default is float32, which CPUs run fastest."""
-        if self.dtype != "auto":
-            return self.dtype
-        return None if self.resolved_device().startswith("cuda") else "float32"
-
-    def validate(self) -> ModelConfig:
-        """Check every flag and the model directory's config.json now; returns the model's config."""
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
-        if self.prefill_graph_rows < 0:
-            raise ConfigError(f"--prefill-graph-rows must be >= 0 (0: no prefill graphs), got {self.prefill_graph_rows}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        from appliance.slo.contract import load_contract
-        from appliance.slo.policies import check_policy
-
-        check_policy(self.planner)
-        if self.slo is not None:
-            load_contract(self.slo)  # every problem of the contract, with its line, before the model loads
-        if self.partition_granularity < 8 or self.partition_granularity % 8:
-            raise ConfigError(f"--partition-granularity must be a positive multiple of 8 SMs, got "
-                              f"{self.partition_granularity}")
-        if self.multiplex and not self.resolved_device().startswith("cuda"):
-            raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
-        if self.chunk_budget is not None and self.chunk_budget < 1:
-            raise ConfigError(f"--chunk-budget must be >= 1, got {self.chunk_budget}")
-        if self.dtype != "auto":
-            parse_dtype(self.dtype, "--dtype")
-        if self.attention_backend not in BACKEND_NAMES:
-            raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
-                              f"got {self.attention_backend!r}")
-        device = self.resolved_device()
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
-        if self.kv_cache_memory is not None:
-            parse_size(self.kv_cache_memory)
-        path = resolve_model_dir(self.model_dir)
-        cfg = ModelConfig.from_file(path / "config.json")
-        if self.load_format != "dummy":
-            checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        cfg.check_max_model_len(self.max_model_len or cfg.max_model_len)
-        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-waiting", self.max_waiting),
-                            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-                            ("--block-size", self.page_size)):
-            if value is not None and value < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {value}")
-        if self.request_byte_limit < 1:
-            raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
-        if not self.shutdown_timeout >= 0:
-            raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
-        if self.chat_template is not None:
-            compile_chat_template(self.chat_template_source())
-        return cfg
-
-    @property
-    def request_byte_limit(self) -> int:
-        return parse_size(self.max_request_bytes, "--max-request-bytes")
-
-    def chat_template_source(self) -> str:
+    def chat_template_source(self) -> str | None:
         """--chat-template names a file, or is the template itself (inline jinja), as in vLLM."""
+        if self.chat_template is None:
+            return None
         value = str(self.chat_template)
         try:
             path = Path(value).expanduser()
@@ -161,37 +107,274 @@ class ServeConfig:
             return value
         raise ConfigError(f"--chat-template {value!r}: no such file, and not a jinja template either")
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            page_size=self.page_size, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-            kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory else None,
-            gpu_memory_utilization=self.gpu_memory_utilization, enable_prefix_caching=self.enable_prefix_caching,
-            planner=self.planner, max_waiting=self.max_waiting, slo=self.slo, profile=self.profile,
-            attention_backend=self.attention_backend, compile=self.compile, cuda_graph=self.cuda_graph,
-            prefill_graph_rows=self.prefill_graph_rows, multiplex=self.multiplex,
-            partition_granularity=self.partition_granularity,
-            layerwise_decode_sms=self.layerwise_decode_sms, preemption=self.preemption,
-            mixed_chunks=self.mixed_chunks, chunk_budget=self._chunk_budget(),
-            **({} if self.max_num_batched_tokens is None else {"max_prefill_tokens": self.max_num_batched_tokens}))
 
-    def _chunk_budget(self) -> int | None:
-        """--chunk-budget; unset, None where a profile lets the engine tune it to the contract's TBT target, else
-        vLLM's --max-num-batched-tokens (the tokens of one step)."""
+@dataclass(frozen=True)
+class CacheSettings:
+    block_size: int = flag(16, "Tokens per KV-cache page.")
+    kv_cache_memory: Optional[str] = flag(None, "KV-cache size, e.g. 8GiB (default: what --gpu-memory-utilization "
+                                          "leaves on GPU, 512MiB on CPU).")
+    num_gpu_blocks_override: Optional[int] = flag(None, "KV-cache pages, overriding the size from memory (for "
+                                                  "tests and experiments).", hidden=True)
+    gpu_memory_utilization: float = flag(0.9, "Fraction of GPU memory muxd may use in total.")
+    enable_prefix_caching: bool = flag(True, "Reuse KV pages of equal prompt prefixes.",
+                                       "--prefix-caching/--no-prefix-caching")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "block_size", "num_gpu_blocks_override")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    policy: str = flag("serial", "Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
+                       "budget, the vLLM/SGLang default), serial (prefill first) or layerwise.", "--planner")
+    max_num_seqs: int = flag(256, "Requests prefilling or decoding at once.")
+    max_num_batched_tokens: int = flag(8192, "Prompt tokens prefilled per engine step (a longer prompt still runs, "
+                                       "alone); chunked's budget unless --chunk-budget or --profile sets it.")
+    max_waiting: int = flag(4096, "Queued requests beyond which new ones get HTTP 429.")
+    chunk_budget: Optional[int] = flag(None, "Tokens per step for --policy chunked (default: with --profile, the "
+                                       "largest whose step meets the contract's TBT target; without, "
+                                       "--max-num-batched-tokens).")
+    slo: Optional[str] = flag(None, "SLO contract (YAML, see configs/slo/); default: p99 TBT 50 ms.")
+    profile: Optional[str] = flag(None, "Latency profile of this model on this GPU for --policy mux (and chunked's "
+                                  "budget); missing or mismatched: the roofline prior (with a warning).")
+    prefill_pause: bool = flag(True, "mux: a short prompt may pause a long prefill batch between layers and run "
+                               "first.", "--preemption/--no-preemption")
+    mixed_chunks: bool = flag(False, "mux: run a chunk of the prompt beside the decode rows on all SMs, sized to "
+                              "the TBT target, whenever the profile predicts it prefills faster than the SM split.")
+    layers_per_step: int = flag(1, "layerwise: prefill layers advanced per step.")
+    layerwise_decode_sms: int = flag(64, "layerwise: SMs decode gets while prefill runs.")
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy (--planner) must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_waiting", "chunk_budget",
+                  "layers_per_step", "layerwise_decode_sms")
+
+    @functools.cached_property
+    def contract(self) -> Contract:
+        """The SLO contract, parsed once (every problem with its line)."""
+        return load_contract(self.slo) if self.slo else default_contract()
+
+    @functools.cached_property
+    def profile_file(self) -> ProfileFile | str | None:
+        """The latency profile, parsed once; the reason as text when it cannot be read (the engine then plans with
+        the roofline prior and says why); None without --profile."""
+        if self.profile is None:
+            return None
+        try:
+            return read_profile(self.profile)
+        except ConfigError as exc:
+            return str(exc)
+
+    @property
+    def tuned_chunk_budget(self) -> int | None:
+        """The chunked policy's budget: --chunk-budget; unset, None where a profile lets the engine tune it to the
+        contract's TBT target, else --max-num-batched-tokens (vLLM: the tokens of one step)."""
         if self.chunk_budget is not None:
             return self.chunk_budget
         return None if self.profile is not None else self.max_num_batched_tokens
 
-    def build_engine(self) -> Engine:
-        """Load the model and tokenizer and size the KV cache (the slow part of start-up)."""
-        if self.seed is not None:
-            # vLLM's --seed: seeds the sampling generator once, so a run that receives the same requests in the same
-            # order samples the same tokens; a request's own `seed` still fixes its output on its own
-            torch.manual_seed(self.seed)
-        engine = Engine.from_pretrained(resolve_model_dir(self.model_dir), dtype=self.resolved_dtype(),
-                                        device=self.resolved_device(), load_format=self.load_format,
-                                        config=self.engine_config())
-        if self.chat_template is not None:
-            if engine.tokenizer is None:
-                raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
-            engine.tokenizer.set_chat_template(self.chat_template_source())
-        return engine
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    device: str = flag("auto", "auto, cpu, cuda or cuda:N.")
+    attention_backend: str = flag("auto", "auto (flashinfer on CUDA where it supports the model, else torch), "
+                                  "flashinfer or torch.")
+    compile: Optional[bool] = flag(None, "torch.compile each decoder layer (default: on with CUDA, off on CPU).")
+    cuda_graph: bool = flag(True, "Replay decode steps as CUDA graphs (CUDA with the flashinfer backend); off for "
+                            "debugging.")
+    max_graph_batch: Optional[int] = flag(None, "Largest decode batch captured as a CUDA graph (default: "
+                                          "min(--max-num-seqs, 256)).")
+    prefill_graph_rows: int = flag(512, "Prefill launches and chunked prefill's mixed steps of up to this many "
+                                   "tokens replay piecewise CUDA graphs (attention eager between them, as in vLLM); "
+                                   "0: off.")
+    multiplex: Optional[bool] = flag(None, "Run prefill and decode at once on disjoint SM partitions (default: on "
+                                     "with CUDA for the mux and layerwise policies).")
+    partition_granularity: int = flag(16, "Decode partitions are multiples of this many SMs (a multiple of 8 on "
+                                      "Hopper).")
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
+                              f"got {self.attention_backend!r}")
+        if self.prefill_graph_rows < 0:
+            raise ConfigError(f"--prefill-graph-rows must be >= 0 (0: no prefill graphs), got "
+                              f"{self.prefill_graph_rows}")
+        _at_least(self, 1, "max_graph_batch")
+        if self.partition_granularity < 8 or self.partition_granularity % 8:
+            raise ConfigError(f"--partition-granularity must be a positive multiple of 8 SMs, got "
+                              f"{self.partition_granularity}")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = flag("127.0.0.1", "Address to bind; use 0.0.0.0 to accept connections from other machines.",
+                     envvar="MUXD_HOST")
+    port: int = flag(8000, "TCP port.", envvar="MUXD_PORT")
+    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 route (/health, /ready "
+                                  "and /metrics stay open).", envvar="MUXD_API_KEY")
+    max_request_bytes: str = flag("16MiB", "Largest request body (e.g. 16MiB or 1048576); larger ones get HTTP 413.")
+    shutdown_timeout: float = flag(30.0, "On SIGTERM/SIGINT, seconds running requests may take to finish (new ones "
+                                   "get 503) before they are ended.")
+    trace_dir: Optional[str] = flag(None, "Write the executor's timeline (Chrome-trace JSON) here when the server "
+                                    "stops; GET /debug/timeline serves it live.")
+    log_level: str = flag("info", "debug, info, warning, error.")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.request_byte_limit < 1:
+            raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
+
+    @property
+    def request_byte_limit(self) -> int:
+        return parse_size(self.max_request_bytes, "--max-request-bytes")
+
+
+GROUPS: dict[str, type] = {"model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings,
+                           "runtime": RuntimeSettings, "server": ServerSettings}
+_FIELD_GROUP = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `muxd serve` was told, by group. `Config.flat(policy="mux", block_size=16)` builds one from field
+    names alone (each belongs to exactly one group)."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+    @classmethod
+    def flat(cls, **values: Any) -> "Config":
+        by_group: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+        for name, value in values.items():
+            if name not in _FIELD_GROUP:
+                raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELD_GROUP))}")
+            by_group[_FIELD_GROUP[name]][name] = str(value) if isinstance(value, Path) else value
+        return cls(**{g: GROUPS[g](**kw) for g, kw in by_group.items()})
+
+    def replace(self, **values: Any) -> "Config":
+        """A copy with some fields (by name, any group) changed."""
+        groups = {g: getattr(self, g) for g in GROUPS}
+        for name, value in values.items():
+            if name not in _FIELD_GROUP:
+                raise ConfigError(f"unknown setting {name!r}")
+            g = _FIELD_GROUP[name]
+            groups[g] = dataclasses.replace(groups[g], **{name: str(value) if isinstance(value, Path) else value})
+        return Config(**groups)
+
+    def resolved_dtype(self) -> str | None:
+        """None keeps the checkpoint's dtype (GPU default); the CPU default is float32, which CPUs run fastest."""
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return None if self.runtime.resolved_device().startswith("cuda") else "float32"
+
+    def check(self) -> ModelConfig:
+        """The checks that read files or the machine, before anything slow: the device, the model directory and
+        its config.json, the weights' presence, the context length, the SLO contract, the chat template. Returns
+        the model's config."""
+        device = self.runtime.resolved_device()
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
+        if self.runtime.multiplex and not device.startswith("cuda"):
+            raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
+        self.scheduler.contract  # every problem of the contract, with its line, before the model loads
+        path = resolve_model_dir(self.model.model_dir)
+        cfg = ModelConfig.from_file(path / "config.json")
+        if self.model.load_format != "dummy":
+            checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
+        cfg.check_max_model_len(self.model.max_model_len or cfg.max_model_len)
+        template = self.model.chat_template_source()
+        if template is not None:
+            compile_chat_template(template)
+        return cfg
+
+
+def serve_flags(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """typer parameters of `muxd serve`, one per config field (a bool field is a --name/--no-name switch)."""
+    import typer  # the CLI's library; the config itself does not need it
+
+    params = []
+    for group, cls in GROUPS.items():
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            meta, dash = f.metadata, f.name.replace("_", "-")
+            names = (f"--{dash}/--no-{dash}",) if hints[f.name] in (bool, Optional[bool]) else (f"--{dash}",)
+            option = typer.Option(f.default, *names, *meta["names"], help=meta["help"], envvar=meta["envvar"],
+                                  show_envvar=meta["envvar"] is not None, hidden=meta["hidden"])
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                            annotation=hints[f.name]))
+    return params
+
+
+def with_serve_flags(func: Callable[..., Any], skip: tuple[str, ...] = (),
+                     on_error: Callable[[ConfigError], Any] | None = None) -> Callable[..., Any]:
+    """`func(config: Config, **rest)` as a typer command taking every serve flag (plus func's own parameters);
+    `on_error` receives a flag's ConfigError (the CLI prints it and exits 2)."""
+    own = [p for name, p in inspect.signature(func).parameters.items() if name != "config"]
+    flags = serve_flags(skip)
+
+    @functools.wraps(func)
+    def command(**kw: Any) -> Any:
+        fields = {k: kw.pop(k) for k in list(kw) if k in _FIELD_GROUP}
+        try:
+            config = Config.flat(**fields)
+        except ConfigError as exc:
+            if on_error is None:
+                raise
+            return on_error(exc)
+        return func(config, **kw)
+
+    params = own + flags
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    del command.__wrapped__  # typer must read the generated signature, not func's
+    return command
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(cls)
+
+
+def parse_serve_args(args: list[str], **overrides: Any) -> Config:
+    """The Config that `muxd serve <args>` would build (for `muxd bench --in-process` and `--serve-args`)."""
+    import typer
+
+    def serve(config: Config) -> Config:
+        return config
+
+    app = typer.Typer()
+    app.command()(with_serve_flags(serve))
+    command = typer.main.get_command(app)
+    try:
+        ctx = command.make_context("serve", list(args))
+    except Exception as exc:  # a usage error of click (or of the click that typer bundles)
+        if not hasattr(exc, "format_message"):
+            raise
+        raise ConfigError(f"--serve-args: {exc.format_message()}") from None
+    return Config.flat(**{**ctx.params, **overrides})

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-
 from tiny_models import FAMILIES, build_tiny_checkpoint, write_tiny_tokenizer
 
 # tiny models gain nothing from intra-op threads, and CI machines have two cores shared with the server under test

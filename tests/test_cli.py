@@ -10,8 +10,9 @@ import typer
 from typer.testing import CliRunner
 
 from appliance import __version__
-from appliance.cli import app
-from appliance.config import ServeConfig
+from appliance.cli.main import app
+from appliance.config import Config
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 
 runner = CliRunner()
@@ -83,7 +84,7 @@ def test_serve_flags_reach_the_server_config(text_checkpoint, monkeypatch, tmp_p
         seen["cfg"] = cfg
         raise typer.Exit(0)
 
-    monkeypatch.setattr("appliance.server.api.create_app", fake_create_app)
+    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     result = runner.invoke(app, [
@@ -92,22 +93,23 @@ def test_serve_flags_reach_the_server_config(text_checkpoint, monkeypatch, tmp_p
         "--shutdown-timeout", "5"], env={"MUXD_API_KEY": "sk-from-env"})
     assert result.exit_code == 0, result.output
     cfg = seen["cfg"]
-    assert (cfg.api_key, cfg.seed, cfg.shutdown_timeout, cfg.request_byte_limit) == ("sk-from-env", 7, 5, 2 << 20)
-    assert cfg.chat_template_source() == template.read_text()
-    engine_cfg = cfg.engine_config()
-    assert (engine_cfg.max_prefill_tokens, engine_cfg.page_size, engine_cfg.enable_prefix_caching) == (64, 8, False)
+    assert (cfg.server.api_key, cfg.model.seed, cfg.server.shutdown_timeout, cfg.server.request_byte_limit) == (
+        "sk-from-env", 7, 5, 2 << 20)
+    assert cfg.model.chat_template_source() == template.read_text()
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.cache.block_size, cfg.cache.enable_prefix_caching) == (
+        64, 8, False)
 
     for flags, caching in ([], True), (["--no-prefix-caching"], False), (["--enable-prefix-caching"], True):
         assert runner.invoke(app, ["serve", "--model", str(text_checkpoint), *flags]).exit_code == 0
-        assert seen["cfg"].enable_prefix_caching is caching
+        assert seen["cfg"].cache.enable_prefix_caching is caching
     inline = "{{ messages[0]['content'] }}"
     assert runner.invoke(app, ["serve", "--model", str(text_checkpoint), "--chat-template", inline]).exit_code == 0
-    assert seen["cfg"].chat_template_source() == inline
+    assert seen["cfg"].model.chat_template_source() == inline
 
 
 def test_seed_flag_makes_unseeded_sampling_repeat(text_checkpoint):
     def sample(seed: int) -> list[int]:
-        engine = ServeConfig(model=str(text_checkpoint), seed=seed, max_num_seqs=2).build_engine()
+        engine = build_engine(Config.flat(model=str(text_checkpoint), seed=seed, max_num_seqs=2))
         params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)  # no per-request seed
         return [c.token_ids for c in engine.generate(["import os", "def f"], params)]
 
@@ -124,7 +126,7 @@ def test_generate_top_k_stop_and_system(text_checkpoint):
     stopped = runner.invoke(app, ["generate", "import os", *model, "--stop", stop]).output.rstrip("\n")
     assert stopped == text[:text.index(stop)]
 
-    engine = ServeConfig(model=str(text_checkpoint)).build_engine()
+    engine = build_engine(Config.flat(model=str(text_checkpoint)))
     rendered = engine.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
                                                      {"role": "user", "content": "hi"}])
     expected = engine.generate(engine.tokenizer.encode(rendered, add_special_tokens=False),

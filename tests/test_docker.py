@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from appliance.cli import app
+from appliance.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 

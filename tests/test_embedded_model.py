@@ -1,7 +1,8 @@
 """The embedded default model: small enough to ship, loads with muxd, and answers a chat in recognisable text."""
 from __future__ import annotations
 
-from appliance.config import EMBEDDED_MODEL_DIR, ServeConfig
+from appliance.config import EMBEDDED_MODEL_DIR, Config
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 
 
@@ -13,7 +14,7 @@ def test_embedded_model_is_small_and_complete():
 
 
 def test_embedded_model_answers_in_words():
-    engine = ServeConfig().build_engine()
+    engine = build_engine(Config())
     assert engine.model.config.architecture == "LlamaForCausalLM"
     tok = engine.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What does len do?"}]),

@@ -3,25 +3,41 @@ batch's layout into the model, the torch reference backend (CPU) and the flashin
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from appliance.attention.context import (AttentionBackend, ForwardContext, forward_context, paged_attention,
-                                         set_layer)
-from appliance.attention.metadata import AttentionMetadata, page_layout
+from appliance.attention.context import AttentionBackend, ForwardContext, forward_context, paged_attention, set_layer
+from appliance.attention.flashinfer_backend import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    FlashInferAttention,
+    flashinfer_available,
+    make_workspaces,
+)
 from appliance.attention.kv_write import write_kv
+from appliance.attention.metadata import AttentionMetadata, page_layout
 from appliance.attention.torch_backend import TorchAttention
 from appliance.errors import ConfigError
-from appliance.model_zoo.config import ModelConfig
+
+
+class AttentionShape(Protocol):
+    """What a backend needs to know of the model (a model_zoo ModelConfig has it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
 
 BACKEND_NAMES = ("auto", "flashinfer", "torch")
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "TorchAttention", "forward_context",
-           "flashinfer_unsupported", "make_backend", "new_workspace", "page_layout", "paged_attention", "resolve_backend_name", "set_layer", "write_kv"]
+__all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "ForwardContext", "TorchAttention",
+           "forward_context", "flashinfer_unsupported", "make_backend", "new_workspace", "page_layout",
+           "paged_attention", "resolve_backend_name", "set_layer", "write_kv"]
 
 
-def flashinfer_unsupported(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+def flashinfer_unsupported(cfg: AttentionShape, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why flashinfer cannot serve this model here (None when it can)."""
-    from appliance.attention.flashinfer_backend import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, flashinfer_available
 
     if device.type != "cuda":
         return f"it needs a CUDA device; the model is on {device}"
@@ -34,7 +50,7 @@ def flashinfer_unsupported(cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     return None
 
 
-def resolve_backend_name(name: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
+def resolve_backend_name(name: str, cfg: AttentionShape, dtype: torch.dtype, device: torch.device) -> str:
     """'auto' -> flashinfer where it can serve the model, else torch; an explicit impossible choice is an error."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention backend {name!r} is unknown; choose one of {', '.join(BACKEND_NAMES)}")
@@ -49,14 +65,13 @@ def resolve_backend_name(name: str, cfg: ModelConfig, dtype: torch.dtype, device
     return name
 
 
-def make_backend(name: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *,
+def make_backend(name: str, cfg: AttentionShape, dtype: torch.dtype, device: torch.device, *,
                  graph_batch_size: int | None = None, max_pages: int = 0, shared_workspace=None) -> AttentionBackend:
     """A backend instance; `graph_batch_size` makes one whose decode path can be captured in a CUDA graph.
     Backends given the same `shared_workspace` (from `new_workspace`) must never run concurrently."""
     name = resolve_backend_name(name, cfg, dtype, device)
     if name == "torch":
         return TorchAttention()
-    from appliance.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(cfg, dtype, device, graph_batch_size=graph_batch_size, max_pages=max_pages,
                                workspaces=shared_workspace)
@@ -66,6 +81,5 @@ def new_workspace(name: str, device: torch.device):
     """A workspace that several backends of `name` may share (None for backends that need none)."""
     if name != "flashinfer":
         return None
-    from appliance.attention.flashinfer_backend import make_workspaces
 
     return make_workspaces(device)

@@ -7,11 +7,15 @@ fixed (`use_cuda_graph=True`) so that only `run()` is captured and `plan()` refr
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.kv_write import write_kv
-from appliance.model_zoo.config import ModelConfig
+from appliance.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:  # the package's __init__ imports this module lazily
+    from appliance.attention import AttentionShape
 
 WORKSPACE_BYTES = 128 << 20
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -50,7 +54,7 @@ class FlashInferAttention:
     name = "flashinfer"
     supports_cuda_graph = True
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *,
+    def __init__(self, cfg: AttentionShape, dtype: torch.dtype, device: torch.device, *,
                  graph_batch_size: int | None = None, max_pages: int = 0,
                  decode_tensor_cores: bool | None = None,
                  workspaces: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

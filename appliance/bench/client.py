@@ -15,9 +15,11 @@ from typing import Any, Callable, Protocol, Sequence
 
 import httpx
 
-from appliance.bench.metrics import RequestTimeline
-from appliance.bench.traces import RequestSpec
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
+from appliance.workload.metrics import RequestTimeline
+from appliance.workload.traces import RequestSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 LEAD_S = 0.05  # the replay clock starts this long after set-up, so the first sends are not late by construction
@@ -164,7 +166,6 @@ class InProcessTarget:
         self.engine, self.temperature, self.label, self.clock = engine, temperature, label, clock
 
     async def send(self, prompt: str | list[int], spec: RequestSpec, timeline: RequestTimeline) -> None:
-        from appliance.engine.request import SamplingParams
 
         params = SamplingParams(max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=True)
         request = self.engine.make_request(prompt, params)
@@ -281,7 +282,6 @@ def client_lag_note(summary: dict[str, Any], threshold_ms: float = 10.0) -> str 
 def replay_in_process(engine: Any, specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]],
                       max_idle: float | None = None) -> ReplayResult:
     """Replay on an Engine in this process: an AsyncEngine runs it for the replay's length, then stops."""
-    from appliance.engine.async_engine import AsyncEngine
 
     async def go() -> ReplayResult:
         aengine = AsyncEngine(engine)

@@ -187,7 +187,7 @@ def _ratio(value: float | None) -> str:
 
 def write(measured: SweepFile, simulated: SweepFile, out_dir: Path, **kw: Any) -> tuple[str, list[Path]]:
     """comparison.md and attainment_measured_vs_simulated.png in `out_dir`; returns the Markdown and the paths."""
-    from appliance.bench.plots import comparison_plot
+    from appliance.bench.plots import comparison_plot  # defers matplotlib to the commands that draw
 
     out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(measured, simulated, **kw)

@@ -17,9 +17,11 @@ import numpy as np
 import torch
 
 from appliance.bench.ceilings import Ceilings, measure_ceilings, time_cuda
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, SamplingParams
-from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.model_zoo.loader import load_model
 
 
@@ -172,13 +174,13 @@ class EngineBench:
         return Row("prefill", label, statistics.median(times) * 1e3, floor)
 
 
-def build_engine(model_dir: str, load_format: str, dtype: str | None, config: EngineConfig) -> tuple[Engine, dict]:
+def start_engine(model_dir: str, load_format: str, dtype: str | None, config: Config) -> tuple[Engine, dict]:
     start = time.perf_counter()
     model = load_model(model_dir, dtype=dtype, device="cuda", load_format=load_format)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    engine = Engine(model, None, config)
+    engine = build_engine(config, model)
     startup = {"load_s": load_s, "engine_init_s": time.perf_counter() - start, **engine.startup,
                "attention_backend": engine.runner.backend_name, "compiled": engine.compiled,
                "kv_pages": engine.pool.num_pages}
@@ -187,11 +189,11 @@ def build_engine(model_dir: str, load_format: str, dtype: str | None, config: En
 
 def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None, batches=(1, 8, 32, 64, 128),
         contexts=(1024, 8192), prefills=((512, 0), (2048, 0), (8192, 0), (2048, 8192), (2048, 32768)),
-        iters: int = 20, config: EngineConfig | None = None, startup_only: bool = False) -> EngineBenchResult:
+        iters: int = 20, config: Config | None = None, startup_only: bool = False) -> EngineBenchResult:
     ceilings = measure_ceilings()
-    config = config or EngineConfig(max_num_seqs=max(batches), max_prefill_tokens=max(n for n, _ in prefills),
+    config = config or Config.flat(max_num_seqs=max(batches), max_num_batched_tokens=max(n for n, _ in prefills),
                                     max_model_len=max(n + c for n, c in prefills) + 64)
-    engine, startup = build_engine(model_dir, load_format, dtype, config)
+    engine, startup = start_engine(model_dir, load_format, dtype, config)
     if engine.kv_cache.data.is_cuda:
         engine.kv_cache.data.normal_()  # random KV: never time attention over uninitialised memory
     result = EngineBenchResult(ceilings.as_dict(), str(model_dir), startup)
@@ -211,19 +213,6 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
     if engine.runner.graphs is not None:
         result.extras["graph_memory_MiB"] = engine.runner.graphs.memory_bytes / 2**20
     return result
-
-
-def run_multiplex(result: EngineBenchResult, granularity: int, batch: int, context: int, prefill_tokens: int,
-                  iters: int) -> str:
-    """The --multiplex table on the engine `result` was measured with; also stored in result.extras."""
-    from appliance.bench import multiplex_bench
-    from appliance.multiplex.partitions import PartitionSet
-
-    partitions = PartitionSet.create(result.bench.engine.kv_cache.data.device, granularity)
-    rows, extras = multiplex_bench.run(result.bench, partitions, batch, context, prefill_tokens, iters)
-    result.extras["multiplex"] = {"rows": [dict(asdict(r), slowdown=r.slowdown) for r in rows], **extras}
-    return (f"device: {result.ceilings['device']}\n\n"
-            + multiplex_bench.render(rows, extras, batch, context, prefill_tokens))
 
 
 def render(result: EngineBenchResult) -> str:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import httpx
 
+from appliance.engine.planners.registry import POLICIES
 from appliance.errors import ApplianceError, ConfigError
 
 _RESERVED = ("--port", "--host", "--planner", "--policy", "--model", "-m")
@@ -22,7 +23,6 @@ _RESERVED = ("--port", "--host", "--planner", "--policy", "--model", "-m")
 
 def known_policies() -> dict[str, list[str]]:
     """Policy name -> the `muxd serve` flags that select it."""
-    from appliance.slo.policies import POLICIES
 
     return {name: ["--policy", name] for name in POLICIES}
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from appliance.attention import ForwardContext, forward_context, make_backend
-from appliance.bench.engine_bench import EngineBench
+from appliance.bench.engine_bench import EngineBench, EngineBenchResult
 from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.partitions import Partition, PartitionSet
 from appliance.engine.request import Request, SamplingParams
-from appliance.multiplex.partitions import Partition, PartitionSet
 
 
 @dataclass
@@ -170,3 +170,14 @@ def render(rows: list[PartitionRow], extras: dict, batch: int, context: int, pre
     lines.append("")
     lines.append("extras: " + ", ".join(f"{k} {v:.1f}" for k, v in extras.items()))
     return "\n".join(lines)
+
+
+def run_multiplex(result: EngineBenchResult, granularity: int, batch: int, context: int, prefill_tokens: int,
+                  iters: int) -> str:
+    """The --multiplex table on the engine `result` was measured with; also stored in result.extras."""
+
+    partitions = PartitionSet.create(result.bench.engine.kv_cache.data.device, granularity)
+    rows, extras = run(result.bench, partitions, batch, context, prefill_tokens, iters)
+    result.extras["multiplex"] = {"rows": [dict(asdict(r), slowdown=r.slowdown) for r in rows], **extras}
+    return (f"device: {result.ceilings['device']}\n\n"
+            + render(rows, extras, batch, context, prefill_tokens))

@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
-from appliance.bench.metrics import RequestTimeline, request_metrics
 from appliance.bench.sweep import SweepPoint, SweepResult
+from appliance.workload.metrics import RequestTimeline, request_metrics
 
 
 def _figure(width: float = 6.4, height: float = 4.0):

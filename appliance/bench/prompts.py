@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.bench.traces import RequestSpec
 from appliance.errors import ConfigError
 from appliance.model_zoo.tokenizer import Tokenizer
+from appliance.workload.traces import RequestSpec
 
 log = logging.getLogger("muxd.bench")
 _WORD = re.compile(r"^ [a-z]{2,}$")

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from appliance.bench.sweep import SweepPoint, SweepResult
 from appliance.errors import ConfigError
+from appliance.slo.contract import Contract
 
 # what a sweep point is judged on: summary key -> True when higher is better
 DIRECTIONS = {"slo_attainment": True, "contract_ttft_ok": True, "contract_tbt_ms": False}
@@ -95,7 +96,6 @@ class Criterion:
 def criteria(attainment: float, slo: Any) -> list[Criterion]:
     """What a point must keep: the attainment target, and with a YAML contract its own attainment and its TTFT and
     TBT percentile targets (the stricter attainment wins)."""
-    from appliance.slo.contract import Contract
 
     if not isinstance(slo, Contract):
         return [Criterion("slo_attainment", attainment)]

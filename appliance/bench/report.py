@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.bench.client import client_lag_note
-from appliance.bench.sweep import SweepResult
+from appliance.bench.sweep import SweepResult, slug
 
 _HEAD = [("Successful requests", "completed", "{:d}"), ("Failed requests", "failed", "{:d}"),
          ("Benchmark duration (s)", "duration", "{:.2f}"), ("Request throughput (req/s)", "request_throughput",
@@ -108,10 +108,6 @@ def write_results(out_dir: Path, results: Sequence[dict[str, Any]]) -> list[Path
     path = out_dir / "comparison.json"
     path.write_text(json.dumps(comparison, indent=2))
     return paths + [path]
-
-
-def slug(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "target"
 
 
 def sweep_table(sweeps: Sequence[SweepResult]) -> Table:

@@ -10,13 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from appliance.bench import workload as wl
 from appliance.bench.client import HttpTarget, InProcessTarget, ReplayResult, probe_server, replay
 from appliance.bench.launcher import ServerProcess
-from appliance.bench.metrics import PERCENTILES, SLO, RequestTimeline, summarize
 from appliance.bench.prompts import PromptSynth
-from appliance.bench.traces import RequestSpec, load_trace
+from appliance.config import EMBEDDED_MODEL_DIR, Config, parse_serve_args
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.factory import build_engine
 from appliance.errors import ConfigError
+from appliance.slo.attainment import evaluate
+from appliance.slo.contract import Contract
+from appliance.workload import shaping as wl
+from appliance.workload.metrics import PERCENTILES, SLO, RequestTimeline, summarize
+from appliance.workload.traces import RequestSpec, load_trace
 
 
 @dataclass
@@ -64,8 +69,6 @@ class BenchOptions:
 
 
 def model_dir(name: str) -> Path:
-    from appliance.config import EMBEDDED_MODEL_DIR
-
     return EMBEDDED_MODEL_DIR if name == "embedded" else Path(name).expanduser()
 
 
@@ -138,14 +141,12 @@ class Session:
     async def _open(self) -> None:
         opts = self.opts
         if opts.in_process:
-            from appliance.engine.async_engine import AsyncEngine
-
             cfg = in_process_config(opts.model_or_default, self.policy, opts.serve_args)
-            cfg.validate()
-            engine = await asyncio.to_thread(cfg.build_engine)
+            cfg.check()
+            engine = await asyncio.to_thread(build_engine, cfg)
             self.engine = AsyncEngine(engine)
             self.engine.start()
-            self.model_id, self.max_model_len = cfg.model_name, engine.max_model_len
+            self.model_id, self.max_model_len = cfg.model.model_name, engine.max_model_len
             self.target = InProcessTarget(self.engine, opts.temperature, self.label)
             return
         url = opts.url
@@ -207,9 +208,10 @@ class Session:
         out["short_outputs"] = result.short_outputs
         out.update(contract_verdict(opts.slo, result.timelines, specs))
         out["notes"] = notes + result.notes
-        planner = getattr(getattr(getattr(self.engine, "engine", None), "scheduler", None), "planner", None)
-        if hasattr(planner, "snapshot"):  # in process: what the planner decided and learned, since the engine began
-            out["planner"] = planner.snapshot()
+        if self.engine is not None:  # in process: what the planner decided and learned, since the engine began
+            snapshot = self.engine.engine.scheduler.planner.snapshot()
+            if snapshot is not None:
+                out["planner"] = snapshot
         return out
 
 
@@ -217,37 +219,16 @@ def _rate_value(rate: float | None) -> float | str | None:
     return "inf" if rate is not None and math.isinf(rate) else rate
 
 
-def in_process_config(model: str, policy: str | None, serve_args: list[str]) -> Any:
-    """The ServeConfig `muxd serve --model MODEL --policy POLICY <serve_args>` would build, for the in-process
-    engine: the flags are parsed by the serve command itself, so both modes accept the same ones."""
-    import dataclasses
-
-    import typer
-
-    from appliance.cli import app
-    from appliance.config import ServeConfig
-
-    command = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
-    try:
-        params = command.make_context("serve", list(serve_args)).params
-    except Exception as exc:  # a usage error of click (or of the click that typer bundles)
-        if not hasattr(exc, "format_message"):
-            raise
-        raise ConfigError(f"--serve-args: {exc.format_message()}") from None
-    fields = {f.name for f in dataclasses.fields(ServeConfig)}
-    kw = {k: v for k, v in params.items() if k in fields and k not in ("host", "port")}
-    kw.update(model=model, enable_prefix_caching=not params.get("no_prefix_caching", False))
-    if policy:
-        kw["planner"] = policy
-    return ServeConfig(**kw)
+def in_process_config(model: str, policy: str | None, serve_args: list[str]) -> Config:
+    """The config `muxd serve --model MODEL --policy POLICY <serve_args>` would build, for the in-process engine:
+    the flags are parsed as the serve command parses them, so both modes accept the same ones."""
+    overrides = {"model": model, **({"policy": policy} if policy else {})}
+    return parse_serve_args(list(serve_args), **overrides)
 
 
 def contract_verdict(slo: SLO | None, timelines: list[RequestTimeline], specs: list[RequestSpec]) -> dict[str, Any]:
     """With a YAML contract as the SLO: whether the whole replay kept it (attainment, the TTFT percentile and the
     TBT percentile over every gap) and why not; nothing for other SLOs."""
-    from appliance.slo.attainment import evaluate
-    from appliance.slo.contract import Contract
-
     if not isinstance(slo, Contract):
         return {}
     report = evaluate(slo, timelines, specs)

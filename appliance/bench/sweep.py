@@ -8,11 +8,17 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from appliance.errors import ConfigError
+
+
+def slug(label: str) -> str:
+    """A label as a file-name part."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "target"
 
 if TYPE_CHECKING:
     from appliance.bench.rates import Criterion, Estimate
@@ -101,7 +107,6 @@ def write_summary(results: list[SweepResult], out_dir: Path, conditions: Sequenc
     """summary.csv (one row per point, every policy; `target_<key>` columns say what a point had to keep, so the
     file can be judged again on its own), points/<policy>-<rate>.json (each point's whole result, as `muxd bench
     serve` writes it) and sweep.json (capacities and points)."""
-    from appliance.bench.report import slug  # report imports this module
 
     (out_dir / "points").mkdir(parents=True, exist_ok=True)
     rows = []

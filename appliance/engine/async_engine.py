@@ -164,7 +164,7 @@ class AsyncEngine:
                       "num_preemptions": self.engine.num_preemptions,
                       "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
                       "prefill_layers_launched": executor.layers_launched,
-                      "prefill_preemptions": getattr(planner_stats, "preemptions", 0)}
+                      "prefill_pauses": getattr(planner_stats, "pauses", 0)}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

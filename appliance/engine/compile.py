@@ -11,7 +11,6 @@ import logging
 import os
 from pathlib import Path
 
-
 from appliance.engine.toolchain import compile_unavailable_reason
 from appliance.model_zoo.llama import DecoderForCausalLM
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from appliance.engine.kv_cache import PageTable
 from appliance.errors import RequestError
 
-
 GREEDY_BELOW = 1e-5
 MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary cuts nothing; the bound keeps k a valid tensor index
 

@@ -14,15 +14,21 @@ from typing import Callable
 import numpy as np
 import torch
 
-from appliance.attention import (AttentionBackend, ForwardContext, forward_context, make_backend, new_workspace,
-                                 resolve_backend_name)
+from appliance.attention import (
+    AttentionBackend,
+    ForwardContext,
+    forward_context,
+    make_backend,
+    new_workspace,
+    resolve_backend_name,
+)
 from appliance.engine.batch import BatchBuilder, TokenBatch
 from appliance.engine.graphs import DecodeGraphs
-from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.kv_cache import KVCache
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.request import Request
 from appliance.engine.sampler import sample_tensor
-from appliance.engine.scheduler import PrefillWork, StepPlan
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.rope import dynamic_lengths, rope_lengths
 

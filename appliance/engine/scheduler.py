@@ -1,69 +1,22 @@
-"""Step planning: the StepPlan data type, the Scheduler that owns queues and KV pages, and the built-in planners.
-
-A planner is policy: it looks at the queues and returns a StepPlan (which requests decode, which prefill over which
-token and layer range, on which SM partition). The Scheduler supplies the mechanisms a planner calls (admit a request,
-reserve a decode slot, preempting the youngest request when the pool is exhausted) and applies a step's results.
-Neither touches tensors. Prefill work may complete after the step that launched it (an asynchronous executor runs
-it on its own stream): the Scheduler tracks it as in flight until `complete_prefill`, and planners read
-`launched_layer` to plan around it; a synchronous executor completes everything in `update`.
+"""The Scheduler: queues (waiting -> prefilling -> decoding), KV page ownership, admission and preemption (the
+mechanisms a planner calls), and the bookkeeping of a step's results. It asks its planner (policy,
+`engine/planners/`) for every step and never touches tensors. Prefill work may complete after the step that
+launched it (an asynchronous executor runs it on its own stream): it stays in flight until `complete_prefill`, and
+planners read `launched_layer` to plan around it; a synchronous executor completes everything in `update`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from appliance.engine.kv_cache import PagePool
+from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, RequestStatus
 
-
-@dataclass(frozen=True)
-class PrefillWork:
-    """Compute KV for tokens [token_start, token_end) of a request through layers [layer_start, layer_end)."""
-
-    request_id: str
-    token_start: int
-    token_end: int
-    layer_start: int
-    layer_end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_end - self.token_start
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step's work. With `mixed`, the decode rows and the prefill works (each over all layers) run as one
-    forward over one flat token batch (Sarathi-style chunked prefill); otherwise decode and each layer range of
-    prefill run as separate forwards.
-
-    `decode_sms` / `prefill_sms` choose the SM partition of each phase (None: all SMs). With both set the phases run
-    concurrently on disjoint partitions; executors without partitions (the CPU runner) ignore them.
-    """
-
-    decode: tuple[str, ...] = ()
-    prefill: tuple[PrefillWork, ...] = ()
-    mixed: bool = False
-    decode_sms: int | None = None
-    prefill_sms: int | None = None
-
-    @property
-    def spatial(self) -> bool:
-        """Decode and prefill on disjoint partitions (the multiplexed mode)."""
-        return self.decode_sms is not None or self.prefill_sms is not None
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-
-class Planner(Protocol):
-    name: str
-
-    def plan(self, sched: "Scheduler") -> StepPlan:
-        """Decide this step; may call sched.admit / sched.reserve_decode, must not touch tensors."""
+if TYPE_CHECKING:  # the planners import the scheduler's type for their hints
+    from appliance.engine.planners.base import Planner
 
 
 class Scheduler:
@@ -78,7 +31,8 @@ class Scheduler:
         self.decoding: list[Request] = []
         self._admissions = 0
         self._reserved: set[str] = set()
-        self._preempted: list[str] = []
+        self._preempted: list[str] = []  # since the last plan: the next plan carries them
+        self._finished: list[str] = []
         self.inflight: dict[str, list[PrefillWork]] = {}  # launched prefill work not completed yet, per request
         self.clock: Callable[[], float] = time.monotonic  # a simulator replaces it with virtual time
 
@@ -110,11 +64,6 @@ class Scheduler:
             layer = self.launched_layer(r)
             if layer < self.num_layers:
                 out.append((r, layer))
-        return out
-
-    def drain_preempted(self) -> list[str]:
-        """Ids preempted since the last call (their executor state must be dropped)."""
-        out, self._preempted = self._preempted, []
         return out
 
     # ---- mechanisms for planners ------------------------------------------------------------------------------
@@ -179,11 +128,15 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Ask the planner for the next step; its prefill works count as in flight until completed."""
+        """Ask the planner for the next step; its prefill works count as in flight until completed. The plan also
+        carries the ids preempted while planning it and those finished or aborted since the last plan."""
         self._reserved.clear()
         plan = self.planner.plan(self)
         for work in plan.prefill:
             self.inflight.setdefault(work.request_id, []).append(work)
+        # the plan names who left since the last one, so the executor drops their state from the plan itself
+        plan = dataclasses.replace(plan, preempted=tuple(self._preempted), finished=tuple(self._finished))
+        self._preempted, self._finished = [], []
         return plan
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
@@ -248,127 +201,4 @@ class Scheduler:
         request.status = RequestStatus.ABORTED if aborted else RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
-
-
-# ---- built-in planners ------------------------------------------------------------------------------------------
-def _admit_fcfs(sched: Scheduler, token_budget: int) -> list[Request]:
-    """Admit waiting requests in arrival order while pages, seats and the prompt-token budget allow (at least one)."""
-    admitted: list[Request] = []
-    while sched.waiting:
-        r = sched.waiting[0]
-        if admitted and r.num_tokens > token_budget:
-            break
-        if not sched.admit(r):
-            break
-        token_budget -= r.num_tokens - r.num_computed_tokens
-        admitted.append(r)
-    return admitted
-
-
-def chunk_end(r: Request, max_tokens: int) -> int:
-    """End of the request's next prefill chunk: at most max_tokens new tokens, so that a long prompt's activations
-    stay within what the engine sized its memory for (the chunk's end stays fixed while its layers run)."""
-    return min(r.num_tokens, r.num_computed_tokens + max_tokens)
-
-
-def _reserve_all(sched: Scheduler, requests: Iterable[Request]) -> tuple[str, ...]:
-    """Reserve a decode slot for each request, oldest first, skipping those preempted on the way."""
-    batch = []
-    for r in sorted(requests, key=lambda r: r.start_seq):
-        if r.status is RequestStatus.DECODING and sched.reserve_decode(r):
-            batch.append(r.request_id)
-    return tuple(batch)
-
-
-class SerialPlanner:
-    """Prefill first: prompts through all layers before any decode step (vLLM's classic default), in chunks of at
-    most max_prefill_tokens new tokens per step."""
-
-    name = "serial"
-
-    def __init__(self, max_prefill_tokens: int = 8192) -> None:
-        self.max_prefill_tokens = max_prefill_tokens
-
-    def plan(self, sched: Scheduler) -> StepPlan:
-        _admit_fcfs(sched, self.max_prefill_tokens)
-        works, budget = [], self.max_prefill_tokens
-        for r, layer in sched.pending_prefills():  # oldest first, within the step's token budget (one at least)
-            if works and budget <= 0:
-                break
-            end = chunk_end(r, max(budget, 1))
-            works.append(PrefillWork(r.request_id, r.num_computed_tokens, end, layer, sched.num_layers))
-            budget -= end - r.num_computed_tokens
-        if works:
-            return StepPlan(prefill=tuple(works))
-        return StepPlan(decode=_reserve_all(sched, list(sched.decoding)))
-
-
-class LayerwisePlanner:
-    """Every step decodes all decoding requests and advances the prefills by `layers_per_step` layers.
-
-    On one GPU the two halves run concurrently on disjoint SM partitions; a long prompt then never stalls decoding
-    for more than a few layers' time. New prompts are admitted only when no prefill is in progress.
-    """
-
-    name = "layerwise"
-    MAX_QUEUED = 2
-
-    def __init__(self, layers_per_step: int = 1, max_prefill_tokens: int = 8192, decode_sms: int = 64) -> None:
-        if layers_per_step < 1:
-            raise ValueError(f"layers_per_step must be >= 1, got {layers_per_step}")
-        self.layers_per_step = layers_per_step
-        self.max_prefill_tokens = max_prefill_tokens
-        self.decode_sms = decode_sms
-
-    def plan(self, sched: Scheduler) -> StepPlan:
-        decode = _reserve_all(sched, list(sched.decoding))
-        if not sched.prefilling:
-            _admit_fcfs(sched, self.max_prefill_tokens)
-        # at most MAX_QUEUED launches in flight per request: the prefill stream stays busy, and when decode moves
-        # back onto a partition only a few layers are still queued on the all-SM stream
-        works = tuple(
-            PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, self.max_prefill_tokens), layer,
-                        min(layer + self.layers_per_step, sched.num_layers))
-            for r, layer in sched.pending_prefills() if len(sched.inflight.get(r.request_id, ())) < self.MAX_QUEUED)
-        # a fixed split while both phases run; executors without partitions ignore it
-        return StepPlan(decode=decode, prefill=works,
-                        decode_sms=self.decode_sms if decode and (works or sched.has_inflight()) else None)
-
-
-class ChunkedPlanner:
-    """Chunked prefill (Sarathi-Serve; the vLLM and SGLang default): every step decodes every running request, then
-    fills what is left of a token budget with prefill chunks, oldest request first, and runs it all as one forward
-    on all SMs. A smaller budget shortens the steps that carry prefill (lower TBT) and slows prefill (higher TTFT).
-    """
-
-    name = "chunked"
-
-    def __init__(self, token_budget: int = 2048, max_prefill_tokens: int = 8192) -> None:
-        if token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-        self.token_budget = token_budget
-        self.max_prefill_tokens = max_prefill_tokens
-
-    def plan(self, sched: Scheduler) -> StepPlan:
-        decode = _reserve_all(sched, list(sched.decoding))
-        budget = self.token_budget - len(decode)
-        works: list[PrefillWork] = []
-
-        def chunk(r: Request) -> None:
-            nonlocal budget
-            n = min(budget, r.num_tokens - r.num_computed_tokens)
-            works.append(PrefillWork(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n, 0,
-                                     sched.num_layers))
-            budget -= n
-
-        for r, layer in sched.pending_prefills():
-            if budget <= 0:
-                break
-            if layer == 0:  # a chunk still in flight on another executor stream is not cut again
-                chunk(r)
-        while budget > 0 and sched.waiting and sched.admit(sched.waiting[0]):
-            chunk(sched.prefilling[-1])
-        return StepPlan(decode=decode, prefill=tuple(works), mixed=bool(works))
-
-
-PLANNERS = {"serial": SerialPlanner, "layerwise": LayerwisePlanner, "chunked": ChunkedPlanner}
+        self._finished.append(request.request_id)

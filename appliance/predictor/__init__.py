@@ -1,2 +1,2 @@
-"""Latency prediction: the roofline prior, the fitted solo-run model, the contention guard, profile files, and the
-simulated executor that advances virtual time with them."""
+"""Latency models: the roofline prior, the fitted solo-run model, the contention guard and split slowdown, the
+decode and prefill kernel plans, the GEMM table, and the profile file they are loaded from."""

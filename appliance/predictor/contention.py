@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from appliance.predictor.workload import DecodeLoad, PrefillItem
+from appliance.predictor.shapes import DecodeLoad, PrefillItem
 
 # upper edges of the bins; a value above the last edge falls in the last, open bin
 BIN_EDGES: dict[str, tuple[int, ...]] = {

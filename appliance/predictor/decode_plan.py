@@ -19,7 +19,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from appliance.predictor.workload import DecodeLoad
+from appliance.predictor.shapes import DecodeLoad
 
 SLOTS_PER_SM = 2     # flashinfer's prefill-style plan: max grid = 2 CTAs x the device's SM count
 MIN_CHUNK_TOKENS = 128

@@ -14,8 +14,8 @@ from typing import Sequence
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.roofline import DeviceSpec, RooflineModel
+from appliance.predictor.shapes import DecodeLoad, LatencyModel, PrefillItem
 from appliance.predictor.split import SplitSlowdown
-from appliance.predictor.workload import DecodeLoad, LatencyModel, PrefillItem
 
 DEFAULT_GRANULARITY = 16  # decode partitions of 16, 32, ... SMs (the multiplex executor's default)
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from appliance.predictor.workload import PrefillItem
+from appliance.predictor.shapes import PrefillItem
 
 TILE_Q = 128  # FA3's query tile for head dims above 64
 

@@ -19,12 +19,12 @@ from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.gemm_table import GemmTable
-from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.predictor import Predictor
+from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
+from appliance.predictor.shapes import Sample
 from appliance.predictor.solo import SoloModel, fit_error, fit_solo
 from appliance.predictor.split import FACTOR_RANGE, SLOPE_RANGE, SplitSlowdown
-from appliance.predictor.workload import Sample
 
 log = logging.getLogger("muxd.predictor")
 FORMAT, VERSION = "muxd-profile", 1
@@ -238,21 +238,25 @@ def mismatch(profile: ProfileFile, model: ModelConfig, device: DeviceSpec, gpu_n
     return None
 
 
-def load_predictor(path: str | Path | None, model: ModelConfig, gpu_name: str) -> Predictor:
-    """The predictor for serving `model` on `gpu_name` ('cpu', 'h100' or the CUDA device name): the profile when
-    it matches, else the roofline prior (with a warning saying why)."""
+def load_predictor(path: str | Path | None, model: ModelConfig, gpu_name: str,
+                   loaded: ProfileFile | str | None = None) -> Predictor:
+    """The predictor for serving `model` on `gpu_name` ('cpu', 'h100' or the CUDA device name): the profile at
+    `path` when it matches, else the roofline prior (with a warning saying why). `loaded`: the file already parsed
+    (or the text of why it could not be), so that it is read once."""
     try:
         device = device_spec(gpu_name)
         notes = []
     except ConfigError:
         device = DEVICES["h100"]
         notes = [f"no ceilings known for {gpu_name!r}; the prior uses H100 figures"]
-    reason = None
+    reason = profile = None
     if path is None:
         reason = "no --profile given"
+    elif isinstance(loaded, str):
+        reason = loaded
     else:
         try:
-            profile = read_profile(path)
+            profile = loaded if loaded is not None else read_profile(path)
             reason = mismatch(profile, model, device, gpu_name)
         except ConfigError as exc:
             reason = str(exc)

@@ -14,7 +14,7 @@ import numpy as np
 
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
-from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample
+from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from appliance.errors import ConfigError
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.gemm_table import GemmTable
 from appliance.predictor.prefill_plan import PrefillPlan
-from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample, prefill_features
+from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample, prefill_features
 
 PREFILL_TERMS = ("sum_n2", "sum_nr", "sum_n", "const")
 PREFILL_GEMM_TERMS = (*PREFILL_TERMS, "gemm_ms")

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from appliance.predictor.workload import PrefillItem
+from appliance.predictor.shapes import PrefillItem
 
 FACTOR_RANGE = (0.5, 5.0)  # a slowdown (flat part) a profile or an online fit may hold
 SLOPE_RANGE = (0.0, 0.1)   # its growth per 1,000 tokens of span

@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.profile import ProfileFile, build_profile
 from appliance.predictor.roofline import DeviceSpec, RooflineModel
-from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample
+from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample
 
 PREFILL_NEW = (128, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_REUSED = (0, 4096, 16384, 32768)

@@ -10,7 +10,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from appliance.config import ServeConfig
+from appliance.config import Config
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
 from appliance.server import openapi
@@ -19,7 +19,6 @@ from appliance.server import responses as r
 from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
 from appliance.server.lifecycle import ServerState
-from appliance.slo.contract import default_contract, load_contract
 
 log = logging.getLogger("muxd.server")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -29,7 +28,7 @@ class PrometheusResponse(PlainTextResponse):
     media_type = PROMETHEUS_TEXT
 
 
-def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     state = ServerState(cfg, on_fatal)
 
     @contextlib.asynccontextmanager
@@ -44,9 +43,10 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
                   description="OpenAI-compatible API of one model. Errors are {\"error\": {\"message\", \"type\", "
                               "\"param\", \"code\"}}.")
     app.state.muxd = state
-    app.add_middleware(Gate, traffic=state.traffic, max_body=cfg.request_byte_limit, api_key=cfg.api_key,
-                       max_in_flight=cfg.max_num_seqs + cfg.max_waiting)
-    openapi.install(app, api_key=cfg.api_key is not None)
+    app.add_middleware(Gate, traffic=state.traffic, max_body=cfg.server.request_byte_limit,
+                       api_key=cfg.server.api_key,
+                       max_in_flight=cfg.scheduler.max_num_seqs + cfg.scheduler.max_waiting)
+    openapi.install(app, api_key=cfg.server.api_key is not None)
 
     install_handlers(app)
 
@@ -62,7 +62,7 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
              summary="Readiness: 200 once the model is loaded; 503 while loading or shutting down.")
     async def ready():
         state.require_ready()
-        return r.ReadyStatus(model=cfg.model_name)
+        return r.ReadyStatus(model=cfg.model.model_name)
 
     @app.get("/metrics", response_class=PrometheusResponse, summary="Prometheus metrics (muxd:*).",
              responses={200: {"content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}},
@@ -82,12 +82,12 @@ def create_app(cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | Non
     @app.get("/v1/models", response_model=r.ModelList, responses=openapi.errors(401, 500, 503))
     async def models():
         serving = state.require_ready()
-        return r.ModelList(data=[r.ModelCard(id=cfg.model_name, max_model_len=serving.max_model_len)])
+        return r.ModelList(data=[r.ModelCard(id=cfg.model.model_name, max_model_len=serving.max_model_len)])
 
     # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
-    contract = load_contract(cfg.slo) if cfg.slo else default_contract()
+    contract = cfg.scheduler.contract
     completion_body, chat_body = p.bodies_for(
-        ModelConfig.from_file(resolve_model_dir(cfg.model_dir) / "config.json").vocab_size, list(contract.classes))
+        ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json").vocab_size, list(contract.classes))
 
     @app.post("/v1/completions", response_model=None, responses={
         **openapi.streamed(r.CompletionResponse, r.CompletionResponse), **openapi.errors(*openapi.GENERATE_ERRORS)})

@@ -13,8 +13,9 @@ from typing import Any, Callable
 
 import uvicorn
 
-from appliance.config import ServeConfig
+from appliance.config import Config
 from appliance.engine.async_engine import AsyncEngine, EngineDeadError
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import UnavailableError
 from appliance.server.gate import Traffic
@@ -28,9 +29,9 @@ FLUSH_TIMEOUT_S = 5.0  # after ending the last requests, how long their final ev
 class ServerState:
     """What the routes need: the engine once loaded, readiness, metrics, traffic, a fatal start-up error if any."""
 
-    def __init__(self, cfg: ServeConfig, on_fatal: Callable[[BaseException], None] | None) -> None:
+    def __init__(self, cfg: Config, on_fatal: Callable[[BaseException], None] | None) -> None:
         self.cfg = cfg
-        self.metrics = Metrics(cfg.model_name)
+        self.metrics = Metrics(cfg.model.model_name)
         self.traffic = Traffic()
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
@@ -39,15 +40,15 @@ class ServerState:
 
     async def start(self) -> None:
         try:
-            engine = await _in_daemon_thread(self.cfg.build_engine)
+            engine = await _in_daemon_thread(lambda: build_engine(self.cfg))
             self.engine = AsyncEngine(engine)
             self.engine.start()
             warm = self.engine.make_request([0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
             async for _ in self.engine.stream(warm):
                 pass
-            self.serving = OpenAIServing(self.engine, self.cfg.model_name, self.metrics)
+            self.serving = OpenAIServing(self.engine, self.cfg.model.model_name, self.metrics)
             self.ready = True
-            log.info("model %s ready (%d KV pages of %d tokens, max_model_len %d)", self.cfg.model_name,
+            log.info("model %s ready (%d KV pages of %d tokens, max_model_len %d)", self.cfg.model.model_name,
                      engine.pool.num_pages, engine.pool.page_size, engine.max_model_len)
         except asyncio.CancelledError:
             raise  # shut down while loading: not a failure
@@ -59,8 +60,8 @@ class ServerState:
     async def stop(self) -> None:
         if self.serving is not None:
             self.serving.shutdown()
-        if self.engine is not None and self.cfg.trace_dir:
-            path = Path(self.cfg.trace_dir).expanduser()
+        if self.engine is not None and self.cfg.server.trace_dir:
+            path = Path(self.cfg.server.trace_dir).expanduser()
             path.mkdir(parents=True, exist_ok=True)
             self.engine.engine.executor.timeline.save(path / f"timeline-{os.getpid()}.json")
         if self.engine is not None:

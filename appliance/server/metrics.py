@@ -47,8 +47,8 @@ class Metrics:
         self.decode_sms = gauge("muxd:decode_sms", "SMs of the partition decode ran on last (0 without partitions).")
         self.switches = counter("muxd:partition_switches", "Times decode moved to another SM partition.")
         self.layers = counter("muxd:prefill_layers_launched", "Prefill layer ranges launched, in layers.")
-        self.prefill_preemptions = counter("muxd:prefill_preemptions", "Prefills preempted between layers by a "
-                                           "shorter prompt (mux).")
+        self.prefill_pauses = counter("muxd:prefill_pauses", "Prefill batches paused between layers for a more "
+                                      "urgent prompt (mux).")
         self._seen: dict[str, int] = {}
         self._success = Counter("muxd:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=registry)
@@ -70,7 +70,7 @@ class Metrics:
         self._preemptions_seen = max(total, self._preemptions_seen)
         self.decode_sms.set(stats.get("decode_sms", 0))
         for key, counter in (("partition_switches", self.switches), ("prefill_layers_launched", self.layers),
-                             ("prefill_preemptions", self.prefill_preemptions)):
+                             ("prefill_pauses", self.prefill_pauses)):
             total = int(stats.get(key, 0))
             counter.inc(max(0, total - self._seen.get(key, 0)))  # the engine counts; the counters follow it
             self._seen[key] = max(total, self._seen.get(key, 0))

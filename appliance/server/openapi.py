@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-
 from pydantic import BaseModel
 
 from appliance.server.responses import ErrorResponse

@@ -15,8 +15,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.engine import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.request import Request, RequestOutput
 from appliance.errors import ModelNotFoundError, RequestError
 from appliance.server import protocol as p

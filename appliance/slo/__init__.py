@@ -1,4 +1,2 @@
-"""SLO contract, the `mux` dispatcher, and the planner factory for every policy (`POLICIES` names them)."""
-from appliance.slo.policies import POLICIES
-
-__all__ = ["POLICIES"]
+"""The SLO contract: its YAML schema (every problem with its line), the per-class targets, and whether a replay kept
+it (attainment)."""

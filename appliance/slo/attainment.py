@@ -9,9 +9,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from appliance.bench.metrics import RequestTimeline, good_flags, request_metrics, summarize
-from appliance.bench.traces import RequestSpec
 from appliance.slo.contract import ClassSLO, Contract
+from appliance.workload.metrics import RequestTimeline, good_flags, request_metrics, summarize
+from appliance.workload.traces import RequestSpec
 
 
 class ContractSLO:
@@ -24,13 +24,7 @@ class ContractSLO:
         self.uncached = uncached or (lambda spec: spec.prompt_len)
 
     def targets_for(self, spec: RequestSpec | None) -> dict[str, float]:
-        tokens = self.uncached(spec) if spec is not None else 0
-        out = {"ttft": self.slo.ttft_target_ms(tokens)}
-        if self.slo.tpot_ms is not None:
-            out["tpot"] = self.slo.tpot_ms
-        if self.slo.e2e_ms is not None:
-            out["e2el"] = self.slo.e2e_ms
-        return out
+        return self.slo.targets(self.uncached(spec) if spec is not None else 0)
 
     def describe(self) -> str:
         return f"contract {self.contract.name}"

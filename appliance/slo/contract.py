@@ -88,13 +88,11 @@ class Contract(_Strict):
     def class_names(self) -> list[str]:
         return list(self.classes)
 
-    # the bench's SLO interface (appliance.bench.metrics.SLO)
+    # the bench's SLO interface (appliance.workload.metrics.SLO)
     def targets_for(self, spec: Any) -> dict[str, float]:
         """Per-request targets in ms of the default class; the TTFT target for the whole prompt, as a client
         cannot know what the server's prefix cache held (the simulator judges by the uncached part)."""
-        from appliance.slo.attainment import ContractSLO
-
-        return ContractSLO(self).targets_for(spec)
+        return self.slo_for(None).targets(spec.prompt_len if spec is not None else 0)
 
     def describe(self) -> str:
         return f"contract {self.name}"
@@ -116,6 +114,15 @@ class ClassSLO:
 
     def ttft_target_ms(self, uncached_tokens: int) -> float:
         return self.ttft_ms + self.ttft_per_1k_ms * uncached_tokens / 1000.0
+
+    def targets(self, uncached_tokens: int) -> dict[str, float]:
+        """Per-request targets in ms, in the bench's terms (ttft, tpot, e2el)."""
+        out = {"ttft": self.ttft_target_ms(uncached_tokens)}
+        if self.tpot_ms is not None:
+            out["tpot"] = self.tpot_ms
+        if self.e2e_ms is not None:
+            out["e2el"] = self.e2e_ms
+        return out
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from appliance.bench.launcher import ServerProcess
-from appliance.cli import app
+from appliance.cli.main import app
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 AZURE = [

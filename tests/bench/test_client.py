@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from appliance.bench.client import HttpTarget, _carries_token, replay
-from appliance.bench.metrics import RequestTimeline
-from appliance.bench.traces import RequestSpec
 from appliance.errors import ConfigError
+from appliance.workload.metrics import RequestTimeline
+from appliance.workload.traces import RequestSpec
 
 
 class StubTarget:

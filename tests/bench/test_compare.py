@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from appliance.bench import compare as cmp
-from appliance.cli import app
+from appliance.cli.main import app
 from appliance.errors import ConfigError
 
 COLUMNS = ("policy", "request_rate", "passed", "slo_attainment", "contract_tbt_ms", "p99_ttft_ms", "p99_itl_ms",

@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.bench.metrics import (GoodputSLO, RequestTimeline, good_flags, parse_goodput, request_metrics,
-                                     summarize)
-from appliance.bench.traces import RequestSpec
 from appliance.errors import ConfigError
+from appliance.workload.metrics import (
+    GoodputSLO,
+    RequestTimeline,
+    good_flags,
+    parse_goodput,
+    request_metrics,
+    summarize,
+)
+from appliance.workload.traces import RequestSpec
 
 
 def timelines() -> list[RequestTimeline]:

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from appliance.bench.pool import pool, read_point
-from appliance.cli import app
+from appliance.cli.main import app
 from appliance.errors import ConfigError
 from appliance.slo.contract import load_contract
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from appliance.bench.prompts import PromptSynth
-from appliance.bench.traces import RequestSpec, load_azure, load_mooncake
-from appliance.bench.workload import clip_to_context
 from appliance.config import EMBEDDED_MODEL_DIR
 from appliance.errors import ConfigError
 from appliance.model_zoo.tokenizer import Tokenizer
+from appliance.workload.shaping import clip_to_context
+from appliance.workload.traces import RequestSpec, load_azure, load_mooncake
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DUMMY = Path(__file__).resolve().parents[2] / "configs" / "models" / "llama-3.1-8b"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from appliance.bench.rates import Criterion, estimate, measure_rates, parse_rates
 from appliance.bench.report import capacity_lines
 from appliance.bench.sweep import SweepPoint
-from appliance.cli import app
+from appliance.cli.main import app
 from appliance.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from fake_server import FakeServer
 from typer.testing import CliRunner
 
 from appliance.bench.sweep import find_capacity
-from appliance.cli import app
+from appliance.cli.main import app
 from appliance.errors import ConfigError
 
 
@@ -92,7 +92,7 @@ def test_replay_draws_the_timeline_a_server_exposes(tmp_path):
 
 def test_timeline_plot_reads_the_executor_timeline(tmp_path):
     from appliance.bench.plots import timeline_plot
-    from appliance.multiplex.timeline import Timeline
+    from appliance.engine.timeline import Timeline
 
     timeline = Timeline()
     for step in range(4):

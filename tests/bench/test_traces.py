@@ -9,9 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance.bench import workload as wl
-from appliance.bench.traces import (MOONCAKE_BLOCK, RequestSpec, detect_format, load_azure, load_mooncake, load_sharegpt, load_trace)
 from appliance.errors import ConfigError
+from appliance.workload import shaping as wl
+from appliance.workload.traces import (
+    MOONCAKE_BLOCK,
+    RequestSpec,
+    detect_format,
+    load_azure,
+    load_mooncake,
+    load_sharegpt,
+    load_trace,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 AZURE = DATA / "azure_code_2023_head200.csv"

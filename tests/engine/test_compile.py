@@ -3,11 +3,12 @@ and the compiled model generates the same greedy tokens as eager."""
 from __future__ import annotations
 
 import torch
+from tiny_models import build_tiny_checkpoint
 from torch._dynamo.utils import counters
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.config import Config
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
-from tiny_models import build_tiny_checkpoint
 
 
 def test_compiled_layers_are_shared_and_match_eager(tmp_path, monkeypatch):
@@ -15,8 +16,8 @@ def test_compiled_layers_are_shared_and_match_eager(tmp_path, monkeypatch):
     build_tiny_checkpoint("qwen3", tmp_path, num_layers=8)
     torch._dynamo.reset()
     counters.clear()
-    compiled = Engine.from_pretrained(tmp_path, config=EngineConfig(num_pages=64, compile=True))
-    eager = Engine.from_pretrained(tmp_path, config=EngineConfig(num_pages=64))
+    compiled = build_engine(Config.flat(model=tmp_path, num_gpu_blocks_override=64, compile=True))
+    eager = build_engine(Config.flat(model=tmp_path, num_gpu_blocks_override=64))
     assert compiled.compiled and not eager.compiled
     prompts = [[1, 5, 7, 9, 11, 13], list(range(3, 40)), [4]]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -3,34 +3,41 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.config import Config
+from appliance.engine.factory import build_engine
 from appliance.errors import ConfigError
 
 
 def test_pool_is_capped_at_what_max_num_seqs_full_requests_need(llama_checkpoint):
     path, _ = llama_checkpoint
-    engine = Engine.from_pretrained(path, config=EngineConfig(kv_cache_memory=1 << 40, max_num_seqs=2,
-                                                              max_model_len=64))
+    engine = build_engine(Config.flat(model=path, kv_cache_memory=1 << 40, max_num_seqs=2,
+                                      max_model_len=64))
     assert engine.pool.num_pages == 2 * 2 * (64 // 16)
     assert engine.kv_cache.data.shape[2] == engine.pool.num_pages + 1  # + the scratch page
 
 
 def test_pool_from_memory_budget(llama_checkpoint):
     path, _ = llama_checkpoint
-    engine = Engine.from_pretrained(path, config=EngineConfig(kv_cache_memory=1 << 20))
+    engine = build_engine(Config.flat(model=path, kv_cache_memory=1 << 20))
     per_page = engine.kv_cache.data[:, :, 0].numel() * engine.kv_cache.data.element_size()
     assert engine.pool.num_pages == (1 << 20) // per_page
     assert engine.max_model_len == min(512, engine.pool.num_pages * 16)
 
 
-@pytest.mark.parametrize("config, message", [
-    (EngineConfig(kv_cache_memory=10), "holds no page"),
-    (EngineConfig(num_pages=4, max_model_len=100), "max_model_len 100 exceeds"),
-    (EngineConfig(planner="fifo"), "planner 'fifo'"),
-    (EngineConfig(max_num_seqs=0), "max_num_seqs"),
-    (EngineConfig(attention_backend="flash"), "attention backend 'flash'"),
+@pytest.mark.parametrize("settings, message", [
+    (dict(kv_cache_memory=10), "holds no page"),
+    (dict(num_gpu_blocks_override=4, max_model_len=100), "max_model_len 100 exceeds"),
+    (dict(policy="fifo"), "--policy .* must be one of"),
+    (dict(max_num_seqs=0), "--max-num-seqs must be >= 1"),
+    (dict(attention_backend="flash"), "--attention-backend must be one of"),
+    (dict(partition_granularity=12), "multiple of 8"),
 ])
-def test_bad_engine_config(llama_checkpoint, config, message):
+def test_bad_engine_config(llama_checkpoint, settings, message):
     path, _ = llama_checkpoint
     with pytest.raises(ConfigError, match=message):
-        Engine.from_pretrained(path, config=config)
+        build_engine(Config.flat(model=path, **settings))
+
+
+def test_unknown_setting_is_named():
+    with pytest.raises(ConfigError, match="unknown setting 'planer'"):
+        Config.flat(planer="mux")

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import torch
-
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.request import SamplingParams
 from spies import on_forward
-from appliance.engine.scheduler import PrefillWork, Scheduler, StepPlan, _admit_fcfs, _reserve_all
+
+from appliance.config import Config
+from appliance.engine.factory import build_engine
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.planners.base import Planner, admit_fcfs, reserve_all
+from appliance.engine.request import SamplingParams
+from appliance.engine.scheduler import Scheduler
 
 
-class ChunkEveryStep:
+class ChunkEveryStep(Planner):
     """Test planner: every step decodes all decoding requests and advances each prefill by `chunk` tokens,
     all in one mixed forward."""
 
@@ -19,8 +22,8 @@ class ChunkEveryStep:
         self.chunk = chunk
 
     def plan(self, sched: Scheduler) -> StepPlan:
-        decode = _reserve_all(sched, list(sched.decoding))
-        _admit_fcfs(sched, 10_000)
+        decode = reserve_all(sched, list(sched.decoding))
+        admit_fcfs(sched, 10_000)
         works = tuple(PrefillWork(r.request_id, r.num_computed_tokens,
                                   min(r.num_computed_tokens + self.chunk, r.num_tokens), 0, sched.num_layers)
                       for r in sched.prefilling)
@@ -32,8 +35,8 @@ def test_mixed_chunks_match_serial(llama_checkpoint):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 23, 40, 17)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    reference = Engine.from_pretrained(path, config=EngineConfig(num_pages=64)).generate(prompts, params)
-    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
+    reference = build_engine(Config.flat(model=path, num_gpu_blocks_override=64)).generate(prompts, params)
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
     engine.scheduler.planner = ChunkEveryStep(chunk=7)
     mixed_steps = []
     on_forward(engine, lambda plan, logits: mixed_steps.append(bool(plan.decode and plan.prefill)))
@@ -50,10 +53,10 @@ def test_long_prompts_are_prefilled_in_chunks_of_the_token_budget(llama_checkpoi
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (50, 9, 33)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    reference = Engine.from_pretrained(path, config=EngineConfig(num_pages=64)).generate(prompts, params)
+    reference = build_engine(Config.flat(model=path, num_gpu_blocks_override=64)).generate(prompts, params)
     for planner in ("serial", "layerwise"):
-        engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner=planner,
-                                                                  max_prefill_tokens=16, layers_per_step=2))
+        engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy=planner,
+                                                                  max_num_batched_tokens=16, layers_per_step=2))
         sizes = []
         on_forward(engine, lambda plan, logits: sizes.append(sum(w.num_tokens for w in plan.prefill)))
         out = engine.generate(prompts, params)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import torch
-
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.request import SamplingParams
 from spies import on_forward
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -33,7 +35,7 @@ def run_to_end(engine: Engine) -> None:
 def test_second_request_reuses_three_cached_pages(llama_checkpoint):
     path, _ = llama_checkpoint
     shared = prompt(0, 48)  # exactly three pages of 16
-    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=32))
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=32))
     first = engine.add_request(shared + prompt(1, 10), GREEDY)
     engine.step()
     first_pages = list(engine.scheduler.requests[first].page_table.pages)
@@ -54,7 +56,7 @@ def test_second_request_reuses_three_cached_pages(llama_checkpoint):
     run_to_end(engine)
     assert engine.pool.num_free_pages == free_before
 
-    fresh = Engine.from_pretrained(path, config=EngineConfig(num_pages=32, enable_prefix_caching=False))
+    fresh = build_engine(Config.flat(model=path, num_gpu_blocks_override=32, enable_prefix_caching=False))
     rid = fresh.add_request(shared + prompt(2, 12), GREEDY)
     reference = first_logits(fresh, rid)
     assert ((logits - reference).abs().max() / reference.abs().max()).item() <= 1e-5
@@ -68,11 +70,11 @@ def test_pool_exhaustion_preempts_and_every_request_matches_its_solo_run(llama_c
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) if i % 2 == 0 else
               SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(8)]
-    solo = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
+    solo = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
     alone = [solo.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
 
     # every request needs 3-5 pages; 12 pages cannot hold all 8 at once
-    tight = Engine.from_pretrained(path, config=EngineConfig(num_pages=12, enable_prefix_caching=False))
+    tight = build_engine(Config.flat(model=path, num_gpu_blocks_override=12, enable_prefix_caching=False))
     preemptions = []
     inner = tight.scheduler.preempt
     tight.scheduler.preempt = lambda r: (preemptions.append(r.request_id), inner(r))[1]
@@ -85,7 +87,7 @@ def test_pool_exhaustion_preempts_and_every_request_matches_its_solo_run(llama_c
 
 def test_abort_frees_every_page_at_once(llama_checkpoint):
     path, _ = llama_checkpoint
-    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=40, planner="layerwise"))
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=40, policy="layerwise"))
     ids = [engine.add_request(prompt(20 + i, 30), SamplingParams(max_tokens=50, ignore_eos=True))
            for i in range(4)]
     for _ in range(6):

@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 
+from appliance.config import Config
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.detokenizer import Detokenizer
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import CapacityError, RequestError
 from appliance.model_zoo.tokenizer import Tokenizer
@@ -17,7 +18,7 @@ from appliance.model_zoo.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def engine(text_checkpoint):
-    return Engine.from_pretrained(text_checkpoint, config=EngineConfig(num_pages=64, max_model_len=256))
+    return build_engine(Config.flat(model=text_checkpoint, num_gpu_blocks_override=64, max_model_len=256))
 
 
 def stream_text(detok: Detokenizer, ids: list[int]) -> tuple[list[str], bool]:
@@ -77,7 +78,7 @@ def test_eos_from_generation_config_stops_unless_ignored(text_checkpoint, tmp_pa
     eos = base.token_ids[3]
     d = shutil.copytree(text_checkpoint, tmp_path / "eos")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
-    e = Engine.from_pretrained(d, config=EngineConfig(num_pages=64))
+    e = build_engine(Config.flat(model=d, num_gpu_blocks_override=64))
     [c] = e.generate("import os", SamplingParams(max_tokens=12, temperature=0))
     assert c.finish_reason == "stop" and c.token_ids == base.token_ids[:base.token_ids.index(eos) + 1]
     [ignored] = e.generate("import os", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -105,7 +106,7 @@ def test_bad_prompts(engine):
 
 
 def test_waiting_queue_limit(text_checkpoint):
-    e = Engine.from_pretrained(text_checkpoint, config=EngineConfig(num_pages=16, max_waiting=2))
+    e = build_engine(Config.flat(model=text_checkpoint, num_gpu_blocks_override=16, max_waiting=2))
     e.add_request("a"), e.add_request("b")
     with pytest.raises(CapacityError, match="waiting"):
         e.add_request("c")
@@ -128,7 +129,7 @@ def test_sampling_seeded_reproducible_and_greedy_equivalents(engine):
 
 
 def test_async_stream_delivers_and_early_close_aborts(text_checkpoint):
-    e = Engine.from_pretrained(text_checkpoint, config=EngineConfig(num_pages=64))
+    e = build_engine(Config.flat(model=text_checkpoint, num_gpu_blocks_override=64))
     total = e.pool.num_free_pages
 
     async def main():

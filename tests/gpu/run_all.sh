@@ -21,7 +21,7 @@ python3 -m appliance bench engine --startup-only --json "$out/startup-warm.json"
 python3 -m appliance bench engine --multiplex --batches 64 --contexts 1024 --prefill 8192 --iters 30 \
     --json "$out/multiplex.json" --markdown "$out/multiplex.md" > "$out/multiplex.log" 2>&1
 mux=$?
-python3 scripts/prefill_graphs_bench.py --json "$out/prefill-graphs.json" > "$out/prefill-graphs.md" 2>"$out/prefill-graphs.log"
+PYTHONPATH=. python3 tests/gpu/prefill_graphs_bench.py --json "$out/prefill-graphs.json" > "$out/prefill-graphs.md" 2>"$out/prefill-graphs.log"
 pgraphs=$?
 proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then

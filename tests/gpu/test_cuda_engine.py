@@ -5,10 +5,12 @@ import json
 from pathlib import Path
 
 import torch
-
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.request import SamplingParams
 from spies import on_forward
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(40)]
@@ -26,8 +28,8 @@ def logits_of(engine: Engine, prompt: list[int]) -> torch.Tensor:
 
 def test_cuda_fp32_matches_cpu(tiny_checkpoint):
     family, path, _ = tiny_checkpoint
-    cpu = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
-    gpu = Engine.from_pretrained(path, device="cuda", config=EngineConfig(num_pages=64))
+    cpu = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
+    gpu = build_engine(Config.flat(model=path, device="cuda", num_gpu_blocks_override=64))
     a, b = logits_of(cpu, PROMPT), logits_of(gpu, PROMPT)
     assert ((a - b).abs().max() / a.abs().max()).item() < 1e-3, family
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -40,8 +42,7 @@ def test_bf16_dummy_llama31_8b_serves_a_batch(tmp_path):
     raw = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
     raw["num_hidden_layers"] = 4  # real layer shapes, fewer of them
     (d / "config.json").write_text(json.dumps(raw))
-    engine = Engine.from_pretrained(d, device="cuda", load_format="dummy",
-                                    config=EngineConfig(kv_cache_memory=2 << 30))
+    engine = build_engine(Config.flat(model=d, device="cuda", load_format="dummy", kv_cache_memory=2 << 30))
     assert engine.kv_cache.data.dtype == torch.bfloat16
     prompts = [[128000] + list(range(1000 + i, 1000 + i + 50 * (i + 1))) for i in range(6)]
     out = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.7, seed=1, ignore_eos=True))

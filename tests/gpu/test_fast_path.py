@@ -2,23 +2,25 @@
 on a small model trained to continue periodic sequences (confident predictions that need attention to be right)."""
 from __future__ import annotations
 
+from copy_model import PERIOD, periodic_prompt
 from torch._dynamo.utils import counters
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
-from copy_model import PERIOD, periodic_prompt
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
 
 def fast(path, **kw) -> Engine:
-    return Engine.from_pretrained(path, device="cuda", config=EngineConfig(
-        num_pages=512, max_num_seqs=32, attention_backend="flashinfer", compile=True, cuda_graph=True, **kw))
+    return build_engine(Config.flat(model=path, device="cuda",
+                                    num_gpu_blocks_override=512, max_num_seqs=32, attention_backend="flashinfer", compile=True, cuda_graph=True, **kw))
 
 
 def reference(path) -> Engine:
-    return Engine.from_pretrained(path, device="cuda", config=EngineConfig(
-        num_pages=512, max_num_seqs=32, attention_backend="torch", compile=False, cuda_graph=False))
+    return build_engine(Config.flat(model=path, device="cuda",
+                                    num_gpu_blocks_override=512, max_num_seqs=32, attention_backend="torch", compile=False, cuda_graph=False))
 
 
 def test_fast_path_greedy_equals_torch_backend(copy_model):

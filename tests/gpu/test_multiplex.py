@@ -7,11 +7,15 @@ import itertools
 
 import pytest
 import torch
-
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.request import SamplingParams
-from appliance.engine.scheduler import PrefillWork, Scheduler, StepPlan, _admit_fcfs, _reserve_all, chunk_end
 from copy_model import periodic_prompt
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.planners.base import Planner, admit_fcfs, chunk_end, reserve_all
+from appliance.engine.request import SamplingParams
+from appliance.engine.scheduler import Scheduler
 
 pytest.importorskip("triton")
 from smid import launch_probe, read_probe  # noqa: E402
@@ -19,7 +23,7 @@ from smid import launch_probe, read_probe  # noqa: E402
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
-class ShortFirstLayerwise:
+class ShortFirstLayerwise(Planner):
     """Test planner: one layer per step for the shortest pending prompt (a short prompt preempts a long one at a
     layer boundary), every decoding request decodes, and the decode partition alternates between two sizes."""
 
@@ -31,8 +35,8 @@ class ShortFirstLayerwise:
         self._last = None
 
     def plan(self, sched: Scheduler) -> StepPlan:
-        decode = _reserve_all(sched, list(sched.decoding))
-        _admit_fcfs(sched, 100_000)
+        decode = reserve_all(sched, list(sched.decoding))
+        admit_fcfs(sched, 100_000)
         pending = sched.pending_prefills()
         works = ()
         if pending:
@@ -46,13 +50,13 @@ class ShortFirstLayerwise:
 
 
 def engine(path, **kw) -> Engine:
-    return Engine.from_pretrained(path, device="cuda", config=EngineConfig(
-        num_pages=1024, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+    return build_engine(Config.flat(model=path, device="cuda",
+                                    num_gpu_blocks_override=1024, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
 
 
 def test_multiplexed_outputs_equal_serial_with_switches_preemption_and_abort(copy_model):
-    ref = engine(copy_model, planner="serial", multiplex=False)
-    mux = engine(copy_model, planner="layerwise", multiplex=True)
+    ref = engine(copy_model, policy="serial", multiplex=False)
+    mux = engine(copy_model, policy="layerwise", multiplex=True)
     assert mux.executor.multiplexed and len(mux.partitions.splits) >= 2
     planner = ShortFirstLayerwise()
     mux.scheduler.planner = planner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from appliance.multiplex.partitions import PartitionError, PartitionSet
+from appliance.engine.partitions import PartitionError, PartitionSet
 
 pytest.importorskip("triton")  # the SM probe is a Triton kernel (the GPU machine has it; CPU installs do not)
 from smid import _smid_kernel, sms_used  # noqa: E402

@@ -4,10 +4,12 @@ the eager engine's token for token; prompts longer than the largest graph run ea
 from __future__ import annotations
 
 import pytest
-
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.request import SamplingParams
 from copy_model import periodic_prompt
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
 
 pytest.importorskip("triton")
 
@@ -15,15 +17,15 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def engine(path, **kw) -> Engine:
-    return Engine.from_pretrained(path, device="cuda", config=EngineConfig(
-        num_pages=1024, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+    return build_engine(Config.flat(model=path, device="cuda",
+                                    num_gpu_blocks_override=1024, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
 
 
 def test_prefill_graphs_equal_eager_whole_prompts_prefixes_and_layer_steps(copy_model):
-    eager = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
+    eager = engine(copy_model, policy="serial", multiplex=False, prefill_graph_rows=0)
     # the serial planner prefills the waiting prompts together: 871 tokens, then 185 new ones over cached prefixes
-    graphs = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=1024)
-    layered = engine(copy_model, planner="layerwise", multiplex=True, prefill_graph_rows=1024)
+    graphs = engine(copy_model, policy="serial", multiplex=False, prefill_graph_rows=1024)
+    layered = engine(copy_model, policy="layerwise", multiplex=True, prefill_graph_rows=1024)
     assert eager.executor.prefill_graph_launches == 0 and not eager.executor._prefill_graphs
     assert layered.executor.multiplexed
     assert set(layered.executor._prefill_graphs) == {p.name for p in layered.partitions.partitions}
@@ -43,22 +45,22 @@ def test_prefill_graphs_equal_eager_whole_prompts_prefixes_and_layer_steps(copy_
 
 
 def test_prefill_graph_sizes_follow_the_rows_and_longer_prompts_run_eagerly(copy_model):
-    e = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=100)
+    e = engine(copy_model, policy="serial", multiplex=False, prefill_graph_rows=100)
     graphs = e.executor._prefill_graphs["null"]
     assert graphs.sizes == [32, 64, 96]
     pad = e.executor.pad_rows(0)
     assert [pad(n) for n in (1, 32, 33, 96, 97, 300)] == [32, 32, 64, 96, 97, 300]
     before = graphs.launches
     long = periodic_prompt(7, 300)
-    ref = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
+    ref = engine(copy_model, policy="serial", multiplex=False, prefill_graph_rows=0)
     assert e.generate([long], GREEDY)[0].token_ids == ref.generate([long], GREEDY)[0].token_ids
     assert graphs.launches == before  # 300 tokens: no graph holds them
 
 
 def test_chunked_mixed_steps_replay_the_graphs_and_equal_eager(copy_model):
-    eager = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
+    eager = engine(copy_model, policy="serial", multiplex=False, prefill_graph_rows=0)
     # 64-token chunks beside the decode rows of the prompts already started: mixed steps of up to 64 + 16 rows
-    chunked = engine(copy_model, planner="chunked", chunk_budget=64, multiplex=False, prefill_graph_rows=1024)
+    chunked = engine(copy_model, policy="chunked", chunk_budget=64, multiplex=False, prefill_graph_rows=1024)
     prompts = [periodic_prompt(s, n) for s, n in ((21, 30), (22, 90), (23, 150), (24, 260))]
     expected = [c.token_ids for c in eager.generate(prompts, GREEDY)]
     graphs = chunked.executor._prefill_graphs["null"]
@@ -84,12 +86,12 @@ class _ChunkTable:
 
 
 def test_mux_mixed_chunks_on_partitions_equal_eager(copy_model):
+    from appliance.engine.planners.mux import MuxOptions, MuxPlanner
     from appliance.predictor.contention import ContentionGuard
     from appliance.predictor.predictor import Predictor
-    from appliance.slo.dispatcher import MuxOptions, MuxPlanner
 
-    eager = engine(copy_model, planner="serial", multiplex=False, prefill_graph_rows=0)
-    mux = engine(copy_model, planner="mux", multiplex=True, prefill_graph_rows=1024)
+    eager = engine(copy_model, policy="serial", multiplex=False, prefill_graph_rows=0)
+    mux = engine(copy_model, policy="mux", multiplex=True, prefill_graph_rows=1024)
     assert mux.executor.multiplexed
     layers = mux.model.config.num_layers
     splits = tuple(p.decode_sms for p in mux.partitions.splits)

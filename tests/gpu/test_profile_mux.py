@@ -6,14 +6,18 @@ from __future__ import annotations
 import time
 
 import torch
-
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.request import SamplingParams
-from appliance.bench.traces import RequestSpec
-from appliance.multiplex.profiler import StepTimer, calibrate_serving, run_profile
-from appliance.multiplex.steplog import StepLog
-from appliance.predictor.grid import Ranges, plan_points
 from copy_model import periodic_prompt
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
+from appliance.engine.steplog import StepLog
+from appliance.profile.calibrate import calibrate_serving
+from appliance.profile.grid import Ranges, plan_points
+from appliance.profile.profiler import run_profile
+from appliance.profile.timer import StepTimer
+from appliance.workload.traces import RequestSpec
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 # the copy model's context is 1024 tokens
@@ -30,12 +34,12 @@ targets:
 
 
 def engine(path, **kw) -> Engine:
-    return Engine.from_pretrained(path, device="cuda", config=EngineConfig(
-        num_pages=2048, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+    return build_engine(Config.flat(model=path, device="cuda",
+                                    num_gpu_blocks_override=2048, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
 
 
 def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tmp_path):
-    prof_engine = engine(copy_model, multiplex=True, max_prefill_tokens=2048, enable_prefix_caching=False)
+    prof_engine = engine(copy_model, multiplex=True, max_num_batched_tokens=2048, enable_prefix_caching=False)
     timer = StepTimer(prof_engine, reps=2, decode_steps=4, contended_steps=4)
     assert timer.decode_partitions == [p.decode_sms for p in prof_engine.partitions.splits]
     points = plan_points(SMALL, timer.sm_count, timer.decode_partitions[:3], holdout=1)
@@ -73,8 +77,8 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
 
     contract = tmp_path / "tight.yaml"
     contract.write_text(TIGHT)  # a TBT no mixed step meets: the planner must split the GPU
-    ref = engine(copy_model, planner="serial", multiplex=False)
-    mux = engine(copy_model, planner="mux", slo=str(contract), profile=str(out))
+    ref = engine(copy_model, policy="serial", multiplex=False)
+    mux = engine(copy_model, policy="mux", slo=str(contract), profile=str(out))
     assert mux.executor.multiplexed and mux.predictor.source.startswith("profile")
     assert list(mux.predictor.decode_partitions) == [p.decode_sms for p in mux.partitions.splits]
     # its prefill launches run padded to the profile's GEMM buckets (and still compute what serial does, below)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.request import SamplingParams
 from spies import on_forward
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
 
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(36)]  # 37 tokens: three pages of 16, the last partial
 
@@ -24,7 +26,7 @@ def record_logits(engine: Engine) -> list[dict[str, torch.Tensor]]:
 
 def test_logits_match_transformers_prefill_and_16_decode_steps(tiny_checkpoint):
     family, path, hf = tiny_checkpoint
-    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
     seen = record_logits(engine)
     [done] = engine.generate(PROMPT, SamplingParams(max_tokens=17, temperature=0, ignore_eos=True))
     assert len(seen) == 17  # one prefill step + 16 decode steps
@@ -39,7 +41,7 @@ def test_logits_match_transformers_prefill_and_16_decode_steps(tiny_checkpoint):
 
 def test_greedy_32_tokens_identical_to_transformers(tiny_checkpoint):
     family, path, hf = tiny_checkpoint
-    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
     [done] = engine.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
@@ -51,8 +53,8 @@ def test_greedy_32_tokens_identical_to_transformers(tiny_checkpoint):
 @pytest.mark.parametrize("layers_per_step", [1, 3])
 def test_layer_range_prefill_equals_one_pass(tiny_checkpoint, layers_per_step):
     family, path, _ = tiny_checkpoint
-    whole = Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
-    split = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, planner="layerwise",
+    whole = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
+    split = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="layerwise",
                                                              layers_per_step=layers_per_step))
     seen_whole, seen_split = record_logits(whole), record_logits(split)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

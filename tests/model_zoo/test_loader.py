@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import build_tiny_checkpoint
 
 from appliance.errors import ConfigError, ModelLoadError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model
-from tiny_models import build_tiny_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 # parameter counts published with each model

@@ -8,15 +8,17 @@ import json
 import pytest
 import torch
 import transformers
+from test_hf_parity import record_logits, rel_err
+from tiny_models import build_tiny_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.rope import attention_factor, dynamic_inv_freq, rope_inv_freq
-from test_hf_parity import record_logits, rel_err
-from tiny_models import build_tiny_checkpoint
 
 HEAD_DIM = 64
 YARN_VARIANTS = [
@@ -120,7 +122,7 @@ def test_qwen2_yarn_checkpoint_matches_transformers(tmp_path):
     raw.update(max_position_embeddings=32768, rope_theta=1e6,
                rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    engine = Engine.from_pretrained(tmp_path, config=EngineConfig(num_pages=64))
+    engine = build_engine(Config.flat(model=tmp_path, num_gpu_blocks_override=64))
     assert engine.model.config.rope.type == "yarn"
     check_against_hf(engine, tmp_path, [prompt_of(37)], 24)
 
@@ -139,7 +141,7 @@ SHORT, LONG = prompt_of(20), prompt_of(37, salt=5)  # 20 + 24 outputs crosses 32
 
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["shorter", "longer"])
 def test_dynamic_ntk_matches_transformers_below_and_beyond_the_original_context(dynamic_checkpoint, prompt):
-    engine = Engine.from_pretrained(dynamic_checkpoint, config=EngineConfig(num_pages=64))
+    engine = build_engine(Config.flat(model=dynamic_checkpoint, num_gpu_blocks_override=64))
     assert engine.max_model_len == 64
     assert not engine.pool.enable_prefix_caching  # K of a prompt depends on the prompt's length
     check_against_hf(engine, dynamic_checkpoint, [prompt], 24 if prompt is SHORT else 16)
@@ -147,7 +149,7 @@ def test_dynamic_ntk_matches_transformers_below_and_beyond_the_original_context(
 
 def test_dynamic_ntk_rows_use_their_own_sequence_length_in_a_batch(dynamic_checkpoint):
     """Both prompts in one batch, prefilled a layer range at a time: each still matches its own solo run."""
-    engine = Engine.from_pretrained(dynamic_checkpoint, config=EngineConfig(num_pages=64, planner="layerwise",
+    engine = build_engine(Config.flat(model=dynamic_checkpoint, num_gpu_blocks_override=64, policy="layerwise",
                                                                            layers_per_step=3))
     check_against_hf(engine, dynamic_checkpoint, [SHORT, LONG], 16)
 
@@ -156,9 +158,9 @@ def test_dynamic_ntk_output_survives_preemption_and_recompute(dynamic_checkpoint
     """A preempted request recomputes prompt + output as one prefill; its tokens keep their rotations."""
     prompts = [prompt_of(18 + 3 * i, salt=i) for i in range(8)]  # 18..39 tokens, half past the original 32
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    solo = Engine.from_pretrained(dynamic_checkpoint, config=EngineConfig(num_pages=64))
+    solo = build_engine(Config.flat(model=dynamic_checkpoint, num_gpu_blocks_override=64))
     alone = [solo.generate(p, params)[0].token_ids for p in prompts]
-    tight = Engine.from_pretrained(dynamic_checkpoint, config=EngineConfig(num_pages=10))
+    tight = build_engine(Config.flat(model=dynamic_checkpoint, num_gpu_blocks_override=10))
     requests = [tight.make_request(p, params) for p in prompts]
     for r in requests:
         tight.submit(r)

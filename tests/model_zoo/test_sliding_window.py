@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import build_tiny_checkpoint
 
-from appliance.config import ServeConfig
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.config import Config
+from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ConfigError, ModelLoadError, RequestError
 from appliance.model_zoo.config import ModelConfig
-from tiny_models import build_tiny_checkpoint
 
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(36)]  # the 37-token prompt that went wrong with a window of 8
 
@@ -24,18 +24,18 @@ def window_of_8(tmp_path_factory):
 def test_mistral_with_a_short_window_is_refused(window_of_8):
     path, _ = window_of_8
     with pytest.raises(ConfigError, match=r"config\.json field 'sliding_window' is 8\b.*--max-model-len 8"):
-        Engine.from_pretrained(path, config=EngineConfig(num_pages=64))
+        build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
     # `muxd serve` says so before it starts loading
     with pytest.raises(ConfigError, match=r"'sliding_window' is 8\b.*context of 512 tokens"):
-        ServeConfig(model=str(path)).validate()
+        Config.flat(model=str(path)).check()
     with pytest.raises(ConfigError, match=r"'sliding_window' is 8\b.*context of 9 tokens"):
-        Engine.from_pretrained(path, config=EngineConfig(num_pages=64, max_model_len=9))
+        build_engine(Config.flat(model=path, num_gpu_blocks_override=64, max_model_len=9))
 
 
 def test_a_context_within_the_window_is_served_exactly(window_of_8):
     """With --max-model-len at the window, no query ever reaches past it: the output is the model's."""
     path, hf = window_of_8
-    engine = Engine.from_pretrained(path, config=EngineConfig(num_pages=64, max_model_len=8))
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, max_model_len=8))
     prompt = PROMPT[:5]
     [done] = engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     with torch.no_grad():
@@ -48,7 +48,7 @@ def test_a_context_within_the_window_is_served_exactly(window_of_8):
 
 def test_mistral_window_covering_the_context_matches_transformers(tmp_path):
     hf = build_tiny_checkpoint("mistral", tmp_path, sliding_window=512, max_position_embeddings=512)
-    engine = Engine.from_pretrained(tmp_path, config=EngineConfig(num_pages=64))
+    engine = build_engine(Config.flat(model=tmp_path, num_gpu_blocks_override=64))
     assert engine.max_model_len == 512 and engine.model.config.sliding_window == 512
     [done] = engine.generate(PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     with torch.no_grad():

@@ -13,8 +13,8 @@ from appliance.engine.graphs import capture_sizes
 from appliance.errors import ConfigError
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.profile import read_profile
+from appliance.predictor.shapes import DecodeLoad, Sample
 from appliance.predictor.solo import fit_error, fit_solo
-from appliance.predictor.workload import DecodeLoad, Sample
 
 H200 = DecodePlan(total_sms=132, kv_heads=8, page_size=16, graph_sizes=tuple(capture_sizes(256)))
 

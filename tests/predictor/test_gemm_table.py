@@ -10,8 +10,8 @@ import pytest
 from appliance.errors import ConfigError
 from appliance.predictor.gemm_table import GemmTable, bucket_sizes
 from appliance.predictor.profile import build_profile, read_profile, save_profile
+from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample
 from appliance.predictor.solo import fit_error, fit_solo
-from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample
 from tests.predictor.test_predictor_models import LLAMA_8B
 
 # one layer's GEMMs on 20 SMs of an H200 (ms), measured at 128..1280 rows (docs/data/diagnosis-h200-2026-11-22)

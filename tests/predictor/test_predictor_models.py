@@ -17,9 +17,9 @@ from appliance.predictor.contention import ContentionGuard, cell_of
 from appliance.predictor.predictor import Predictor, partition_choices
 from appliance.predictor.profile import build_profile, load_predictor, read_profile, save_profile
 from appliance.predictor.roofline import DEVICES, RooflineModel
+from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample
 from appliance.predictor.solo import fit_error, fit_solo
 from appliance.predictor.synthetic import SyntheticGPU, sample_grid, synthetic_profile
-from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 LLAMA_8B = ModelConfig.from_file(CONFIGS / "llama-3.1-8b" / "config.json")

@@ -11,8 +11,8 @@ from appliance.errors import ConfigError
 from appliance.predictor.gemm_table import GemmTable
 from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.profile import build_profile, read_profile, save_profile
+from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample
 from appliance.predictor.solo import fit_error, fit_solo
-from appliance.predictor.workload import DecodeLoad, PrefillItem, Sample
 from tests.predictor.test_predictor_models import LLAMA_8B
 
 PLAN = PrefillPlan(total_sms=132, qo_heads=32)

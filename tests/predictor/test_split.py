@@ -8,18 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance.bench.traces import load_trace
-from appliance.bench.workload import spread_ties
+from appliance.bench.capacity import SimulatedBench, kv_pages
+from appliance.bench.simulate import SimConfig
+from appliance.config import SchedulerSettings
 from appliance.model_zoo.config import ModelConfig
-from appliance.predictor.capacity import SimulatedBench, kv_pages
 from appliance.predictor.predictor import partition_choices
 from appliance.predictor.roofline import DEVICES
-from appliance.predictor.simulate import SimConfig
+from appliance.predictor.shapes import DecodeLoad, PrefillItem
 from appliance.predictor.split import MIN_OBSERVATIONS, SplitSlowdown, fit, span_k
 from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
-from appliance.predictor.workload import DecodeLoad, PrefillItem
-from appliance.slo.policies import PolicyOptions
 from appliance.slo.contract import load_contract
+from appliance.workload.shaping import spread_ties
+from appliance.workload.traces import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ModelConfig.from_file(ROOT / "configs" / "models" / "llama-3.1-8b" / "config.json")
@@ -110,7 +110,7 @@ def test_mux_sizes_its_mixed_chunks_to_the_mixed_steps_it_measured():
                                   "llama-3.1-8b").predictor(MODEL.num_layers, "profile")
     contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
     bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(MODEL, DEVICES["h100"])), truth=gpu,
-                           options=PolicyOptions(mixed_chunks=True))
+                           options=SchedulerSettings(mixed_chunks=True))
     specs = load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")[:150]
     run = bench.run("mux", specs, 3.0)
     stats = run.planner.stats

@@ -3,7 +3,6 @@ not stall the server: /health answers and a running stream keeps streaming while
 from __future__ import annotations
 
 import pytest
-
 import reliability
 
 

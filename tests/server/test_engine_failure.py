@@ -10,15 +10,15 @@ import time
 import httpx
 import pytest
 import uvicorn
-
-from appliance.config import ServeConfig
-from appliance.server.api import create_app
 from live_server import free_port
+
+from appliance.config import Config
+from appliance.server.api import create_app
 
 
 @pytest.fixture
 def live_app():
-    app = create_app(ServeConfig(kv_cache_memory="16MiB", max_model_len=256))
+    app = create_app(Config.flat(kv_cache_memory="16MiB", max_model_len=256))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

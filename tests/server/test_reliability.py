@@ -7,7 +7,6 @@ import socket
 import time
 
 import pytest
-
 import reliability
 
 

@@ -8,7 +8,6 @@ import signal
 import threading
 
 import httpx
-
 from live_server import ServerProcess
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from appliance.cli import app
+from appliance.cli.main import app
 from appliance.errors import ContractError
 from appliance.slo.contract import load_contract, parse_contract
 

@@ -1,0 +1,148 @@
+"""`muxd bench --simulate`: capacity planning without a GPU. Replays the workload per policy on the simulated
+executor (the profile's predictor as the clock), judges each replay against the SLO contract, searches each
+policy's capacity, and prints one table; `muxd bench sweep --simulate` takes its replays from here too."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from appliance.bench.capacity import PolicyRun, SimulatedBench, kv_pages
+from appliance.bench.run import BenchOptions, load_workload, model_dir, shape
+from appliance.bench.simulate import SimConfig
+from appliance.bench.sweep import SweepResult
+from appliance.config import POLICIES, parse_serve_args
+from appliance.errors import ConfigError
+from appliance.model_zoo.config import ModelConfig
+from appliance.model_zoo.loader import resolve_model_dir
+from appliance.predictor.profile import load_predictor
+from appliance.predictor.roofline import DEVICES, device_spec
+from appliance.slo.contract import Contract, default_contract
+from appliance.workload import shaping as wl
+from appliance.workload.metrics import detailed_arrays
+from appliance.workload.traces import RequestSpec
+
+DEFAULT_POLICIES = ("mux", "chunked", "serial")
+Measure = Callable[[float], dict[str, Any]]
+
+
+def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, ModelConfig, list[str]]:
+    """The simulation of `opts.model` on `gpu` under the options' contract; notes say what it rests on."""
+    contract = opts.slo if isinstance(opts.slo, Contract) else None
+    if opts.slo is not None and contract is None:
+        raise ConfigError("--simulate judges replays against an SLO contract: pass --slo FILE (not --goodput)")
+    contract = contract or default_contract()
+    model = ModelConfig.from_file(resolve_model_dir(model_dir(opts.model_or_default)) / "config.json")
+    predictor = load_predictor(opts.profile, model, gpu)
+    try:
+        device = device_spec(gpu)
+    except ConfigError:
+        device = DEVICES["h100"]
+    serving = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(predictor.serving.items()))
+    notes = [f"clock and planner: {predictor.source}" + (f"; the clock runs serving-calibrated ({serving})"
+                                                          if serving else ""), *predictor.notes,
+             f"contract {contract.name!r}: p{contract.slo_for(None).tbt_percentile:g} TBT "
+             f"{contract.slo_for(None).tbt_ms:g} ms, attainment {contract.attainment:.0%}"]
+    # the serve flags a simulation honours: the scheduler's (chunked's token budget, mux's adaptive chunks, ...)
+    options = parse_serve_args(list(opts.serve_args)).scheduler
+    if options.chunk_budget is not None:
+        notes.append(f"chunked budget {options.chunk_budget} tokens (--chunk-budget)")
+    if options.mixed_chunks:
+        notes.append("mux takes TBT-sized mixed chunks where they prefill faster than the split (--mixed-chunks)")
+    return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)),
+                          options=options), model, notes
+
+
+def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:
+    """The policies, the simulation, the shaped workload (clipped to what the KV pool holds) and notes."""
+    policies = opts.policies or list(DEFAULT_POLICIES)
+    for p in policies:
+        if p not in POLICIES:
+            raise ConfigError(f"--policies must name policies among {', '.join(POLICIES)}, got {p!r}")
+    bench, model, notes = simulated_bench(opts, gpu)
+    raw = load_workload(opts, None)
+    max_len = min(model.max_position_embeddings, bench.sim.num_pages * bench.sim.page_size)
+    specs, shaped_notes = shape(raw, opts, max_len)
+    notes += shaped_notes
+    if "chunked" in policies and (bench.options is None or bench.options.chunk_budget is None):
+        slo = bench.contract.slo_for(None)
+        notes.append(f"chunked budget {bench.tune_chunk_budget(specs)} tokens (the largest, in steps of 128, whose "
+                     f"replay of this workload keeps p{slo.tbt_percentile:g} TBT <= {slo.tbt_ms:g} ms)")
+    return policies, bench, specs, notes
+
+
+def simulated_measures(opts: BenchOptions, gpu: str) -> tuple[list[tuple[str, Measure]], list[str], float]:
+    """For `muxd bench sweep --simulate`: per policy, measure(rate) -> the summary of a simulated replay of the
+    workload re-timed to `rate` (as a real sweep re-times it); notes on what the simulation rests on; the
+    workload's own rate."""
+    policies, bench, specs, notes = _prepare(opts, gpu)
+
+    def measure_for(policy: str) -> Measure:
+        def measure(rate: float) -> dict[str, Any]:
+            retimed = wl.retime(specs, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
+            run = bench.run(policy, retimed)
+            detail = detailed_arrays(run.result.timelines) if opts.save_detailed else {}
+            return dict(run.report.summary, request_rate=rate, **detail)
+        return measure
+
+    return [(policy, measure_for(policy)) for policy in policies], notes, wl.offered_rate(specs)
+
+
+def run_simulated(opts: BenchOptions, gpu: str, console: Console) -> list[dict[str, Any]]:
+    """Replay per policy at the options' rate, then search each policy's capacity; prints and returns summaries."""
+    policies, bench, specs, notes = _prepare(opts, gpu)
+    offered = wl.offered_rate(specs)
+    start = offered if math.isfinite(offered) and offered > 0 else 1.0
+    summaries, tried = [], []
+    table = _table(bench.contract, len(specs), offered)
+    for policy in policies:
+        run = bench.run(policy, specs)
+        sweep = bench.capacity(policy, specs, start_rate=start)
+        summaries.append(_summary(run, sweep))
+        table.add_row(*_cells(run, sweep))
+        tried.append(f"{policy}: " + ", ".join(f"{p.rate:.3g} {'met' if p.passed else 'missed'}"
+                                              for p in sorted(sweep.points, key=lambda p: p.rate)))
+    console.print(table)
+    for line in tried:
+        console.print(f"rates tried, {line}")
+    for note in notes:
+        console.print(f"[yellow]note: {note}[/yellow]")
+    if opts.result_dir is not None:
+        opts.result_dir.mkdir(parents=True, exist_ok=True)
+        path = opts.result_dir / "simulated.json"
+        path.write_text(json.dumps({"notes": notes, "results": summaries}, indent=2, default=str))
+        console.print(f"wrote {path}")
+    return summaries
+
+
+def _table(contract: Contract, count: int, offered: float) -> Table:
+    slo = contract.slo_for(None)
+    table = Table(title=f"muxd bench --simulate: {count} requests at {offered:.3g} req/s, contract {contract.name!r}",
+                  title_justify="left")
+    for col in ("policy", "p99 TTFT (ms)", f"p{slo.tbt_percentile:g} TBT (ms)", "attainment", "contract",
+                "capacity (req/s)"):
+        table.add_column(col, justify="left" if col in ("policy", "contract") else "right")
+    return table
+
+
+def _cells(run: PolicyRun, sweep: SweepResult) -> list[str]:
+    r = run.report
+    capacity = "none" if sweep.capacity is None else f"{sweep.capacity:.3g}" + ("" if sweep.bracketed else "+")
+    return [run.policy, f"{r.summary['p99_ttft_ms']:.0f}", f"{r.tbt_ms:.1f}", f"{r.attainment:.1%}",
+            "met" if r.met else "missed: " + ", ".join(k if k == "attainment" else k.upper() for k in r.misses),
+            capacity]
+
+
+def _summary(run: PolicyRun, sweep: SweepResult) -> dict[str, Any]:
+    out = {k: v for k, v in run.report.summary.items() if not isinstance(v, (list, dict))}
+    out.update(capacity=sweep.capacity, capacity_bracketed=sweep.bracketed,
+               capacity_points=[{"request_rate": p.rate, "passed": p.passed, "slo_attainment": p.attainment}
+                                for p in sweep.points])
+    if hasattr(run.planner, "stats"):
+        out["mux_stats"] = {k: v for k, v in vars(run.planner.stats).items() if k != "decode_sms"}
+    return out
+
+

@@ -1,0 +1,81 @@
+"""The `muxd bench engine` command (registered on the `bench` command group)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from appliance.bench import engine_bench, multiplex_bench
+from appliance.config import Config
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
+def _prefills(text: str) -> list[tuple[int, int]]:
+    """'512,2048,2048@8192' -> [(512, 0), (2048, 0), (2048, 8192)] (new tokens @ cached tokens)."""
+    out = []
+    for item in text.split(","):
+        new, _, cached = item.strip().partition("@")
+        try:
+            out.append((int(new), int(cached or 0)))
+        except ValueError:
+            raise typer.BadParameter(f"--prefill items are NEW or NEW@CACHED token counts, got {item!r}") from None
+    return out
+
+
+def engine_bench_command(bench_app: typer.Typer) -> None:
+    @bench_app.command("engine")
+    def engine(
+        model: str = typer.Option("configs/models/llama-3.1-8b", "--model", "-m", help="Model directory."),
+        load_format: str = typer.Option("dummy", help="dummy (random weights of the real shapes) or auto."),
+        dtype: Optional[str] = typer.Option(None, help="Weights dtype (default: the checkpoint's)."),
+        batches: str = typer.Option("1,8,32,64,128", help="Decode batch sizes."),
+        contexts: str = typer.Option("1024,8192", help="Decode context lengths."),
+        prefill: str = typer.Option("512,2048,8192,2048@8192,2048@32768",
+                                    help="Prefill rows: NEW or NEW@CACHED tokens."),
+        iters: int = typer.Option(20, help="Timed decode steps per row."),
+        attention_backend: str = typer.Option("auto", help="auto, flashinfer or torch."),
+        compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile each layer."),
+        cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
+        startup_only: bool = typer.Option(False, "--startup-only", help="Only build the engine and report "
+                                                                       "start-up times (run twice: cold, warm)."),
+        multiplex: bool = typer.Option(False, "--multiplex", help="Instead of the rows above: decode on each SM "
+                                       "partition alone and beside an 8k prefill, graph memory, switch cost."),
+        granularity: int = typer.Option(16, help="--multiplex: decode partitions are multiples of this many SMs."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the result as JSON here."),
+        markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the Markdown table here."),
+    ) -> None:
+        """Time the engine on one GPU: decode steps by batch and context, prefills by new and cached tokens, each
+        with its floor from ceilings measured in the same run."""
+        import torch
+
+
+        if not torch.cuda.is_available():
+            typer.secho("error: muxd bench engine needs a CUDA device", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2)
+        bs, ctx, pre = _ints(batches, "--batches"), _ints(contexts, "--contexts"), _prefills(prefill)
+        config = Config.flat(max_num_seqs=max(bs) + multiplex,  # + the concurrent prefill
+                              max_num_batched_tokens=max(n for n, _ in pre),
+                              max_model_len=max(max(n + c for n, c in pre), max(ctx)) + iters + 64,
+                              attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph)
+        result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,
+                                  prefills=pre, iters=iters, config=config,
+                                  startup_only=startup_only or multiplex)
+        table = engine_bench.render(result)
+        if multiplex:
+            table = multiplex_bench.run_multiplex(result, granularity, batch=max(bs), context=ctx[0],
+                                               prefill_tokens=max(n for n, _ in pre), iters=iters)
+        if json_out:
+            engine_bench.save(result, json_out)
+        if markdown_out:
+            with open(markdown_out, "w") as f:
+                f.write(table + "\n")
+        typer.echo(table)

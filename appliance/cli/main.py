@@ -1,0 +1,38 @@
+"""The `muxd` command line: serve and generate (cli/serve.py), bench (cli/bench.py, cli/bench_tools.py,
+cli/bench_engine.py), profile (cli/profile.py), slo (cli/slo.py), version. `python -m appliance` is the same."""
+from __future__ import annotations
+
+import typer
+
+from appliance import __version__
+from appliance.cli import serve as serve_cli
+from appliance.cli.bench import app as bench_app
+from appliance.cli.bench_engine import engine_bench_command
+from appliance.cli.bench_tools import compare_command, diagnose_command, pool_command
+from appliance.cli.profile import profile_command
+from appliance.cli.slo import app as slo_app
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
+serve_cli.register(app)
+engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
+compare_command(bench_app)  # and `muxd bench compare`
+pool_command(bench_app)  # and `muxd bench pool`
+diagnose_command(bench_app)  # and `muxd bench diagnose`
+app.add_typer(bench_app, name="bench")
+app.add_typer(slo_app, name="slo")
+profile_command(app)
+
+
+@app.command()
+def version() -> None:
+    """Print the muxd version."""
+    typer.echo(f"muxd {__version__}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""`muxd serve` (the OpenAI-compatible server; its flags are the config's fields, appliance/config.py) and
+`muxd generate` (one prompt, streamed to the terminal)."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+from appliance import __version__
+from appliance.config import Config, with_serve_flags
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
+from appliance.errors import ApplianceError
+from appliance.server.api import create_app
+from appliance.server.lifecycle import DrainingServer
+
+
+def fail(exc: ApplianceError) -> None:
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def serve(config: Config) -> None:
+    """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /ready, /metrics)."""
+    import uvicorn  # the server's libraries load only for `serve`
+
+
+    try:
+        config.check()
+    except ApplianceError as exc:
+        fail(exc)
+    srv = config.server
+    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, on_fatal)
+    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
+                                           timeout_graceful_shutdown=5), app.state.muxd, srv.shutdown_timeout)
+    typer.echo(f"muxd {__version__}: serving {config.model.model_name} on http://{srv.host}:{srv.port} (loading the "
+               "model; GET /ready turns 200 when it is up)")
+    server.run()
+    if fatal:
+        typer.secho(f"error: start-up failed: {fatal[0]}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1)
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    model: str = typer.Option("embedded", "--model", "-m", help="Model directory, or 'embedded'."),
+    max_tokens: int = typer.Option(64, help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, help="0 for greedy decoding."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    top_k: int = typer.Option(-1, help="Sample among the k most likely tokens only (-1: no cut)."),
+    stop: Optional[list[str]] = typer.Option(None, help="Stop before this text (repeat the flag for several)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the chat template."),
+    system: Optional[str] = typer.Option(None, help="System message (implies --chat)."),
+    dtype: str = typer.Option("auto", help="See `muxd serve --help`."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    load_format: str = typer.Option("auto", help="auto/safetensors or dummy."),
+) -> None:
+    """Generate from one prompt and stream the text to the terminal."""
+
+    try:
+        config = Config.flat(model=model, dtype=dtype, device=device, load_format=load_format, max_num_seqs=1)
+        config.check()
+        engine = build_engine(config)
+        text: str | list[int] = prompt
+        if chat or system is not None:
+            if engine.tokenizer is None:
+                raise ApplianceError("--chat and --system need a tokenizer; this model directory has no "
+                                     "tokenizer.json")
+            messages = [{"role": "user", "content": prompt}]
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
+            rendered = engine.tokenizer.apply_chat_template(messages)
+            text = engine.tokenizer.encode(rendered, add_special_tokens=False)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                stop=list(stop or []))
+        rid = engine.add_request(text, params)
+    except ApplianceError as exc:
+        fail(exc)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.new_text if engine.tokenizer else f"{out.new_token_ids[0]} ")
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(with_serve_flags(serve, on_error=fail))
+    app.command("generate")(generate)

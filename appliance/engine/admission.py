@@ -1,0 +1,80 @@
+"""Every check a request passes before it joins the waiting queue, in the order it meets them.
+
+Before the engine, the server refuses at the door (`server/gate.py`, `server/lifecycle.py`): a missing API key
+(401), a body over --max-request-bytes (413), a draining or still-loading server (503), more requests in flight than
+--max-num-seqs + --max-waiting (429). Then, here: the request itself (sampling parameters, prompt tokens inside the
+vocabulary, not empty, stop strings need a tokenizer), the context length (prompt + max_tokens), its id and SLO
+class, the waiting queue's limit (--max-waiting and the contract's queue limit), and last the planner's own
+admission test (a contract that sheds load refuses a request whose TTFT it cannot meet, with a Retry-After).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from appliance.engine.request import Request, SamplingParams
+from appliance.errors import CapacityError, RequestError
+
+if TYPE_CHECKING:  # the engine owns its admission
+    from appliance.engine.engine import Engine
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for prompt + max_tokens over the context
+
+
+class Admission:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, add_special_tokens: bool = True) -> Request:
+        """Tokenize and validate; raises RequestError naming the bad field. Touches no engine state."""
+        engine = self.engine
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise RequestError("this model has no tokenizer; send token ids", "prompt")
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(prompt)
+            vocab = engine.model.config.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        if not ids:
+            raise RequestError("prompt is empty", "prompt")
+        if params.stop and engine.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none", "stop")
+        limit = engine.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(f"prompt has {len(ids)} tokens; this model's context is {limit} tokens "
+                               "and at least one must be left to generate", "prompt", CONTEXT_LENGTH_EXCEEDED)
+        if len(ids) + params.max_tokens > limit:
+            raise RequestError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
+                               f"context of {limit} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+        rid = request_id if request_id is not None else engine.next_request_id()
+        return Request(rid, ids, params)
+
+    def slo_class(self, name: str | None) -> str | None:
+        """Check a request's SLO class against the contract (RequestError naming the classes when unknown)."""
+        contract = self.engine.contract
+        if name is not None and name not in contract.classes:
+            raise RequestError(f"SLO class {name!r} is not in contract {contract.name!r}; classes: "
+                               f"{', '.join(contract.classes)}", "slo_class")
+        return name
+
+    def check(self, request: Request) -> None:
+        """May this validated request join the queue now? RequestError or CapacityError (429) when not."""
+        engine = self.engine
+        sched = engine.scheduler
+        if request.request_id in sched.requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use", "request_id")
+        self.slo_class(request.slo_class)
+        limit = engine.config.scheduler.max_waiting
+        if engine.config.scheduler.slo:
+            limit = min(limit, engine.contract.overload.queue_limit)
+        if len(sched.waiting) >= limit:
+            raise CapacityError(f"{len(sched.waiting)} requests are waiting (limit {limit}); retry later")
+        retry = sched.planner.admission_check(sched, request)
+        if retry is not None:
+            raise CapacityError(f"the server is too busy to meet this request's TTFT target (SLO contract "
+                                f"{engine.contract.name!r} sheds load); retry after {retry:.0f} s", retry_after=retry)

@@ -1,0 +1,355 @@
+"""The executor: carries out StepPlans on the GPU's SM partitions, or synchronously on a null partition (CPU, or
+multiplexing off) — one code path either way.
+
+Each iteration launches the decode step on the chosen partition's decode stream first (a CUDA-graph replay), then the
+planned prefill layers on its prefill stream, and waits for the decode tokens only. A prefill launch records an event
+after its last layer; `poll()` reports the works whose events have fired, so prefill may finish iterations later and
+decode never waits for it. A request's continued prefill on another stream first waits for its previous event.
+With a profiled GEMM table (`pad_prefills`), a prefill launch runs its layers on the cheapest row bucket of its
+partition at or above its token count (predictor/gemm_table.py). Launches of up to `graph_rows` tokens replay
+piecewise CUDA graphs captured per partition at the buckets up to that size (engine/prefill_graphs.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Callable
+
+import torch
+
+from appliance.attention import AttentionBackend, make_backend
+from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.partitions import Partition, PartitionSet
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.prefill_graphs import PrefillGraphs
+from appliance.engine.request import Request
+from appliance.engine.runner import ModelRunner
+from appliance.engine.timeline import Timeline
+from appliance.predictor.gemm_table import GemmTable, bucket_sizes
+
+
+@dataclass
+class _Launch:
+    """Prefill layers launched together: what they compute, the tokens of the chunks that end a prompt, and the
+    event after their last kernel (None: they ran synchronously)."""
+
+    works: list[PrefillWork]
+    ids: list[str]
+    tokens: torch.Tensor | None
+    event: torch.cuda.Event | None
+    stream: torch.cuda.Stream | None
+    partition: str
+    launched_at: float
+    began: torch.cuda.Event | None = None  # recorded on the stream just before the first layer's kernels
+    prefill_sms: int = 0
+    decodes_before: int = 0  # the executor's split decode steps when it was launched
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+@dataclass(frozen=True)
+class PrefillObservation:
+    """Prefill layers as they ran: the partition's prefill SMs, the works, their GPU time (from an event before the
+    first layer to one after the last, on the prefill stream) and whether decode steps ran on the other SMs
+    meanwhile."""
+
+    prefill_sms: int
+    works: tuple[PrefillWork, ...]
+    ms: float
+    beside_decode: bool
+
+    @property
+    def layers(self) -> int:
+        return self.works[0].layer_end - self.works[0].layer_start
+
+
+@dataclass(frozen=True)
+class DecodeObservation:
+    """A decode step as it ran: its partition's decode SMs, its time (launch to tokens on the host, less the host
+    time spent launching prefill layers in between) and the prefill works running beside it (empty: it ran
+    alone)."""
+
+    decode_sms: int
+    ms: float
+    concurrent: tuple[PrefillWork, ...]
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+class Executor:
+    def __init__(self, runner: ModelRunner, partitions: PartitionSet | None = None,
+                 timeline: Timeline | None = None) -> None:
+        self.runner = runner
+        self.partitions = partitions or PartitionSet.null()
+        self.timeline = timeline or Timeline()
+        self._graphs: dict[str, DecodeGraphs | None] = {}
+        self._prefill_backends: dict[str, AttentionBackend] = {}
+        self._inflight: list[_Launch] = []
+        self._last: dict[str, _Launch] = {}  # each request's latest prefill launch
+        self.current: Partition = self.partitions.full
+        self.switches = 0
+        self.layers_launched = 0
+        self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
+        self.last_mixed_ms: float | None = None  # the latest step's time when it was a mixed step (online refinement)
+        self.prefills: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
+        self.prefills_seen = 0  # how many were ever appended (a reader keeps its own mark)
+        self._split_decodes = 0  # decode steps run on a split partition
+        self._gemm: GemmTable | None = None
+        self._max_rows = 0
+        self._null_sms = 0
+        self._prefill_graphs: dict[str, PrefillGraphs] = {}  # per partition, all at the same row counts
+
+    def pad_prefills(self, table: GemmTable | None, max_rows: int, null_sms: int = 0) -> None:
+        """Run each prefill launch on `table`'s cheapest row bucket for its partition (None: on its tokens), never
+        on more than `max_rows` rows (the activations reserved); `null_sms`: the SM count the null partition (no
+        streams) stands for in the table."""
+        self._gemm, self._max_rows, self._null_sms = table, max_rows, null_sms
+
+    def pad_rows(self, prefill_sms: int) -> Callable[[int], int] | None:
+        """What a prefill launch on a partition of `prefill_sms` SMs pads its token count to (None: no padding):
+        the table's cheapest bucket, else the smallest prefill graph that holds it."""
+        table, sms = self._gemm, prefill_sms or self._null_sms
+        if table is not None and sms in table.ms:
+            def pad(tokens: int) -> int:
+                rows = table.padded_rows(tokens, sms)
+                return rows if rows <= self._max_rows else tokens
+            return pad
+        if not self._prefill_graphs:
+            return None
+        return next(iter(self._prefill_graphs.values())).padded
+
+    @torch.inference_mode()
+    def capture_prefill(self, graph_rows: int) -> None:
+        """Piecewise prefill graphs at the row buckets up to `graph_rows` (the GEMM table's, where one is set) on
+        every partition's prefill stream, each with its own pool (they may run at once); no-op without CUDA graphs
+        or for 0 rows."""
+        runner = self.runner
+        self._prefill_graphs.clear()
+        if graph_rows < 1 or runner.device.type != "cuda" or not runner.backend.supports_cuda_graph:
+            return
+        limit = min(graph_rows, self._max_rows) if self._max_rows else graph_rows
+        rows = self._gemm.rows if self._gemm is not None else bucket_sizes(limit)
+        sizes = tuple(r for r in rows if r <= limit)
+        if not sizes:
+            return
+
+        def metadata_for(size: int):
+            return runner.scratch_batch([size]).metadata
+
+        for p in self.partitions.partitions:
+            backend = self._prefill_backends.get(p.name, runner.backend)
+            graphs = PrefillGraphs(runner.model, runner.kv_cache, backend, list(sizes), stream=p.prefill_stream)
+            graphs.capture(metadata_for)
+            self._prefill_graphs[p.name] = graphs
+
+    @property
+    def multiplexed(self) -> bool:
+        return not self.partitions.full.is_null
+
+    # ---- set-up -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, max_batch: int) -> None:
+        """Decode graphs on every partition's decode stream (one pool), and a prefill attention backend with its own
+        workspace per partition (the two phases never share a plan or a workspace)."""
+        runner = self.runner
+        if not self.multiplexed:
+            self._graphs[self.partitions.full.name] = runner.capture_graphs(max_batch)
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for p in self.partitions.partitions:
+            graphs = runner.graph_set(max_batch, stream=p.decode_stream, pool=pool)
+            if graphs is not None:
+                graphs.capture()
+                self._graphs[p.name] = graphs
+            self._prefill_backends[p.name] = make_backend(runner.backend_name, runner.model.config, runner.dtype,
+                                                          runner.device)
+        runner.graphs = self._graphs.get(self.partitions.full.name)
+
+    def graph_memory_bytes(self) -> int:
+        return sum(g.memory_bytes for g in (*self._graphs.values(), *self._prefill_graphs.values()) if g is not None)
+
+    @property
+    def prefill_graph_launches(self) -> int:
+        """Prefill launches that ran as piecewise graph replays."""
+        return sum(g.launches for g in self._prefill_graphs.values())
+
+    # ---- one iteration ----------------------------------------------------------------------------------------
+    def partition_for(self, plan: StepPlan) -> Partition:
+        """Decode SMs as planned while prefill runs; all SMs for a phase that runs alone (no bubbles)."""
+        full = self.partitions.full
+        if not self.multiplexed or not plan.decode or plan.decode_sms is None:
+            return full
+        if not plan.prefill and not self._inflight:
+            return full
+        return self.partitions.for_decode(plan.decode_sms)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, requests: dict[str, Request],
+               partition: Partition | None = None) -> dict[str, int]:
+        """Drop the state of the requests the plan released, launch the plan and return the decode tokens; prefill
+        results come from `poll()`. `partition` overrides the planned one (the profiler measures each partition
+        alone)."""
+        for rid in plan.released:
+            self._release(rid)
+        self.last_decode = self.last_mixed_ms = None
+        if plan.empty:
+            return {}
+        part = partition or self.partition_for(plan)
+        if part is not self.current:
+            self.switches += 1
+            self.timeline.instant("partition switch", f"{part.name} decode", previous=self.current.name,
+                                  decode_sms=part.decode_sms, prefill_sms=part.prefill_sms)
+            self.current = part
+        if plan.mixed:
+            return self._mixed(plan, requests, part)
+        decode_tokens = None
+        started = time.perf_counter()
+        # time the decode kernels only where prefill may run beside them (what the contention guard learns from)
+        timing = part.decode_stream is not None and part is not self.partitions.full and bool(
+            plan.prefill or self._inflight)
+        if plan.decode:
+            with _on(part.decode_stream):
+                if timing:
+                    marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    marks[0].record()
+                ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
+                decode_tokens = self.runner.sample(ids, logits, requests)
+                if timing:
+                    marks[1].record()
+        launching = time.perf_counter()
+        for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
+            self._launch_prefill(list(group), requests, start, end, part)
+        launch_s = time.perf_counter() - launching
+        if decode_tokens is None:
+            return {}
+        beside = () if part is self.partitions.full else tuple(
+            w for launch in self._inflight if launch.event is not None and not launch.done() for w in launch.works)
+        with _on(part.decode_stream):
+            tokens = self.runner.read_tokens(decode_tokens)
+        ended = time.perf_counter()
+        # the host's prefill launches ran while the decode kernels did: the step as the profile measured it (decode
+        # alone on the host) is the wall time less them, or the decode kernels' own time when that is longer
+        ms = (ended - started - launch_s) * 1e3
+        if timing:
+            ms = max(ms, marks[0].elapsed_time(marks[1]))
+        self.last_decode = DecodeObservation(part.decode_sms, ms, beside)
+        self._split_decodes += part is not self.partitions.full
+        self.timeline.span("decode", f"{part.name} decode", started, ended, batch=len(plan.decode),
+                           decode_sms=part.decode_sms)
+        return dict(zip(plan.decode, tokens))
+
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition) -> dict[str, int]:
+        """A mixed (chunked-prefill) step is one forward on all SMs, complete when it returns. It replays the
+        partition's prefill graphs where one holds its rows (padded to the smallest that does), unless a prefill
+        launch still running there may be using their buffers."""
+        started = time.perf_counter()
+        graphs = self._prefill_graphs.get(part.name)
+        if graphs is not None and any(l.partition == part.name and not l.done() for l in self._inflight):
+            graphs = None
+        with _on(part.decode_stream):
+            ids, logits = self.runner.forward(plan, requests, graphs.padded if graphs else None, graphs)
+            sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
+        ended = time.perf_counter()
+        self.last_mixed_ms = (ended - started) * 1e3  # launch to tokens on the host: what the decode rows wait
+        self.timeline.span("mixed", f"{part.name} decode", started, ended, batch=len(plan.decode),
+                           prefill_tokens=sum(w.num_tokens for w in plan.prefill))
+        ends = [w.request_id for w in plan.prefill if w.token_end == requests[w.request_id].num_tokens]
+        tokens = torch.tensor([sampled[i] for i in ends], dtype=torch.long)
+        self._inflight.append(_Launch(list(plan.prefill), ends, tokens, None, None, part.name, started))
+        return {rid: sampled[rid] for rid in plan.decode}
+
+    def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
+                        part: Partition) -> None:
+        stream = part.prefill_stream
+        started = time.perf_counter()
+        with _on(stream):
+            for w in works:  # a continued chunk launched on another stream waits for its previous layers
+                last = self._last.get(w.request_id)
+                if last is not None and stream is not None and last.stream is not stream and last.event is not None:
+                    stream.wait_event(last.event)
+                    self.runner.use_partials_on(w.request_id, stream)
+            began = event = None
+            if stream is not None:
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(stream)
+            ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name),
+                                              self.pad_rows(part.prefill_sms), self._prefill_graphs.get(part.name))
+            tokens = self.runner.sample(ids, logits, requests) if ids else None
+            if stream is not None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
+        launch = _Launch(works, ids, tokens, event, stream, part.name, started, began, part.prefill_sms,
+                         self._split_decodes)
+        self._inflight.append(launch)
+        for w in works:
+            self._last[w.request_id] = launch
+        self.layers_launched += end - start
+        self.timeline.instant("prefill launch", f"{part.name} prefill", started, layers=f"{start}-{end}",
+                              tokens=sum(w.num_tokens for w in works))
+
+    # ---- completion -------------------------------------------------------------------------------------------
+    def poll(self) -> list[tuple[PrefillWork, int | None]]:
+        """Prefill works whose layers have all run since the last call, in launch order, with the sampled token of
+        each chunk that ends its prompt (None for the others)."""
+        done: list[tuple[PrefillWork, int | None]] = []
+        pending = []
+        for launch in self._inflight:
+            if not launch.done():
+                pending.append(launch)
+                continue
+            tokens = dict(zip(launch.ids, launch.tokens.tolist())) if launch.tokens is not None else {}
+            done += [(w, tokens.get(w.request_id)) for w in launch.works]
+            for w in launch.works:
+                if self._last.get(w.request_id) is launch:
+                    del self._last[w.request_id]
+            if launch.event is not None:
+                now = time.perf_counter()
+                if launch.began is not None:
+                    self.prefills.append(PrefillObservation(
+                        launch.prefill_sms, tuple(launch.works), launch.began.elapsed_time(launch.event),
+                        self._split_decodes > launch.decodes_before))
+                    self.prefills_seen += 1
+                self.timeline.span("prefill", f"{launch.partition} prefill", launch.launched_at, now,
+                                   works=len(launch.works),
+                                   layers=f"{launch.works[0].layer_start}-{launch.works[0].layer_end}")
+                if launch.ids:  # these prompts are done: their requests join the decode batch
+                    self.timeline.instant("merge", f"{launch.partition} prefill", now, requests=len(launch.ids))
+        self._inflight = pending
+        return done
+
+    def prefills_since(self, mark: int) -> tuple[list[PrefillObservation], int]:
+        """The prefill launches finished since a reader's `mark` (at most the latest the log keeps) and its next
+        mark."""
+        new = min(self.prefills_seen - mark, len(self.prefills))
+        return (list(self.prefills)[len(self.prefills) - new:] if new > 0 else []), self.prefills_seen
+
+    def has_inflight(self) -> bool:
+        return bool(self._inflight)
+
+    @property
+    def num_inflight(self) -> int:
+        """Prefill launches not reported by `poll()` yet."""
+        return len(self._inflight)
+
+    def wait(self) -> None:
+        """Block until the oldest in-flight prefill launch has finished (the engine has nothing else to run)."""
+        if self._inflight and self._inflight[0].event is not None:
+            self._inflight[0].event.synchronize()
+
+    def settle(self, request_id: str) -> None:
+        """Block until every launched kernel of the request has run: its pages may then go to another request."""
+        for launch in self._inflight:
+            if launch.event is not None and any(w.request_id == request_id for w in launch.works):
+                launch.event.synchronize()
+
+    def _release(self, request_id: str) -> None:
+        """Forget the request's executor state (finished, preempted or aborted: none of its kernels is in flight by
+        then; the engine `settle`s an aborted request before its pages are freed)."""
+        self._last.pop(request_id, None)
+        self.runner.release(request_id)

@@ -1,0 +1,232 @@
+"""`build_engine(config)`: everything heavy about starting an engine, in order — load the model and tokenizer,
+compile the layers, create the SM partitions, warm up and size the KV cache from what is left of memory, build the
+planner from the contract and the latency predictor, capture the decode and prefill CUDA graphs."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from appliance.config import SPATIAL_POLICIES, Config
+from appliance.engine.compile import compile_layers
+from appliance.engine.engine import Engine
+from appliance.engine.executor import Executor
+from appliance.engine.kv_cache import KVCache, PagePool
+from appliance.engine.partitions import PartitionSet, partitions_available
+from appliance.engine.planners.base import Planner
+from appliance.engine.planners.registry import build_planner
+from appliance.engine.runner import ModelRunner
+from appliance.engine.scheduler import Scheduler
+from appliance.errors import ConfigError
+from appliance.model_zoo.llama import DecoderForCausalLM
+from appliance.model_zoo.loader import load_model, resolve_model_dir
+from appliance.model_zoo.tokenizer import Tokenizer
+from appliance.predictor.gemm_table import GemmTable
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.profile import load_predictor
+
+CPU_DEFAULT_KV_BYTES = 512 << 20
+GRAPH_RESERVE_BYTES = 512 << 20  # graph pool, attention workspaces of the captured sizes
+PREFILL_WORKSPACE_BYTES = 160 << 20  # a prefill attention backend's workspaces
+log = logging.getLogger("muxd.engine")
+
+
+def load_tokenizer(config: Config) -> Tokenizer | None:
+    """The model directory's tokenizer (None without tokenizer.json), with --chat-template applied."""
+    path = resolve_model_dir(config.model.model_dir)
+    tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+    template = config.model.chat_template_source()
+    if template is not None:
+        if tokenizer is None:
+            raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
+        tokenizer.set_chat_template(template)
+    return tokenizer
+
+
+def build_engine(config: Config, model: DecoderForCausalLM | None = None,
+                 tokenizer: Tokenizer | None = None) -> Engine:
+    """Build a ready engine: the model and tokenizer from `config.model` unless given (a given model comes
+    without a tokenizer unless one is given too)."""
+    if model is None:
+        if config.model.seed is not None:
+            # vLLM's --seed: seeds the sampling generator once, so a run that receives the same requests in the same
+            # order samples the same tokens; a request's own `seed` still fixes its output on its own
+            torch.manual_seed(config.model.seed)
+        model = load_model(resolve_model_dir(config.model.model_dir), dtype=config.resolved_dtype(),
+                           device=config.runtime.resolved_device(), load_format=config.model.load_format)
+        tokenizer = load_tokenizer(config)
+    return _Builder(config, model).build(tokenizer)
+
+
+class _Builder:
+    def __init__(self, config: Config, model: DecoderForCausalLM) -> None:
+        self.config, self.model = config, model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cuda = self.device.type == "cuda"
+        self.startup: dict[str, float] = {}
+
+    def build(self, tokenizer: Tokenizer | None) -> Engine:
+        cfg, model, mcfg = self.config, self.model, self.model.config
+        sched_cfg, cache_cfg, rt = cfg.scheduler, cfg.cache, cfg.runtime
+        # before compile and warm-up: a sliding window shorter than the context is refused at once
+        mcfg.check_max_model_len(cfg.model.max_model_len or mcfg.max_model_len)
+        compiled = False
+        if rt.compile if rt.compile is not None else self.cuda:
+            compiled = compile_layers(model)
+        partitions = self._partitions()
+        reserve = 0
+        if self.cuda or compiled:
+            start = time.perf_counter()
+            reserve = self._profile_activations(sched_cfg.max_num_batched_tokens if self.cuda else 32, partitions)
+            self.startup["warm_up_s"] = time.perf_counter() - start
+        num_pages = self._pool_size(reserve)
+        kv_cache = KVCache(mcfg, num_pages, cache_cfg.block_size, self.dtype, self.device)
+        # dynamic NTK rotates a prompt's K by the prompt's length, so equal prefixes need not share pages
+        prefix_caching = cache_cfg.enable_prefix_caching and not mcfg.rope.length_dependent
+        if cache_cfg.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: with %s rope scaling K depends on the sequence length", mcfg.rope.type)
+        pool = PagePool(num_pages, cache_cfg.block_size, prefix_caching)
+        capacity = num_pages * cache_cfg.block_size
+        max_model_len = cfg.model.max_model_len or min(mcfg.max_model_len, capacity)
+        if max_model_len > capacity:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the KV cache ({num_pages} pages of "
+                              f"{cache_cfg.block_size} = {capacity} tokens); lower it or give the cache more memory")
+        contract = sched_cfg.contract
+        predictor = self._predictor()
+        planner = self._planner(predictor)
+        scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
+        runner = ModelRunner(model, kv_cache, rt.attention_backend)
+        executor = Executor(runner, partitions)
+        if self.cuda and rt.cuda_graph:
+            start = time.perf_counter()
+            executor.capture(self.max_graph_batch)
+            self.startup["graph_capture_s"] = time.perf_counter() - start
+            self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
+        if predictor is not None and executor.multiplexed:
+            predictor.decode_partitions = [p.decode_sms for p in partitions.splits]
+        graph_rows = self._prefill_graph_rows(runner)
+        executor.pad_prefills(self._gemm_table(predictor, graph_rows), sched_cfg.max_num_batched_tokens,
+                              predictor.sm_count if predictor is not None else 0)
+        if graph_rows:
+            start = time.perf_counter()
+            executor.capture_prefill(graph_rows)
+            self.startup["prefill_graph_capture_s"] = time.perf_counter() - start
+            self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
+        graphs = runner.graphs
+        splits = ", ".join(f"{p.decode_sms}/{p.prefill_sms}" for p in partitions.splits)
+        log.info("engine: attention %s, compiled %s, decode graphs %s, %s, %d KV pages of %d tokens",
+                 runner.backend_name, compiled, f"{graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "off",
+                 f"SM partitions (decode/prefill) {splits}" if executor.multiplexed else "no SM partitions",
+                 num_pages, cache_cfg.block_size)
+        engine = Engine(cfg, model, tokenizer, kv_cache, pool, scheduler, executor, contract, predictor,
+                        max_model_len)
+        engine.startup, engine.compiled = self.startup, compiled
+        engine.max_graph_batch, engine.prefill_graph_rows = self.max_graph_batch, graph_rows
+        return engine
+
+    @property
+    def max_graph_batch(self) -> int:
+        return self.config.runtime.max_graph_batch or min(self.config.scheduler.max_num_seqs, 256)
+
+    def _partitions(self) -> PartitionSet:
+        """SM partitions when multiplexing (default: CUDA and a spatial policy), else the null partition."""
+        rt, policy = self.config.runtime, self.config.scheduler.policy
+        want = rt.multiplex if rt.multiplex is not None else (
+            self.cuda and policy in SPATIAL_POLICIES and partitions_available())
+        if not want:
+            return PartitionSet.null()
+        if not self.cuda:
+            raise ConfigError(f"--multiplex needs a CUDA device; the model is on {self.device}")
+        return PartitionSet.create(self.device, rt.partition_granularity)
+
+    def _predictor(self) -> Predictor | None:
+        """The latency predictor, for mux and for chunked without a budget but with a profile."""
+        sched = self.config.scheduler
+        if sched.policy == "mux" or (sched.policy == "chunked" and sched.tuned_chunk_budget is None):
+            gpu = torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
+            return load_predictor(sched.profile, self.model.config, gpu, sched.profile_file)
+        return None
+
+    def _planner(self, predictor: Predictor | None) -> Planner:
+        sched = self.config.scheduler
+        planner = build_planner(sched, sched.contract, predictor)
+        if sched.policy == "chunked" and sched.tuned_chunk_budget is None:
+            log.info("chunked prefill: a budget of %d tokens per step, the largest whose step the predictor (%s) "
+                     "keeps within the contract's TBT target of %.0f ms", planner.token_budget, predictor.source,
+                     sched.contract.slo_for(None).tbt_ms)
+        return planner
+
+    def _prefill_graph_rows(self, runner: ModelRunner) -> int:
+        """Prefill launches of up to this many tokens run as piecewise graphs (0: none, as without CUDA, decode
+        graphs or a graph-capable attention backend; never above a step's prefill tokens)."""
+        rt = self.config.runtime
+        capable = rt.cuda_graph and self.cuda and runner.backend.supports_cuda_graph
+        return min(rt.prefill_graph_rows, self.config.scheduler.max_num_batched_tokens) if capable else 0
+
+    def _gemm_table(self, predictor: Predictor | None, rows: int) -> GemmTable | None:
+        """The profile's GEMM row buckets (None without), padding graph-sized launches within this engine's
+        prefill graphs; a profile measured with other prefill graphs is used as it is, with a warning."""
+        gemm = predictor.gemm if predictor is not None else None
+        if gemm is None:
+            return None
+        if gemm.graph_rows != rows:
+            log.warning("the profile was measured with prefill graphs up to %d rows, this engine runs them up to %d: "
+                        "its prefill predictions may be off (profile again with the same --prefill-graph-rows)",
+                        gemm.graph_rows, rows)
+            gemm = dataclasses.replace(gemm, graph_rows=rows)
+            predictor.latency = dataclasses.replace(predictor.latency, gemm=gemm)
+        return gemm
+
+    def _profile_activations(self, num_tokens: int, partitions: PartitionSet) -> int:
+        """Run the warm-up forwards (compiling the layers) on a throw-away KV cache of a few pages and return the
+        device memory the largest prefill step needs beyond the weights, plus sampling and graph headroom."""
+        mcfg, cfg = self.model.config, self.config
+        block = cfg.cache.block_size
+        tmp = KVCache(mcfg, -(-num_tokens // block) + 1, block, self.dtype, self.device)
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        runner = ModelRunner(self.model, tmp, cfg.runtime.attention_backend)
+        runner.warm_up(num_tokens)
+        if not self.cuda:
+            return 0
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del runner, tmp
+        torch.cuda.empty_cache()
+        sampling = cfg.scheduler.max_num_seqs * mcfg.vocab_size * 4 * 6  # logits, probs, sort values + indices, noise
+        cuda_graph = cfg.runtime.cuda_graph
+        graphs = self.max_graph_batch * mcfg.vocab_size * 4 + GRAPH_RESERVE_BYTES if cuda_graph else 0
+        # prefill graphs: fixed buffers and a pool for one layer's activations at their largest size, taken as twice
+        # the warm-up prefill's peak per token
+        rows = min(cfg.runtime.prefill_graph_rows, num_tokens) if cuda_graph else 0
+        graphs += 2 * peak * rows // num_tokens
+        # with SM partitions: graph sets and a prefill attention workspace per partition
+        return peak + sampling + graphs * len(partitions.partitions) + PREFILL_WORKSPACE_BYTES * (
+            len(partitions.partitions) if not partitions.full.is_null else 0)
+
+    def _pool_size(self, reserve: int = 0) -> int:
+        """Pages for the KV cache: explicit, or what the memory budget holds after `reserve` bytes for activations,
+        but no more than twice what max_num_seqs requests of full length need (a small model on a large GPU would
+        otherwise take it all)."""
+        cfg, cache = self.config, self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        per_page = KVCache.bytes_per_page(self.model.config, cache.block_size, self.dtype)
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        elif self.cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(cache.gpu_memory_utilization * total) - (total - free) - reserve
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        if budget < per_page:
+            raise ConfigError(f"KV cache budget of {budget} bytes holds no page ({per_page} bytes per page of "
+                              f"{cache.block_size} tokens); raise --kv-cache-memory or --gpu-memory-utilization")
+        model_len = cfg.model.max_model_len or self.model.config.max_model_len
+        useful = 2 * cfg.scheduler.max_num_seqs * -(-model_len // cache.block_size)
+        return min(budget // per_page, useful)

@@ -1,0 +1,88 @@
+"""TTFT deadlines and the order in which waiting prompts are prefilled: each request's deadline from its class and
+its uncached prompt, reordering by predicted prefill time when that breaks no one's deadline (Bullet), and the
+admission test that sheds a request whose deadline cannot be met.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from appliance.engine.kv_cache import PagePool
+from appliance.engine.request import Request
+from appliance.predictor.shapes import PrefillItem
+from appliance.slo.contract import ClassSLO, Contract
+
+REORDER_WINDOW = 32  # waiting requests considered for reordering; the rest keep their order
+
+
+class Deadlines:
+    """Per-request class targets, prefill work and TTFT deadline (seconds on the scheduler's clock)."""
+
+    def __init__(self, contract: Contract, pool: PagePool) -> None:
+        self.contract, self.pool = contract, pool
+        self._slos = {name: contract.slo_for(name) for name in contract.class_names()}
+        self._cached: dict[str, int] = {}  # prefix-cache hits estimated while a request waits
+
+    def slo(self, r: Request) -> ClassSLO:
+        return self._slos[r.slo_class or self.contract.default_class_name]
+
+    def _lookup(self, r: Request) -> int:
+        """Tokens of a waiting request the prefix cache holds, as found on first sight."""
+        if r.request_id not in self._cached:
+            pages = self.pool.cached_prefix(r.all_token_ids, r.num_tokens, r.page_table)
+            self._cached[r.request_id] = len(pages) * self.pool.page_size
+        return self._cached[r.request_id]
+
+    def item(self, r: Request) -> PrefillItem:
+        """The request's remaining prefill work."""
+        done = r.num_computed_tokens if r.page_table.pages else self._lookup(r)
+        return PrefillItem(r.num_tokens - done, done)
+
+    def deadline(self, r: Request) -> float:
+        """When its first token is due; -inf for a request that already has output (a recomputation after a
+        preemption: it is late by nature and goes first)."""
+        if r.output_token_ids:
+            return float("-inf")
+        cached = r.num_cached_tokens if r.num_cached_tokens is not None else self._lookup(r)
+        uncached = r.num_prompt_tokens - min(cached, r.num_prompt_tokens)
+        return r.arrival_time + self.slo(r).ttft_target_ms(uncached) / 1000.0
+
+    def forget(self, live: set[str]) -> None:
+        """Drop estimates of requests that left the engine."""
+        for rid in [rid for rid in self._cached if rid not in live]:
+            del self._cached[rid]
+
+
+def reorder(waiting: Sequence[Request], start: float, cost: Callable[[Request], float],
+            deadline: Callable[[Request], float], priority: Callable[[Request], int]) -> list[Request]:
+    """Serve order for waiting prefills, the first starting at `start` (seconds): by priority, then each next pick is
+    the shortest (predicted `cost`, seconds) whose moving ahead makes no request it jumps over miss a deadline that
+    request would have met in arrival order; otherwise arrival order."""
+    order = sorted(waiting, key=priority)  # stable: arrival order within a priority
+    head, tail = order[:REORDER_WINDOW], order[REORDER_WINDOW:]
+    out: list[Request] = []
+    t = start
+    while head:
+        top = priority(head[0])
+        chosen = head[0]
+        for c in sorted((r for r in head if priority(r) == top), key=cost):
+            if c is head[0] or _jump_is_safe(head, c, t, cost, deadline):
+                chosen = c
+                break
+        out.append(chosen)
+        head.remove(chosen)
+        t += cost(chosen)
+    return out + tail
+
+
+def _jump_is_safe(queue: Sequence[Request], c: Request, t: float, cost: Callable[[Request], float],
+                  deadline: Callable[[Request], float]) -> bool:
+    extra = cost(c)
+    for r in queue:
+        if r is c:
+            return True
+        if deadline(r) == float("-inf"):
+            return False  # a preempted request recomputing its tokens: its stream is stalled, nobody passes it
+        t += cost(r)
+        if t <= deadline(r) < t + extra:  # met in arrival order, missed behind c
+            return False
+    return True

@@ -1,0 +1,394 @@
+"""The `mux` planner: every step, from the SLO contract and the latency predictor, decides how decode and prefill
+share the GPU. Decode gets the smallest partition whose worst-case step meets the TBT target and prefill the rest,
+advancing ceil(T_decode * L / T_prefill) layers per step (MuxWise); a mixed batch on all SMs when that already meets
+TBT (DuetServe); with `mixed_chunks`, a chunk of prompt tokens sized to the TBT target beside the decode rows on all
+SMs, earliest deadline first, when that prefills faster than the split would (adaptive chunked prefill); waiting prompts reordered by predicted time
+when no deadline breaks (Bullet); a short prompt pauses a long one at a layer or chunk boundary when the long one
+still makes its TTFT; shedding per the contract.
+
+Prefill may be asynchronous: layers launched in one step can still run steps later. The planner reads what is in
+flight from the scheduler (`launched_layer`) and never relaunches it.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.planners.base import reserve_all
+from appliance.engine.planners.deadlines import Deadlines, reorder
+from appliance.engine.request import Request, RequestStatus
+from appliance.engine.scheduler import Scheduler
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.shapes import DecodeLoad, PrefillItem, decode_load
+from appliance.slo.contract import Contract
+
+PAUSE_CANDIDATES = 8  # waiting prompts, most urgent first, considered for pausing the running batch
+
+
+@dataclass
+class MuxOptions:
+    max_prefill_tokens: int = 8192  # prompt tokens prefilled together as one layer-wise batch
+    tbt_margin: float = 1.0         # plan decode steps to margin * the TBT target
+    prefill_pause: bool = True      # a short prompt may pause the running batch between layers (MuxWise)
+    reorder: bool = True
+    max_inflight_chunks: int = 2    # prefill chunks queued on the prefill stream (one running, one waiting)
+    growth_tokens: int = 1024       # KV kept free for each running request's next output tokens
+    mixed_chunks: bool = False      # chunks of the prompt beside decode on all SMs when they prefill faster
+    chunk_tbt: float = 0.8          # such a mixed step is planned to this fraction of the TBT target
+
+
+@dataclass
+class MuxStats:
+    """What the planner decided so far (for metrics and tests)."""
+
+    spatial_steps: int = 0
+    aggregated_steps: int = 0
+    chunk_steps: int = 0
+    decode_only_steps: int = 0
+    prefill_only_steps: int = 0
+    pauses: int = 0  # batches paused between layers for a more urgent prompt
+    shed: int = 0
+    last_mode: str = ""
+    decode_sms: Counter = field(default_factory=Counter)  # spatial steps per decode partition
+
+
+class MuxPlanner:
+    name = "mux"
+
+    def __init__(self, contract: Contract, predictor: Predictor, options: MuxOptions | None = None) -> None:
+        self.contract, self.predictor = contract, predictor
+        self.options = options or MuxOptions()
+        self.stats = MuxStats()
+        self.batch: list[str] = []   # prompts prefilled together, layer by layer, with layers still to launch
+        self.paused: list[str] = []  # a batch paused at a layer boundary; it resumes when the current one ends
+        self._deadlines: Deadlines | None = None
+        self._prefill_sms = predictor.sm_count  # of the last step, for predictions outside a step
+        self._steps = 0
+        self._pause_seen: tuple = ()
+        self._chunked: set[str] = set()  # prompts that ran a mixed chunk: started, pausable between chunks
+
+    # ---- per step ---------------------------------------------------------------------------------------------
+    def plan(self, sched: Scheduler) -> StepPlan:
+        dl = self._dl(sched)
+        self._steps += 1
+        if self._steps % 256 == 0:
+            dl.forget(set(sched.requests))
+        decode = reserve_all(sched, list(sched.decoding))
+        self._tidy(sched)
+        now = sched.clock()
+        if not self.batch:
+            self._start_batch(sched, now)
+        elif self.options.prefill_pause and not self.paused:
+            self._maybe_pause(sched, now)
+        load = self._load(sched, decode)
+        tbt = self._tbt_ms(sched, decode)
+        batch = [sched.requests[rid] for rid in self.batch]
+        if not batch:
+            return self._decode_only(sched, decode, load, tbt)
+        start = sched.launched_layer(batch[0])
+        items = [dl.item(r) for r in batch]
+        if not decode:
+            return self._prefill_all_sms(sched, batch, start, items, tbt)
+        if start == 0 and not sched.has_inflight() and self.predictor.mixed_ms(items, load) <= tbt:
+            self.stats.aggregated_steps += 1
+            self.stats.last_mode = "aggregated"
+            return StepPlan(decode=decode, prefill=self._works(batch, 0, self.predictor.num_layers), mixed=True)
+        if self.options.mixed_chunks and start == 0 and not sched.has_inflight():
+            chunk = self._chunk(sched, decode, load, batch, items, tbt)
+            if chunk is not None:
+                return chunk
+        return self._spatial(sched, decode, load, batch, start, items, tbt)
+
+    def _decode_only(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, tbt: float) -> StepPlan:
+        self.stats.decode_only_steps += bool(decode)
+        self.stats.last_mode = "decode"
+        if decode and sched.has_inflight():  # prefill layers still run on their partition: decode keeps to its own
+            d = self._decode_partition(load, self._inflight_items(sched), tbt) or self.predictor.decode_partitions[-1]
+            return StepPlan(decode=decode, decode_sms=d, prefill_sms=self.predictor.sm_count - d)
+        return StepPlan(decode=decode)
+
+    def _prefill_all_sms(self, sched: Scheduler, batch: list[Request], start: int, items: list[PrefillItem],
+                         tbt: float) -> StepPlan:
+        """No decode: prefill on all SMs, in chunks of about one TBT so that new arrivals are seen."""
+        p = self.predictor
+        per_layer = p.prefill_ms(items) / p.num_layers
+        k = max(1, min(p.num_layers - start, int(tbt // per_layer) if per_layer > 0 else p.num_layers))
+        self.stats.prefill_only_steps += 1
+        self.stats.last_mode = "prefill"
+        self._prefill_sms = p.sm_count
+        return StepPlan(prefill=self._works(batch, start, start + k))
+
+    def _spatial(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
+                 items: list[PrefillItem], tbt: float) -> StepPlan:
+        p = self.predictor
+        d = self._decode_partition(load, items, tbt)
+        if d is None:  # no split holds TBT beside this prefill: decode alone on all SMs, prefill waits a step
+            return self._decode_only(sched, decode, load, tbt)
+        self.stats.spatial_steps += 1
+        self.stats.last_mode = "spatial"
+        self.stats.decode_sms[d] += 1
+        self._prefill_sms = p.sm_count - d
+        queued = len(sched.inflight.get(batch[0].request_id, ()))
+        works: tuple[PrefillWork, ...] = ()
+        if queued < self.options.max_inflight_chunks:
+            t_decode = p.decode_ms(load, d, items)
+            t_prefill = p.prefill_ms(items, p.sm_count - d)
+            k = math.ceil(t_decode * p.num_layers / t_prefill) if t_prefill > 0 else p.num_layers
+            works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
+        return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
+
+    def _chunk(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request],
+               items: list[PrefillItem], tbt: float) -> StepPlan | None:
+        """Adaptive chunked prefill: as many of the batch's tokens as a mixed step with the decode rows is predicted
+        to take within `chunk_tbt` x TBT, when they go faster that way than the batch would on the split beside
+        decode (None when the split is faster, or decode needs all SMs). The chunk takes its tokens earliest TTFT
+        deadline first, from the batch and the most urgent waiting prompts (which join the batch), and is sized by the
+        mixed step of those very chunks (their contexts differ)."""
+        p, dl = self.predictor, self._dl(sched)
+        d = self._decode_partition(load, items, tbt)
+        if d is None:
+            return None
+        total, limit = sum(i.new for i in items), self.options.chunk_tbt * tbt
+        queue = [(r, dl.item(r)) for r in sorted(batch + self._order(sched, sched.clock())[:PAUSE_CANDIDATES],
+                                                 key=dl.deadline)]
+
+        def fill(budget: int) -> list[tuple[Request, PrefillItem]]:
+            """`budget` tokens, earliest deadline first: each prompt and its chunk (its tokens, the context before)."""
+            out, left = [], budget
+            for r, item in queue:
+                n = min(left, item.new)
+                if n > 0:
+                    out.append((r, PrefillItem(n, item.reused)))
+                    left -= n
+            return out
+
+        def mixed_ms(budget: int) -> float:  # the mixed step of that chunk, as it would run
+            return p.mixed_ms([item for _, item in fill(budget)], load)
+
+        lo, hi = 0, total  # the largest chunk that fits: mixed_ms(lo) <= limit (or lo is 0)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mixed_ms(mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < 1 or lo / mixed_ms(lo) <= total / p.prefill_ms(items, p.sm_count - d):
+            return None
+        works = []
+        for r, item in fill(lo):
+            if r not in batch:
+                if not self._admit(sched, r):
+                    continue  # (its tokens stay out of this chunk: the step only gets shorter)
+                self.batch.append(r.request_id)
+            start = r.num_computed_tokens
+            works.append(PrefillWork(r.request_id, start, min(start + item.new, r.num_tokens), 0, p.num_layers))
+        if not works:
+            return None
+        self._chunked.update(w.request_id for w in works)
+        self.stats.chunk_steps += 1
+        self.stats.last_mode = "chunk"
+        return StepPlan(decode=decode, prefill=tuple(works), mixed=True)
+
+    def _decode_partition(self, load: DecodeLoad, items: list[PrefillItem], tbt: float) -> int | None:
+        """The smallest decode partition whose worst-case step beside `items` meets `tbt`; when none does, None if
+        decode alone on all SMs would, else the largest partition (the best that can be done)."""
+        p = self.predictor
+        for d in p.decode_partitions:
+            if p.decode_ms(load, d, items) <= tbt:
+                return d
+        if p.decode_ms(load) <= tbt:
+            return None
+        return p.decode_partitions[-1]
+
+    # ---- batches ----------------------------------------------------------------------------------------------
+    def _start_batch(self, sched: Scheduler, now: float) -> None:
+        if self.paused:
+            self.batch, self.paused = self.paused, []
+            return
+        candidates = self._order(sched, now)
+        budget = self.options.max_prefill_tokens
+        for r in candidates:
+            if sched.num_running >= sched.max_num_seqs:
+                break
+            work = self._dl(sched).item(r).new
+            if self.batch and work > budget:
+                break
+            # a prompt the KV pool cannot hold yet does not block the ones behind it (it stays first in line)
+            if self._admit(sched, r):
+                self.batch.append(r.request_id)
+                budget -= work
+
+    def _maybe_pause(self, sched: Scheduler, now: float) -> None:
+        """MuxWise: the most urgent waiting prompt pauses the running batch at its next layer boundary when it
+        would miss its TTFT behind the batch, makes it when run first, and every request of the batch still makes
+        its own. The pausing batch is never paused itself."""
+        if not sched.waiting:
+            return
+        # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
+        # remaining time alike)
+        seen = (len(sched.waiting), sched.waiting[-1].request_id, tuple(self.batch),
+                sum(sched.requests[rid].num_computed_tokens for rid in self.batch) if self._chunked else 0)
+        if seen == self._pause_seen:
+            return
+        self._pause_seen = seen
+        dl, p = self._dl(sched), self.predictor
+        batch = [sched.requests[rid] for rid in self.batch]
+        done = min(r.prefill_layer for r in batch)
+        if done == 0 and not any(r.request_id in sched.inflight or r.request_id in self._chunked for r in batch):
+            return  # not started: nothing to pause, it simply waits its turn
+        remaining = p.prefill_ms([dl.item(r) for r in batch], self._prefill_sms) * (1 - done / p.num_layers) / 1e3
+        for w in self._order(sched, now)[:PAUSE_CANDIDATES]:
+            own = p.prefill_ms([dl.item(w)], self._prefill_sms) / 1e3
+            deadline = dl.deadline(w)
+            if not (own < remaining and now + remaining + own > deadline >= now + own):
+                continue  # long, or fine behind the batch, or late anyway
+            if any(now + own + remaining > dl.deadline(r) for r in batch):
+                return  # the batch cannot spare the time of the most urgent candidate
+            if self._admit(sched, w):
+                break
+        else:
+            return
+        self.paused, self.batch = self.batch, [w.request_id]
+        self.stats.pauses += 1
+
+    def _admit(self, sched: Scheduler, r: Request) -> bool:
+        """Admit `r` only when the pool keeps room for every running request to grow by its remaining output (up
+        to `growth_tokens`): a decode request preempted for pages would stall for a whole recomputation."""
+        pool, horizon = sched.pool, self.options.growth_tokens
+
+        def growth(q: Request) -> int:
+            more = min(q.sampling.max_tokens - len(q.output_token_ids), horizon)
+            return max(0, pool.pages_for(q.num_tokens + more) - len(q.page_table.pages))
+
+        reserve = sum(growth(q) for q in sched.prefilling) + sum(growth(q) for q in sched.decoding)
+        hit = self._dl(sched).item(r).reused // pool.page_size
+        need = pool.pages_for(r.num_tokens + min(r.sampling.max_tokens, horizon)) - hit
+        return pool.num_free_pages - need >= reserve and sched.admit(r)
+
+    def _order(self, sched: Scheduler, now: float) -> list[Request]:
+        dl = self._dl(sched)
+        waiting = list(sched.waiting)
+        if not self.options.reorder:
+            return sorted(waiting, key=lambda r: dl.slo(r).priority)
+        costs: dict[str, float] = {}
+        deadlines: dict[str, float] = {}
+
+        def cost(r: Request) -> float:
+            if r.request_id not in costs:
+                costs[r.request_id] = self.predictor.prefill_ms([dl.item(r)], self._prefill_sms) / 1e3
+            return costs[r.request_id]
+
+        def deadline(r: Request) -> float:
+            if r.request_id not in deadlines:
+                deadlines[r.request_id] = dl.deadline(r)
+            return deadlines[r.request_id]
+
+        return reorder(waiting, now, cost, deadline, lambda r: dl.slo(r).priority)
+
+    def _tidy(self, sched: Scheduler) -> None:
+        """Forget batch members that left prefill (finished, aborted, preempted for pages) or have every layer
+        launched (their last layers are in flight; the next batch may start behind them)."""
+        def live(rid: str) -> bool:
+            r = sched.requests.get(rid)
+            return r is not None and r.status is RequestStatus.PREFILLING
+
+        self.paused = [rid for rid in self.paused if live(rid)]
+        self._chunked = {rid for rid in self._chunked if live(rid)}
+        self.batch = [rid for rid in self.batch
+                      if live(rid) and sched.launched_layer(sched.requests[rid]) < self.predictor.num_layers]
+        if not self.batch and self.paused:
+            self.batch, self.paused = self.paused, []
+        if not self.batch:  # prefills admitted by someone else (another planner before this one): adopt them
+            pending = [(r, layer) for r, layer in sched.pending_prefills() if r.request_id not in self.paused]
+            self.batch = [r.request_id for r, layer in pending if layer == pending[0][1]] if pending else []
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _works(self, batch: list[Request], start: int, end: int) -> tuple[PrefillWork, ...]:
+        return tuple(PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, start, end) for r in batch)
+
+    def _dl(self, sched: Scheduler) -> Deadlines:
+        if self._deadlines is None or self._deadlines.pool is not sched.pool:
+            self._deadlines = Deadlines(self.contract, sched.pool)
+        return self._deadlines
+
+    def _load(self, sched: Scheduler, decode: tuple[str, ...]) -> DecodeLoad:
+        return decode_load(sched.requests, decode)
+
+    def _tbt_ms(self, sched: Scheduler, decode: tuple[str, ...]) -> float:
+        dl = self._dl(sched)
+        tightest = min((dl.slo(sched.requests[rid]).tbt_ms for rid in decode),
+                       default=self.contract.slo_for(None).tbt_ms)
+        return tightest * self.options.tbt_margin
+
+    def _inflight_items(self, sched: Scheduler) -> list[PrefillItem]:
+        dl = self._dl(sched)
+        return [dl.item(sched.requests[rid]) for rid in sched.inflight if rid in sched.requests]
+
+    def observe_decode(self, load: DecodeLoad, decode_sms: int, concurrent: list[PrefillItem] | tuple,
+                       measured_ms: float) -> None:
+        """An executor's measured decode step beside prefill work: online refinement of the contention guard."""
+        self.predictor.observe_decode(load, decode_sms, concurrent, measured_ms)
+
+    def observe_prefill(self, items: list[PrefillItem], layers: int, prefill_sms: int, measured_ms: float) -> None:
+        """Prefill layers measured on a partition beside decode: online refinement of the split slowdown."""
+        self.predictor.observe_prefill(items, layers, prefill_sms, measured_ms)
+
+    def observe_mixed(self, items: list[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
+        """A mixed step measured on all SMs: online refinement of what mixed steps cost while serving."""
+        self.predictor.observe_mixed(items, load, measured_ms)
+
+    def snapshot(self) -> dict:
+        """What the planner decided and learned online so far (a replay's result JSON keeps it): its step counts,
+        and the split and mixed-step slowdowns it plans with, with how many measured launches or steps they hold."""
+        p = self.predictor
+        stats = asdict(self.stats)
+        stats["decode_sms"] = {str(k): v for k, v in sorted(self.stats.decode_sms.items())}
+        return {"stats": stats, "contention_cells": len(p.guard.observations), **{
+            name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
+            for name, model in (("split", p.split), ("mixed", p.mixed))}}
+
+    # ---- admission --------------------------------------------------------------------------------------------
+    def admission_check(self, sched: Scheduler, request: Request) -> float | None:
+        """None to accept the request; else the Retry-After (seconds) of shedding it, when the contract says shed
+        and its predicted first token misses its TTFT deadline."""
+        if self.contract.overload.mode != "shed":
+            return None
+        dl, p = self._dl(sched), self.predictor
+        now = sched.clock()
+        prio = dl.slo(request).priority
+        sms = self._prefill_sms
+        own = p.prefill_ms([dl.item(request)], sms) / 1e3
+        deadline = dl.deadline(request)
+        wait = 0.0
+        for group in (self.batch, self.paused):  # what the running (and a paused) batch still has to compute
+            batch = [sched.requests[rid] for rid in group if rid in sched.requests]
+            if batch:
+                done = min(r.prefill_layer for r in batch) / p.num_layers
+                remaining = p.prefill_ms([dl.item(r) for r in batch], sms) * (1 - done)
+                # a short prompt that would miss its deadline behind the running batch pauses it when the batch
+                # keeps its own deadlines (as _maybe_pause decides): it then waits for no more than a layer of it
+                started = done > 0 or any(r.request_id in sched.inflight for r in batch)
+                if (group is self.batch and self.options.prefill_pause and not self.paused and started
+                        and own * 1e3 < remaining and now + remaining / 1e3 + own > deadline
+                        and all(now + own + remaining / 1e3 <= dl.deadline(r) for r in batch)):
+                    remaining /= p.num_layers
+                wait += remaining
+        # the prompts queued ahead of it (a higher priority, or its own with an earlier deadline when the planner
+        # reorders by deadline, else arrived earlier), prefilled together in batches as _start_batch forms them
+        ahead = [r for r in sched.waiting if dl.slo(r).priority < prio or (dl.slo(r).priority == prio and (
+            dl.deadline(r) <= deadline if self.options.reorder else True))]
+        batch, tokens = [], 0
+        for r in ahead:
+            item = dl.item(r)
+            if batch and tokens + item.new > self.options.max_prefill_tokens:
+                wait += p.prefill_ms(batch, sms)
+                batch, tokens = [], 0
+            batch.append(item)
+            tokens += item.new
+        wait = (wait + (p.prefill_ms(batch, sms) if batch else 0.0)) / 1e3
+        if now + wait + own <= deadline or now + own > deadline:
+            return None  # on time, or late even on an idle GPU: refusing would not help it, it is served late
+        self.stats.shed += 1
+        return self.contract.overload.retry_after_s or max(1.0, wait)

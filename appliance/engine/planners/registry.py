@@ -1,0 +1,58 @@
+"""Every policy by name (`mux`, `chunked`, `serial`, `layerwise`) and how to build its planner, plus the chunked
+baseline's budget tuned to the TBT target (the largest token budget whose step meets it when idle)."""
+from __future__ import annotations
+
+from appliance.config import POLICIES, SchedulerSettings
+from appliance.engine.planners.base import Planner
+from appliance.engine.planners.chunked import ChunkedPlanner
+from appliance.engine.planners.layerwise import LayerwisePlanner
+from appliance.engine.planners.mux import MuxOptions, MuxPlanner
+from appliance.engine.planners.serial import SerialPlanner
+from appliance.errors import ConfigError
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.shapes import DecodeLoad, PrefillItem
+from appliance.slo.contract import Contract
+
+IDLE_DECODE = DecodeLoad(1, 1024)  # "idle": one other request decoding with a short context
+
+
+def tune_chunk_budget(predictor: Predictor, tbt_ms: float, decode: DecodeLoad = IDLE_DECODE,
+                      lo: int = 16, hi: int = 65536) -> int:
+    """The largest token budget whose mixed step (a fresh prompt chunk beside `decode`) meets `tbt_ms`; `lo` when
+    even that misses."""
+    def fits(budget: int) -> bool:
+        return predictor.mixed_ms([PrefillItem(budget - decode.batch_size, 0)], decode) <= tbt_ms
+
+    if not fits(lo):
+        return lo
+    while lo < hi:  # invariant: fits(lo)
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def build_planner(settings: SchedulerSettings, contract: Contract | None = None,
+                  predictor: Predictor | None = None) -> Planner:
+    """The planner of `settings.policy`; `mux` needs the contract and the predictor, `chunked` without a budget
+    tunes it to the contract's TBT target with the predictor (else takes --max-num-batched-tokens)."""
+    name, max_tokens = settings.policy, settings.max_num_batched_tokens
+    if name == "serial":
+        return SerialPlanner(max_tokens)
+    if name == "layerwise":
+        return LayerwisePlanner(settings.layers_per_step, max_tokens, settings.layerwise_decode_sms)
+    if name == "chunked":
+        budget = settings.chunk_budget
+        if budget is None:
+            budget = (tune_chunk_budget(predictor, contract.slo_for(None).tbt_ms, lo=min(16, max_tokens), hi=max_tokens)
+                      if predictor is not None and contract is not None else max_tokens)
+        return ChunkedPlanner(budget, max_tokens)
+    if name != "mux":
+        raise ConfigError(f"policy {name!r} has no planner; choose one of {', '.join(POLICIES)}")
+    if contract is None or predictor is None:
+        raise ConfigError("the mux policy needs an SLO contract and a latency predictor")
+    return MuxPlanner(contract, predictor, MuxOptions(max_prefill_tokens=max_tokens,
+                                                      prefill_pause=settings.prefill_pause,
+                                                      mixed_chunks=settings.mixed_chunks))

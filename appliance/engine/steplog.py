@@ -1,0 +1,91 @@
+"""A log of every engine step, for diagnosis and serving calibration: planning time, launch time (the executor's
+whole step: for a decode or mixed step, launch to tokens on the host), the host time since the previous step's launch
+ended (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition
+and prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the
+executor measured. Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time,
+prefill SMs, layers, whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the
+engine's scheduler and executor; `detach` restores them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.shapes import decode_load, prefill_items
+
+
+class StepLog:
+    def __init__(self, engine: Any, predictor: Predictor | None = None) -> None:
+        self.engine, self.predictor = engine, predictor
+        self.steps: list[dict[str, Any]] = []
+        self.prefills: list[dict[str, Any]] = []
+        self._originals: tuple | None = None
+        self._seen = engine.executor.prefills_seen
+        self._launch_end: float | None = None  # when the previous step's launch returned
+
+    def attach(self) -> "StepLog":
+        sched, executor = self.engine.scheduler, self.engine.executor
+        self._originals = (sched.schedule, executor.launch)
+        schedule, launch = self._originals
+
+        def timed_schedule():
+            t0 = time.perf_counter()
+            plan = schedule()
+            self.steps.append({
+                "t": t0, "plan_ms": (time.perf_counter() - t0) * 1e3, "decode": len(plan.decode),
+                "gap_ms": None if self._launch_end is None else (t0 - self._launch_end) * 1e3,
+                "decode_sms": plan.decode_sms, "mixed": plan.mixed,
+                "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
+                "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
+                "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
+                "inflight": executor.num_inflight, "waiting": len(sched.waiting)})
+            return plan
+
+        def timed_launch(plan, requests, partition=None):
+            t0 = time.perf_counter()
+            out = launch(plan, requests, partition)
+            if self.steps:
+                self.steps[-1]["launch_ms"] = (time.perf_counter() - t0) * 1e3
+                self.steps[-1]["partition"] = executor.current.name
+                self.steps[-1].update(self._predicted(plan, requests))
+            self._collect_prefills()
+            self._launch_end = time.perf_counter()
+            return out
+
+        sched.schedule, executor.launch = timed_schedule, timed_launch
+        return self
+
+    def detach(self) -> None:
+        if self._originals is not None:
+            self.engine.scheduler.schedule, self.engine.executor.launch = self._originals
+            self._originals = None
+
+    def _collect_prefills(self) -> None:
+        finished, self._seen = self.engine.executor.prefills_since(self._seen)
+        for obs in finished:
+            items = prefill_items(obs.works)
+            row: dict[str, Any] = {"ms": obs.ms, "prefill_sms": obs.prefill_sms, "layers": obs.layers,
+                                   "beside": obs.beside_decode, "items": [[i.new, i.reused] for i in items]}
+            if self.predictor is not None:
+                sms = None if obs.prefill_sms >= self.predictor.sm_count else obs.prefill_sms
+                row["pred_ms"] = self.predictor.prefill_solo_ms(items, sms, obs.layers)
+            self.prefills.append(row)
+
+    def _predicted(self, plan, requests) -> dict[str, Any]:
+        """The predictor's figure for the step as planned, beside what the executor measured."""
+        if self.predictor is None or not plan.decode:
+            return {}
+        p = self.predictor
+        load = decode_load(requests, plan.decode)
+        row: dict[str, Any] = {"ctx": load.reused_tokens}
+        if plan.mixed:
+            items = prefill_items(plan.prefill)
+            row.update(pred_ms=p.mixed_ms(items, load), items=[[i.new, i.reused] for i in items])
+            return row
+        obs = self.engine.executor.last_decode
+        if obs is not None:
+            beside = prefill_items(obs.concurrent)
+            row.update(obs_ms=obs.ms, beside=len(beside),
+                       pred_ms=p.decode_ms(load, obs.decode_sms, beside) if beside else p.decode_ms(load))
+        return row

@@ -1,0 +1,170 @@
+"""Serving calibration: how much slower steps run while serving than the profile predicts for them alone. The
+profiler times each step with nothing else in the process; a server's front-end (its event loop, token streaming)
+shares the host with the engine, and the steps the host launches slow down. A replay on the GPU logs every step with
+its measured time (`muxd bench diagnose`, `muxd profile --calibrate-rate`); `serving_factors` reduces such a log
+to one factor per phase, which the profile file keeps and the simulator's clock applies (`ServingClock`); plans never
+apply these. The same replay under mux also measures prefill on a partition beside decode: that slowdown is
+contention, not the host, so the predictor plans with it (`split.py`) and refines it online.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Any, Iterable, Sequence
+
+from appliance.bench.client import replay_in_process
+from appliance.bench.prompts import PromptSynth
+from appliance.config import SchedulerSettings
+from appliance.engine.engine import Engine
+from appliance.engine.planners.registry import build_planner
+from appliance.engine.steplog import StepLog
+from appliance.errors import ConfigError
+from appliance.predictor.predictor import Predictor
+from appliance.predictor.profile import serving_range
+from appliance.predictor.shapes import DecodeLoad, PrefillItem
+from appliance.predictor.split import fit, span_k
+from appliance.slo.contract import default_contract
+from appliance.workload import shaping as wl
+from appliance.workload.metrics import RequestTimeline
+
+log = logging.getLogger("muxd.profile")
+
+MIN_STEPS = 20  # a phase with fewer logged steps gets no factor
+
+
+def serving_factors(steps: Iterable[dict[str, Any]], predictor: Predictor,
+                    prefills: Iterable[dict[str, Any]] = ()) -> dict[str, float]:
+    """Total measured time over total predicted time, per phase, of a step log's decode steps that ran alone
+    ("decode") and its mixed steps ("prefill": a prompt chunk with decode rows, on all SMs). A step is a dict with
+    launch_ms, mixed, decode (batch size), ctx (the batch's cached tokens) and, for mixed steps, items ([new,
+    reused] per chunk) or prefill_tokens (then counted as new tokens without reuse). `prefills` (a StepLog's
+    prefill launches: ms, prefill_sms, layers, items) give the partition prefill's factors (`split_factors`)."""
+    sums = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}
+    for s in steps:
+        if "launch_ms" not in s or "ctx" not in s or not s.get("decode"):
+            continue
+        load = DecodeLoad(int(s["decode"]), int(s["ctx"]))
+        if s.get("mixed"):
+            items = [PrefillItem(int(n), int(r)) for n, r in s["items"]] if s.get("items") else \
+                [PrefillItem(int(s["prefill_tokens"]), 0)]
+            phase, predicted = "prefill", predictor.mixed_ms(items, load)
+        elif not s.get("beside") and not s.get("layers"):
+            phase, predicted = "decode", predictor.decode_ms(load)
+        else:
+            continue  # decode beside prefill: the contention guard's business
+        if predicted > 0:
+            acc = sums[phase]
+            acc[0] += float(s["launch_ms"])
+            acc[1] += predicted
+            acc[2] += 1
+    factors = {phase: measured / predicted for phase, (measured, predicted, n) in sums.items() if n >= MIN_STEPS}
+    return {**factors, **split_factors(prefills, predictor)}
+
+
+def full_prefill_factor(timelines: Sequence[RequestTimeline], predictor: Predictor) -> dict[str, float]:
+    """Whole prompts prefilled alone on all SMs while serving ("prefill_full"), from a serial replay of prompts that
+    share no prefix: the time to first token of every request that arrived with nothing in flight and had the engine
+    to itself until its first token, over the profile's all-SM prefill of its prompt. The profiler measures prefill
+    back to back; a server that idles between requests may run it faster (the GPU's clocks), or slower (the host)."""
+    done = sorted((t for t in timelines if t.success and t.token_times), key=lambda t: t.arrival)
+    measured = predicted = 0.0
+    n = 0
+    busy_until = float("-inf")  # the last token of every earlier request
+    for i, t in enumerate(done):
+        first = t.token_times[0]
+        alone = t.arrival > busy_until and (i + 1 == len(done) or done[i + 1].arrival > first)
+        busy_until = max(busy_until, t.token_times[-1])
+        ms = predictor.prefill_ms([PrefillItem(t.prompt_tokens, 0)]) if alone and t.prompt_tokens else 0.0
+        if ms > 0:
+            measured += (first - t.arrival) * 1e3
+            predicted += ms
+            n += 1
+    return {"prefill_full": measured / predicted} if n >= MIN_STEPS else {}
+
+
+def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> dict[str, float]:
+    """Layer-wise prefill on a partition's prefill SMs while serving (decode beside it) against the profile's solo
+    figure for those SMs, fitted as `split.fit` does: prefill_split + prefill_split_per_1k per 1,000 tokens of span."""
+    solo, span, measured = [], [], []
+    for row in prefills:
+        if row.get("ms") is None or int(row["prefill_sms"]) >= predictor.sm_count:
+            continue
+        items = [PrefillItem(int(n), int(r)) for n, r in row["items"]]
+        ms = predictor.prefill_solo_ms(items, int(row["prefill_sms"]), int(row["layers"]))
+        if ms > 0:
+            solo.append(ms)
+            span.append(span_k(items))
+            measured.append(float(row["ms"]))
+    fitted = fit(solo, span, measured)
+    return {} if fitted is None else {"prefill_split": fitted[0], "prefill_split_per_1k": fitted[1]}
+
+
+SERIAL_IDLE_S = 0.2  # the serial calibration replay idles this long between requests
+
+
+def calibration_seconds(requests: int, rate: float) -> float:
+    """What the calibration takes: two replays (chunked, then mux on a multiplexed engine), each its arrivals plus a
+    margin for the last requests to finish, and the serial replay (each request alone, then a short idle)."""
+    return 2 * (requests / rate + 30.0) + requests * SERIAL_IDLE_S + requests / rate + 30.0
+
+
+def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
+                      predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
+    """Replay `specs` re-timed to `rate` in process on `engine` under chunked prefill (its budget tuned from
+    `predictor` as `muxd serve --policy chunked` would), then, on a multiplexed engine, under mux; log every step
+    and prefill launch, each replay with prompts of its own (none hits the previous one's prefix cache); then replay
+    the same requests, sharing no prefix, one at a time under serial, each followed by SERIAL_IDLE_S of idle time.
+    Return the serving factors (predictor/calibrate.py: how much slower decode, mixed steps, layer-wise prefill on a
+    partition and a whole prompt's prefill on all SMs ran while serving than `predictor` says) and the step log of
+    the first two."""
+    max_len = engine.pool.num_pages * engine.pool.page_size - 1
+    specs, _ = wl.clip_to_context(wl.retime(list(specs), rate=rate), min(max_len, engine.max_model_len - 1))
+    if not specs:
+        raise ConfigError("the calibration replay has no request that fits the KV pool")
+    synth = PromptSynth(vocab_size=engine.model.config.vocab_size)
+    sched = engine.scheduler
+    planner = sched.planner
+    steps: list[dict] = []
+    prefills: list[dict] = []
+    # each replay draws its own prompts (salt), so that none finds the previous one's prompts in the prefix cache;
+    # prompts that share hash ids still share their prefix within a replay, as in the trace
+    for policy, salt in (("chunked", 0), ("mux", 2)) if engine.executor.multiplexed else (("chunked", 0),):
+        prompts = [synth.token_ids(s, i, salt=salt) for i, s in enumerate(specs)]
+        # the mux planner refines its predictor online: a copy, so the factors are measured against the profile
+        sched.planner = build_planner(SchedulerSettings(policy=policy), default_contract(), copy.deepcopy(predictor))
+        log_ = StepLog(engine, predictor).attach()
+        try:
+            result = replay_in_process(engine, specs, prompts)
+        finally:
+            log_.detach()
+            sched.planner = planner
+        failed = [t.error for t in result.timelines if t.error]
+        if failed:
+            raise ConfigError(f"the {policy} calibration replay lost {len(failed)} of {len(specs)} requests "
+                              f"(first: {failed[0]})")
+        steps += log_.steps
+        prefills += log_.prefills
+    factors = serving_factors(steps, predictor, prefills)
+    # serial: every request alone (arrivals far apart, the idle time between them cut), fresh prompts
+    alone = [dataclasses.replace(s, arrival=1000.0 * i, hash_ids=(), block_size=0) for i, s in enumerate(specs)]
+    sched.planner = build_planner(SchedulerSettings(policy="serial"), default_contract(),
+                                  copy.deepcopy(predictor))
+    try:
+        result = replay_in_process(engine, alone, [synth.token_ids(s, i, salt=1) for i, s in enumerate(alone)],
+                                   max_idle=SERIAL_IDLE_S)
+    finally:
+        sched.planner = planner
+    failed = [t.error for t in result.timelines if t.error]
+    if failed:
+        raise ConfigError(f"the serial calibration replay lost {len(failed)} of {len(specs)} requests "
+                          f"(first: {failed[0]})")
+    factors.update(full_prefill_factor(result.timelines, predictor))
+    for phase, factor in list(factors.items()):
+        lo, hi = serving_range(phase)
+        if not lo <= factor <= hi:
+            log.warning("calibration: %s came out %.3g while serving; not kept (outside %g..%g: the profile does "
+                        "not describe this engine)", phase, factor, lo, hi)
+            del factors[phase]
+    return factors, steps
+

@@ -1,0 +1,141 @@
+"""`muxd bench diagnose`: where a policy's time goes on the GPU. Replays a trace slice in process (token-id
+prompts, dummy weights) and records every engine step — planning time, launch time, the plan's mode, decode partition
+and prefill layers, the prefill launches in flight — every prefill launch's GPU time, and the executor's timeline;
+writes them as JSON and prints a summary. With a profile it prints the serving factors too (`write_serving` keeps
+them in a copy); from step and prefill logs alone it only calibrates.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from appliance.bench.client import replay_in_process
+from appliance.bench.prompts import PromptSynth
+from appliance.config import Config
+from appliance.engine.factory import build_engine
+from appliance.engine.steplog import StepLog
+from appliance.errors import ConfigError
+from appliance.model_zoo.loader import load_model
+from appliance.predictor.profile import load_predictor, read_profile, save_profile
+from appliance.profile.calibrate import full_prefill_factor, serving_factors
+from appliance.workload import shaping as wl
+from appliance.workload.metrics import summarize
+from appliance.workload.traces import load_trace
+
+
+@dataclass
+class DiagnoseOptions:
+    model: str = "configs/models/llama-3.1-8b"
+    trace: str | None = None
+    n: int = 80
+    skip: int = 0
+    max_idle: float | None = None
+    rate: float = 2.0
+    policy: str = "mux"
+    slo: str | None = None
+    profile: str | None = None
+    chunk_budget: int | None = None
+    mixed_chunks: bool = False
+    max_model_len: int = 32768
+    out: str = "gpu-results"
+    device: str = "cuda"
+    write_serving: str | None = None
+    from_steps: list[str] = field(default_factory=list)
+    from_prefills: list[str] = field(default_factory=list)
+
+
+def diagnose(args: DiagnoseOptions) -> None:
+    """Replay and report (or, with step/prefill logs, only calibrate)."""
+    if args.from_steps or args.from_prefills:
+        calibrate(args, [s for path in args.from_steps for s in json.loads(Path(path).read_text())],
+                  [p for path in args.from_prefills for p in json.loads(Path(path).read_text())])
+        return
+    if not args.trace:
+        raise ConfigError("--trace is needed for a replay")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = load_trace(args.trace)
+    specs = wl.select(wl.spread_ties(raw) if "mooncake" in args.trace else raw, skip=args.skip, max_requests=args.n)
+    specs = wl.retime(specs, rate=args.rate)
+    specs, _ = wl.clip_to_context(specs, args.max_model_len - 1)
+    cuda = args.device.startswith("cuda")
+    model = load_model(args.model, device=args.device, load_format="dummy", dtype=None if cuda else "float32")
+    synth = PromptSynth(vocab_size=model.config.vocab_size)
+    prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
+    engine = build_engine(Config.flat(policy=args.policy, slo=args.slo, profile=args.profile,
+                                      max_model_len=args.max_model_len, chunk_budget=args.chunk_budget,
+                                      mixed_chunks=args.mixed_chunks), model)
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
+    log = StepLog(engine, predictor).attach()
+    steps = log.steps
+
+    result = replay_in_process(engine, specs, prompts, max_idle=args.max_idle)
+    summary = summarize(result.timelines, result.duration)
+    engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
+    (out / f"steps-{args.policy}.json").write_text(json.dumps(steps))
+    (out / f"prefills-{args.policy}.json").write_text(json.dumps(log.prefills))
+    (out / f"requests-{args.policy}.json").write_text(json.dumps(
+        [{"arrival": t.arrival, "prompt_tokens": t.prompt_tokens, "token_times": t.token_times, "error": t.error,
+          "index": t.index} for t in result.timelines]))
+    stats = getattr(engine.scheduler.planner, "stats", None)
+    print(f"{args.policy}: {len(specs)} requests at {args.rate} req/s, {len(steps)} steps, "
+          f"{gpu}")
+    for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms"):
+        print(f"  {k} {summary.get(k, float('nan')):.1f}")
+    print("  modes", Counter(s["mode"] for s in steps))
+    print("  decode_sms", Counter(s["decode_sms"] for s in steps))
+    print("  layers per launch", Counter(s["layers"] for s in steps if s["layers"]))
+    for k in ("plan_ms", "launch_ms"):
+        vals = [s[k] for s in steps if k in s]
+        print(f"  {k}: median {statistics.median(vals):.2f}, p99 {sorted(vals)[int(0.99 * len(vals))]:.2f}, "
+              f"total {sum(vals) / 1e3:.1f} s of {result.duration:.1f} s")
+    for kind in ("mixed", "decode"):  # host time between a busy step's launch and the next step's planning
+        gaps = sorted(b["gap_ms"] for a, b in zip(steps, steps[1:]) if b.get("gap_ms") is not None and a["decode"]
+                      and a["mixed"] == (kind == "mixed"))
+        if gaps:
+            print(f"  host after {kind} steps: {len(gaps)}, median {statistics.median(gaps):.2f} ms, "
+                  f"p90 {gaps[int(0.9 * len(gaps))]:.2f}, p99 {gaps[int(0.99 * len(gaps))]:.2f}")
+    snapshot = engine.scheduler.planner.snapshot()
+    if snapshot is not None:
+        print("  planner", snapshot)
+    elif stats is not None:
+        print("  planner", {k: v for k, v in vars(stats).items() if k != "decode_sms"})
+    print(f"  switches {engine.executor.switches}, layers launched {engine.executor.layers_launched}")
+    for kind, key in (("mixed", "mixed"), ("decode beside prefill", "beside"), ("decode alone", None)):
+        rows = [s for s in steps if "pred_ms" in s and (s["mixed"] if key == "mixed" else
+                                                         (not s["mixed"] and bool(s.get("beside")) == (key is not None)))]
+        if rows:
+            wall = sorted(s["launch_ms"] / s["pred_ms"] for s in rows)
+            print(f"  {kind}: {len(rows)} steps, wall / predicted median {statistics.median(wall):.2f}, "
+                  f"p90 {wall[int(0.9 * len(wall))]:.2f}, p99 {wall[int(0.99 * len(wall))]:.2f}")
+    for beside in (False, True):  # layer-wise prefill launches, GPU time over the profile's solo figure
+        rows = [p for p in log.prefills if "pred_ms" in p and p["pred_ms"] > 0 and p["beside"] == beside]
+        if rows:
+            ratio = sorted(p["ms"] / p["pred_ms"] for p in rows)
+            total = sum(p["ms"] for p in rows) / sum(p["pred_ms"] for p in rows)
+            print(f"  prefill launches {'beside decode' if beside else 'alone'}: {len(rows)}, GPU / predicted "
+                  f"median {statistics.median(ratio):.2f}, p90 {ratio[int(0.9 * len(ratio))]:.2f}, total {total:.2f}")
+    if args.profile:
+        calibrate(args, steps, log.prefills, result.timelines if args.policy == "serial" else ())
+
+
+
+def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], serial_timelines=()) -> None:
+    """Print the serving factors of `steps` (and prefill launches; a serial replay's first tokens) against the
+    profile; with --write-serving, keep them in a copy of it."""
+    if not args.profile:
+        raise ConfigError("serving factors are measured against a profile: pass --profile")
+    profile = read_profile(args.profile)
+    predictor = profile.predictor(profile.model.shape["num_layers"], "profile")
+    factors = {**serving_factors(steps, predictor, prefills), **full_prefill_factor(serial_timelines, predictor)}
+    print("  serving factors (measured / profiled, total time):",
+          ", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps")
+    if args.write_serving:
+        save_profile(profile.model_copy(update={"serving": {**profile.serving, **factors}}), args.write_serving)
+        print(f"  wrote {args.write_serving}")

@@ -1,0 +1,72 @@
+"""`muxd bench --simulate`: per policy p99 TTFT/TBT, attainment against the contract and capacity, no GPU."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from appliance.cli.main import app
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.predictor import partition_choices
+from appliance.predictor.profile import save_profile
+from appliance.predictor.roofline import DEVICES
+from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "configs" / "models" / "llama-3.1-8b"
+TRACE = ROOT / "tests" / "data" / "mooncake_conversation_head200.jsonl"
+runner = CliRunner()
+
+
+def synthetic_profile_file(tmp_path: Path) -> Path:
+    """A profile of the synthetic H100 for the 8B shapes (a known latency function, no GPU)."""
+    profile = tmp_path / "profile.json"
+    gpu = SyntheticGPU(ModelConfig.from_file(MODEL / "config.json"), DEVICES["h100"])
+    save_profile(synthetic_profile(gpu, partition_choices(132), "llama-3.1-8b"), profile)
+    return profile
+
+
+def test_simulate_prints_capacity_per_policy(tmp_path):
+    profile = synthetic_profile_file(tmp_path)
+    args = ["bench", "--simulate", "--policies", "mux,serial", "--trace", str(TRACE), "--max-requests", "30",
+            "--spread-ties", "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100",
+            "--slo", str(ROOT / "configs" / "slo" / "long-context.yaml"), "--result-dir", str(tmp_path / "out")]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for word in ("p99 TTFT", "p99 TBT", "attainment", "capacity", "mux", "serial", f"profile {profile}"):
+        assert word in result.output
+    saved = json.loads((tmp_path / "out" / "simulated.json").read_text())
+    by_policy = {r["policy"]: r for r in saved["results"]}
+    assert set(by_policy) == {"mux", "serial"}
+    for r in by_policy.values():
+        assert r["completed"] == 30 and r["capacity"] is not None and r["capacity_points"]
+        assert r["contract_met"] == (r["capacity"] >= r["offered_rate"] * 0.999)  # capacity search agrees
+    assert by_policy["mux"]["capacity"] >= by_policy["serial"]["capacity"]
+
+
+def test_simulate_refuses_what_it_cannot_do():
+    base = ["bench", "--simulate", "--trace", str(TRACE), "--model", str(MODEL)]
+    for extra, words in ((["--url", "http://127.0.0.1:1"], "--simulate replays"),
+                         (["--goodput", "ttft:500"], "pass --slo FILE"),
+                         (["--policies", "fastest"], "fastest")):
+        result = runner.invoke(app, base + extra, env={"COLUMNS": "200"})
+        assert result.exit_code != 0 and words in result.output, result.output
+
+
+
+def test_simulate_honours_mux_mixed_chunks(tmp_path):
+    from appliance.bench.run import BenchOptions
+    from appliance.bench.simulated import simulated_bench
+
+    profile = synthetic_profile_file(tmp_path)
+    args = ["bench", "--simulate", "--policies", "mux", "--trace", str(TRACE), "--max-requests", "20", "--model",
+            str(MODEL), "--profile", str(profile), "--slo", str(ROOT / "configs" / "slo" / "long-context.yaml"),
+            "--serve-args=--mixed-chunks", "--result-dir", str(tmp_path / "out")]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "--mixed-chunks" in result.output
+    for serve_args, on in ((["--mixed-chunks"], True), (["--chunk-budget", "512", "--mixed-chunks"], True),
+                           ([], False)):
+        bench, _, _ = simulated_bench(BenchOptions(model=str(MODEL), profile=profile, serve_args=serve_args), "h100")
+        assert bench.planner("mux").options.mixed_chunks is on

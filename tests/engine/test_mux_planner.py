@@ -1,0 +1,399 @@
+"""The mux dispatcher on hand-made predictor tables: smallest feasible decode partition, layer count, aggregated
+fallback, adaptive mixed chunks, reordering that breaks no TTFT, preemption only when the preempted request keeps its
+TTFT (between layers or between chunks), shedding."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from appliance.engine.kv_cache import PagePool
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.planners.mux import MuxOptions, MuxPlanner
+from appliance.engine.request import Request, RequestStatus, SamplingParams
+from appliance.engine.scheduler import Scheduler
+from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.predictor import Predictor
+from appliance.slo.contract import parse_contract
+
+LAYERS, SMS = 32, 132
+
+
+@dataclass
+class Table:
+    """A LatencyModel from tables: prefill costs `per_token[sms]` ms per new token; decode costs `decode[sms]` ms
+    (all SMs: decode[132]); a mixed step costs `mixed` ms."""
+
+    per_token: dict[int, float] = field(default_factory=lambda: {132: 0.02, 116: 0.025, 100: 0.03, 84: 0.04})
+    decode: dict[int, float] = field(default_factory=lambda: {16: 80.0, 32: 45.0, 48: 30.0, 132: 20.0})
+    mixed: float = 1000.0
+
+    def prefill_ms(self, items, sms):
+        return sum(i.new for i in items) * self.per_token[sms]
+
+    def decode_ms(self, load, sms):
+        return self.decode[sms] if load.batch_size else 0.0
+
+    def mixed_ms(self, items, load, sms):
+        return self.mixed
+
+
+CONTRACT = """\
+name: t
+targets:
+  ttft: {ms: 1000}
+  tbt: {ms: 50}
+overload: {mode: shed}
+"""
+
+
+class Rig:
+    def __init__(self, table: Table | None = None, guard: ContentionGuard | None = None, contract: str = CONTRACT,
+                 **options) -> None:
+        self.table = table or Table()
+        self.predictor = Predictor(self.table, guard or ContentionGuard(default=1.0), LAYERS, SMS, (16, 32, 48))
+        self.planner = MuxPlanner(parse_contract(contract), self.predictor, MuxOptions(**options))
+        self.sched = Scheduler(PagePool(4096, 16), LAYERS, self.planner, max_num_seqs=64)
+        self.now = 0.0
+        self.sched.clock = lambda: self.now
+        self.ids = itertools.count()
+
+    def request(self, tokens: int, arrival: float | None = None) -> Request:
+        i = next(self.ids)
+        r = Request(f"r{i}", [i * 100_000 + t for t in range(tokens)], SamplingParams(max_tokens=100, ignore_eos=True),
+                    arrival_time=self.now if arrival is None else arrival)
+        self.sched.add(r)
+        return r
+
+    def decoding(self, count: int, tokens: int = 1000) -> list[Request]:
+        """Requests already past their prefill (through the scheduler's own mechanisms)."""
+        out = []
+        for _ in range(count):
+            r = self.request(tokens)
+            assert self.sched.admit(r)
+            work = PrefillWork(r.request_id, 0, r.num_tokens, 0, LAYERS)
+            self.sched.update(StepPlan(prefill=(work,)), {r.request_id: 0})
+            assert r.status is RequestStatus.DECODING
+            out.append(r)
+        return out
+
+    def plan(self) -> StepPlan:
+        return self.sched.schedule()
+
+    def finish(self, plan: StepPlan) -> None:
+        """Complete a plan synchronously (as the CPU runner does)."""
+        self.sched.update(plan, {rid: 0 for rid in plan.decode} | {w.request_id: 0 for w in plan.prefill})
+
+
+def test_smallest_partition_that_meets_tbt():
+    rig = Rig()
+    rig.decoding(4)
+    rig.request(10_000)
+    plan = rig.plan()
+    assert (plan.decode_sms, plan.prefill_sms) == (32, 100)  # 16 SMs: 80 ms > 50; 32 SMs: 45 ms
+    assert len(plan.decode) == 4 and not plan.mixed
+
+
+def test_contention_guard_moves_to_a_larger_partition():
+    guard = ContentionGuard(default=1.2)  # 45 ms * 1.2 = 54 ms misses on 32 SMs; 30 * 1.2 = 36 ms on 48
+    rig = Rig(guard=guard)
+    rig.decoding(4)
+    rig.request(10_000)
+    assert rig.plan().decode_sms == 48
+
+
+def test_layer_count_fills_one_decode_step():
+    rig = Rig()
+    rig.decoding(2)
+    r = rig.request(10_000)
+    plan = rig.plan()
+    # T_decode = 45 ms on 32 SMs, T_prefill = 10,000 tokens * 0.03 ms on 100 SMs = 300 ms: ceil(45 * 32 / 300) = 5
+    assert [(w.request_id, w.layer_start, w.layer_end) for w in plan.prefill] == [(r.request_id, 0, 5)]
+    assert (plan.prefill[0].token_start, plan.prefill[0].token_end) == (0, 10_000)
+    rig.finish(plan)
+    assert r.prefill_layer == 5
+    nxt = rig.plan()
+    assert [(w.layer_start, w.layer_end) for w in nxt.prefill] == [(5, 10)]
+
+
+def test_inflight_layers_are_not_launched_twice():
+    rig = Rig()
+    rig.decoding(2)
+    r = rig.request(10_000)
+    first = rig.plan()  # launched, not completed: an asynchronous executor still runs it
+    assert rig.sched.launched_layer(r) == 5 and r.prefill_layer == 0
+    second = rig.plan()
+    assert [(w.layer_start, w.layer_end) for w in second.prefill] == [(5, 10)]  # queued behind the first chunk
+    third = rig.plan()
+    assert third.prefill == () and third.decode_sms == 32  # two chunks in flight: decode only, on its partition
+    for work in first.prefill + second.prefill:
+        rig.sched.complete_prefill(work, None)
+    assert r.prefill_layer == 10 and not rig.sched.has_inflight()
+
+
+def test_aggregated_when_one_mixed_step_meets_tbt():
+    rig = Rig(table=Table(mixed=40.0))
+    rig.decoding(3)
+    r = rig.request(500)
+    plan = rig.plan()
+    assert plan.mixed and plan.decode_sms is None and plan.prefill_sms is None
+    assert [(w.request_id, w.layer_start, w.layer_end) for w in plan.prefill] == [(r.request_id, 0, LAYERS)]
+    rig.finish(plan)
+    assert r.status is RequestStatus.DECODING
+
+
+def test_no_decode_runs_prefill_on_all_sms_in_tbt_sized_chunks():
+    rig = Rig()
+    rig.request(10_000)
+    plan = rig.plan()
+    # 10,000 tokens * 0.02 ms on 132 SMs = 200 ms for 32 layers: 8 layers fit in 50 ms
+    assert plan.decode == () and plan.decode_sms is None and plan.prefill_sms is None
+    assert [(w.layer_start, w.layer_end) for w in plan.prefill] == [(0, 8)]
+
+
+def test_reorders_shortest_first_when_no_ttft_breaks():
+    rig = Rig(max_prefill_tokens=1)  # one prompt per batch, so the order shows
+    rig.decoding(1)
+    long_ = rig.request(20_000)  # 20,000 * 0.02 = 400 ms on all 132 SMs (no split chosen yet); deadline at 1 s
+    short = rig.request(1_000)   # 20 ms
+    plan = rig.plan()
+    assert [w.request_id for w in plan.prefill] == [short.request_id]
+    assert long_.status is RequestStatus.WAITING
+
+
+def test_no_reorder_when_the_long_one_would_miss():
+    rig = Rig(max_prefill_tokens=1)
+    rig.decoding(1)
+    long_ = rig.request(46_000)  # 920 ms of its 1,000 ms: 100 ms more behind the short one breaks it
+    rig.request(5_000)           # 100 ms
+    plan = rig.plan()
+    assert [w.request_id for w in plan.prefill] == [long_.request_id]
+
+
+def test_reorder_off_keeps_arrival_order():
+    rig = Rig(max_prefill_tokens=1, reorder=False)
+    rig.decoding(1)
+    long_ = rig.request(20_000)
+    rig.request(1_000)
+    assert [w.request_id for w in rig.plan().prefill] == [long_.request_id]
+
+
+def long_contract(ms: float) -> str:
+    return CONTRACT.replace("ttft: {ms: 1000}", f"ttft: {{ms: {ms}}}")
+
+
+def start_long_prefill(rig: Rig, tokens: int) -> Request:
+    rig.decoding(1)
+    long_ = rig.request(tokens)
+    rig.finish(rig.plan())  # its first layers ran
+    assert 0 < long_.prefill_layer < LAYERS
+    return long_
+
+
+def test_short_prompt_preempts_a_long_one_that_keeps_its_ttft():
+    rig = Rig(contract=long_contract(3000))
+    long_ = start_long_prefill(rig, 60_000)  # 1.8 s on 100 SMs, deadline 3 s
+    rig.now = 0.1
+    rig.request(1_000)  # 1.6 s behind the long one still makes its 3 s target: nothing to preempt for
+    rig.finish(rig.plan())
+    assert rig.planner.stats.pauses == 0
+
+    rig = Rig(contract=long_contract(3000).replace("overload: {mode: shed}", """\
+classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk
+overload: {mode: queue}"""))
+    long_ = start_long_prefill(rig, 60_000)
+    layer = long_.prefill_layer
+    rig.now = 0.1
+    short = rig.request(3_000)
+    short.slo_class = "chat"  # 200 ms target: behind the long one (1.6 s left) it misses; first, 90 ms
+    plan = rig.plan()
+    assert rig.planner.stats.pauses == 1
+    assert [w.request_id for w in plan.prefill] == [short.request_id]
+    assert rig.planner.paused == [long_.request_id] and long_.prefill_layer == layer
+    rig.finish(plan)
+    assert short.status is RequestStatus.PREFILLING  # 16 of its 32 layers ran
+    # no recursion: another urgent prompt does not preempt the preempting one
+    other = rig.request(1_000)
+    other.slo_class = "chat"
+    rig.finish(rig.plan())
+    assert rig.planner.stats.pauses == 1 and other.status is RequestStatus.WAITING
+    assert short.status is RequestStatus.DECODING
+    # the short one done, the long one is the running batch again at its saved layer, and may be preempted anew
+    plan = rig.plan()
+    assert rig.planner.stats.pauses == 2 and [w.request_id for w in plan.prefill] == [other.request_id]
+    assert rig.planner.paused == [long_.request_id] and long_.prefill_layer == layer
+    rig.finish(plan)
+    plan = rig.plan()
+    assert [(w.request_id, w.layer_start) for w in plan.prefill] == [(long_.request_id, layer)]
+
+
+def test_no_preemption_when_the_long_one_would_miss():
+    rig = Rig(contract=long_contract(1850).replace("overload: {mode: shed}", """\
+classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk"""))
+    start_long_prefill(rig, 60_000)  # 1.74 s of work left at 0.1 s, deadline 1.85 s: it cannot spare 30 ms
+    rig.now = 0.1
+    short = rig.request(1_000)
+    short.slo_class = "chat"
+    rig.plan()
+    assert rig.planner.stats.pauses == 0 and short.status is RequestStatus.WAITING
+
+
+def test_sheds_when_the_queue_makes_ttft_impossible():
+    rig = Rig()
+    rig.decoding(1)
+    first = rig.request(20_000)  # 600 ms on 100 SMs (the prefill partition of the last plan)
+    rig.plan()
+    assert rig.planner.admission_check(rig.sched, Request("x", list(range(1000)), SamplingParams())) is None
+    rig.request(10_000)  # 300 ms more ahead
+    late = Request("y", list(range(5_000)), SamplingParams(), arrival_time=rig.now)
+    retry = rig.planner.admission_check(rig.sched, late)  # first (600) + 300 + own 150 > 1,000 ms
+    assert retry is not None and retry >= 1 and rig.planner.stats.shed == 1
+    assert first.status is RequestStatus.PREFILLING
+    # a prompt that misses even on an idle GPU is served late rather than refused forever
+    huge = Request("z", list(range(40_000)), SamplingParams(), arrival_time=rig.now)
+    assert rig.planner.admission_check(rig.sched, huge) is None
+
+
+def test_admission_counts_the_preemption_a_short_prompt_would_get():
+    """A short prompt that would miss behind a long running prefill preempts it at a layer boundary (the long one
+    still makes its own deadline), so admission does not shed it; a prompt that could wait does not count on it."""
+    rig = Rig(contract=CONTRACT.replace("ttft: {ms: 1000}", "ttft: {ms: 500, per_1k_tokens_ms: 100}"))
+    rig.decoding(1)
+    long = rig.request(20_000)  # 600 ms on 100 SMs; deadline 2.5 s
+    rig.plan()
+    assert rig.sched.launched_layer(long) > 0
+    rig.now = 0.1
+    short = Request("s", list(range(1000)), SamplingParams(), arrival_time=rig.now)  # 30 ms; deadline 0.7 s
+    assert rig.planner.admission_check(rig.sched, short) is None and rig.planner.stats.shed == 0
+    rig.sched.add(short)
+    rig.plan()
+    assert rig.planner.stats.pauses == 1 and rig.planner.batch == ["s"]  # as admission expected
+    # without preemption it would wait the whole 600 ms and miss: shed
+    rig2 = Rig(contract=CONTRACT.replace("ttft: {ms: 1000}", "ttft: {ms: 500, per_1k_tokens_ms: 100}"),
+               prefill_pause=False)
+    rig2.decoding(1)
+    rig2.request(20_000)
+    rig2.plan()
+    rig2.now = 0.1
+    late = Request("s", list(range(1000)), SamplingParams(), arrival_time=rig2.now)
+    assert rig2.planner.admission_check(rig2.sched, late) is not None
+
+
+def test_queue_mode_never_sheds():
+    rig = Rig(contract=CONTRACT.replace("mode: shed", "mode: queue"))
+    rig.decoding(1)
+    for _ in range(5):
+        rig.request(20_000)
+    rig.plan()
+    assert rig.planner.admission_check(rig.sched, Request("y", list(range(5_000)), SamplingParams())) is None
+
+
+def test_decode_alone_on_all_sms_when_no_split_holds_tbt():
+    table = Table(decode={16: 200.0, 32: 120.0, 48: 60.0, 132: 40.0})
+    rig = Rig(table=table)
+    rig.decoding(8)
+    rig.request(10_000)
+    plan = rig.plan()
+    assert plan.prefill == () and plan.decode_sms is None and len(plan.decode) == 8
+    assert math.isclose(rig.predictor.decode_ms(rig.planner._load(rig.sched, plan.decode)), 40.0)
+
+
+def test_nobody_passes_a_request_recomputing_after_preemption():
+    rig = Rig(max_prefill_tokens=1)
+    rig.decoding(1)
+    stalled = rig.request(20_000)
+    stalled.output_token_ids.extend([0] * 3)  # it had decoded three tokens before losing its pages
+    short = rig.request(1_000)
+    plan = rig.plan()
+    assert [w.request_id for w in plan.prefill] == [stalled.request_id] and short.status is RequestStatus.WAITING
+
+
+@dataclass
+class ChunkTable(Table):
+    """A mixed step costs `mixed_base` ms plus `mixed_per_token` ms per new token."""
+
+    mixed_base: float = 10.0
+    mixed_per_token: float = 0.02
+
+    def mixed_ms(self, items, load, sms):
+        return self.mixed_base + self.mixed_per_token * sum(i.new for i in items)
+
+
+def test_mixed_chunks_when_they_prefill_faster_than_the_split():
+    # the split: decode on 32 SMs (45 ms), prefill on 100 SMs at 0.03 ms a token (33 tokens/ms); a mixed step
+    # planned to 0.8 x 50 ms holds 10 + 0.02 n <= 40: 1,500 tokens in 40 ms (37.5 tokens/ms)
+    rig = Rig(table=ChunkTable(), mixed_chunks=True)
+    rig.decoding(3)
+    r = rig.request(10_000)
+    plan = rig.plan()
+    assert plan.mixed and len(plan.decode) == 3 and plan.decode_sms is None
+    assert [(w.request_id, w.token_start, w.token_end, w.layer_start, w.layer_end) for w in plan.prefill] == [
+        (r.request_id, 0, 1_500, 0, LAYERS)]
+    assert rig.planner.stats.chunk_steps == 1 and rig.planner.stats.last_mode == "chunk"
+    rig.finish(plan)
+    assert r.status is RequestStatus.PREFILLING and r.num_computed_tokens == 1_500
+    nxt = rig.plan()
+    assert [(w.token_start, w.token_end) for w in nxt.prefill] == [(1_500, 3_000)]
+    # the same chunk at 0.03 ms a token (1,000 tokens in 40 ms, 25 tokens/ms) is slower than the split
+    rig = Rig(table=ChunkTable(mixed_per_token=0.03), mixed_chunks=True)
+    rig.decoding(3)
+    rig.request(10_000)
+    plan = rig.plan()
+    assert not plan.mixed and plan.decode_sms == 32 and rig.planner.stats.chunk_steps == 0
+    # off by default
+    rig = Rig(table=ChunkTable())
+    rig.decoding(3)
+    rig.request(10_000)
+    assert not rig.plan().mixed
+
+
+def test_a_short_prompt_preempts_a_chunked_one_between_chunks():
+    rig = Rig(table=ChunkTable(), mixed_chunks=True, contract=long_contract(3000).replace(
+        "overload: {mode: shed}", """classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk
+overload: {mode: queue}"""))
+    rig.decoding(1)
+    long_ = rig.request(60_000)
+    rig.finish(rig.plan())
+    assert long_.num_computed_tokens == 1_500 and long_.prefill_layer == 0
+    rig.now = 0.1
+    short = rig.request(3_000)
+    short.slo_class = "chat"  # 200 ms: behind the long one's 58,500 tokens (1.17 s on all SMs) it misses
+    plan = rig.plan()
+    assert rig.planner.stats.pauses == 1 and rig.planner.paused == [long_.request_id]
+    assert [w.request_id for w in plan.prefill] == [short.request_id]
+    while short.status is not RequestStatus.DECODING:
+        rig.finish(plan)
+        plan = rig.plan()
+    # the long one resumes from the tokens it had computed
+    assert [(w.request_id, w.token_start) for w in plan.prefill] == [(long_.request_id, 1_500)]
+
+
+def test_mixed_chunks_take_tokens_earliest_deadline_first():
+    rig = Rig(table=ChunkTable(), mixed_chunks=True, contract=CONTRACT.replace("overload: {mode: shed}", """\
+classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk
+overload: {mode: queue}"""))
+    rig.decoding(3)
+    long_ = rig.request(10_000)  # due at 1 s
+    rig.finish(rig.plan())
+    assert long_.num_computed_tokens == 1_500
+    rig.now = 0.05
+    short = rig.request(300)
+    short.slo_class = "chat"  # due at 0.25 s; behind the long one's 8,500 tokens (0.17 s) it still makes it
+    plan = rig.plan()
+    assert rig.planner.stats.pauses == 0
+    assert [(w.request_id, w.token_start, w.token_end) for w in plan.prefill] == [
+        (short.request_id, 0, 300), (long_.request_id, 1_500, 2_700)]
+    rig.finish(plan)
+    assert short.status is RequestStatus.DECODING and long_.num_computed_tokens == 2_700

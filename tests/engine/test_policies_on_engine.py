@@ -1,0 +1,167 @@
+"""Every policy runs on the synchronous CPU engine (partitions ignored) and produces serial's greedy tokens; the
+contract's queue limit and shedding reach Engine.submit; SLO classes are checked against the contract."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.planners.mux import MuxOptions, MuxPlanner
+from appliance.engine.request import SamplingParams
+from appliance.errors import CapacityError, ConfigError, RequestError
+from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.predictor import Predictor
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+class SlowTable:
+    """Prefill 10 ms per new token (so each step advances one layer), decode 45 ms on 32 SMs, never aggregated."""
+
+    def prefill_ms(self, items, sms):
+        return 10.0 * sum(i.new for i in items)
+
+    def decode_ms(self, load, sms):
+        return {16: 80.0, 32: 45.0}.get(sms, 20.0) if load.batch_size else 0.0
+
+    def mixed_ms(self, items, load, sms):
+        return 1e6
+
+
+class ChunkTable(SlowTable):
+    """Mixed steps of 5 ms + 2 ms a token: a whole prompt misses the 50 ms TBT, a 17-token chunk fits 0.8 x 50."""
+
+    def mixed_ms(self, items, load, sms):
+        return 5.0 + 2.0 * sum(i.new for i in items)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 9, 33, 17, 25)]
+
+
+def staggered(engine: Engine) -> list[list[int]]:
+    """Two prompts first, the rest after a few steps, so prefills meet running decodes."""
+    reqs = [engine.make_request(p, GREEDY) for p in prompts()]
+    for r in reqs[:2]:
+        engine.submit(r)
+    for _ in range(3):
+        engine.step()
+    for r in reqs[2:]:
+        engine.submit(r)
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_checkpoint):
+    path, _ = llama_checkpoint
+    return staggered(build_engine(Config.flat(model=path, num_gpu_blocks_override=64)))
+
+
+@pytest.mark.parametrize("policy, extra", [
+    ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {}), ("mux-chunks", {})])
+def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy=policy.split("-")[0], **extra))
+    if policy in ("mux-spatial", "mux-chunks"):
+        planner = engine.scheduler.planner
+        layers = engine.model.config.num_layers
+        table = SlowTable() if policy == "mux-spatial" else ChunkTable()
+        engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(table, ContentionGuard(default=1.0),
+                                                                         layers, 132, (16, 32)),
+                                              MuxOptions(mixed_chunks=policy == "mux-chunks"))
+        assert isinstance(planner, MuxPlanner)
+    seen, measured = [], []
+    if policy == "mux-chunks":  # every mixed step's measured time is handed to the planner (online refinement)
+        engine.scheduler.planner.observe_mixed = lambda items, load, ms: measured.append((items, load, ms))
+    inner = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: seen.append(inner()) or seen[-1]
+    assert staggered(engine) == reference
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    if policy == "chunked":
+        assert any(p.mixed and p.decode and p.prefill for p in seen)
+        assert all(len(p.decode) + sum(w.num_tokens for w in p.prefill) <= 12 for p in seen if p.prefill)
+    if policy == "mux":  # the CPU prior finds one mixed step fast enough: aggregated
+        assert engine.scheduler.planner.stats.aggregated_steps > 0
+    if policy == "mux-spatial":
+        spatial = [p for p in seen if p.decode_sms is not None]
+        assert spatial and all(p.decode_sms == 32 and p.prefill_sms == 100 for p in spatial)
+        assert any(w.layer_end - w.layer_start == 1 for p in spatial for w in p.prefill)
+    if policy == "mux-chunks":  # prompts of 25-40 tokens run as 17-token chunks beside the decode rows
+        assert engine.scheduler.planner.stats.chunk_steps > 0
+        assert any(p.mixed and p.decode and w.token_end - w.token_start == 17 for p in seen for w in p.prefill)
+        mixed = [p for p in seen if p.mixed and p.prefill]
+        assert len(measured) == len(mixed) and all(ms > 0 for _, _, ms in measured)
+        assert [sum(i.new for i in items) for items, _, _ in measured] == [
+            sum(w.num_tokens for w in p.prefill) for p in mixed]
+
+
+def write_contract(tmp_path, overload: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"""\
+name: tiny
+targets:
+  ttft: {{ms: 1000}}
+  tbt: {{ms: 50}}
+classes:
+  chat: {{priority: 0}}
+  batch: {{priority: 1}}
+overload: {overload}
+""")
+    return str(path)
+
+
+def test_contract_queue_limit(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    slo = write_contract(tmp_path, "{mode: queue, queue_limit: 2}")
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, slo=slo))
+    engine.add_request(prompts()[0], GREEDY)
+    engine.add_request(prompts()[1], GREEDY)
+    with pytest.raises(CapacityError, match="limit 2"):
+        engine.add_request(prompts()[2], GREEDY)
+
+
+def test_mux_sheds_with_retry_after(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    slo = write_contract(tmp_path, "{mode: shed}")
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, slo=slo, policy="mux"))
+    layers = engine.model.config.num_layers
+    engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(SlowTable(), ContentionGuard(), layers, 132,
+                                                                     (16, 32)))
+    ids = [engine.add_request(p, GREEDY) for p in prompts()[1:]]  # 9 + 33 + 17 + 25 tokens: 840 ms
+    with pytest.raises(CapacityError, match="TTFT target") as info:
+        engine.add_request(prompts()[0], GREEDY)  # 400 ms of its own behind 840 ms: misses 1 s
+    assert info.value.retry_after >= 1
+    assert list(engine.scheduler.requests) == ids  # the shed request left nothing behind
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_slo_class_is_checked(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, slo=write_contract(tmp_path, "{}")))
+    assert engine.slo_class("batch") == "batch" and engine.slo_class(None) is None
+    with pytest.raises(RequestError, match="'premium' is not in contract 'tiny'; classes: chat, batch") as info:
+        engine.slo_class("premium")
+    assert info.value.param == "slo_class"
+    request = engine.make_request(prompts()[0], GREEDY)
+    request.slo_class = "premium"
+    with pytest.raises(RequestError):
+        engine.submit(request)
+    default = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
+    assert default.contract.class_names() == ["default"]
+
+
+def test_bad_policy_and_contract_fail_at_config(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    with pytest.raises(ConfigError, match="mux, chunked, serial, layerwise"):
+        build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="fastest"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntargets: {ttft: {ms: 1}, tbt: {ms: 0}}\n")
+    with pytest.raises(ConfigError, match="bad.yaml:2: targets.tbt.ms"):
+        build_engine(Config.flat(model=path, num_gpu_blocks_override=64, slo=str(bad)))

@@ -1,0 +1,50 @@
+"""The step log (`appliance/engine/steplog.py`) and the diagnosis script built on it, on the CPU engine: every step
+gets its planning and launch time and the host time since the previous launch; `muxd bench diagnose` replays a
+trace slice and prints where the time went."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from appliance.config import Config
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
+from appliance.engine.steplog import StepLog
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_step_is_logged_with_the_host_time_since_the_last_launch(llama_checkpoint):
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux"))
+    log = StepLog(engine).attach()
+    for n in (12, 30, 7):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    log.detach()
+    steps = log.steps
+    assert len(steps) >= 4 and all(s["plan_ms"] >= 0 and s["launch_ms"] > 0 for s in steps)
+    assert steps[0]["gap_ms"] is None and all(s["gap_ms"] >= 0 for s in steps[1:])
+    assert sum(s["decode"] for s in steps) == 3 * 3  # each request's tokens after its first come from decode steps
+    count = len(steps)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(log.steps) == count  # detached: the engine runs unlogged
+
+
+def test_the_diagnosis_script_replays_a_trace_slice_and_reports(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
+         "--trace", str(ROOT / "tests" / "data" / "azure_code_2023_head200.csv"), "-n", "6", "--rate", "20",
+         "--policy", "mux", "--mixed-chunks", "--slo", str(ROOT / "configs" / "slo" / "chat-queue.yaml"),
+         "--max-model-len", "256", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "mux: 6 requests at 20.0 req/s" in out and "plan_ms" in out and "'mixed': {'flat'" in out
+    assert (tmp_path / "steps-mux.json").is_file() and (tmp_path / "requests-mux.json").is_file()

@@ -1,0 +1,142 @@
+"""Serving calibration: factors from a step log are measured over predicted time per phase; the profile keeps them
+(validated); the simulator's clock applies them while the planner does not, and never feeds its online refinement
+back into the clock."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from appliance.bench.capacity import SimulatedBench
+from appliance.bench.simulate import ServingClock, SimConfig
+from appliance.errors import ConfigError
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.predictor import partition_choices
+from appliance.predictor.profile import read_profile, save_profile
+from appliance.predictor.roofline import DEVICES
+from appliance.predictor.shapes import DecodeLoad, PrefillItem
+from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
+from appliance.profile.calibrate import MIN_STEPS, full_prefill_factor, serving_factors
+from appliance.slo.contract import default_contract
+from appliance.workload.metrics import RequestTimeline
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ModelConfig.from_file(ROOT / "configs" / "models" / "llama-3.1-8b" / "config.json")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return synthetic_profile(SyntheticGPU(MODEL, DEVICES["h100"]), partition_choices(132), "llama-3.1-8b")
+
+
+def test_factors_are_measured_over_predicted_time_per_phase(profile):
+    p = profile.predictor(MODEL.num_layers, "profile")
+    steps = []
+    for i in range(MIN_STEPS):
+        load = DecodeLoad(1 + i, (1 + i) * 1000)
+        steps.append({"launch_ms": 1.1 * p.decode_ms(load), "mixed": False, "decode": 1 + i, "ctx": 1000 * (1 + i),
+                      "layers": 0})
+        items = [PrefillItem(256 * (1 + i), 512)]
+        steps.append({"launch_ms": 1.25 * p.mixed_ms(items, load), "mixed": True, "decode": 1 + i,
+                      "ctx": 1000 * (1 + i), "items": [[256 * (1 + i), 512]]})
+    # decode beside a prefill, and steps without a measurement, do not count
+    steps.append({"launch_ms": 1e6, "mixed": False, "decode": 4, "ctx": 4000, "beside": 1})
+    steps.append({"mixed": False, "decode": 4, "ctx": 4000})
+    factors = serving_factors(steps, p)
+    assert factors["decode"] == pytest.approx(1.1) and factors["prefill"] == pytest.approx(1.25)
+    assert "prefill_split" not in factors
+    assert serving_factors(steps[:4], p) == {}  # too few steps of either phase
+    # prefill launches on a partition's prefill SMs give prefill_split; those on all SMs do not count
+    launches = [{"ms": 1.4 * p.prefill_solo_ms([PrefillItem(512 * (1 + i), 1024)], 100, 4), "prefill_sms": 100,
+                 "layers": 4, "items": [[512 * (1 + i), 1024]], "beside": i % 2 == 0} for i in range(MIN_STEPS)]
+    launches.append({"ms": 1e6, "prefill_sms": p.sm_count, "layers": 4, "items": [[512, 0]], "beside": False})
+    factors = serving_factors(steps, p, launches)
+    assert factors["prefill_split"] == pytest.approx(1.4) and factors["prefill"] == pytest.approx(1.25)
+
+
+def test_whole_prompt_prefill_is_measured_from_the_first_tokens_of_requests_served_alone(profile):
+    p = profile.predictor(MODEL.num_layers, "profile")
+
+    def served(arrival: float, prompt: int, factor: float, outputs: int = 4) -> RequestTimeline:
+        first = arrival + factor * p.prefill_ms([PrefillItem(prompt, 0)]) / 1e3
+        return RequestTimeline(arrival=arrival, prompt_tokens=prompt, token_times=[first + 0.01 * k
+                                                                                   for k in range(outputs)])
+
+    alone = [served(10.0 * i, 512 * (1 + i % 7), 0.9) for i in range(MIN_STEPS + 1)]
+    # a request that arrives while another is still answering, or one whose first token comes after the next
+    # request's arrival (alone[3] here), was not alone: it does not count
+    crowded = [served(alone[3].arrival + 0.001, 4096, 3.0), served(300.0, 8192, 3.0), served(300.001, 256, 3.0)]
+    failed = RequestTimeline(arrival=400.0, prompt_tokens=1024, error="boom")
+    factor = full_prefill_factor(alone + crowded + [failed], p)["prefill_full"]
+    assert factor == pytest.approx(0.9)
+    assert full_prefill_factor(alone[:MIN_STEPS - 1], p) == {}  # too few
+    assert "prefill_full" not in full_prefill_factor(alone[:MIN_STEPS] + crowded, p)  # alone[3] does not count
+
+
+def test_the_clock_applies_the_host_factors_and_the_planner_does_not(profile, tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(profile.model_copy(update={"serving": {"decode": 1.1, "prefill": 1.2}}), path)
+    predictor = read_profile(path).predictor(MODEL.num_layers, "profile")
+    bench = SimulatedBench(default_contract(), predictor, SimConfig(num_pages=4096))
+    clock = bench.timer
+    assert isinstance(clock, ServingClock)
+    items, load = [PrefillItem(2048, 0)], DecodeLoad(8, 8000)
+    assert clock.prefill_ms(items) == pytest.approx(1.2 * predictor.prefill_ms(items))
+    assert clock.mixed_ms(items, load) == pytest.approx(1.2 * predictor.mixed_ms(items, load))
+    assert clock.decode_ms(load, 32, items) == pytest.approx(1.1 * predictor.decode_ms(load, 32, items))
+    # prefill on a partition: the split slowdown (none measured here), which is the planner's as well
+    assert clock.prefill_ms(items, 100) == pytest.approx(predictor.prefill_ms(items, 100))
+    assert predictor.prefill_ms(items, 100) == pytest.approx(predictor.prefill_solo_ms(items, 100))
+    before = clock.decode_ms(load, 32, items)
+    for _ in range(16):  # the planner learns a larger slowdown online; the clock stays what the GPU is
+        predictor.observe_decode(load, 32, items, 3 * predictor.decode_ms(load, 32, items))
+    assert predictor.decode_ms(load, 32, items) > before / 1.1
+    assert clock.decode_ms(load, 32, items) == pytest.approx(before)
+    # a whole prompt on all SMs takes prefill_full where the profile has it; mixed steps keep the prefill factor
+    save_profile(profile.model_copy(update={"serving": {"decode": 1.1, "prefill": 1.2, "prefill_full": 0.9}}), path)
+    full = ServingClock(read_profile(path).predictor(MODEL.num_layers, "profile"))
+    assert full.prefill_ms(items) == pytest.approx(0.9 * predictor.prefill_ms(items))
+    assert full.prefill_ms(items, predictor.sm_count) == pytest.approx(0.9 * predictor.prefill_ms(items))
+    assert full.mixed_ms(items, load) == pytest.approx(1.2 * predictor.mixed_ms(items, load))
+    # a profile without factors: the predictor is its own clock
+    plain = SimulatedBench(default_contract(), profile.predictor(MODEL.num_layers, "p"), SimConfig(num_pages=4096))
+    assert not isinstance(plain.timer, ServingClock)
+
+
+def test_the_split_slowdown_is_planned_with_and_the_clock_keeps_the_profiled_one(profile, tmp_path):
+    path = tmp_path / "p.json"
+    save_profile(profile.model_copy(update={"serving": {"prefill": 1.2, "prefill_split": 1.05,
+                                                        "prefill_split_per_1k": 0.01}}), path)
+    predictor = read_profile(path).predictor(MODEL.num_layers, "profile")
+    clock = ServingClock(predictor)
+    short, long = [PrefillItem(2048, 0)], [PrefillItem(4096, 20000)]  # spans of 2,048 and 24,096 tokens
+    for items, factor in ((short, 1.05 + 0.01 * 2.048), (long, 1.05 + 0.01 * 24.096)):
+        assert predictor.prefill_ms(items, 100) == pytest.approx(factor * predictor.prefill_solo_ms(items, 100))
+        assert clock.prefill_ms(items, 100) == pytest.approx(predictor.prefill_ms(items, 100))
+        # on all SMs there is no decode beside the prefill: the host factor, no split slowdown
+        assert predictor.prefill_ms(items) == pytest.approx(predictor.prefill_solo_ms(items))
+        assert clock.prefill_ms(items) == pytest.approx(1.2 * predictor.prefill_solo_ms(items))
+    for i in range(64):  # the GPU turns out slower beside decode: the planner learns it, the clock stays
+        items = [PrefillItem(1024 * (1 + i % 8), 4096 * (i % 5))]
+        solo = predictor.prefill_solo_ms(items, 100) * 4 / MODEL.num_layers
+        predictor.observe_prefill(items, 4, 100, solo * 1.5)
+    assert predictor.split.flat == pytest.approx(1.5) and predictor.split.per_1k == pytest.approx(0.0, abs=1e-9)
+    assert clock.prefill_ms(long, 100) == pytest.approx((1.05 + 0.01 * 24.096) * predictor.prefill_solo_ms(long, 100))
+
+
+def test_a_bad_factor_is_refused_by_name(profile, tmp_path):
+    path = tmp_path / "p.json"
+    raw = json.loads(profile.model_dump_json())
+    raw["serving"] = {"decode": 0.01}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="serving.*decode factor 0.01"):
+        read_profile(path)
+    raw["serving"] = {"prefil": 1.1}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="serving"):
+        read_profile(path)
+    raw["serving"] = {"prefill_split": 1.1, "prefill_split_per_1k": 0.5}  # +50 % per 1k tokens: not a slope
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="prefill_split_per_1k factor 0.5 is outside 0..0.1"):
+        read_profile(path)
