@@ -1,4 +1,4 @@
 """`python -m appliance` is the `muxd` command."""
-from appliance.cli.main import main
+from appliance.cli import main
 
 main()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from appliance import __version__
-from appliance.cli import serve as serve_cli
+from appliance.cli.serve import register as register_serve
 from appliance.cli.bench import app as bench_app
 from appliance.cli.bench_engine import engine_bench_command
 from appliance.cli.bench_tools import compare_command, diagnose_command, pool_command
@@ -14,7 +14,7 @@ from appliance.cli.slo import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
-serve_cli.register(app)
+register_serve(app)
 engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
 compare_command(bench_app)  # and `muxd bench compare`
 pool_command(bench_app)  # and `muxd bench pool`
