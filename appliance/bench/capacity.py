@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from appliance.bench.simulate import ServingClock, SimConfig, SimResult, Simulator, StepTimer
+from appliance.bench.simulate import ServingClock, SimConfig, Skewed, SimResult, Simulator, StepTimer
 from appliance.bench.sweep import SweepResult, find_capacity
 from appliance.config import SchedulerSettings
 from appliance.engine.planners.registry import build_planner, tune_chunk_budget
@@ -50,6 +50,7 @@ class SimulatedBench:
     sim: SimConfig
     truth: StepTimer | None = None
     options: SchedulerSettings | None = None  # the serve flags the planners honour (policy set per replay)
+    device_error: float = 0.0  # the simulated GPU runs (1 + this) x the clock's times: model error injected
     _prompts: dict = field(default_factory=dict, repr=False)  # shared by the replays of one trace
     _runs: dict = field(default_factory=dict, repr=False)
 
@@ -58,7 +59,7 @@ class SimulatedBench:
         if policy == "chunked" and options.chunk_budget is None:
             # the baseline as the papers tuned it: the largest budget whose step meets TBT on an idle GPU, found on
             # the machine itself (here: the step timer)
-            budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms)
+            budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms, host=self.predictor.host)
             options = dataclasses.replace(options, chunk_budget=budget)
         # each replay starts from the profile, as a fresh server does: what one replay learns online stays there
         return build_planner(options, self.contract, copy.deepcopy(self.predictor))
@@ -91,7 +92,8 @@ class SimulatedBench:
         """The clock: a given truth, else the profile slowed by its serving factors, else the predictor itself."""
         if self.truth is None and self.predictor.serving:
             self.truth = ServingClock(self.predictor)
-        return self.truth if self.truth is not None else self.predictor
+        timer = self.truth if self.truth is not None else self.predictor
+        return Skewed(timer, 1.0 + self.device_error) if self.device_error else timer
 
     def run(self, policy: str, specs: Sequence[RequestSpec], rate: float | None = None) -> PolicyRun:
         """Replay `specs` (re-timed to `rate` req/s when given) under `policy`; a replay asked for again (a capacity
@@ -106,7 +108,7 @@ class SimulatedBench:
         if rate is not None:
             specs = wl.retime(list(specs), rate=rate)
         planner = self.planner(policy)
-        result = Simulator(planner, self.timer, self.sim, prompts=self._prompts).run(specs)
+        result = Simulator(planner, self.timer, self.sim, prompts=self._prompts, host=self.predictor.host).run(specs)
         uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0) for s, r in zip(specs, result.requests)}
         report = evaluate(self.contract, result.timelines, specs, lambda s: uncached[id(s)])
         report.summary.update(policy=policy, request_rate=rate, offered_rate=wl.offered_rate(list(specs)),

@@ -62,6 +62,7 @@ class BenchOptions:
     simulate: bool = False              # replay on the simulated executor (no server, no GPU)
     profile: Path | None = None         # latency profile for --simulate (default: the roofline prior)
     gpu: str = "h100"                   # the GPU --simulate plans for
+    device_error: float = 0.0           # --simulate: the simulated GPU is (1 + this) x slower than profiled
 
     @property
     def model_or_default(self) -> str:

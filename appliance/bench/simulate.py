@@ -21,6 +21,7 @@ from appliance.engine.planners.base import Planner
 from appliance.engine.request import Request, RequestStatus, SamplingParams
 from appliance.engine.scheduler import Scheduler
 from appliance.errors import CapacityError, ConfigError
+from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.shapes import DecodeLoad, PrefillItem, decode_load, prefill_items
 from appliance.workload.metrics import RequestTimeline
@@ -99,6 +100,7 @@ class Simulator:
     timer: StepTimer
     config: SimConfig
     clock: _Clock = field(default_factory=_Clock)
+    host: HostModel | None = None  # the host's share of each step (None: steps take their device time only)
     prompts: dict = field(default_factory=dict)  # (index, prompt_len, block, hash_ids) -> (tokens, hashes)
     _next_arrival: float | None = None
 
@@ -215,6 +217,12 @@ class Simulator:
             total += ms
         return total
 
+    def _host_step(self, rows: int) -> float:
+        return self.host.step(rows) if self.host is not None else 0.0
+
+    def _host_launch(self, layers: int) -> float:
+        return self.host.prefill_launch(layers) if self.host is not None else 0.0
+
     def _load(self, plan: StepPlan) -> DecodeLoad:
         return decode_load(self.sched.requests, plan.decode)
 
@@ -222,13 +230,16 @@ class Simulator:
         """Decode and prefill on all SMs, after the prefill stream drains; everything completes at the end."""
         start = max(self.clock.now, self.stream[-1].end if self.stream else 0.0)
         self._complete_until(start)
+        rows = len(plan.decode)
         if plan.mixed:
             items = prefill_items(plan.prefill)
             duration = self.timer.mixed_ms(items, self._load(plan))
             if items:  # the measured step refines the planner's mixed-step model
                 self.planner.observe_mixed(items, self._load(plan), duration)
+            duration += self._host_step(rows)
         else:
-            duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
+            duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None) + \
+                self._host_step(rows)
         self.clock.now = end = start + duration / 1e3
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)
         for work in plan.prefill:
@@ -243,7 +254,9 @@ class Simulator:
             duration = self._prefill_ms(plan.prefill, plan.prefill_sms, observe=bool(plan.decode))
             items = prefill_items(plan.prefill)
             self.stream.append(_Launch(start, start + duration / 1e3, plan.prefill, items))
+        layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill else 0
         if not plan.decode:
+            self.clock.now += (self._host_step(0) + self._host_launch(layers)) / 1e3
             self._wait()
             return
         busy = next((launch for launch in self.stream if launch.start <= now < launch.end), None)
@@ -252,6 +265,8 @@ class Simulator:
         duration = self.timer.decode_ms(load, plan.decode_sms, concurrent)
         if concurrent:  # the measured step refines the planner's contention guard
             self.planner.observe_decode(load, plan.decode_sms, concurrent, duration)
+        if self.host is not None:  # the host launches the prefill layers while the decode kernels run
+            duration = self.host.gap(len(plan.decode), duration, layers)
         self.clock.now = end = now + duration / 1e3
         self._complete_until(end)
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)
@@ -279,3 +294,29 @@ class ServingClock:
 
     def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
         return self.predictor.mixed_ms(items, load) * self.prefill_factor
+
+
+@dataclass
+class Skewed:
+    """A step timer whose device runs `factor` times the time of another's (model error injected: 1.2 is a GPU 20 %
+    slower than predicted)."""
+
+    timer: StepTimer
+    factor: float
+
+    @property
+    def num_layers(self) -> int:
+        return self.timer.num_layers
+
+    @property
+    def sm_count(self) -> int:
+        return self.timer.sm_count
+
+    def prefill_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
+        return self.timer.prefill_ms(items, sms) * self.factor
+
+    def decode_ms(self, load: DecodeLoad, sms: int | None = None, concurrent: Sequence[PrefillItem] = ()) -> float:
+        return self.timer.decode_ms(load, sms, concurrent) * self.factor
+
+    def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
+        return self.timer.mixed_ms(items, load) * self.factor

@@ -52,8 +52,13 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
         notes.append(f"chunked budget {options.chunk_budget} tokens (--chunk-budget)")
     if options.mixed_chunks:
         notes.append("mux takes TBT-sized mixed chunks where they prefill faster than the split (--mixed-chunks)")
+    if opts.device_error:
+        if not -0.9 < opts.device_error < 10:
+            raise ConfigError(f"--device-error must be in (-0.9, 10), got {opts.device_error}")
+        notes.append(f"model error injected: the simulated GPU takes {1 + opts.device_error:.2f}x the profile's "
+                     "times (the planner is not told)")
     return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)),
-                          options=options), model, notes
+                          options=options, device_error=opts.device_error), model, notes
 
 
 def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:

@@ -42,6 +42,11 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                      rich_help_panel=_W)], None),
     "trace_format": (Annotated[str, typer.Option(help=f"auto, {', '.join(FORMATS)}.", rich_help_panel=_W)], "auto"),
     "num_prompts": (Annotated[int, typer.Option(help="Synthetic: number of requests.", rich_help_panel=_W)], 100),
+    "workload": (Annotated[Optional[str], typer.Option(help="A named synthetic workload instead of a trace: "
+                                                          "chat-short (prompts lognormal, median 1,000 tokens; outputs "
+                                                          "lognormal, median 250; Poisson arrivals unless "
+                                                          "--burstiness). Sets --input-len and --output-len.",
+                                                     rich_help_panel=_W)], None),
     "input_len": (Annotated[str, typer.Option(help="Synthetic prompt tokens: N, uniform:LO:HI or "
                                                    "lognormal:MEDIAN:SIGMA.", rich_help_panel=_W)], "256"),
     "output_len": (Annotated[str, typer.Option(help="Synthetic output tokens (same forms as --input-len).",
@@ -125,6 +130,10 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                        rich_help_panel=_T)], None),
     "gpu": (Annotated[str, typer.Option(help="--simulate: the GPU to plan for (h100, h200).", rich_help_panel=_T)],
             "h100"),
+    "device_error": (Annotated[float, typer.Option(help="--simulate: model error injected, the simulated GPU runs "
+                                                        "(1 + this) x the profile's times (0.2: 20 % slower, -0.2: "
+                                                        "20 % faster); the planner is not told.",
+                                                   rich_help_panel=_T)], 0.0),
     "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
                                               rich_help_panel=_O)], True),
 }
@@ -173,6 +182,11 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
     if kw["in_process"] and kw["endpoint"] == "chat":
         raise ConfigError("--in-process sends prompts straight to the engine; --endpoint chat needs a server")
+    preset = kw.pop("workload")
+    if preset is not None:
+        if kw["trace"] is not None:
+            raise ConfigError("--workload names a synthetic workload; give it or --trace, not both")
+        kw["input_len"], kw["output_len"] = wl.preset(preset)
     slo = _slo(kw.pop("goodput") or [], kw.pop("slo"))
     percentiles = _percentiles(kw.pop("metric_percentiles"))
     policies = parse_policies(kw.pop("policies")) if kw["policies"] else []

@@ -97,6 +97,7 @@ class Executor:
         self.layers_launched = 0
         self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
         self.last_mixed_ms: float | None = None  # the latest step's time when it was a mixed step (online refinement)
+        self.last_launch_ms: float | None = None  # host time the latest step spent launching prefill layers
         self.prefills: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
         self.prefills_seen = 0  # how many were ever appended (a reader keeps its own mark)
         self._split_decodes = 0  # decode steps run on a split partition
@@ -197,7 +198,7 @@ class Executor:
         alone)."""
         for rid in plan.released:
             self._release(rid)
-        self.last_decode = self.last_mixed_ms = None
+        self.last_decode = self.last_mixed_ms = self.last_launch_ms = None
         if plan.empty:
             return {}
         part = partition or self.partition_for(plan)
@@ -226,6 +227,7 @@ class Executor:
         for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
             self._launch_prefill(list(group), requests, start, end, part)
         launch_s = time.perf_counter() - launching
+        self.last_launch_ms = launch_s * 1e3 if plan.prefill else None
         if decode_tokens is None:
             return {}
         beside = () if part is self.partitions.full else tuple(

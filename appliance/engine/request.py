@@ -95,7 +95,7 @@ class Request:
         self.start_seq = -1            # admission order; the youngest request is preempted first
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # when the engine emitted its latest token (scheduler clock)
         self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
 
     @property

@@ -156,6 +156,7 @@ class Scheduler:
             self._register(r)
             r.output_token_ids.append(sampled[rid])
             out.append((r, sampled[rid]))
+        self._emitted(out)
         return out
 
     def complete_prefill(self, work: PrefillWork, token: int | None) -> list[tuple[Request, int]]:
@@ -181,7 +182,23 @@ class Scheduler:
         self.decoding.append(r)
         r.status = RequestStatus.DECODING
         r.output_token_ids.append(token)
+        self._emitted([(r, token)])
         return [(r, token)]
+
+    def _emitted(self, produced: list[tuple[Request, int]]) -> None:
+        """Time the tokens just produced as clients see them, gap by gap (a first token: its TTFT), and hand the
+        measurements to the planner (closed-loop control)."""
+        if not produced:
+            return
+        now = self.clock()
+        gaps, firsts = [], []
+        for r, _ in produced:
+            if r.last_token_time is None:
+                firsts.append((r, now - r.arrival_time))
+            else:
+                gaps.append((r, now - r.last_token_time))
+            r.last_token_time = now
+        self.planner.observe_tokens(gaps, firsts)
 
     def _register(self, r: Request) -> None:
         # only when a page has filled up: building all_token_ids for every decoded token costs O(context)

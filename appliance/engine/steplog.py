@@ -48,6 +48,7 @@ class StepLog:
             if self.steps:
                 self.steps[-1]["launch_ms"] = (time.perf_counter() - t0) * 1e3
                 self.steps[-1]["partition"] = executor.current.name
+                self.steps[-1]["prefill_launch_ms"] = executor.last_launch_ms
                 self.steps[-1].update(self._predicted(plan, requests))
             self._collect_prefills()
             self._launch_end = time.perf_counter()

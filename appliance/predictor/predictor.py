@@ -1,7 +1,8 @@
 """The Predictor the dispatcher and the simulator ask: solo latency from one LatencyModel (the roofline prior or a
 fitted solo-run model), times the contention guard's worst case when prefill and decode share the GPU: decode beside
 prefill (`ContentionGuard`), prefill on a partition beside decode (`SplitSlowdown`); both are refined online, as is
-how much longer mixed steps (prompt chunks beside the decode rows, on all SMs) run while serving.
+how much longer mixed steps (prompt chunks beside the decode rows, on all SMs) run while serving. Its `host` model
+gives the CPU's share of a step, which every inter-token gap carries.
 
 It also knows the partitions the executor offers: decode SM counts (multiples of the granularity), prefill gets
 the rest.
@@ -13,6 +14,7 @@ from typing import Sequence
 
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.host import HostModel
 from appliance.predictor.roofline import DeviceSpec, RooflineModel
 from appliance.predictor.shapes import DecodeLoad, LatencyModel, PrefillItem
 from appliance.predictor.split import SplitSlowdown
@@ -39,6 +41,7 @@ class Predictor:
     serving: dict[str, float] = field(default_factory=dict)
     split: SplitSlowdown = field(default_factory=SplitSlowdown)  # prefill on a partition, beside decode
     mixed: SplitSlowdown = field(default_factory=SplitSlowdown)  # mixed steps while serving, against the profile
+    host: HostModel = field(default_factory=HostModel)  # the host's share of every step (host.py)
 
     @classmethod
     def prior(cls, model: ModelConfig, device: DeviceSpec, granularity: int = DEFAULT_GRANULARITY) -> "Predictor":

@@ -19,6 +19,7 @@ from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.gemm_table import GemmTable
+from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
@@ -84,6 +85,20 @@ class ProfileFile(_Model):
     # attention span), layer-wise prefill on a partition beside decode over its solo time, which is contention: the
     # predictor plans with it and refines it online (split.py)
     serving: dict[Literal["decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k"], float] = {}
+    # the host's share of a step (host.py), fitted from a calibration replay; None: the prior
+    host: dict[Literal["step_ms", "per_row_us", "launch_ms", "per_layer_ms"], float] | None = None
+
+    @field_validator("host")
+    @classmethod
+    def _host_times(cls, host: dict[str, float] | None) -> dict[str, float] | None:
+        if host is not None:
+            missing = {"step_ms", "per_row_us", "launch_ms", "per_layer_ms"} - set(host)
+            if missing:
+                raise ValueError(f"needs {', '.join(sorted(missing))}")
+            bad = {k: v for k, v in host.items() if not 0 <= v <= 100}
+            if bad:
+                raise ValueError(f"host times must be in 0..100 (ms, or us per row), got {bad}")
+        return host
 
     @field_validator("serving")
     @classmethod
@@ -157,7 +172,8 @@ class ProfileFile(_Model):
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
-                         serving=dict(self.serving), split=split)
+                         serving=dict(self.serving), split=split,
+                         host=HostModel.from_dict(self.host) if self.host else HostModel())
 
 
 def model_shape(cfg: ModelConfig) -> dict[str, int]:

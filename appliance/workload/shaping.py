@@ -51,6 +51,19 @@ class LengthDist:
         return [max(1, int(round(v))) for v in values]
 
 
+PRESETS = {  # named synthetic workloads: (prompt lengths, output lengths)
+    # short-prompt chat: most prompts 400-2,500 tokens, outputs 120-500, as in public chat traces
+    "chat-short": ("lognormal:1000:0.6", "lognormal:250:0.5"),
+}
+
+
+def preset(name: str) -> tuple[str, str]:
+    """The length distributions of a named synthetic workload."""
+    if name not in PRESETS:
+        raise ConfigError(f"--workload {name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """n arrival times at `rate` requests/s, the first at 0 s. Gaps are gamma-distributed with shape `burstiness`
     and mean 1/rate, as in vLLM's benchmark (1 = Poisson, < 1 burstier, > 1 more regular); burstiness=inf gives

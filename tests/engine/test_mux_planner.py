@@ -13,10 +13,13 @@ from appliance.engine.planners.mux import MuxOptions, MuxPlanner
 from appliance.engine.request import Request, RequestStatus, SamplingParams
 from appliance.engine.scheduler import Scheduler
 from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
 from appliance.slo.contract import parse_contract
 
 LAYERS, SMS = 32, 132
+
+NO_HOST = HostModel(0.0, 0.0, 0.0, 0.0)  # these rules are checked on device times alone
 
 
 @dataclass
@@ -51,7 +54,10 @@ class Rig:
     def __init__(self, table: Table | None = None, guard: ContentionGuard | None = None, contract: str = CONTRACT,
                  **options) -> None:
         self.table = table or Table()
-        self.predictor = Predictor(self.table, guard or ContentionGuard(default=1.0), LAYERS, SMS, (16, 32, 48))
+        self.predictor = Predictor(self.table, guard or ContentionGuard(default=1.0), LAYERS, SMS, (16, 32, 48),
+                                   host=NO_HOST)
+        # open loop unless a test asks for control: these tests check the plan rules against the stated target
+        options.setdefault("control", False)
         self.planner = MuxPlanner(parse_contract(contract), self.predictor, MuxOptions(**options))
         self.sched = Scheduler(PagePool(4096, 16), LAYERS, self.planner, max_num_seqs=64)
         self.now = 0.0

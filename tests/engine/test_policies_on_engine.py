@@ -12,9 +12,12 @@ from appliance.engine.planners.mux import MuxOptions, MuxPlanner
 from appliance.engine.request import SamplingParams
 from appliance.errors import CapacityError, ConfigError, RequestError
 from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+NO_HOST = HostModel(0.0, 0.0, 0.0, 0.0)  # these rules are checked on device times alone
 
 
 class SlowTable:
@@ -72,8 +75,8 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
         layers = engine.model.config.num_layers
         table = SlowTable() if policy == "mux-spatial" else ChunkTable()
         engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(table, ContentionGuard(default=1.0),
-                                                                         layers, 132, (16, 32)),
-                                              MuxOptions(mixed_chunks=policy == "mux-chunks"))
+                                                                         layers, 132, (16, 32), host=NO_HOST),
+                                              MuxOptions(mixed_chunks=policy == "mux-chunks", control=False))
         assert isinstance(planner, MuxPlanner)
     seen, measured = [], []
     if policy == "mux-chunks":  # every mixed step's measured time is handed to the planner (online refinement)

@@ -37,6 +37,10 @@ class Planner:
     def observe_mixed(self, items: list[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
         """A mixed (chunked-prefill) step the executor timed on all SMs."""
 
+    def observe_tokens(self, gaps: list[tuple[Request, float]], first: list[tuple[Request, float]]) -> None:
+        """Tokens as the engine emitted them: each gap since the request's previous token, and each first token's
+        time since arrival (seconds on the scheduler's clock)."""
+
     def snapshot(self) -> dict[str, Any] | None:
         """What the planner decided and learned so far, for result JSONs and metrics (None: nothing to report)."""
         return None

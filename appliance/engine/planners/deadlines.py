@@ -17,8 +17,10 @@ REORDER_WINDOW = 32  # waiting requests considered for reordering; the rest keep
 class Deadlines:
     """Per-request class targets, prefill work and TTFT deadline (seconds on the scheduler's clock)."""
 
-    def __init__(self, contract: Contract, pool: PagePool) -> None:
+    def __init__(self, contract: Contract, pool: PagePool,
+                 headroom: Callable[[str], float] | None = None) -> None:
         self.contract, self.pool = contract, pool
+        self.headroom = headroom or (lambda name: 1.0)  # TTFT deadlines are planned at headroom x the target
         self._slos = {name: contract.slo_for(name) for name in contract.class_names()}
         self._cached: dict[str, int] = {}  # prefix-cache hits estimated while a request waits
 
@@ -44,7 +46,8 @@ class Deadlines:
             return float("-inf")
         cached = r.num_cached_tokens if r.num_cached_tokens is not None else self._lookup(r)
         uncached = r.num_prompt_tokens - min(cached, r.num_prompt_tokens)
-        return r.arrival_time + self.slo(r).ttft_target_ms(uncached) / 1000.0
+        slo = self.slo(r)
+        return r.arrival_time + self.headroom(slo.name) * slo.ttft_target_ms(uncached) / 1000.0
 
     def forget(self, live: set[str]) -> None:
         """Drop estimates of requests that left the engine."""

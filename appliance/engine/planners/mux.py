@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.planners.base import reserve_all
+from appliance.engine.planners.control import ClassControl, class_control
 from appliance.engine.planners.deadlines import Deadlines, reorder
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import Scheduler
@@ -30,7 +31,7 @@ PAUSE_CANDIDATES = 8  # waiting prompts, most urgent first, considered for pausi
 @dataclass
 class MuxOptions:
     max_prefill_tokens: int = 8192  # prompt tokens prefilled together as one layer-wise batch
-    tbt_margin: float = 1.0         # plan decode steps to margin * the TBT target
+    control: bool = True            # closed-loop: plan to the controllers' headroom x the targets (control.py)
     prefill_pause: bool = True      # a short prompt may pause the running batch between layers (MuxWise)
     reorder: bool = True
     max_inflight_chunks: int = 2    # prefill chunks queued on the prefill stream (one running, one waiting)
@@ -68,6 +69,7 @@ class MuxPlanner:
         self._steps = 0
         self._pause_seen: tuple = ()
         self._chunked: set[str] = set()  # prompts that ran a mixed chunk: started, pausable between chunks
+        self.controls: dict[str, ClassControl] = {}  # per SLO class: the TBT and TTFT tail controllers
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def plan(self, sched: Scheduler) -> StepPlan:
@@ -91,7 +93,8 @@ class MuxPlanner:
         items = [dl.item(r) for r in batch]
         if not decode:
             return self._prefill_all_sms(sched, batch, start, items, tbt)
-        if start == 0 and not sched.has_inflight() and self.predictor.mixed_ms(items, load) <= tbt:
+        if start == 0 and not sched.has_inflight() and \
+                self.predictor.mixed_ms(items, load) + self.predictor.host.step(load.batch_size) <= tbt:
             self.stats.aggregated_steps += 1
             self.stats.last_mode = "aggregated"
             return StepPlan(decode=decode, prefill=self._works(batch, 0, self.predictor.num_layers), mixed=True)
@@ -136,6 +139,11 @@ class MuxPlanner:
             t_decode = p.decode_ms(load, d, items)
             t_prefill = p.prefill_ms(items, p.sm_count - d)
             k = math.ceil(t_decode * p.num_layers / t_prefill) if t_prefill > 0 else p.num_layers
+            # the host launches these layers while decode runs: no more than the step can hide within the target
+            host = p.host
+            room = max(t_decode, tbt - host.step(load.batch_size)) - host.launch_ms
+            if host.per_layer_ms > 0:
+                k = min(k, int(room // host.per_layer_ms))
             works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
         return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
 
@@ -150,7 +158,8 @@ class MuxPlanner:
         d = self._decode_partition(load, items, tbt)
         if d is None:
             return None
-        total, limit = sum(i.new for i in items), self.options.chunk_tbt * tbt
+        total = sum(i.new for i in items)
+        limit = self.options.chunk_tbt * tbt - p.host.step(load.batch_size)
         queue = [(r, dl.item(r)) for r in sorted(batch + self._order(sched, sched.clock())[:PAUSE_CANDIDATES],
                                                  key=dl.deadline)]
 
@@ -195,10 +204,11 @@ class MuxPlanner:
         """The smallest decode partition whose worst-case step beside `items` meets `tbt`; when none does, None if
         decode alone on all SMs would, else the largest partition (the best that can be done)."""
         p = self.predictor
+        host = p.host.step(load.batch_size)  # every gap carries the step's host time too
         for d in p.decode_partitions:
-            if p.decode_ms(load, d, items) <= tbt:
+            if p.decode_ms(load, d, items) + host <= tbt:
                 return d
-        if p.decode_ms(load) <= tbt:
+        if p.decode_ms(load) + host <= tbt:
             return None
         return p.decode_partitions[-1]
 
@@ -310,17 +320,31 @@ class MuxPlanner:
 
     def _dl(self, sched: Scheduler) -> Deadlines:
         if self._deadlines is None or self._deadlines.pool is not sched.pool:
-            self._deadlines = Deadlines(self.contract, sched.pool)
+            self._deadlines = Deadlines(self.contract, sched.pool, lambda name: self.control(name).ttft.headroom)
         return self._deadlines
+
+    def control(self, name: str) -> ClassControl:
+        """The tail controllers of an SLO class (made on first use)."""
+        if name not in self.controls:
+            slo = self.contract.slo_for(name)
+            self.controls[name] = class_control(slo.tbt_percentile, slo.ttft_percentile)
+            if not self.options.control:  # open loop: plan to the targets themselves, whatever clients see
+                for c in (self.controls[name].tbt, self.controls[name].ttft):
+                    c.headroom = c.min_headroom = c.max_headroom = 1.0
+        return self.controls[name]
 
     def _load(self, sched: Scheduler, decode: tuple[str, ...]) -> DecodeLoad:
         return decode_load(sched.requests, decode)
 
     def _tbt_ms(self, sched: Scheduler, decode: tuple[str, ...]) -> float:
+        """The decode batch's planning target: the tightest of its classes' TBT targets, each times its
+        controller's headroom."""
         dl = self._dl(sched)
-        tightest = min((dl.slo(sched.requests[rid]).tbt_ms for rid in decode),
-                       default=self.contract.slo_for(None).tbt_ms)
-        return tightest * self.options.tbt_margin
+        slos = {slo.name: slo for slo in (dl.slo(sched.requests[rid]) for rid in decode)}
+        if not slos:
+            default = self.contract.slo_for(None)
+            slos = {default.name: default}
+        return min(slo.tbt_ms * self.control(name).tbt.headroom for name, slo in slos.items())
 
     def _inflight_items(self, sched: Scheduler) -> list[PrefillItem]:
         dl = self._dl(sched)
@@ -339,13 +363,32 @@ class MuxPlanner:
         """A mixed step measured on all SMs: online refinement of what mixed steps cost while serving."""
         self.predictor.observe_mixed(items, load, measured_ms)
 
+    def observe_tokens(self, gaps: list[tuple[Request, float]], first: list[tuple[Request, float]]) -> None:
+        """What clients see, per SLO class, as fractions of the class's targets: the controllers' input."""
+        dl = self._deadlines
+        if dl is None:
+            return
+        by_class: dict[str, tuple[list[float], list[float]]] = {}
+        for r, seconds in gaps:
+            slo = dl.slo(r)
+            by_class.setdefault(slo.name, ([], []))[0].append(seconds * 1e3 / slo.tbt_ms)
+        for r, seconds in first:
+            slo = dl.slo(r)
+            cached = r.num_cached_tokens or 0
+            target = slo.ttft_target_ms(r.num_prompt_tokens - min(cached, r.num_prompt_tokens))
+            by_class.setdefault(slo.name, ([], []))[1].append(seconds * 1e3 / target)
+        for name, (g, f) in by_class.items():
+            self.control(name).observe(g, f)
+
     def snapshot(self) -> dict:
         """What the planner decided and learned online so far (a replay's result JSON keeps it): its step counts,
         and the split and mixed-step slowdowns it plans with, with how many measured launches or steps they hold."""
         p = self.predictor
         stats = asdict(self.stats)
         stats["decode_sms"] = {str(k): v for k, v in sorted(self.stats.decode_sms.items())}
-        return {"stats": stats, "contention_cells": len(p.guard.observations), **{
+        return {"stats": stats, "contention_cells": len(p.guard.observations),
+                "control": {name: {"tbt": c.tbt.state(), "ttft": c.ttft.state()} for name, c in self.controls.items()},
+                **{
             name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
             for name, model in (("split", p.split), ("mixed", p.mixed))}}
 

@@ -2,6 +2,8 @@
 baseline's budget tuned to the TBT target (the largest token budget whose step meets it when idle)."""
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 from appliance.config import POLICIES, SchedulerSettings
 from appliance.engine.planners.base import Planner
 from appliance.engine.planners.chunked import ChunkedPlanner
@@ -9,6 +11,7 @@ from appliance.engine.planners.layerwise import LayerwisePlanner
 from appliance.engine.planners.mux import MuxOptions, MuxPlanner
 from appliance.engine.planners.serial import SerialPlanner
 from appliance.errors import ConfigError
+from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.shapes import DecodeLoad, PrefillItem
 from appliance.slo.contract import Contract
@@ -16,12 +19,18 @@ from appliance.slo.contract import Contract
 IDLE_DECODE = DecodeLoad(1, 1024)  # "idle": one other request decoding with a short context
 
 
-def tune_chunk_budget(predictor: Predictor, tbt_ms: float, decode: DecodeLoad = IDLE_DECODE,
-                      lo: int = 16, hi: int = 65536) -> int:
-    """The largest token budget whose mixed step (a fresh prompt chunk beside `decode`) meets `tbt_ms`; `lo` when
-    even that misses."""
+class StepTimes(Protocol):
+    def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float: ...
+
+
+def tune_chunk_budget(timer: StepTimes, tbt_ms: float, decode: DecodeLoad = IDLE_DECODE,
+                      lo: int = 16, hi: int = 65536, host: HostModel | None = None) -> int:
+    """The largest token budget whose mixed step (a fresh prompt chunk beside `decode`, on `timer`'s clock, plus
+    the step's `host` time) meets `tbt_ms`; `lo` when even that misses."""
+    host_ms = host.step(decode.batch_size) if host is not None else 0.0
+
     def fits(budget: int) -> bool:
-        return predictor.mixed_ms([PrefillItem(budget - decode.batch_size, 0)], decode) <= tbt_ms
+        return timer.mixed_ms([PrefillItem(budget - decode.batch_size, 0)], decode) + host_ms <= tbt_ms
 
     if not fits(lo):
         return lo
@@ -46,7 +55,8 @@ def build_planner(settings: SchedulerSettings, contract: Contract | None = None,
     if name == "chunked":
         budget = settings.chunk_budget
         if budget is None:
-            budget = (tune_chunk_budget(predictor, contract.slo_for(None).tbt_ms, lo=min(16, max_tokens), hi=max_tokens)
+            budget = (tune_chunk_budget(predictor, contract.slo_for(None).tbt_ms, lo=min(16, max_tokens),
+                                        hi=max_tokens, host=predictor.host)
                       if predictor is not None and contract is not None else max_tokens)
         return ChunkedPlanner(budget, max_tokens)
     if name != "mux":

@@ -1,0 +1,84 @@
+"""The host's share of an engine step: what the CPU spends outside the GPU's kernels, which a client sees in every
+inter-token gap at the rates where it matters (planning, batch layout, flashinfer plans, launches, sampling
+read-back, detokenizing and streaming the outputs).
+
+A step's wall time, as the executor runs it (decode launched first, then the prefill layers, then the tokens read
+back): `max(decode on the GPU, prefill launches on the host) + step host time`. The step's host time grows with its
+decode rows; a prefill launch costs the host a fixed part and a part per layer launched. `muxd profile` fits the
+coefficients from a replay's step log (`fit_host`); without one, the prior below (measured on H100 and H200 hosts
+with Llama-3.1-8B shapes) applies.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+MAX_HOST_MS = 50.0  # a logged host time above this is an idle wait, not work
+
+
+@dataclass(frozen=True)
+class HostModel:
+    step_ms: float = 0.5        # a step's fixed host time (plan, layout, read-back, outputs)
+    per_row_us: float = 7.0     # per decode row
+    launch_ms: float = 0.3      # per prefill launch (a layer range of a batch)
+    per_layer_ms: float = 0.4   # per prefill layer launched (eager layers; graph replays cost less)
+    source: str = "prior"
+
+    def step(self, rows: int) -> float:
+        """Host milliseconds of a step with `rows` decode rows, outside its launches."""
+        return self.step_ms + self.per_row_us * rows / 1e3
+
+    def prefill_launch(self, layers: int) -> float:
+        """Host milliseconds spent launching `layers` prefill layers (0: none launched)."""
+        return self.launch_ms + self.per_layer_ms * layers if layers > 0 else 0.0
+
+    def gap(self, rows: int, decode_ms: float, layers: int = 0) -> float:
+        """The inter-token gap of a decode step of `rows` rows whose kernels take `decode_ms`, with `layers`
+        prefill layers launched beside it."""
+        return max(decode_ms, self.prefill_launch(layers)) + self.step(rows)
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, Any] = asdict(self)
+        out.pop("source")
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, float] | None, source: str = "profile") -> "HostModel":
+        return cls(source=source, **raw) if raw else cls()
+
+
+def fit_host(steps: Iterable[dict[str, Any]]) -> HostModel | None:
+    """Fit the host model from a step log (engine/steplog.py): each step's host time outside the executor (planning
+    plus the time after its launch) against its decode rows, and each prefill launch's host time against its
+    layers. None when the log holds too few steps."""
+    rows, host, layers, launch = [], [], [], []
+    for s in steps:
+        if s.get("gap_ms") is None or "launch_ms" not in s:
+            continue
+        h = float(s["plan_ms"]) + float(s["gap_ms"])
+        if s.get("decode") and h < MAX_HOST_MS:
+            rows.append(int(s["decode"]))
+            host.append(h)
+        if s.get("prefill_launch_ms") is not None and s.get("layers"):
+            layers.append(int(s["layers"]))
+            launch.append(float(s["prefill_launch_ms"]))
+    if len(host) < 20:
+        return None
+    step_ms, per_row = _line(rows, host)
+    launch_ms, per_layer = _line(layers, launch) if len(launch) >= 20 else (HostModel.launch_ms,
+                                                                             HostModel.per_layer_ms)
+    return HostModel(step_ms, per_row * 1e3, launch_ms, per_layer, "fitted")
+
+
+def _line(x: list[int], y: list[float]) -> tuple[float, float]:
+    """A non-negative intercept and slope through the upper half of the host times per x (the tail is what gaps
+    see; a mean would plan to the middle)."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if np.ptp(xs) == 0:
+        return float(np.percentile(ys, 75)), 0.0
+    slope, intercept = np.polyfit(xs, ys, 1)
+    residual = ys - (intercept + slope * xs)
+    intercept += float(np.percentile(residual, 75))
+    return max(0.0, float(intercept)), max(0.0, float(slope))
