@@ -29,6 +29,7 @@ from appliance.slo.contract import Contract, default_contract, load_contract
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
 POLICIES = ("mux", "chunked", "serial", "layerwise")  # engine/planners/registry.py builds each
+POLICY_CHOICES = ("auto", *POLICIES)  # auto: mux on a CUDA GPU, serial on a CPU
 SPATIAL_POLICIES = ("mux", "layerwise")  # the policies that run prefill and decode on disjoint SM partitions
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -133,8 +134,9 @@ class CacheSettings:
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    policy: str = flag("serial", "Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
-                       "budget, the vLLM/SGLang default), serial (prefill first) or layerwise.", "--planner")
+    policy: str = flag("auto", "Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
+                       "budget, the vLLM/SGLang default), serial (prefill first), layerwise, or auto: mux on a CUDA "
+                       "GPU, serial on a CPU.", "--planner")
     max_num_seqs: int = flag(256, "Requests prefilling or decoding at once.")
     max_num_batched_tokens: int = flag(8192, "Prompt tokens prefilled per engine step (a longer prompt still runs, "
                                        "alone); chunked's budget unless --chunk-budget or --profile sets it.")
@@ -144,7 +146,8 @@ class SchedulerSettings:
                                        "--max-num-batched-tokens).")
     slo: Optional[str] = flag(None, "SLO contract (YAML, see configs/slo/); default: p99 TBT 50 ms.")
     profile: Optional[str] = flag(None, "Latency profile of this model on this GPU for --policy mux (and chunked's "
-                                  "budget); missing or mismatched: the roofline prior (with a warning).")
+                                  "budget); unset, mux uses the one `muxd profile` cached for this model and GPU, or "
+                                  "one shipped with muxd, else the roofline prior (the closed loop keeps it safe).")
     prefill_pause: bool = flag(True, "mux: a short prompt may pause a long prefill batch between layers and run "
                                "first.", "--preemption/--no-preemption")
     mixed_chunks: bool = flag(False, "mux: run a chunk of the prompt beside the decode rows on all SMs, sized to "
@@ -153,8 +156,8 @@ class SchedulerSettings:
     layerwise_decode_sms: int = flag(64, "layerwise: SMs decode gets while prefill runs.")
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"--policy (--planner) must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy not in POLICY_CHOICES:
+            raise ConfigError(f"--policy (--planner) must be one of {', '.join(POLICY_CHOICES)}, got {self.policy!r}")
         _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_waiting", "chunk_budget",
                   "layers_per_step", "layerwise_decode_sms")
 

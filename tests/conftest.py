@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from tiny_models import FAMILIES, build_tiny_checkpoint, write_tiny_tokenizer
+
+# caches (compiled kernels, profiles `muxd profile` keeps for `muxd serve`) go to a directory of this run, never the
+# user's: a test must not find a profile an earlier run left, nor leave one behind
+os.environ["MUXD_CACHE_DIR"] = tempfile.mkdtemp(prefix="muxd-test-cache-")
 
 # tiny models gain nothing from intra-op threads, and CI machines have two cores shared with the server under test
 torch.set_num_threads(1)

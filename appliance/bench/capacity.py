@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from appliance.bench.simulate import ServingClock, SimConfig, Skewed, SimResult, Simulator, StepTimer
+from appliance.bench.simulate import ServingClock, SimConfig, SimResult, Simulator, Skewed, StepTimer
 from appliance.bench.sweep import SweepResult, find_capacity
 from appliance.config import SchedulerSettings
 from appliance.engine.planners.registry import build_planner, tune_chunk_budget

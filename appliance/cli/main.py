@@ -5,11 +5,11 @@ from __future__ import annotations
 import typer
 
 from appliance import __version__
-from appliance.cli.serve import register as register_serve
 from appliance.cli.bench import app as bench_app
 from appliance.cli.bench_engine import engine_bench_command
 from appliance.cli.bench_tools import compare_command, diagnose_command, pool_command
 from appliance.cli.profile import profile_command
+from appliance.cli.serve import register as register_serve
 from appliance.cli.slo import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -13,9 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from appliance.config import Config
+from appliance.engine.compile import cache_dir
 from appliance.engine.factory import build_engine
 from appliance.errors import ApplianceError, ConfigError
 from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.catalog import cache_profile, profile_key
+from appliance.predictor.host import fit_host
 from appliance.predictor.profile import save_profile
 from appliance.profile.calibrate import calibrate_serving, calibration_seconds
 from appliance.profile.grid import Ranges, plan_points, reused_tokens
@@ -36,7 +39,8 @@ def profile_command(app: typer.Typer) -> None:
     @app.command()
     def profile(
         model: str = typer.Option("embedded", "--model", "-m", help="Model directory (or 'embedded')."),
-        out: Path = typer.Option(..., "--out", "-o", help="Profile file to write (JSON); samples are logged "
+        out: Optional[Path] = typer.Option(None, "--out", "-o", help="Profile file to write (JSON; default: the cache "
+                                           "`muxd serve` looks in, for this model and GPU); samples are logged "
                                  "beside it as OUT.samples.jsonl."),
         load_format: str = typer.Option("auto", help="auto/safetensors, or dummy (random weights: step times "
                                         "do not depend on the values)."),
@@ -82,11 +86,13 @@ def profile_command(app: typer.Typer) -> None:
                 raise ConfigError(f"--budget-minutes must be > 0, got {budget_minutes}")
             if holdout < 0:
                 raise ConfigError(f"--holdout must be >= 0, got {holdout}")
-            if out.suffix == ".jsonl" or out.is_dir():
+            if out is not None and (out.suffix == ".jsonl" or out.is_dir()):
                 raise ConfigError(f"--out {out}: give the profile file's path (e.g. llama-8b-h200.json)")
-            if not out.parent.is_dir():
+            if out is not None and not out.parent.is_dir():
                 raise ConfigError(f"--out {out}: directory {out.parent} does not exist")
             if refit is not None:
+                if out is None:
+                    raise ConfigError("--refit writes the profile to --out: pass one")
                 config = ModelConfig.from_file(Config.flat(model=model).model.model_dir / "config.json")
                 result = refit_profile(refit, out, config, max_graph_batch=min(max_num_seqs, 256))
                 _report(result, budget_minutes=None)
@@ -113,11 +119,14 @@ def profile_command(app: typer.Typer) -> None:
                               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
                               partition_granularity=partition_granularity, prefill_graph_rows=prefill_graph_rows)
             cfg = cfg.replace(multiplex=True if cfg.runtime.resolved_device().startswith("cuda") else None)
-            cfg.check()
+            model_config = cfg.check()
             logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
             console.print(f"muxd profile: loading {cfg.model.model_name} ...")
             engine = build_engine(cfg)
             timer = StepTimer(engine)
+            if out is None:
+                out = cache_dir() / "profiles" / profile_key(model_config, timer.gpu_name)
+                out.parent.mkdir(parents=True, exist_ok=True)
             kv_tokens = engine.pool.num_pages * engine.pool.page_size
             points = plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, seed, kv_tokens=kv_tokens)
             too_big = len(plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, seed)) - len(points)
@@ -139,8 +148,14 @@ def profile_command(app: typer.Typer) -> None:
                 specs = wl.select(load_trace(calibrate_trace, trace_format if calibrate_trace == trace else "auto"),
                                   max_requests=calibrate_requests)
                 predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
-                factors, _ = calibrate_serving(engine, specs, calibrate_rate, predictor)
+                factors, steps = calibrate_serving(engine, specs, calibrate_rate, predictor)
                 result.profile.serving = factors
+                host = fit_host(steps)
+                if host is not None:
+                    result.profile.host = host.as_dict()
+                    console.print(f"host time per step: {host.step_ms:.2f} ms + {host.per_row_us:.1f} us per decode "
+                                  f"row; per prefill launch {host.launch_ms:.2f} ms + {host.per_layer_ms:.3f} ms per "
+                                  "layer")
                 save_profile(result.profile, result.path)
                 result.elapsed_s = time.perf_counter() - started  # the whole run, the replay included
                 console.print("serving factors (serving time / profiled time): "
@@ -150,6 +165,8 @@ def profile_command(app: typer.Typer) -> None:
             raise typer.Exit(code=2)
         result.skipped_memory += too_big
         _report(result, budget_minutes)
+        cached = cache_profile(result.path, model_config, timer.gpu_name, cache_dir())
+        typer.echo(f"cached as {cached}: `muxd serve` finds it for this model on this GPU")
         if result.spread:
             typer.echo(f"repeated points: their runs differ by {result.spread_median:.1%} at the median, "
                        f"{result.spread_p90:.1%} at the 90th percentile")

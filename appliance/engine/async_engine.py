@@ -164,7 +164,8 @@ class AsyncEngine:
                       "num_preemptions": self.engine.num_preemptions,
                       "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
                       "prefill_layers_launched": executor.layers_launched,
-                      "prefill_pauses": getattr(planner_stats, "pauses", 0)}
+                      "prefill_pauses": getattr(planner_stats, "pauses", 0),
+                      "control": sched.planner.control_state()}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -97,7 +97,13 @@ class Engine:
         self.executor.settle(request_id)
         self.scheduler.finish(request, "abort", aborted=True)  # the next plan releases its executor state
         self._detok.pop(request_id, None)
+        self._release_if_idle()
         return True
+
+    def _release_if_idle(self) -> None:
+        """With nothing left to run there is no next plan: release the state of who left now."""
+        if not self.scheduler.has_work():
+            self.executor.launch(self.scheduler.released(), self.scheduler.requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -113,14 +119,18 @@ class Engine:
         if plan.empty:
             if self.executor.has_inflight():
                 self.executor.wait()
-                return outputs + self._merge(self.executor.poll())
+                outputs += self._merge(self.executor.poll())
+                self._release_if_idle()
+                return outputs
             if self.scheduler.has_work() and not outputs:
                 raise RuntimeError(f"planner {self.scheduler.planner.name!r} planned nothing with "
                                    f"{len(self.scheduler.requests)} requests pending")
             return outputs
         self._observe(plan)
         outputs += [self._output(r, token) for r, token in self.scheduler.update_decode(plan, sampled)]
-        return outputs + self._merge(self.executor.poll())
+        outputs += self._merge(self.executor.poll())
+        self._release_if_idle()
+        return outputs
 
     def _observe(self, plan: StepPlan) -> None:
         """Hand a decode step that ran beside prefill layers, prefill layers that ran on a partition beside decode,

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from appliance.config import SPATIAL_POLICIES, Config
-from appliance.engine.compile import compile_layers
+from appliance.engine.compile import cache_dir, compile_layers
 from appliance.engine.engine import Engine
 from appliance.engine.executor import Executor
 from appliance.engine.kv_cache import KVCache, PagePool
@@ -24,6 +24,7 @@ from appliance.errors import ConfigError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model, resolve_model_dir
 from appliance.model_zoo.tokenizer import Tokenizer
+from appliance.predictor.catalog import find_profile
 from appliance.predictor.gemm_table import GemmTable
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import load_predictor
@@ -70,6 +71,9 @@ class _Builder:
         self.startup: dict[str, float] = {}
 
     def build(self, tokenizer: Tokenizer | None) -> Engine:
+        if self.config.scheduler.policy == "auto":  # mux where SM partitions exist, serial on a CPU
+            self.config = self.config.replace(policy="mux" if self.cuda else "serial")
+            log.info("policy: %s (the default on %s)", self.config.scheduler.policy, "CUDA" if self.cuda else "CPU")
         cfg, model, mcfg = self.config, self.model, self.model.config
         sched_cfg, cache_cfg, rt = cfg.scheduler, cfg.cache, cfg.runtime
         # before compile and warm-up: a sliding window shorter than the context is refused at once
@@ -148,6 +152,11 @@ class _Builder:
         sched = self.config.scheduler
         if sched.policy == "mux" or (sched.policy == "chunked" and sched.tuned_chunk_budget is None):
             gpu = torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
+            if sched.profile is None and sched.policy == "mux":
+                found = find_profile(self.model.config, gpu, cache_dir())
+                if found is not None:
+                    log.info("latency profile: %s (found for this model on %s)", found, gpu)
+                    return load_predictor(found, self.model.config, gpu)
             return load_predictor(sched.profile, self.model.config, gpu, sched.profile_file)
         return None
 

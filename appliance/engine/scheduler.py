@@ -139,6 +139,13 @@ class Scheduler:
         self._preempted, self._finished = [], []
         return plan
 
+    def released(self) -> StepPlan:
+        """A plan that runs nothing and carries the requests preempted or finished since the last plan (for an engine
+        going idle: their executor state goes now rather than at the next step)."""
+        plan = StepPlan(preempted=tuple(self._preempted), finished=tuple(self._finished))
+        self._preempted, self._finished = [], []
+        return plan
+
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
         """Record a whole step's progress (synchronous executors); returns (request, new token) for every request
         that got a token."""

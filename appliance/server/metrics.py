@@ -50,6 +50,11 @@ class Metrics:
         self.prefill_pauses = counter("muxd:prefill_pauses", "Prefill batches paused between layers for a more "
                                       "urgent prompt (mux).")
         self._seen: dict[str, int] = {}
+        # the mux planner's closed loop, per SLO class and metric (tbt, ttft), both as fractions of the target
+        self.headroom = Gauge("muxd:slo_planning_headroom", "The planner plans to this fraction of the SLO target.",
+                              labels + ["slo_class", "metric"], registry=registry)
+        self.observed = Gauge("muxd:slo_observed_tail", "The contract's percentile of recent gaps or first tokens, "
+                              "as a fraction of the target.", labels + ["slo_class", "metric"], registry=registry)
         self._success = Counter("muxd:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=registry)
 
@@ -74,6 +79,11 @@ class Metrics:
             total = int(stats.get(key, 0))
             counter.inc(max(0, total - self._seen.get(key, 0)))  # the engine counts; the counters follow it
             self._seen[key] = max(total, self._seen.get(key, 0))
+        for name, metrics in stats.get("control", {}).items():
+            for metric, state in metrics.items():
+                self.headroom.labels(slo_class=name, metric=metric, **self._labels).set(state["headroom"])
+                if state.get("observed_tail") is not None:
+                    self.observed.labels(slo_class=name, metric=metric, **self._labels).set(state["observed_tail"])
         return generate_latest(self.registry)
 
 

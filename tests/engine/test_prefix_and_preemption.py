@@ -99,3 +99,22 @@ def test_abort_frees_every_page_at_once(llama_checkpoint):
     assert engine.pool.num_free_pages == 40
     assert not engine.has_unfinished()
     assert engine.runner._partials == {}
+
+
+def test_aborted_and_finished_requests_leave_no_executor_state(llama_checkpoint):
+    """The plan names who left; an engine going idle releases them at once, not at some later step."""
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
+    ids = [engine.add_request(list(range(5 + i, 25 + i)), SamplingParams(max_tokens=12, ignore_eos=True))
+           for i in range(4)]
+    for _ in range(3):
+        engine.step()
+    for rid in ids[::2]:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    assert not engine.runner.batches._mirrors
+    late = engine.add_request([7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.abort(late) and not engine.runner.batches._mirrors  # aborted while the engine had nothing else

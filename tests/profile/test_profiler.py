@@ -13,11 +13,13 @@ from typer.testing import CliRunner
 
 from appliance.cli.main import app
 from appliance.config import Config
+from appliance.engine.compile import cache_dir
 from appliance.engine.factory import build_engine
 from appliance.engine.graphs import capture_sizes
 from appliance.engine.planners.registry import tune_chunk_budget
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.catalog import BUNDLED, cache_profile, find_profile
 from appliance.predictor.profile import load_predictor
 from appliance.profile.calibrate import calibrate_serving, serving_factors
 from appliance.profile.grid import Point, Ranges, plan_points, reused_tokens
@@ -363,3 +365,31 @@ def test_serving_with_a_bucket_profile_pads_prefills_and_answers_as_serial(timer
     serial = build_engine(Config.flat(model=path, **config)).generate(prompts, greedy)
     assert [c.token_ids for c in mux.generate(prompts, greedy)] == [c.token_ids for c in serial]
     assert mux.pool.num_free_pages == mux.pool.num_pages
+
+
+def test_serve_finds_the_profile_muxd_profile_cached_and_the_default_policy_is_serial_on_a_cpu(timer, llama_checkpoint,
+                                                                                              tmp_path):
+    """`muxd profile` keeps a copy of its profile under the cache directory, keyed by the model's shapes, the GPU and
+    the muxd version; `muxd serve --policy mux` without --profile loads it. Without --policy, a CPU serves serial."""
+    path, _ = llama_checkpoint
+    out = tmp_path / "p.json"
+    run_profile(timer, plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0), out,
+                model_name="tiny", budget_s=300, started=time.perf_counter())
+    model = timer.engine.model.config
+    assert find_profile(model, "cpu", cache_dir()) is None  # nothing cached yet, and no shipped profile fits
+    cached = cache_profile(out, model, "cpu", cache_dir())
+    assert cached.parent == cache_dir() / "profiles" and find_profile(model, "cpu", cache_dir()) == cached
+    assert find_profile(model, "NVIDIA H200", cache_dir()) is None  # another GPU: not this profile
+    engine = build_engine(Config.flat(model=path, policy="mux", num_gpu_blocks_override=64))
+    assert engine.predictor.source == f"profile {cached}"
+    default = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
+    assert Config().scheduler.policy == "auto" and default.config.scheduler.policy == "serial"
+
+
+def test_a_shipped_profile_is_found_by_what_it_describes():
+    """The H200 profile shipped inside muxd describes Llama-3.1-8B's shapes on an H200, whatever its file name."""
+    model = ModelConfig.from_file(REPO / "configs" / "models" / "llama-3.1-8b" / "config.json")
+    found = find_profile(model, "NVIDIA H200", Path("/nonexistent"))
+    assert found is not None and found.parent == BUNDLED
+    assert find_profile(model, "NVIDIA A100-SXM4-80GB", Path("/nonexistent")) is None
+    assert load_predictor(found, model, "NVIDIA H200").source == f"profile {found}"

@@ -35,3 +35,14 @@ def test_trace_dir_receives_the_timeline_at_shutdown(request, tmp_path):
         server.proc.wait(timeout=60)
     [trace] = list((tmp_path / "traces").glob("timeline-*.json"))
     assert any(e["name"] == "decode" for e in json.loads(trace.read_text())["traceEvents"])
+
+
+def test_the_closed_loop_state_is_in_metrics(serve):
+    """mux: the planning headroom of each SLO class and metric, from the first request on."""
+    server = serve("--policy", "mux")
+    body = {"model": "muxd-embedded", "prompt": "def main():", "max_tokens": 6, "ignore_eos": True}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    metrics = server.metrics()
+    tbt = metrics['muxd:slo_planning_headroom{metric="tbt",slo_class="default"}']
+    ttft = metrics['muxd:slo_planning_headroom{metric="ttft",slo_class="default"}']
+    assert 0.3 <= tbt <= 1.0 and 0.5 <= ttft <= 1.0

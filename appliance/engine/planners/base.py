@@ -41,6 +41,10 @@ class Planner:
         """Tokens as the engine emitted them: each gap since the request's previous token, and each first token's
         time since arrival (seconds on the scheduler's clock)."""
 
+    def control_state(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Closed-loop state per SLO class and metric (headroom, observed tail), for /metrics; empty: none."""
+        return {}
+
     def snapshot(self) -> dict[str, Any] | None:
         """What the planner decided and learned so far, for result JSONs and metrics (None: nothing to report)."""
         return None

@@ -380,6 +380,9 @@ class MuxPlanner:
         for name, (g, f) in by_class.items():
             self.control(name).observe(g, f)
 
+    def control_state(self) -> dict[str, dict[str, dict]]:
+        return {name: {"tbt": c.tbt.state(), "ttft": c.ttft.state()} for name, c in self.controls.items()}
+
     def snapshot(self) -> dict:
         """What the planner decided and learned online so far (a replay's result JSON keeps it): its step counts,
         and the split and mixed-step slowdowns it plans with, with how many measured launches or steps they hold."""
@@ -387,7 +390,7 @@ class MuxPlanner:
         stats = asdict(self.stats)
         stats["decode_sms"] = {str(k): v for k, v in sorted(self.stats.decode_sms.items())}
         return {"stats": stats, "contention_cells": len(p.guard.observations),
-                "control": {name: {"tbt": c.tbt.state(), "ttft": c.ttft.state()} for name, c in self.controls.items()},
+                "control": self.control_state(),
                 **{
             name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
             for name, model in (("split", p.split), ("mixed", p.mixed))}}

@@ -1,0 +1,54 @@
+"""Where `muxd serve` finds a latency profile when none is named: the cache `muxd profile` writes to (one file per
+model shape, GPU name and muxd version), then the profiles shipped inside muxd (measured by the project on its
+GPUs). A profile is found by what it describes, never by its file name alone."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from appliance import __version__
+from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.profile import FORMAT, model_shape
+
+BUNDLED = Path(__file__).resolve().parent / "profiles"
+log = logging.getLogger("muxd.predictor")
+
+
+def profile_key(model: ModelConfig, gpu_name: str) -> str:
+    """The cache file name of a profile of `model`'s shapes on `gpu_name` written by this muxd version."""
+    shape = hashlib.sha256(json.dumps(model_shape(model), sort_keys=True).encode()).hexdigest()[:12]
+    gpu = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "gpu"
+    return f"{gpu}-{shape}-muxd{__version__}.json"
+
+
+def _describes(path: Path, model: ModelConfig, gpu_name: str) -> bool:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (isinstance(raw, dict) and raw.get("format") == FORMAT and raw.get("gpu", {}).get("name") == gpu_name
+            and raw.get("model", {}).get("shape") == model_shape(model))
+
+
+def find_profile(model: ModelConfig, gpu_name: str, cache: Path) -> Path | None:
+    """The cached profile for this model and GPU written by this version, else a shipped one that describes them."""
+    cached = cache / "profiles" / profile_key(model, gpu_name)
+    if cached.is_file():
+        return cached
+    for path in sorted(BUNDLED.glob("*.json")):
+        if _describes(path, model, gpu_name):
+            return path
+    return None
+
+
+def cache_profile(path: Path, model: ModelConfig, gpu_name: str, cache: Path) -> Path:
+    """Keep a copy of a freshly written profile where `find_profile` looks."""
+    target = cache / "profiles" / profile_key(model, gpu_name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if path.resolve() != target.resolve():
+        shutil.copyfile(path, target)
+    return target
