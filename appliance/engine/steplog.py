@@ -39,7 +39,8 @@ class StepLog:
                 "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
                 "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
                 "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
-                "inflight": executor.num_inflight, "waiting": len(sched.waiting)})
+                "inflight": executor.num_inflight, "waiting": len(sched.waiting),
+                "headroom": {name: c["tbt"]["headroom"] for name, c in sched.planner.control_state().items()}})
             return plan
 
         def timed_launch(plan, requests, partition=None):
