@@ -103,7 +103,7 @@ class Engine:
     def _release_if_idle(self) -> None:
         """With nothing left to run there is no next plan: release the state of who left now."""
         if not self.scheduler.has_work():
-            self.executor.launch(self.scheduler.released(), self.scheduler.requests)
+            self.executor.release(self.scheduler.released())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -196,8 +196,7 @@ class Executor:
         """Drop the state of the requests the plan released, launch the plan and return the decode tokens; prefill
         results come from `poll()`. `partition` overrides the planned one (the profiler measures each partition
         alone)."""
-        for rid in plan.released:
-            self._release(rid)
+        self.release(plan)
         self.last_decode = self.last_mixed_ms = self.last_launch_ms = None
         if plan.empty:
             return {}
@@ -349,6 +348,11 @@ class Executor:
         for launch in self._inflight:
             if launch.event is not None and any(w.request_id == request_id for w in launch.works):
                 launch.event.synchronize()
+
+    def release(self, plan: StepPlan) -> None:
+        """Forget the executor state of the requests the plan names as preempted or finished."""
+        for rid in plan.released:
+            self._release(rid)
 
     def _release(self, request_id: str) -> None:
         """Forget the request's executor state (finished, preempted or aborted: none of its kernels is in flight by
