@@ -25,7 +25,7 @@ from appliance.bench.sweep import SweepResult, find_capacity, write_summary
 from appliance.errors import ApplianceError, ConfigError
 from appliance.slo.contract import load_contract
 from appliance.workload import shaping as wl
-from appliance.workload.metrics import SLO, RequestTimeline, parse_goodput
+from appliance.workload.metrics import METRIC_NAMES, SLO, RequestTimeline, parse_goodput
 from appliance.workload.traces import FORMATS, RequestSpec
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -37,19 +37,24 @@ _W, _T, _S, _O = "Workload", "Target", "SLO", "Output"
 
 # name -> (annotated type, default); shared by `muxd bench` and `muxd bench sweep`
 COMMON: dict[str, tuple[Any, Any]] = {
-    "trace": (Annotated[Optional[Path], typer.Option(help="Trace file (Azure or BurstGPT CSV, Mooncake JSONL, "
+    "trace": (Annotated[Optional[Path], typer.Option("--trace", "--dataset-path",
+                                                     help="Trace file (Azure or BurstGPT CSV, Mooncake JSONL, "
                                                           "ShareGPT JSON); omit for a synthetic workload.",
                                                      rich_help_panel=_W)], None),
-    "trace_format": (Annotated[str, typer.Option(help=f"auto, {', '.join(FORMATS)}.", rich_help_panel=_W)], "auto"),
+    "trace_format": (Annotated[str, typer.Option("--trace-format", "--dataset-name", help=f"auto, "
+                                                 f"{', '.join(FORMATS)}; random: a synthetic workload.",
+                                                 rich_help_panel=_W)], "auto"),
     "num_prompts": (Annotated[int, typer.Option(help="Synthetic: number of requests.", rich_help_panel=_W)], 100),
     "workload": (Annotated[Optional[str], typer.Option(help="A named synthetic workload instead of a trace: "
                                                           "chat-short (prompts lognormal, median 1,000 tokens; outputs "
                                                           "lognormal, median 250; Poisson arrivals unless "
                                                           "--burstiness). Sets --input-len and --output-len.",
                                                      rich_help_panel=_W)], None),
-    "input_len": (Annotated[str, typer.Option(help="Synthetic prompt tokens: N, uniform:LO:HI or "
+    "input_len": (Annotated[str, typer.Option("--input-len", "--random-input-len",
+                                              help="Synthetic prompt tokens: N, uniform:LO:HI or "
                                                    "lognormal:MEDIAN:SIGMA.", rich_help_panel=_W)], "256"),
-    "output_len": (Annotated[str, typer.Option(help="Synthetic output tokens (same forms as --input-len).",
+    "output_len": (Annotated[str, typer.Option("--output-len", "--random-output-len",
+                                               help="Synthetic output tokens (same forms as --input-len).",
                                                rich_help_panel=_W)], "64"),
     "window": (Annotated[Optional[str], typer.Option(help="Part of the trace to replay, START:END seconds from its "
                                                           "start (e.g. 600:900).", rich_help_panel=_W)], None),
@@ -67,7 +72,7 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "seed": (Annotated[int, typer.Option(help="Seed of arrivals, lengths and prompts.", rich_help_panel=_W)], 0),
     "max_model_len": (Annotated[Optional[int], typer.Option(help="Clip requests to this context (default: what "
                                                                  "the server reports).", rich_help_panel=_W)], None),
-    "url": (Annotated[Optional[str], typer.Option(help="Base URL of a running OpenAI-compatible server (e.g. "
+    "url": (Annotated[Optional[str], typer.Option("--url", "--base-url", help="Base URL of a running OpenAI-compatible server (e.g. "
                                                        "http://127.0.0.1:8000); default: start muxd serve.",
                                                   rich_help_panel=_T)], None),
     "endpoint": (Annotated[str, typer.Option(help="completions or chat.", rich_help_panel=_T)], "completions"),
@@ -112,8 +117,17 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                    rich_help_panel=_S)], None),
     "metric_percentiles": (Annotated[str, typer.Option(help="Percentiles to report, comma-separated.",
                                                        rich_help_panel=_S)], "50,90,99"),
+    "percentile_metrics": (Annotated[str, typer.Option(help="Metrics whose percentiles are reported, "
+                                                             "comma-separated among ttft, tpot, itl, e2el.",
+                                                        rich_help_panel=_S)], ",".join(METRIC_NAMES)),
     "result_dir": (Annotated[Optional[Path], typer.Option(help="Write result JSON, plots (and sweep summary.csv) "
                                                                "here.", rich_help_panel=_O)], None),
+    "save_result": (Annotated[bool, typer.Option("--save-result", help="Write the result JSON (to --result-dir, "
+                                                                       "else the current directory).",
+                                                 rich_help_panel=_O)], False),
+    "result_filename": (Annotated[Optional[str], typer.Option(help="File name of the result JSON of a single run "
+                                                                   "(default: result.json).", rich_help_panel=_O)],
+                        None),
     "save_detailed": (Annotated[bool, typer.Option("--save-detailed", help="Add per-request arrays to the JSON "
                                                                            "(ttfts, itls, input/output lens).",
                                                    rich_help_panel=_O)], False),
@@ -174,8 +188,18 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
     if kw["endpoint"] not in ("completions", "chat"):
         raise ConfigError(f"--endpoint must be completions or chat, got {kw['endpoint']!r}")
+    if kw["trace_format"] == "random":  # vLLM's --dataset-name random: a synthetic workload
+        if kw["trace"] is not None:
+            raise ConfigError("--dataset-name random is a synthetic workload; leave out --trace/--dataset-path")
+        kw["trace_format"] = "auto"
     if kw["trace_format"] not in ("auto", *FORMATS):
-        raise ConfigError(f"--trace-format must be one of auto, {', '.join(FORMATS)}, got {kw['trace_format']!r}")
+        raise ConfigError(f"--trace-format (--dataset-name) must be one of auto, random, {', '.join(FORMATS)}, "
+                          f"got {kw['trace_format']!r}")
+    if kw.pop("save_result") and kw["result_dir"] is None:
+        kw["result_dir"] = Path(".")
+    if kw["result_filename"] is not None and not kw["result_filename"].strip():
+        raise ConfigError("--result-filename is empty; give a file name")
+    kw["percentile_metrics"] = _metric_names(kw["percentile_metrics"])
     if kw["max_concurrency"] is not None and kw["max_concurrency"] < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
     if kw["max_idle"] is not None and kw["max_idle"] < 0:
@@ -206,6 +230,15 @@ def _slo(goodput: list[str], contract: Optional[Path]) -> SLO | None:
         raise ConfigError(f"--slo {contract}: file not found")
 
     return load_contract(contract)  # a Contract gives per-request targets (targets_for) and a verdict on the run
+
+
+def _metric_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in METRIC_NAMES]
+    if unknown or not names:
+        raise ConfigError(f"--percentile-metrics: {', '.join(unknown) or 'nothing given'}; choose among "
+                          f"{', '.join(METRIC_NAMES)}")
+    return names
 
 
 def _percentiles(text: str) -> tuple[float, ...]:
@@ -270,6 +303,10 @@ def bench(ctx: typer.Context, opts: BenchOptions) -> None:
     """Replay one workload and report latency, attainment and goodput (one column per --policies entry)."""
     if ctx.invoked_subcommand is not None:
         return
+    _run_bench(ctx, opts)
+
+
+def _run_bench(ctx: typer.Context, opts: BenchOptions) -> None:
     if opts.simulate:
 
         run_simulated(opts, opts.gpu, console)
@@ -288,7 +325,7 @@ def bench(ctx: typer.Context, opts: BenchOptions) -> None:
             runs[session.label] = result.timelines
     report.print_results(console, results)
     if opts.result_dir is not None:
-        paths = report.write_results(opts.result_dir, results)
+        paths = report.write_results(opts.result_dir, results, opts.result_filename)
         paths += plots.latency_cdfs(runs, opts.result_dir, _targets(opts))
         console.print("wrote " + ", ".join(str(p) for p in paths))
 

@@ -84,6 +84,8 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = Field(None, description="Send a last chunk with the token usage of the request "
                                                          "(ignored without streaming).")
+    continuous_usage_stats: bool | None = Field(None, description="Extension (vLLM): the usage so far on every "
+                                                                  "chunk.")
 
 
 class _SamplingRequest(BaseModel):
@@ -133,6 +135,10 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 def _prompt_type(token_id: Any) -> Any:

@@ -71,7 +71,9 @@ class OpenAIServing:
                 r.ChatChoice(message=r.ChatMessageOut(content=text), finish_reason=out.finish_reason)])
 
         first = r.ChatCompletionChunk(id=rid, model=self.model_name,
-                                      choices=[r.ChatChunkChoice(delta=r.ChatDelta(role="assistant", content=""))])
+                                      choices=[r.ChatChunkChoice(delta=r.ChatDelta(role="assistant", content=""))],
+                                      usage=r.Usage.of(request.num_prompt_tokens, 0, 0) if body.continuous_usage
+                                      else None)
         return await self._serve(body, request, http, chunk, final, first)
 
     # ---- request preparation (thread pool) ------------------------------------------------------------------------
@@ -120,7 +122,7 @@ class OpenAIServing:
         timer = TokenTimer(self.metrics)
         outputs = await self.engine.submit(request)
         if body.stream:
-            return StreamingResponse(self._sse(outputs, timer, chunk, first, body.include_usage),
+            return StreamingResponse(self._sse(outputs, timer, chunk, first, body.include_usage, body.continuous_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self._collect(outputs, timer))
         gone = asyncio.ensure_future(_wait_disconnect(http))
@@ -156,7 +158,7 @@ class OpenAIServing:
         return "".join(parts), last
 
     async def _sse(self, outputs: AsyncIterator[RequestOutput], timer: TokenTimer, chunk: Callable,
-                   first: BaseModel | None, include_usage: bool) -> AsyncIterator[str]:
+                   first: BaseModel | None, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
         last = None
         try:
             if first is not None:
@@ -166,7 +168,7 @@ class OpenAIServing:
                 last = out
                 # a model without a tokenizer has no text: every token still gets its chunk (TTFT/TBT stay visible)
                 if out.new_text or out.finished or (self.tokenizer is None and out.new_token_ids):
-                    yield _event(chunk(out, None))
+                    yield _event(chunk(out, _usage(out) if continuous else None))
             self._done(last, timer)
             if include_usage and last is not None:
                 yield _event(chunk(None, _usage(last)))
