@@ -103,6 +103,11 @@ class Tokenizer:
             longest = max(longest, len(self._normalize(token["content"]).encode()))
         return max(longest, 4)  # an unknown character becomes one unk token and spans up to 4 bytes
 
+    @property
+    def raw(self) -> HFTokenizer:
+        """The `tokenizers` object (for libraries that read the vocabulary, such as the grammar compiler)."""
+        return self._tok
+
     def _normalize(self, text: str) -> str:
         normalizer = self._tok.normalizer
         return normalizer.normalize_str(text) if normalizer is not None else text
