@@ -1,9 +1,11 @@
-"""Pydantic models of the OpenAI-compatible request bodies. Types are strict (a string is not a number, a bool is not
-a token id, NaN is not a temperature), unknown fields are refused, and options muxd does not implement are accepted
-only at the value that leaves them off, which is what OpenAI clients send by default; anything else is a 400.
+"""Pydantic models of the OpenAI-compatible request bodies, with vLLM's extensions where OpenAI has none (top_k,
+min_p, repetition_penalty, min_tokens, ignore_eos, ...). Types are strict (a string is not a number, a bool is not a
+token id, NaN is not a temperature), unknown fields are refused, and the few options muxd does not implement are
+accepted only at the value that leaves them off (what clients send by default); anything else is a 400.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -17,8 +19,10 @@ from pydantic import (
     model_validator,
 )
 
-from appliance.engine.request import MAX_TOP_K, SamplingParams
+from appliance.engine.grammar import GrammarSpec
+from appliance.engine.request import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_TOP_K, SamplingParams
 from appliance.errors import RequestError
+from appliance.server.tools import ToolChoice, ToolsRequest
 
 
 def valid_unicode(text: str) -> str:
@@ -53,19 +57,16 @@ def bounded_int(ge: int | None = None, le: int | None = None) -> Any:
 TokenId = bounded_int(ge=0)
 Count = bounded_int(ge=1)
 TopK = bounded_int(ge=-1, le=MAX_TOP_K)
+MAX_N = 64  # choices per request
+Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
-# these by default (the openai SDK's optional fields, LangChain's n=1, ...), so they must not be refused.
-OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "logprobs": (False, 0), "top_logprobs": (0,),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
-    "function_call": ("none", "auto"),
-}
-_WHY = {"n": "muxd returns one choice per request", "best_of": "muxd returns one choice per request",
-        "response_format": "structured output is not implemented", "tools": "tool calling is not implemented",
-        "functions": "function calling is not implemented"}
+# these by default, so they must not be refused.
+OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto")}
+_WHY = {"suffix": "fill-in-the-middle is not implemented",
+        "functions": "the deprecated functions API is not implemented; send tools",
+        "function_call": "the deprecated functions API is not implemented; send tool_choice"}
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -105,15 +106,18 @@ class _SamplingRequest(BaseModel):
     user: Text | None = Field(None, description="Accepted and ignored.")
     slo_class: Text | None = Field(None, description="Extension: the request class of the SLO contract (or the "
                                                      "X-SLO-Class header).")
-    n: Int | None = Field(None, json_schema_extra=_off_enum("n"), description="Choices per request: only 1.")
-    presence_penalty: Finite | None = Field(None, json_schema_extra=_off_enum("presence_penalty"),
-                                            description="Not implemented: only 0.")
-    frequency_penalty: Finite | None = Field(None, json_schema_extra=_off_enum("frequency_penalty"),
-                                             description="Not implemented: only 0.")
-    repetition_penalty: Finite | None = Field(None, json_schema_extra=_off_enum("repetition_penalty"),
-                                              description="Not implemented: only 1.")
-    logit_bias: dict[str, Finite] | None = Field(None, json_schema_extra=_off_enum("logit_bias"),
-                                                 description="Not implemented: only {}.")
+    n: bounded_int(ge=1, le=MAX_N) | None = Field(None, description="Choices to generate (each with its own seed "
+                                                                     "stream; the prompt is prefilled once).")
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[Finite, Field(gt=0)] | None = Field(None, description="Extension: > 1 discourages "
+                                                                                        "prompt and output tokens.")
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100].")
+    min_p: Annotated[Finite, Field(ge=0, le=1)] | None = Field(None, description="Extension: drop tokens less likely "
+                                                                                 "than min_p times the likeliest.")
+    min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
+                                                                   "before this many tokens.")
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> "_SamplingRequest":
@@ -125,12 +129,42 @@ class _SamplingRequest(BaseModel):
                 raise RequestError(f"{name}={value!r} is not supported ({why}); leave it out or send {allowed}", name)
         return self
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice (choice i of a seeded request samples with seed + i, as vLLM)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos))
+            seed=None if self.seed is None else self.seed + choice, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
+            min_p=self.min_p or 0.0, min_tokens=min(self.min_tokens or 0, max_tokens),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.prompt_logprobs(),
+            grammar=self.grammar())
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def _bias(self) -> dict[int, float]:
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            token = _as_token_id(int(key)) if key.strip().lstrip("-").isdigit() else None
+            if token is None:
+                raise RequestError(f"logit_bias keys are token ids (integers >= 0 written as strings), got {key!r}",
+                                   "logit_bias")
+            out[token] = value
+        return out
+
+    def token_logprobs(self) -> int | None:
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        return None
+
+    def grammar(self) -> GrammarSpec | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -161,10 +195,25 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Prompt
     max_tokens: Count | None = 16
-    echo: bool | None = Field(None, json_schema_extra=_off_enum("echo"), description="Not implemented: only false.")
-    best_of: Int | None = Field(None, json_schema_extra=_off_enum("best_of"), description="Only 1.")
+    echo: bool | None = Field(None, description="Return the prompt before the completion (with logprobs: the "
+                                                "prompt tokens' log-probabilities too).")
+    best_of: Int | None = Field(None, description="Only equal to n (muxd does not rank extra choices).")
     suffix: str | None = Field(None, json_schema_extra=_off_enum("suffix"), description="Not implemented.")
-    logprobs: Int | None = Field(None, json_schema_extra=_off_enum("logprobs"), description="Not implemented: only 0.")
+    logprobs: TopLogprobs | None = Field(None, description="Log-probability of each sampled token and this many "
+                                                            "alternatives (at most 20).")
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise RequestError(f"best_of={self.best_of} is not supported (muxd does not rank extra choices); leave "
+                               f"it out or send best_of equal to n ({self.num_choices})", "best_of")
+        return self
+
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -198,6 +247,36 @@ class CompletionRequest(_SamplingRequest):
         """The one prompt of the request, unwrapped from a batch of one."""
         p = self.prompt
         return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise RequestError('response_format: type "json_schema" comes with a json_schema object {"name", '
+                               '"schema", "strict"}, and only it', "response_format.json_schema")
+        return self
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "json_object":
+            return GrammarSpec("json_object")
+        if self.type == "json_schema":
+            return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_), "response_format.json_schema")
+        return None
 
 
 class TextPart(BaseModel):
@@ -242,14 +321,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Count | None = None
     add_generation_prompt: bool | None = Field(True, description="Extension: end the prompt with the assistant's "
                                                                  "turn header.")
-    logprobs: bool | None = Field(None, json_schema_extra=_off_enum("logprobs"), description="Only false.")
-    top_logprobs: Int | None = Field(None, json_schema_extra=_off_enum("top_logprobs"), description="Only 0.")
-    response_format: dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("response_format"),
-                                                   description='Only {"type": "text"}.')
-    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=_off_enum("tools"), description="Only [].")
-    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("tool_choice"),
-                                                     description='Only "none" or "auto" (without tools).')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools are called).")
+    logprobs: bool | None = Field(None, description="Log-probability of each output token.")
+    top_logprobs: TopLogprobs | None = Field(None, description="Alternatives per token (needs logprobs).")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema (strict: "
+                                                                     "the output follows the schema).")
+    tools: ToolsRequest | None = None
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), '
+                                                             '"required", or {"type": "function", "function": '
+                                                             '{"name": ...}}.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; the model may call several tools.")
     functions: list[dict[str, Any]] | None = Field(None, json_schema_extra=_off_enum("functions"),
                                                    description="Only [].")
     function_call: str | dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("function_call"),
@@ -257,6 +337,64 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.tool_choice is not None and self.tool_choice.constrains and not self.tools:
+            raise RequestError(f"tool_choice {self.tool_choice.describe()} needs tools", "tool_choice")
+        if self.tools and self.tool_choice is not None and self.tool_choice.name is not None:
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.name not in names:
+                raise RequestError(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools "
+                                   f"({', '.join(names)})", "tool_choice")
+        if self.response_format is not None and self.response_format.type != "text" and self.tool_choice is not None \
+                and self.tool_choice.constrains:
+            raise RequestError("response_format and a tool_choice that forces a tool call both constrain the "
+                               "output; send one", "response_format")
+        return self
+
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.tools and self.tool_choice is not None and self.tool_choice.constrains:
+            return self.tool_choice.grammar(self.tools)
+        return self.response_format.grammar() if self.response_format is not None else None
+
+    @property
+    def active_tools(self) -> ToolsRequest | None:
+        """The tools the template sees and the output may call (none with tool_choice "none")."""
+        if not self.tools or (self.tool_choice is not None and self.tool_choice.mode == "none"):
+            return None
+        return self.tools
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("send either prompt or messages", "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 def _preview(value: Any, limit: int = 60) -> str:
@@ -276,3 +414,9 @@ def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[Completion
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest,
                         __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class)
     return completion, chat
+
+
+def detokenize_body(vocab_size: int) -> type[DetokenizeRequest]:
+    """/detokenize's body for one model: token ids within its vocabulary."""
+    return create_model("DetokenizeRequest", __base__=DetokenizeRequest, __doc__=DetokenizeRequest.__doc__,
+                        tokens=(list[bounded_int(ge=0, le=vocab_size - 1)], ...))
