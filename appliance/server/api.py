@@ -105,12 +105,13 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     async def version():
         return r.VersionResponse(version=__import__("appliance").__version__)
 
-    @app.post("/tokenize", response_model=r.TokenizeResponse, responses=openapi.errors(400, 401, 500, 503),
+    @app.post("/tokenize", response_model=r.TokenizeResponse, responses=openapi.errors(400, 401, 404, 413, 500, 503),
               summary="Token ids of a prompt, or of chat messages rendered through the chat template (as vLLM).")
     async def tokenize(body: p.TokenizeRequest):
         return await state.require_ready().tokenize(body)
 
-    @app.post("/detokenize", response_model=r.DetokenizeResponse, responses=openapi.errors(400, 401, 500, 503),
+    @app.post("/detokenize", response_model=r.DetokenizeResponse,
+              responses=openapi.errors(400, 401, 404, 413, 500, 503),
               summary="The text of token ids (as vLLM).")
     async def detokenize(body: detokenize_body):  # type: ignore[valid-type]
         return await state.require_ready().detokenize(body)

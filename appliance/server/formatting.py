@@ -4,6 +4,8 @@ outputs arrive, turned into stream chunks or a final body, for completions (`Com
 """
 from __future__ import annotations
 
+from typing import AsyncIterator
+
 from pydantic import BaseModel
 
 from appliance.engine.request import RequestOutput, TokenLogprob
@@ -16,8 +18,9 @@ from appliance.server.tools import CallStream, ToolCall, ToolChoiceValue, forced
 class Choice:
     """What one choice has produced so far."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, keep: bool = False) -> None:
         self.index = index
+        self.outputs: list[RequestOutput] | None = [] if keep else None  # kept to replay them (best_of)
         self.parts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -29,11 +32,27 @@ class Choice:
         self.logprobs += out.logprobs or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if self.outputs is not None:
+            self.outputs.append(out)
         self.last = out
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """The n choices of highest total log-probability (best_of), renumbered from 0."""
+    ranked = sorted(choices, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[:n]
+    for i, c in enumerate(ranked):
+        c.index = i
+    return ranked
+
+
+async def replay(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    for c in choices:
+        for out in c.outputs or []:
+            yield c.index, out
 
 
 def usage_of(choices: list[Choice]) -> r.Usage:

@@ -147,6 +147,10 @@ class _SamplingRequest(BaseModel):
     def num_choices(self) -> int:
         return self.n or 1
 
+    @property
+    def num_generated(self) -> int:
+        return self.num_choices
+
     def _bias(self) -> dict[int, float]:
         out = {}
         for key, value in (self.logit_bias or {}).items():
@@ -197,19 +201,21 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Count | None = 16
     echo: bool | None = Field(None, description="Return the prompt before the completion (with logprobs: the "
                                                 "prompt tokens' log-probabilities too).")
-    best_of: Int | None = Field(None, description="Only equal to n (muxd does not rank extra choices).")
+    best_of: bounded_int(ge=1, le=MAX_N) | None = Field(None, description="Generate this many choices and return "
+                                                                          "the n with the highest log-probability "
+                                                                          "(streamed once all are done).")
     suffix: str | None = Field(None, json_schema_extra=_off_enum("suffix"), description="Not implemented.")
     logprobs: TopLogprobs | None = Field(None, description="Log-probability of each sampled token and this many "
                                                             "alternatives (at most 20).")
 
-    @model_validator(mode="after")
-    def _best_of_is_n(self) -> "CompletionRequest":
-        if self.best_of is not None and self.best_of != self.num_choices:
-            raise RequestError(f"best_of={self.best_of} is not supported (muxd does not rank extra choices); leave "
-                               f"it out or send best_of equal to n ({self.num_choices})", "best_of")
-        return self
+    @property
+    def num_generated(self) -> int:
+        """Choices generated: best_of when it exceeds n (the n likeliest are returned)."""
+        return max(self.best_of or 1, self.num_choices)
 
     def token_logprobs(self) -> int | None:
+        if self.logprobs is None and self.num_generated > self.num_choices:
+            return 0  # ranking needs each token's log-probability
         return self.logprobs
 
     def prompt_logprobs(self) -> int | None:
@@ -374,11 +380,12 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
 
     model: Text | None = None
-    prompt: Text | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    prompt: Text = None  # type: ignore[assignment] - one of prompt and messages (the validator checks)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

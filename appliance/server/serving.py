@@ -24,7 +24,7 @@ from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server.choices import Choices
 from appliance.server.errors import sse_error
-from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, usage_of
+from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
 from appliance.server.metrics import Metrics, TokenTimer
 from appliance.server.tools import detect_parser
 
@@ -123,7 +123,7 @@ class OpenAIServing:
         """One engine request per choice (ids rid, rid-1, ...; choice i samples with seed + i)."""
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
-        n = body.num_choices
+        n = body.num_generated
         return [self.engine.make_request(ids, body.sampling_params(max_tokens, i), request_id=rid if i == 0 else
                                          f"{rid}-{i}") for i in range(n)]
 
@@ -139,11 +139,11 @@ class OpenAIServing:
             request.slo_class = slo_class
         choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill)
         await choices.start()  # the first choice is accepted (or refused: 429) before any byte is sent
-        if body.stream:
-            return StreamingResponse(self._sse(choices, fmt, body.include_usage, body.continuous_usage,
-                                               requests[0].num_prompt_tokens),
+        ranked = body.num_choices < len(requests)  # best_of > n
+        if body.stream and not ranked:
+            return StreamingResponse(self._sse(choices, choices.n, fmt, body, requests[0].num_prompt_tokens),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(self._collect(choices))
+        collect = asyncio.ensure_future(self._collect(choices, keep=ranked))
         gone = asyncio.ensure_future(_wait_disconnect(http))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():  # the client left: stop generating for it
@@ -153,7 +153,14 @@ class OpenAIServing:
                 "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
         gone.cancel()
         states = collect.result()  # raises what ended the request early (engine error, shutdown)
-        return JSONResponse(fmt.final(states, usage_of(states)).model_dump())
+        usage = usage_of(states)
+        if ranked:
+            states = best(states, body.num_choices)
+        if body.stream:  # best_of: the winners, streamed once every candidate is done
+            return StreamingResponse(self._sse(replay(states), len(states), fmt, body,
+                                               requests[0].num_prompt_tokens, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(fmt.final(states, usage).model_dump())
 
     def _slo_class(self, body: p._SamplingRequest, http: HTTPRequest) -> str | None:
         """The request's SLO class: the X-SLO-Class header or the slo_class field (400 when unknown or when the
@@ -164,8 +171,8 @@ class OpenAIServing:
                                "send one", "slo_class")
         return self.engine.engine.slo_class(header if header is not None else body.slo_class)
 
-    async def _collect(self, choices: Choices) -> list[Choice]:
-        states = [Choice(i) for i in range(choices.n)]
+    async def _collect(self, choices: Choices, keep: bool = False) -> list[Choice]:
+        states = [Choice(i, keep) for i in range(choices.n)]
         try:
             async for index, out in choices:
                 states[index].add(out)
@@ -173,22 +180,25 @@ class OpenAIServing:
             await choices.aclose()
         return states
 
-    async def _sse(self, choices: Choices, fmt: Any, include_usage: bool, continuous: bool,
-                   prompt_tokens: int) -> AsyncIterator[str]:
-        states = [Choice(i) for i in range(choices.n)]
+    async def _sse(self, outputs: Any, n: int, fmt: Any, body: p._SamplingRequest, prompt_tokens: int,
+                   usage: r.Usage | None = None) -> AsyncIterator[str]:
+        """`outputs`: (choice index, output) pairs, live or replayed; `usage`: the total when it is known."""
+        states = [Choice(i) for i in range(n)]
+        continuous = body.continuous_usage
         try:
-            for event in fmt.first(choices.n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
+            for event in fmt.first(n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
                 yield _event(event)
-            async for index, out in choices:
+            async for index, out in outputs:
                 states[index].add(out)
                 for event in fmt.chunk(states[index], out, usage_of(states) if continuous else None):
                     yield _event(event)
-            if include_usage:
-                yield _event(fmt.usage_chunk(usage_of(states)))
+            if body.include_usage:
+                yield _event(fmt.usage_chunk(usage or usage_of(states)))
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error travels as an event
             yield sse_error(exc)
         finally:
-            await choices.aclose()
+            if isinstance(outputs, Choices):
+                await outputs.aclose()
         yield "data: [DONE]\n\n"
 
 

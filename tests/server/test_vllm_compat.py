@@ -171,3 +171,20 @@ def test_penalties_bias_and_min_tokens_through_the_api(client, model_name):
         model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=8, presence_penalty=1.5,
         frequency_penalty=1.0, extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "ignore_eos": True})
     assert penalised.usage.completion_tokens == 8
+
+
+def test_best_of_returns_the_likeliest(client, model_name):
+    kw = dict(model=model_name, prompt="import", max_tokens=6, temperature=1.0, seed=3, logprobs=0,
+              extra_body={"ignore_eos": True})
+    candidates = client.completions.create(**kw, n=4)
+    totals = {c.text: sum(c.logprobs.token_logprobs) for c in candidates.choices}
+    best = client.completions.create(**kw, n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == sorted(totals, key=totals.get, reverse=True)[:2]
+    assert best.usage.completion_tokens == 24  # every candidate was generated
+    streamed = client.completions.create(**kw, n=2, best_of=4, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in best.choices]
