@@ -18,6 +18,9 @@ from appliance.errors import RequestError
 from appliance.model_zoo.tokenizer import Tokenizer
 
 
+UNUSABLE_SCHEMA = "invalid_json_schema"  # the error code of a schema the grammar compiler cannot express
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What the output must be: `json_object` (any JSON object) or `json_schema` (`schema`, JSON text), and the field
@@ -80,7 +83,7 @@ class GrammarCompiler:
                 compiled = compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises plain errors for schemas it cannot express
             raise RequestError(f"{spec.param}: the JSON schema cannot be used for constrained decoding: "
-                               f"{str(exc).strip()[:300]}", spec.param) from None
+                               f"{str(exc).strip()[:300]}", spec.param, UNUSABLE_SCHEMA) from None
         return Matcher(xgr.GrammarMatcher(compiled))
 
 

@@ -6,6 +6,8 @@ the temperature (greedy rows: by 1); top-k, top-p and min-p cuts are not applied
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from appliance.engine.request import GREEDY_BELOW, Request, SamplingParams, TokenLogprob
@@ -26,10 +28,16 @@ class LogprobBatch:
             self._device = ()
         ids, chosen, rank, top_ids, top_lps = self._host
         k = self._ks[row]
-        return TokenLogprob(ids[row], chosen[row], rank[row], tuple(zip(top_ids[row][:k], top_lps[row][:k])))
+        return TokenLogprob(ids[row], _finite(chosen[row]), rank[row],
+                            tuple((t, _finite(v)) for t, v in zip(top_ids[row][:k], top_lps[row][:k])))
 
     def __len__(self) -> int:
         return len(self._ks)
+
+
+def _finite(value: float) -> float:
+    """A masked token's -inf (or a NaN from overflowing logits) as vLLM reports it: -9999.0 (JSON has no -inf)."""
+    return value if math.isfinite(value) else -9999.0
 
 
 def scale(params: SamplingParams) -> float:

@@ -58,6 +58,7 @@ TokenId = bounded_int(ge=0)
 Count = bounded_int(ge=1)
 TopK = bounded_int(ge=-1, le=MAX_TOP_K)
 MAX_N = 64  # choices per request
+CONFLICT = "conflicting_fields"  # the error code of fields that contradict each other (no JSON Schema can say it)
 Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
 
@@ -113,7 +114,8 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Annotated[Finite, Field(gt=0)] | None = Field(None, description="Extension: > 1 discourages "
                                                                                         "prompt and output tokens.")
     logit_bias: dict[str, Annotated[Finite, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(
-        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100].")
+        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100].",
+        json_schema_extra={"propertyNames": {"pattern": r"^(0|[1-9][0-9]*)$"}})
     min_p: Annotated[Finite, Field(ge=0, le=1)] | None = Field(None, description="Extension: drop tokens less likely "
                                                                                  "than min_p times the likeliest.")
     min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
@@ -319,6 +321,13 @@ class ChatMessage(BaseModel):
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "".join(part.text for part in self.content)
+        for call in out.get("tool_calls") or []:  # templates write the arguments as JSON themselves (as vLLM)
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the text as it came
         return out
 
 
@@ -347,18 +356,18 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs", CONFLICT)
         if self.tool_choice is not None and self.tool_choice.constrains and not self.tools:
-            raise RequestError(f"tool_choice {self.tool_choice.describe()} needs tools", "tool_choice")
+            raise RequestError(f"tool_choice {self.tool_choice.describe()} needs tools", "tool_choice", CONFLICT)
         if self.tools and self.tool_choice is not None and self.tool_choice.name is not None:
             names = [t.function.name for t in self.tools]
             if self.tool_choice.name not in names:
                 raise RequestError(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools "
-                                   f"({', '.join(names)})", "tool_choice")
+                                   f"({', '.join(names)})", "tool_choice", CONFLICT)
         if self.response_format is not None and self.response_format.type != "text" and self.tool_choice is not None \
                 and self.tool_choice.constrains:
             raise RequestError("response_format and a tool_choice that forces a tool call both constrain the "
-                               "output; send one", "response_format")
+                               "output; send one", "response_format", CONFLICT)
         return self
 
     def token_logprobs(self) -> int | None:
@@ -366,7 +375,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def grammar(self) -> GrammarSpec | None:
         if self.tools and self.tool_choice is not None and self.tool_choice.constrains:
-            return self.tool_choice.grammar(self.tools)
+            return self.tool_choice.grammar(self.tools, self.parallel_tool_calls is not False)
         return self.response_format.grammar() if self.response_format is not None else None
 
     @property
@@ -404,6 +413,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
+def below_pattern(n: int) -> str:
+    """A regular expression matching the decimal integers 0 .. n-1 (no leading zeros): token ids of a vocabulary."""
+    top = str(n - 1)
+    alts = ["0"] if n - 1 >= 0 else []
+    if len(top) > 1:
+        alts.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")  # fewer digits than the largest id
+    for i, digit in enumerate(top):  # as many digits: equal up to i, smaller at i, anything after
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = f"[0-9]{{{len(top) - i - 1}}}" if i < len(top) - 1 else ""
+            alts.append(f"{top[:i]}[{low}-{int(digit) - 1}]{rest}")
+    alts.append(top)
+    return "^(" + "|".join(dict.fromkeys(alts)) + ")$"
+
+
 def _preview(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -415,11 +439,15 @@ def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[Completion
     # the engine checks the class (and the X-SLO-Class header) with its own message; the schema names the classes
     slo_class = (Text | None, Field(None, json_schema_extra={"enum": [*slo_classes, None]}, description=(
         "Extension: the request class of the SLO contract (or the X-SLO-Class header).")))
+    bias_field = _SamplingRequest.model_fields["logit_bias"]
+    logit_bias = (bias_field.annotation, Field(None, description=bias_field.description, json_schema_extra={
+        "propertyNames": {"pattern": below_pattern(vocab_size)}}))
     completion = create_model("CompletionRequest", __base__=CompletionRequest, __doc__=CompletionRequest.__doc__,
-                              prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class)
+                              prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class,
+                              logit_bias=logit_bias)
     completion.vocab_size = vocab_size
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest,
-                        __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class)
+                        __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class, logit_bias=logit_bias)
     return completion, chat
 
 

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from appliance.config import TOOL_CALL_PARSERS as PARSERS  # noqa: F401 - the parsers' names live with the flag
 from appliance.engine.grammar import GrammarSpec
@@ -54,14 +54,16 @@ class ToolChoiceValue:
     def describe(self) -> str:
         return repr(self.name) if self.mode == "named" else repr(self.mode)
 
-    def grammar(self, tools: list[Tool]) -> GrammarSpec:
+    def grammar(self, tools: list[Tool], parallel: bool = True) -> GrammarSpec:
+        """A grammar forcing the call: the named function's arguments, or a list of calls (one at most without
+        parallel tool calls)."""
         if self.mode == "named":
             tool = next(t for t in tools if t.function.name == self.name)
             return GrammarSpec("json_schema", json.dumps(tool.parameters), "tool_choice")
         calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": t.parameters},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-        return GrammarSpec("json_schema", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}),
-                           "tool_choice")
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if parallel else {"maxItems": 1})}
+        return GrammarSpec("json_schema", json.dumps(array), "tool_choice")
 
 
 def _tool_choice(value: Any) -> ToolChoiceValue:
@@ -69,13 +71,19 @@ def _tool_choice(value: Any) -> ToolChoiceValue:
         return value
     if value in ("none", "auto", "required"):
         return ToolChoiceValue(value)
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict) \
-            and isinstance(value["function"].get("name"), str) and set(value) == {"type", "function"}:
-        return ToolChoiceValue("named", value["function"]["name"])
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(function, dict) \
+            and set(function) == {"name"} and isinstance(function["name"], str) and set(value) == {"type", "function"}:
+        return ToolChoiceValue("named", function["name"])
     raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')
 
 
-ToolChoice = Annotated[ToolChoiceValue, BeforeValidator(_tool_choice)]
+_CHOICE_SCHEMA = {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                     "properties": {"name": {"type": "string", "pattern": _NAME}}}}}]}
+ToolChoice = Annotated[ToolChoiceValue, BeforeValidator(_tool_choice), WithJsonSchema(_CHOICE_SCHEMA)]
 
 
 # ---- reading calls from the output --------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ BAD_BODIES = [
     ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {}}, "chat_template_kwargs"),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "n": 1000}, "n"),
-    ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    ("completions", {"prompt": "hi", "best_of": 0}, "best_of"),
     ("completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
     ("completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
