@@ -58,9 +58,9 @@ class Admission:
                                f"context of {limit} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
         rid = request_id if request_id is not None else engine.next_request_id()
         request = Request(rid, ids, params)
-        if params.min_tokens:
-            request.min_tokens_blocked = sorted(set(params.stop_token_ids) | (
-                set() if params.ignore_eos else engine.eos_token_ids))
+        if params.min_tokens:  # (ids outside the vocabulary are never sampled: nothing to mask)
+            request.min_tokens_blocked = sorted(t for t in set(params.stop_token_ids) | (
+                set() if params.ignore_eos else engine.eos_token_ids) if t < vocab)
         if params.grammar is not None:
             if engine.grammars is None:
                 raise RequestError("structured output needs a tokenizer; this model has none", params.grammar.param)

@@ -13,7 +13,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     create_model,
     field_validator,
     model_validator,
@@ -266,25 +268,34 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class PlainFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> "ResponseFormat":
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise RequestError('response_format: type "json_schema" comes with a json_schema object {"name", '
-                               '"schema", "strict"}, and only it', "response_format.json_schema")
-        return self
+    type: Literal["text", "json_object"]
 
     def grammar(self) -> GrammarSpec | None:
-        if self.type == "json_object":
-            return GrammarSpec("json_object")
-        if self.type == "json_schema":
-            return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_), "response_format.json_schema")
-        return None
+        return GrammarSpec("json_object") if self.type == "json_object" else None
+
+
+class SchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+    def grammar(self) -> GrammarSpec | None:
+        return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_), "response_format.json_schema")
+
+
+def _format_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    # tags that are not field names, so that error locations name only fields
+    return {"text": "plain-format", "json_object": "plain-format", "json_schema": "schema-format"}.get(kind)
+
+
+ResponseFormat = Annotated[Annotated[PlainFormat, Tag("plain-format")] | Annotated[SchemaFormat, Tag("schema-format")],
+                           Discriminator(_format_tag, custom_error_type="response_format_type",
+                                         custom_error_message='type must be "text", "json_object" or "json_schema"')]
 
 
 class TextPart(BaseModel):

@@ -131,3 +131,9 @@ def test_bad_options_name_the_field(llama, params, field):
     with pytest.raises(RequestError) as info:
         engine.make_request(PROMPT, params)
     assert info.value.param == field
+
+
+def test_min_tokens_with_stop_ids_outside_the_vocabulary(llama):
+    engine, _ = llama
+    outs = run(engine, PROMPT, SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[2**62, 10**6]))
+    assert len(outs) == 3 and outs[-1].finished  # the engine keeps running

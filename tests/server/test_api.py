@@ -168,7 +168,7 @@ BAD_BODIES = [
     ("completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
     ("chat/completions", {"messages": CHAT, "logprobs": "yes"}, "logprobs"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
