@@ -63,8 +63,9 @@ class GrammarCompiler:
 
                 raw = self.tokenizer.raw
                 meta = xgr.TokenizerInfo._detect_metadata_from_hf(raw.to_str())
-                vocab = [""] * raw.get_vocab_size(with_added_tokens=True)
-                for piece, index in raw.get_vocab(with_added_tokens=True).items():
+                pieces = raw.get_vocab(with_added_tokens=True)
+                vocab = [""] * (max(pieces.values(), default=-1) + 1)
+                for piece, index in pieces.items():
                     vocab[index] = piece
                 info = xgr.TokenizerInfo(vocab, xgr.VocabType(meta["vocab_type"]), vocab_size=self.vocab_size,
                                          stop_token_ids=self.stop_token_ids, add_prefix_space=meta["add_prefix_space"])
