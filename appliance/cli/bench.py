@@ -72,7 +72,8 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "seed": (Annotated[int, typer.Option(help="Seed of arrivals, lengths and prompts.", rich_help_panel=_W)], 0),
     "max_model_len": (Annotated[Optional[int], typer.Option(help="Clip requests to this context (default: what "
                                                                  "the server reports).", rich_help_panel=_W)], None),
-    "url": (Annotated[Optional[str], typer.Option("--url", "--base-url", help="Base URL of a running OpenAI-compatible server (e.g. "
+    "url": (Annotated[Optional[str], typer.Option("--url", "--base-url",
+                                                  help="Base URL of a running OpenAI-compatible server (e.g. "
                                                        "http://127.0.0.1:8000); default: start muxd serve.",
                                                   rich_help_panel=_T)], None),
     "endpoint": (Annotated[str, typer.Option(help="completions or chat.", rich_help_panel=_T)], "completions"),

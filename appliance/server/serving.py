@@ -18,14 +18,14 @@ from pydantic import BaseModel
 
 from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.request import Request, RequestOutput
+from appliance.engine.request import Request
 from appliance.errors import ModelNotFoundError, RequestError
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server.choices import Choices
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
-from appliance.server.metrics import Metrics, TokenTimer
+from appliance.server.metrics import Metrics
 from appliance.server.tools import detect_parser
 
 

@@ -15,15 +15,6 @@ def server(serve):
     return serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    [card] = client.models.list().data
-    return card.id
 
 
 @pytest.fixture(scope="module")

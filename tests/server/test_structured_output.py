@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
 PERSON = {"type": "object", "properties": {
@@ -33,14 +32,6 @@ def server(serve):
     return serve("--kv-cache-memory", "64MiB", "--max-model-len", "1024")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    return client.models.list().data[0].id
 
 
 def test_nested_json_schema_outputs_all_validate(client, model_name):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,14 +16,6 @@ def server(serve):
     return serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    return client.models.list().data[0].id
 
 
 def _vllm_samples(server) -> dict[str, list]:
