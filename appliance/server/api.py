@@ -16,6 +16,7 @@ from appliance.model_zoo.loader import resolve_model_dir
 from appliance.server import openapi
 from appliance.server import protocol as p
 from appliance.server import responses as r
+from appliance.server import tokenize as t
 from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
 from appliance.server.lifecycle import ServerState
@@ -88,7 +89,7 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     contract = cfg.scheduler.contract
     vocab_size = ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json").vocab_size
     completion_body, chat_body = p.bodies_for(vocab_size, list(contract.classes))
-    detokenize_body = p.detokenize_body(vocab_size)
+    detokenize_body = t.detokenize_body(vocab_size)
 
     @app.post("/v1/completions", response_model=None, responses={
         **openapi.streamed(r.CompletionResponse, r.CompletionResponse), **openapi.errors(*openapi.GENERATE_ERRORS)})
@@ -107,7 +108,7 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
 
     @app.post("/tokenize", response_model=r.TokenizeResponse, responses=openapi.errors(400, 401, 404, 413, 500, 503),
               summary="Token ids of a prompt, or of chat messages rendered through the chat template (as vLLM).")
-    async def tokenize(body: p.TokenizeRequest):
+    async def tokenize(body: t.TokenizeRequest):
         return await state.require_ready().tokenize(body)
 
     @app.post("/detokenize", response_model=r.DetokenizeResponse,

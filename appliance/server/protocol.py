@@ -13,9 +13,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     create_model,
     field_validator,
     model_validator,
@@ -24,6 +22,7 @@ from pydantic import (
 from appliance.engine.grammar import GrammarSpec
 from appliance.engine.request import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_TOP_K, SamplingParams
 from appliance.errors import RequestError
+from appliance.server.structured import ResponseFormat
 from appliance.server.tools import ToolChoice, ToolsRequest
 
 
@@ -259,45 +258,6 @@ class CompletionRequest(_SamplingRequest):
         return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
-    name: Text | None = None
-    description: Text | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-
-
-class PlainFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["text", "json_object"]
-
-    def grammar(self) -> GrammarSpec | None:
-        return GrammarSpec("json_object") if self.type == "json_object" else None
-
-
-class SchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaFormat
-
-    def grammar(self) -> GrammarSpec | None:
-        return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_), "response_format.json_schema")
-
-
-def _format_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    # tags that are not field names, so that error locations name only fields
-    return {"text": "plain-format", "json_object": "plain-format", "json_schema": "schema-format"}.get(kind)
-
-
-ResponseFormat = Annotated[Annotated[PlainFormat, Tag("plain-format")] | Annotated[SchemaFormat, Tag("schema-format")],
-                           Discriminator(_format_tag, custom_error_type="response_format_type",
-                                         custom_error_message='type must be "text", "json_object" or "json_schema"')]
-
-
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -397,33 +357,6 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.tools
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
-
-    model: Text | None = None
-    prompt: Text = None  # type: ignore[assignment] - one of prompt and messages (the validator checks)
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("send either prompt or messages", "prompt")
-        return self
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: Text | None = None
-    tokens: list[TokenId]
-
-
 def below_pattern(n: int) -> str:
     """A regular expression matching the decimal integers 0 .. n-1 (no leading zeros): token ids of a vocabulary."""
     top = str(n - 1)
@@ -461,8 +394,3 @@ def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[Completion
                         __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class, logit_bias=logit_bias)
     return completion, chat
 
-
-def detokenize_body(vocab_size: int) -> type[DetokenizeRequest]:
-    """/detokenize's body for one model: token ids within its vocabulary."""
-    return create_model("DetokenizeRequest", __base__=DetokenizeRequest, __doc__=DetokenizeRequest.__doc__,
-                        tokens=(list[bounded_int(ge=0, le=vocab_size - 1)], ...))

@@ -22,6 +22,7 @@ from appliance.engine.request import Request
 from appliance.errors import ModelNotFoundError, RequestError
 from appliance.server import protocol as p
 from appliance.server import responses as r
+from appliance.server import tokenize as t
 from appliance.server.choices import Choices
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
@@ -64,14 +65,14 @@ class OpenAIServing:
         return await self._serve(body, requests, http, ChatFormat(rid, self.model_name, self.tokenizer, body,
                                                                    self.tool_parser))
 
-    async def tokenize(self, body: p.TokenizeRequest) -> r.TokenizeResponse:
+    async def tokenize(self, body: t.TokenizeRequest) -> r.TokenizeResponse:
         self.check_model(body.model)
         ids = await self._off_loop(self._tokenize, body)
         strs = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs \
             else None
         return r.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
-    async def detokenize(self, body: p.DetokenizeRequest) -> r.DetokenizeResponse:
+    async def detokenize(self, body: t.DetokenizeRequest) -> r.DetokenizeResponse:
         self.check_model(body.model)
         return r.DetokenizeResponse(prompt=self._tokenizer().decode(body.tokens))
 
@@ -98,7 +99,7 @@ class OpenAIServing:
         return self._tokenizer().apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
                                                      is not False, **extra)
 
-    def _tokenize(self, body: p.TokenizeRequest) -> list[int]:
+    def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
         if body.messages is not None:
             text = self._tokenizer().apply_chat_template([m.for_template() for m in body.messages],
                                                          add_generation_prompt=body.add_generation_prompt)

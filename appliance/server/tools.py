@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from appliance.config import TOOL_CALL_PARSERS as PARSERS  # noqa: F401 - the parsers' names live with the flag
 from appliance.engine.grammar import GrammarSpec
+
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
