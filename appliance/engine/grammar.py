@@ -17,7 +17,6 @@ import torch
 from appliance.errors import RequestError
 from appliance.model_zoo.tokenizer import Tokenizer
 
-
 UNUSABLE_SCHEMA = "invalid_json_schema"  # the error code of a schema the grammar compiler cannot express
 
 

@@ -25,10 +25,10 @@ from appliance.attention import (
 from appliance.engine.batch import BatchBuilder, TokenBatch
 from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.kv_cache import KVCache
-from appliance.engine.plan import PrefillWork, StepPlan
-from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.logits import process_logits
 from appliance.engine.logprobs import LogprobBatch, prompt_logprobs, sampled_logprobs
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.request import Request, TokenLogprob
 from appliance.engine.sampler import sample_tensor
 from appliance.model_zoo.llama import DecoderForCausalLM
