@@ -8,6 +8,7 @@ xgrammar; the vocabulary description is built once per tokenizer. xgrammar is im
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,8 @@ class GrammarCompiler:
 
 
 _batch_matcher: Any = None
+_apply_backend = "auto"
+log = logging.getLogger("muxd.engine")
 
 
 def apply_masks(logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
@@ -105,7 +108,16 @@ def apply_masks(logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) 
     sub = logits[torch.tensor(rows, device=logits.device)]
     if logits.device.type == "cuda":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(sub, bitmask)
+    global _apply_backend
+    try:
+        xgr.apply_token_bitmask_inplace(sub, bitmask, backend=_apply_backend)
+    except Exception:  # noqa: BLE001 - a kernel xgrammar cannot build here (no compiler, old triton): plain torch
+        if _apply_backend == "torch_native":
+            raise
+        log.warning("xgrammar's %s mask kernel failed on %s; applying masks with torch", _apply_backend,
+                    logits.device)
+        _apply_backend = "torch_native"
+        xgr.apply_token_bitmask_inplace(sub, bitmask, backend=_apply_backend)
     logits[torch.tensor(rows, device=logits.device)] = sub
 
 
