@@ -31,6 +31,7 @@ EMBEDDED_NAME = "muxd-embedded"
 POLICIES = ("mux", "chunked", "serial", "layerwise")  # engine/planners/registry.py builds each
 POLICY_CHOICES = ("auto", *POLICIES)  # auto: mux on a CUDA GPU, serial on a CPU
 SPATIAL_POLICIES = ("mux", "layerwise")  # the policies that run prefill and decode on disjoint SM partitions
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/tools.py reads each
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ki": 2**10,
@@ -235,6 +236,11 @@ class ServerSettings:
     trace_dir: Optional[str] = flag(None, "Write the executor's timeline (Chrome-trace JSON) here when the server "
                                     "stops; GET /debug/timeline serves it live.")
     log_level: str = flag("info", "debug, info, warning, error.")
+    tool_call_parser: str = flag("auto", "How tool calls are read from the output with tool_choice auto: hermes "
+                                 "(<tool_call> blocks: Qwen 2.5/3), llama3_json (Llama 3.x), none, or auto (from the "
+                                 "chat template).")
+    enable_auto_tool_choice: bool = flag(True, "Let the model choose whether to call a tool (tool_choice auto); "
+                                         "off: requests with tools and tool_choice auto get HTTP 400.")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -243,6 +249,9 @@ class ServerSettings:
             raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                              f"{self.tool_call_parser!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
 

@@ -1,9 +1,11 @@
 """schemathesis hooks for muxd (load with SCHEMATHESIS_HOOKS=scripts.schemathesis_hooks, from the repository root).
 
-`positive_data_acceptance` expects every schema-valid request to succeed. One rule of the API cannot be written in
-JSON Schema: prompt tokens + max_tokens must fit the model's context (token counts depend on the tokenizer). This
-check replaces it: a schema-valid request may fail only with 400 `context_length_exceeded`, besides the statuses
-schemathesis itself accepts (404 unknown model, 429/503 busy, 5xx caught by `not_a_server_error`).
+`positive_data_acceptance` expects every schema-valid request to succeed. Two kinds of rule cannot be written in JSON
+Schema: prompt tokens + max_tokens must fit the model's context (token counts depend on the tokenizer), and some
+fields must agree with each other (a tool_choice naming one of the tools, top_logprobs with logprobs), and a JSON
+schema for structured output must be one the grammar compiler can express. This check replaces it: a schema-valid
+request may fail only with 400 `context_length_exceeded`, `conflicting_fields` or `invalid_json_schema`, besides
+the statuses schemathesis itself accepts (404 unknown model, 429/503 busy, 5xx caught by `not_a_server_error`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,6 @@ def positive_data_acceptance_or_context_length(ctx, response, case):
         code = json.loads(response.content)["error"]["code"]
     except (ValueError, KeyError, TypeError):
         code = None
-    if status == 400 and code == "context_length_exceeded":
+    if status == 400 and code in ("context_length_exceeded", "conflicting_fields", "invalid_json_schema"):
         return None
     raise AssertionError(f"schema-valid request refused with {status} (code {code!r}): {response.content[:300]!r}")

@@ -133,3 +133,53 @@ def test_generate_top_k_stop_and_system(text_checkpoint):
                                SamplingParams(max_tokens=16, temperature=0))[0].text
     with_system = runner.invoke(app, ["generate", "hi", *model, "--system", "Be brief."])
     assert with_system.exit_code == 0 and with_system.output == expected + "\n"
+
+
+@pytest.mark.parametrize("args", [["-h"], ["serve", "-h"], ["bench", "-h"], ["bench", "sweep", "-h"], ["slo", "-h"],
+                                  ["profile", "-h"], ["generate", "-h"]])
+def test_short_help_everywhere(args):
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "Usage:" in result.output
+
+
+def test_version_flag():
+    for flag in ("--version", "-V"):
+        result = runner.invoke(app, [flag])
+        assert result.exit_code == 0 and result.output.strip() == f"muxd {__version__}"
+
+
+def test_serve_takes_the_model_as_positional_argument(text_checkpoint, monkeypatch):
+    seen = {}
+
+    def fake_create_app(cfg, on_fatal=None):
+        seen["cfg"] = cfg
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+    assert runner.invoke(app, ["serve", str(text_checkpoint), "--block-size", "8"]).exit_code == 0
+    assert seen["cfg"].model.model == str(text_checkpoint) and seen["cfg"].cache.block_size == 8
+    same = runner.invoke(app, ["serve", str(text_checkpoint), "--model", str(text_checkpoint)])
+    assert same.exit_code == 0
+    clash = runner.invoke(app, ["serve", str(text_checkpoint), "--model", "/elsewhere"])
+    assert clash.exit_code == 2 and "given twice" in clash.output
+
+
+def test_bench_takes_vllm_flag_names(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_bench(ctx, opts):
+        seen["opts"] = opts
+
+    from appliance.cli import bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "_run_bench", fake_bench, raising=True)
+    result = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--dataset-name", "random",
+                                 "--random-input-len", "32", "--random-output-len", "8", "--save-result",
+                                 "--result-filename", "r.json", "--percentile-metrics", "ttft,itl",
+                                 "--tokenizer", "embedded"])
+    assert result.exit_code == 0, result.output
+    opts = seen["opts"]
+    assert (opts.url, opts.trace, opts.input_len, opts.output_len) == ("http://127.0.0.1:9", None, "32", "8")
+    assert (opts.result_dir, opts.result_filename, opts.percentile_metrics) == (Path("."), "r.json", ("ttft", "itl"))
+    bad = runner.invoke(app, ["bench", "--percentile-metrics", "ttft,latency"])
+    assert bad.exit_code == 2 and "latency" in bad.output

@@ -87,12 +87,12 @@ def _rate_text(rate: Any) -> str:
     return "inf req/s (all at once)" if rate == "inf" else f"{float(rate):.2f} req/s"
 
 
-def write_results(out_dir: Path, results: Sequence[dict[str, Any]]) -> list[Path]:
-    """result.json for one run; with several policies one result-<label>.json each and comparison.json (the
-    first's metrics and every other's ratio to it)."""
+def write_results(out_dir: Path, results: Sequence[dict[str, Any]], filename: str | None = None) -> list[Path]:
+    """result.json (or `filename`) for one run; with several policies one result-<label>.json each and
+    comparison.json (the first's metrics and every other's ratio to it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if len(results) == 1:
-        path = out_dir / "result.json"
+        path = out_dir / (filename or "result.json")
         path.write_text(json.dumps(results[0], indent=2))
         return [path]
     paths = []

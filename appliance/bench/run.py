@@ -20,7 +20,7 @@ from appliance.errors import ConfigError
 from appliance.slo.attainment import evaluate
 from appliance.slo.contract import Contract
 from appliance.workload import shaping as wl
-from appliance.workload.metrics import PERCENTILES, SLO, RequestTimeline, summarize
+from appliance.workload.metrics import METRIC_NAMES, PERCENTILES, SLO, RequestTimeline, summarize
 from appliance.workload.traces import RequestSpec, load_trace
 
 
@@ -56,7 +56,9 @@ class BenchOptions:
     max_idle: float | None = None       # idle waits (nothing in flight) cut to this many seconds
     slo: SLO | None = None
     percentiles: tuple[float, ...] = PERCENTILES
+    percentile_metrics: tuple[str, ...] = METRIC_NAMES
     result_dir: Path | None = None
+    result_filename: str | None = None  # the result JSON's name for a single run (default result.json)
     save_detailed: bool = False
     spread_ties: bool = False           # spread requests sharing a timestamp over the gap to the next one
     simulate: bool = False              # replay on the simulated executor (no server, no GPU)
@@ -205,7 +207,7 @@ class Session:
             "max_concurrency": opts.max_concurrency,
         }
         out.update(summarize(result.timelines, result.duration, opts.slo, specs, opts.percentiles,
-                             opts.save_detailed))
+                             opts.save_detailed, opts.percentile_metrics))
         out["short_outputs"] = result.short_outputs
         out.update(contract_verdict(opts.slo, result.timelines, specs))
         out["notes"] = notes + result.notes

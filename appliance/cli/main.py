@@ -13,6 +13,7 @@ from appliance.cli.serve import register as register_serve
 from appliance.cli.slo import app as slo_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},  # every subcommand inherits -h
                   help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
 register_serve(app)
 engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
@@ -28,6 +29,18 @@ profile_command(app)
 def version() -> None:
     """Print the muxd version."""
     typer.echo(f"muxd {__version__}")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"muxd {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(show_version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                            help="Print the muxd version and exit.")) -> None:
+    """muxd: an LLM serving appliance with an OpenAI-compatible API."""
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from appliance import __version__
 from appliance.config import Config, with_serve_flags
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
 from appliance.server.lifecycle import DrainingServer
 
@@ -22,13 +22,15 @@ def fail(exc: ApplianceError) -> None:
     raise typer.Exit(code=2)
 
 
-def serve(config: Config) -> None:
-    """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
-    /ready, /metrics)."""
-    import uvicorn  # the server's libraries load only for `serve`
-
+def serve(config: Config, model_tag: Optional[str] = typer.Argument(
+        None, metavar="MODEL", help="Model directory (or 'embedded'), as `vllm serve MODEL`; the same as --model.",
+        show_default=False)) -> None:
+    """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /tokenize,
+    /detokenize, /version, /health, /ready, /metrics)."""
+    import uvicorn  # defers the server's libraries to `serve`
 
     try:
+        config = with_model_tag(config, model_tag)
         config.check()
     except ApplianceError as exc:
         fail(exc)
@@ -51,6 +53,16 @@ def serve(config: Config) -> None:
     if fatal:
         typer.secho(f"error: start-up failed: {fatal[0]}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
+
+
+def with_model_tag(config: Config, model_tag: str | None) -> Config:
+    """`muxd serve MODEL`: the positional model, which --model may repeat but not contradict."""
+    if model_tag is None:
+        return config
+    if config.model.model not in ("embedded", model_tag):
+        raise ConfigError(f"the model is given twice: {model_tag!r} and --model {config.model.model!r}; give it "
+                          "once")
+    return config.replace(model=model_tag)
 
 
 def generate(

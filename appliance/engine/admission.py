@@ -44,6 +44,11 @@ class Admission:
             raise RequestError("prompt is empty", "prompt")
         if params.stop and engine.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none", "stop")
+        vocab = engine.model.config.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                               "logit_bias")
         limit = engine.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"prompt has {len(ids)} tokens; this model's context is {limit} tokens "
@@ -52,7 +57,15 @@ class Admission:
             raise RequestError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
                                f"context of {limit} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
         rid = request_id if request_id is not None else engine.next_request_id()
-        return Request(rid, ids, params)
+        request = Request(rid, ids, params)
+        if params.min_tokens:  # (ids outside the vocabulary are never sampled: nothing to mask)
+            request.min_tokens_blocked = sorted(t for t in set(params.stop_token_ids) | (
+                set() if params.ignore_eos else engine.eos_token_ids) if t < vocab)
+        if params.grammar is not None:
+            if engine.grammars is None:
+                raise RequestError("structured output needs a tokenizer; this model has none", params.grammar.param)
+            request.matcher = engine.grammars.matcher(params.grammar)
+        return request
 
     def slo_class(self, name: str | None) -> str | None:
         """Check a request's SLO class against the contract (RequestError naming the classes when unknown)."""

@@ -14,6 +14,7 @@ from appliance.config import Config
 from appliance.engine.admission import Admission
 from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.executor import Executor
+from appliance.engine.grammar import GrammarCompiler
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.plan import StepPlan
 from appliance.engine.request import Request, RequestOutput, SamplingParams
@@ -56,6 +57,8 @@ class Engine:
         self.max_graph_batch = 0  # largest decode batch captured as a CUDA graph
         self.prefill_graph_rows = 0  # prefill launches of up to this many tokens replay piecewise graphs
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else model.config.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids)) \
+            if tokenizer is not None else None
         self._detok: dict[str, Detokenizer] = {}
         self._counter = itertools.count()
         self._prefills_mark = 0  # the executor's prefill launches already handed to the planner
@@ -157,7 +160,14 @@ class Engine:
     def _output(self, r: Request, token: int) -> RequestOutput:
         sp = r.sampling
         detok = self._detok.get(r.request_id)
-        stop_token = token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
+        runner = self.runner
+        logprob = runner.take_logprobs(r.request_id) if sp.logprobs is not None else None
+        prompt_logprobs = runner.take_prompt_logprobs(r.request_id, r.num_prompt_tokens) \
+            if sp.prompt_logprobs is not None and len(r.output_token_ids) == 1 else None
+        # the grammar allowed only this token or a stop token; a complete output ends here whatever ignore_eos says
+        grammar_done = r.matcher is not None and (not r.matcher.accept(token) or r.matcher.terminated)
+        stop_token = grammar_done or token in sp.stop_token_ids or (not sp.ignore_eos and
+                                                                    token in self.eos_token_ids)
         stop_string = detok.push(token, visible=not stop_token) if detok else False
         reason = None
         if stop_token or stop_string:
@@ -175,7 +185,8 @@ class Engine:
         return RequestOutput(
             request_id=r.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,
             finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
-            num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None)
+            num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None,
+            logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs)
 
     # ---- synchronous API --------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[int] | list[str | list[int]],

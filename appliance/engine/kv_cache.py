@@ -111,13 +111,14 @@ class PagePool:
         return self._lookup(token_ids, num_tokens, table)[1]
 
     # ---- allocation -------------------------------------------------------------------------------------------
-    def allocate(self, table: PageTable, token_ids: list[int], num_tokens: int) -> int | None:
-        """Give an empty table pages for num_tokens tokens, reusing cached prefix pages.
+    def allocate(self, table: PageTable, token_ids: list[int], num_tokens: int, reuse: bool = True) -> int | None:
+        """Give an empty table pages for num_tokens tokens, reusing cached prefix pages (unless `reuse` is off: a
+        request that must compute every token).
 
         Returns the number of tokens whose KV is already cached, or None (nothing changed) when the pool is short.
         """
         assert not table.pages, "allocate() takes a request without pages"
-        hashes, hit = self._lookup(token_ids, num_tokens, table)
+        hashes, hit = self._lookup(token_ids, num_tokens, table) if reuse else ([], [])
         needed = self.pages_for(num_tokens) - len(hit)
         reclaimable = self.num_free_pages - sum(1 for p in hit if p in self._evictable)
         if needed > reclaimable:

@@ -11,6 +11,9 @@ from appliance.errors import RequestError
 
 GREEDY_BELOW = 1e-5
 MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary cuts nothing; the bound keeps k a valid tensor index
+MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
+MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
 
 
 def _is_int(x: object) -> bool:
@@ -31,6 +34,15 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked until this many tokens are out
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # divides positive logits (multiplies negative) of prompt and output tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # the sampled token's log-probability and this many alternatives (0: none)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    grammar: object | None = None  # a GrammarSpec (engine/grammar.py): constrains the output to it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +68,30 @@ class SamplingParams:
             raise RequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}", "stop_token_ids")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                               f"{self.min_tokens!r}", "min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or abs(value) > MAX_PENALTY:
+                raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}", name)
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}",
+                               "repetition_penalty")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0 or not _is_number(bias) or abs(bias) > MAX_BIAS:
+                raise RequestError(f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]; got "
+                                   f"{token!r}: {bias!r}", "logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +133,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.last_token_time: float | None = None  # when the engine emitted its latest token (scheduler clock)
         self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
+        self.min_tokens_blocked: list[int] = []  # ids masked while fewer than sampling.min_tokens are out
+        self.matcher = None  # the grammar's state (engine/grammar.py) when the output is constrained
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -110,9 +148,26 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are still to compute: its first prefill runs every prompt token (no
+        prefix-cache reuse)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
                 f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the distribution it was sampled from (after penalties, biases, masks and
+    temperature), its rank there (1: the most likely) and the `top` alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -128,3 +183,5 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     text: str | None = None  # the whole output text so far (set on the final output)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, when asked for (None first)

@@ -25,9 +25,11 @@ from appliance.attention import (
 from appliance.engine.batch import BatchBuilder, TokenBatch
 from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.kv_cache import KVCache
+from appliance.engine.logits import process_logits
+from appliance.engine.logprobs import LogprobBatch, prompt_logprobs, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
-from appliance.engine.request import Request
+from appliance.engine.request import Request, TokenLogprob
 from appliance.engine.sampler import sample_tensor
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.rope import dynamic_lengths, rope_lengths
@@ -57,6 +59,8 @@ class ModelRunner:
         self.use_graphs = True  # replay captured graphs when a batch fits (off: the same forward, eagerly)
         self.gpu_wait_s = 0.0   # time the host spent blocked on the device (reading sampled tokens)
         self._partials: dict[str, _Partial] = {}
+        self._logprobs: dict[str, tuple[LogprobBatch, int]] = {}  # of each request's latest sampled token
+        self._prompt_logprobs: dict[str, list[tuple[int, LogprobBatch]]] = {}
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     def graph_set(self, max_batch: int, stream: torch.cuda.Stream | None = None, pool=None,
@@ -111,6 +115,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a request's executor state (it finished, was preempted or aborted)."""
         self._partials.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         self.batches.release(request_id)
 
     # ---- one step ---------------------------------------------------------------------------------------------
@@ -121,11 +127,43 @@ class ModelRunner:
         return dict(zip(ids, self.read_tokens(self.sample(ids, logits, requests))))
 
     def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request]) -> torch.Tensor:
-        """Sampled token ids of the rows (a device tensor; no host synchronisation)."""
+        """Sampled token ids of the rows (a device tensor; no host synchronisation), after each request's logits
+        processors; the log-probabilities of rows that ask for them wait for `take_logprobs`."""
         if not ids:
             return torch.empty(0, dtype=torch.long)
         reqs = [requests[i] for i in ids]
-        return sample_tensor(logits, [r.sampling for r in reqs], [len(r.output_token_ids) for r in reqs])
+        logits = process_logits(logits, reqs)
+        tokens = sample_tensor(logits, [r.sampling for r in reqs], [len(r.output_token_ids) for r in reqs])
+        self._logprobs.update(sampled_logprobs(logits, reqs, tokens))
+        return tokens
+
+    def take_logprobs(self, request_id: str) -> TokenLogprob | None:
+        """The log-probability of the request's latest sampled token (None when it did not ask)."""
+        entry = self._logprobs.pop(request_id, None)
+        return entry[0].get(entry[1]) if entry is not None else None
+
+    def take_prompt_logprobs(self, request_id: str, prompt_len: int) -> list[TokenLogprob | None] | None:
+        """Its prompt tokens' log-probabilities (None for the first), once its prefill has run every layer."""
+        parts = self._prompt_logprobs.pop(request_id, None)
+        if parts is None:
+            return None
+        out: list[TokenLogprob | None] = [None] * prompt_len
+        for start, batch in parts:
+            for i in range(len(batch)):
+                out[start + i] = batch.get(i)
+        return out
+
+    def _keep_prompt_logprobs(self, works: list[PrefillWork], reqs: list[Request], hidden: torch.Tensor,
+                              residual: torch.Tensor | None, last_rows: np.ndarray) -> None:
+        """Prompt log-probabilities of the works (after their last layer) whose request asks for them."""
+        for w, r, last in zip(works, reqs, last_rows):
+            if not r.wants_prompt_logprobs:
+                continue
+            first = int(last) - w.num_tokens + 1
+            logits = self._logits_at(hidden, residual, np.arange(first, int(last) + 1))
+            part = prompt_logprobs(logits, r, w.token_start)
+            if part is not None:
+                self._prompt_logprobs.setdefault(r.request_id, []).append(part)
 
     def read_tokens(self, tokens: torch.Tensor) -> list[int]:
         """Token ids on the host: waits for the current stream's work (counted as time waiting for the device)."""
@@ -181,6 +219,7 @@ class ModelRunner:
         spans = [(r.num_tokens - 1, r.num_tokens) for r in dec] + [(w.token_start, w.token_end) for w in plan.prefill]
         batch = self.batches.build(dec + pre, spans)
         hidden, residual = self._layers(batch, 0, self.num_layers, None, dec + pre, pad_rows=pad_rows, graphs=graphs)
+        self._keep_prompt_logprobs(list(plan.prefill), pre, hidden, residual, batch.last_rows[len(dec):])
         picked = list(range(len(dec))) + [len(dec) + i for i, (w, r) in enumerate(zip(plan.prefill, pre))
                                           if w.token_end == r.num_tokens]
         ids = list(plan.decode) + [w.request_id for w in plan.prefill]
@@ -211,6 +250,7 @@ class ModelRunner:
             for w, h, r in zip(works, hidden.split(sizes), res_parts):
                 self._partials[w.request_id] = _Partial(h, r, end)
             return [], torch.empty(0)
+        self._keep_prompt_logprobs(works, reqs, hidden, residual, batch.last_rows)
         done = [i for i, (w, r) in enumerate(zip(works, reqs)) if w.token_end == r.num_tokens]
         if not done:
             return [], torch.empty(0)

@@ -1,4 +1,5 @@
-"""Token sampling for a batch of logits rows: greedy, temperature, top-k, top-p, per-request seeds — vectorised.
+"""Token sampling for a batch of logits rows: greedy, temperature, top-k, top-p, min-p, per-request seeds —
+vectorised. (Penalties, biases and masks change the logits before, engine/logits.py.)
 
 Random rows use the exponential race (argmax of p / E with E ~ Exp(1) draws from p). A seeded request's noise comes from
 a counter-based hash of (seed, output index, vocabulary index) computed on the device, so its tokens depend neither on
@@ -30,14 +31,14 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_ind
         p = params[i]
         key = _mix(p.seed, output_index[i]) if p.seed is not None else 0
         table.append((p.temperature, p.top_p, p.top_k if p.top_k > 0 else 0, p.seed is not None,
-                      key & _M32, key >> 32 & _M32))
+                      key & _M32, key >> 32 & _M32, p.min_p))
     cols = torch.tensor(table, dtype=torch.float64).to(logits.device, non_blocking=True)
     temperature, top_p, top_k = cols[:, 0].float(), cols[:, 1].float(), cols[:, 2].long()
-    seeded, key_lo, key_hi = cols[:, 3].bool(), cols[:, 4].long(), cols[:, 5].long()
+    seeded, key_lo, key_hi, min_p = cols[:, 3].bool(), cols[:, 4].long(), cols[:, 5].long(), cols[:, 6].float()
     index = torch.tensor(rows, device=logits.device)
     sub = logits[index] / temperature.unsqueeze(1)
-    need_filter = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows)
-    probs = _filtered_probs(sub, top_k, top_p) if need_filter else sub.softmax(dim=-1)
+    need_filter = any(params[i].top_k > 0 or params[i].top_p < 1.0 or params[i].min_p > 0 for i in rows)
+    probs = _filtered_probs(sub, top_k, top_p, min_p) if need_filter else sub.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
     if any(params[i].seed is not None for i in rows):
         hashed = -torch.log(uniform_from_key(key_lo, key_hi, probs.shape[-1]))
@@ -46,10 +47,15 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_ind
     return tokens
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax after cutting each row to its top_k (0: no cut) and to the smallest prefix covering top_p."""
+def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """Softmax after cutting each row to the tokens at least min_p times as likely as its most likely one, to its
+    top_k (0: no cut) and to the smallest prefix covering top_p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)  (min_p = 0 cuts nothing: log 0 = -inf)
+    floor = sorted_logits[:, :1] + min_p.log().unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < floor, float("-inf"))
     ks = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))

@@ -75,7 +75,8 @@ class Scheduler:
         assert request.status is RequestStatus.WAITING
         if self.num_running >= self.max_num_seqs:
             return False
-        cached = self.pool.allocate(request.page_table, request.all_token_ids, request.num_tokens)
+        cached = self.pool.allocate(request.page_table, request.all_token_ids, request.num_tokens,
+                                    reuse=not request.wants_prompt_logprobs)
         if cached is None:
             return False
         self.waiting.remove(request)

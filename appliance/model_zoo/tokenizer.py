@@ -36,11 +36,17 @@ def _raise(message: str) -> None:
     raise RequestError(f"chat template: {message}", "messages")
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the sandbox HF templates expect; a syntax error is a ConfigError."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson  # as transformers renders templates: no HTML escaping, Unicode kept
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -103,6 +109,11 @@ class Tokenizer:
             longest = max(longest, len(self._normalize(token["content"]).encode()))
         return max(longest, 4)  # an unknown character becomes one unk token and spans up to 4 bytes
 
+    @property
+    def raw(self) -> HFTokenizer:
+        """The `tokenizers` object (for libraries that read the vocabulary, such as the grammar compiler)."""
+        return self._tok
+
     def _normalize(self, text: str) -> str:
         normalizer = self._tok.normalizer
         return normalizer.normalize_str(text) if normalizer is not None else text
@@ -152,6 +163,7 @@ class Tokenizer:
                 self._template = compile_chat_template(self.chat_template)
             except ConfigError as exc:
                 raise RequestError(f"this model's {exc}", "messages") from exc
+        kwargs.setdefault("tools", None)  # as transformers passes it: templates test `tools is not none`
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)

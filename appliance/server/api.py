@@ -16,6 +16,7 @@ from appliance.model_zoo.loader import resolve_model_dir
 from appliance.server import openapi
 from appliance.server import protocol as p
 from appliance.server import responses as r
+from appliance.server import tokenize as t
 from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
 from appliance.server.lifecycle import ServerState
@@ -86,8 +87,9 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
 
     # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
     contract = cfg.scheduler.contract
-    completion_body, chat_body = p.bodies_for(
-        ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json").vocab_size, list(contract.classes))
+    vocab_size = ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json").vocab_size
+    completion_body, chat_body = p.bodies_for(vocab_size, list(contract.classes))
+    detokenize_body = t.detokenize_body(vocab_size)
 
     @app.post("/v1/completions", response_model=None, responses={
         **openapi.streamed(r.CompletionResponse, r.CompletionResponse), **openapi.errors(*openapi.GENERATE_ERRORS)})
@@ -99,5 +101,20 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
         **openapi.errors(*openapi.GENERATE_ERRORS)})
     async def chat_completions(body: chat_body, request: Request):  # type: ignore[valid-type]
         return await state.require_ready().chat(body, request)
+
+    @app.get("/version", response_model=r.VersionResponse, summary="The muxd version.")
+    async def version():
+        return r.VersionResponse(version=__import__("appliance").__version__)
+
+    @app.post("/tokenize", response_model=r.TokenizeResponse, responses=openapi.errors(400, 401, 404, 413, 500, 503),
+              summary="Token ids of a prompt, or of chat messages rendered through the chat template (as vLLM).")
+    async def tokenize(body: t.TokenizeRequest):
+        return await state.require_ready().tokenize(body)
+
+    @app.post("/detokenize", response_model=r.DetokenizeResponse,
+              responses=openapi.errors(400, 401, 404, 413, 500, 503),
+              summary="The text of token ids (as vLLM).")
+    async def detokenize(body: detokenize_body):  # type: ignore[valid-type]
+        return await state.require_ready().detokenize(body)
 
     return app

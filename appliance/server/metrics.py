@@ -1,5 +1,7 @@
-"""Prometheus metrics of the server, named `muxd:*` after vLLM's `vllm:*`: latency histograms recorded per request by
-the API layer, and engine gauges refreshed from the engine's published stats at scrape time.
+"""Prometheus metrics of the server: muxd's own `muxd:*` series, and beside them the `vllm:*` series that dashboards,
+KEDA scalers and the inference gateway read, with vLLM's names, label names (`model_name`, `engine`) and bucket edges.
+Latency histograms are recorded per request by the API layer; engine gauges and counters follow the engine's
+published stats at scrape time.
 """
 from __future__ import annotations
 
@@ -13,77 +15,127 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# vLLM's own edges, so that its dashboards' quantiles read the same
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+_ENGINE_COUNTERS = ("num_preemptions", "partition_switches", "prefill_layers_launched", "prefill_pauses")
+
+
+class _Family:
+    """One registry's metrics under one prefix and label set."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, labels: dict[str, str]) -> None:
+        self.registry, self.prefix, self.labels = registry, prefix, labels
+
+    def hist(self, name: str, doc: str, buckets: tuple[float, ...]):
+        return Histogram(self.prefix + name, doc, list(self.labels), registry=self.registry,
+                         buckets=buckets).labels(**self.labels)
+
+    def gauge(self, name: str, doc: str):
+        return Gauge(self.prefix + name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
+
+    def counter(self, name: str, doc: str):
+        return Counter(self.prefix + name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
+
+    def by_reason(self, name: str, doc: str) -> Counter:
+        return Counter(self.prefix + name, doc, [*self.labels, "finished_reason"], registry=self.registry)
 
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
-        self.registry = registry = CollectorRegistry()
-        labels = ["model_name"]
-        self._labels = {"model_name": model_name}
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(**self._labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry).labels(**self._labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=registry).labels(**self._labels)
-
-        self.ttft = hist("muxd:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.tbt = hist("muxd:inter_token_latency_seconds", "Time between consecutive output tokens.", _TBT_BUCKETS)
-        self.e2e = hist("muxd:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.running = gauge("muxd:num_requests_running", "Requests prefilling or decoding.")
-        self.waiting = gauge("muxd:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("muxd:kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).")
-        self.kv_free = gauge("muxd:kv_cache_free_pages", "KV-cache pages free or reclaimable from the prefix cache.")
-        self.prompt_tokens = counter("muxd:prompt_tokens", "Prompt tokens of finished requests.")
-        self.cached_tokens = counter("muxd:cached_prompt_tokens", "Prompt tokens served from the prefix cache.")
-        self.generation_tokens = counter("muxd:generation_tokens", "Generated tokens.")
-        self.preemptions = counter("muxd:num_preemptions", "Requests preempted (pages freed, to be recomputed) when "
-                                   "the KV cache ran out.")
-        self._preemptions_seen = 0
-        # prefill-decode multiplexing: the partition in use and how often it moves
-        self.decode_sms = gauge("muxd:decode_sms", "SMs of the partition decode ran on last (0 without partitions).")
-        self.switches = counter("muxd:partition_switches", "Times decode moved to another SM partition.")
-        self.layers = counter("muxd:prefill_layers_launched", "Prefill layer ranges launched, in layers.")
-        self.prefill_pauses = counter("muxd:prefill_pauses", "Prefill batches paused between layers for a more "
-                                      "urgent prompt (mux).")
-        self._seen: dict[str, int] = {}
+        self.registry = CollectorRegistry()
+        mx = _Family(self.registry, "muxd:", {"model_name": model_name})
+        vl = _Family(self.registry, "vllm:", {"model_name": model_name, "engine": "0"})
+        self._families = (mx, vl)
+        self.ttft = (mx.hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+                     vl.hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                             VLLM_TTFT_BUCKETS))
+        self.tbt = (mx.hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _TBT_BUCKETS),
+                    vl.hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                            VLLM_ITL_BUCKETS))
+        self.e2e = (mx.hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS),
+                    vl.hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                            VLLM_E2E_BUCKETS))
+        running = "Requests prefilling or decoding."
+        waiting = "Requests waiting to be scheduled."
+        usage = "Fraction of KV-cache pages in use (1 = full)."
+        self._gauges = {
+            "num_running": (mx.gauge("num_requests_running", running), vl.gauge("num_requests_running", running)),
+            "num_waiting": (mx.gauge("num_requests_waiting", waiting), vl.gauge("num_requests_waiting", waiting)),
+            "kv_usage": (mx.gauge("kv_cache_usage_perc", usage), vl.gauge("kv_cache_usage_perc", usage)),
+            "free_pages": (mx.gauge("kv_cache_free_pages", "KV-cache pages free or reclaimable from the prefix "
+                                    "cache."),),
+            # prefill-decode multiplexing: the partition in use
+            "decode_sms": (mx.gauge("decode_sms", "SMs of the partition decode ran on last (0 without "
+                                    "partitions)."),),
+        }
+        self.prompt_tokens = (mx.counter("prompt_tokens", "Prompt tokens of finished requests."),
+                              vl.counter("prompt_tokens", "Number of prefill tokens processed."))
+        self.cached_tokens = (mx.counter("cached_prompt_tokens", "Prompt tokens served from the prefix cache."),)
+        self.cache_queries = (vl.counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                         "queried tokens."),)
+        self.cache_hits = (vl.counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                      "tokens."),)
+        self.generation_tokens = (mx.counter("generation_tokens", "Generated tokens."),
+                                  vl.counter("generation_tokens", "Number of generation tokens processed."))
+        preempted = "Requests preempted (pages freed, to be recomputed) when the KV cache ran out."
+        self._engine_counters = {
+            "num_preemptions": (mx.counter("num_preemptions", preempted), vl.counter("num_preemptions", preempted)),
+            "partition_switches": (mx.counter("partition_switches", "Times decode moved to another SM partition."),),
+            "prefill_layers_launched": (mx.counter("prefill_layers_launched", "Prefill layer ranges launched, in "
+                                                   "layers."),),
+            "prefill_pauses": (mx.counter("prefill_pauses", "Prefill batches paused between layers for a more "
+                                          "urgent prompt (mux)."),),
+        }
         # the mux planner's closed loop, per SLO class and metric (tbt, ttft), both as fractions of the target
+        control = [*mx.labels, "slo_class", "metric"]
+        self._mx_labels = mx.labels
         self.headroom = Gauge("muxd:slo_planning_headroom", "The planner plans to this fraction of the SLO target.",
-                              labels + ["slo_class", "metric"], registry=registry)
+                              control, registry=self.registry)
         self.observed = Gauge("muxd:slo_observed_tail", "The contract's percentile of recent gaps or first tokens, "
-                              "as a fraction of the target.", labels + ["slo_class", "metric"], registry=registry)
-        self._success = Counter("muxd:request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=registry)
+                              "as a fraction of the target.", control, registry=self.registry)
+        self._seen: dict[str, int] = {}
+        self._success = (mx.by_reason("request_success", "Finished requests by finish reason."),
+                         vl.by_reason("request_success", "Count of successfully processed requests."))
 
     def request_done(self, reason: str | None, prompt: int, cached: int, generated: int, started: float) -> None:
-        self.e2e.observe(time.monotonic() - started)
-        self.prompt_tokens.inc(prompt)
-        self.cached_tokens.inc(cached)
-        self.generation_tokens.inc(generated)
-        self._success.labels(finished_reason=reason or "abort", **self._labels).inc()
+        elapsed = time.monotonic() - started
+        for metric in self.e2e:
+            metric.observe(elapsed)
+        for metrics, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached), (self.cache_queries, prompt),
+                               (self.cache_hits, cached), (self.generation_tokens, generated)):
+            for metric in metrics:
+                metric.inc(value)
+        for family, counter in zip(self._families, self._success):
+            counter.labels(finished_reason=reason or "abort", **family.labels).inc()
+
+    def first_token(self, seconds: float) -> None:
+        for metric in self.ttft:
+            metric.observe(seconds)
+
+    def between_tokens(self, seconds: float, count: int) -> None:
+        for metric in self.tbt:
+            for _ in range(count):
+                metric.observe(seconds)
 
     def render(self, stats: dict[str, float]) -> bytes:
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        self.kv_usage.set(stats["kv_usage"])
-        self.kv_free.set(stats["free_pages"])
-        total = int(stats.get("num_preemptions", 0))
-        self.preemptions.inc(max(0, total - self._preemptions_seen))  # the engine counts; the counter follows it
-        self._preemptions_seen = max(total, self._preemptions_seen)
-        self.decode_sms.set(stats.get("decode_sms", 0))
-        for key, counter in (("partition_switches", self.switches), ("prefill_layers_launched", self.layers),
-                             ("prefill_pauses", self.prefill_pauses)):
+        for key, gauges in self._gauges.items():
+            for gauge in gauges:
+                gauge.set(stats.get(key, 0))
+        for key, counters in self._engine_counters.items():
             total = int(stats.get(key, 0))
-            counter.inc(max(0, total - self._seen.get(key, 0)))  # the engine counts; the counters follow it
+            for counter in counters:  # the engine counts; the counters follow it
+                counter.inc(max(0, total - self._seen.get(key, 0)))
             self._seen[key] = max(total, self._seen.get(key, 0))
         for name, metrics in stats.get("control", {}).items():
             for metric, state in metrics.items():
-                self.headroom.labels(slo_class=name, metric=metric, **self._labels).set(state["headroom"])
+                self.headroom.labels(slo_class=name, metric=metric, **self._mx_labels).set(state["headroom"])
                 if state.get("observed_tail") is not None:
-                    self.observed.labels(slo_class=name, metric=metric, **self._labels).set(state["observed_tail"])
+                    self.observed.labels(slo_class=name, metric=metric, **self._mx_labels).set(state["observed_tail"])
         return generate_latest(self.registry)
 
 
@@ -100,10 +152,8 @@ class TokenTimer:
             return
         now = time.monotonic()
         if self._last is None:
-            self.metrics.ttft.observe(now - self.started)
+            self.metrics.first_token(now - self.started)
             count -= 1
-        elif count:
-            gap = (now - self._last) / count
-            for _ in range(count):
-                self.metrics.tbt.observe(gap)
+        if count and self._last is not None:
+            self.metrics.between_tokens((now - self._last) / count, count)
         self._last = now

@@ -1,9 +1,11 @@
-"""Pydantic models of the OpenAI-compatible request bodies. Types are strict (a string is not a number, a bool is not
-a token id, NaN is not a temperature), unknown fields are refused, and options muxd does not implement are accepted
-only at the value that leaves them off, which is what OpenAI clients send by default; anything else is a 400.
+"""Pydantic models of the OpenAI-compatible request bodies, with vLLM's extensions where OpenAI has none (top_k,
+min_p, repetition_penalty, min_tokens, ignore_eos, ...). Types are strict (a string is not a number, a bool is not a
+token id, NaN is not a temperature), unknown fields are refused, and the few options muxd does not implement are
+accepted only at the value that leaves them off (what clients send by default); anything else is a 400.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -17,8 +19,11 @@ from pydantic import (
     model_validator,
 )
 
-from appliance.engine.request import MAX_TOP_K, SamplingParams
+from appliance.engine.grammar import GrammarSpec
+from appliance.engine.request import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_TOP_K, SamplingParams
 from appliance.errors import RequestError
+from appliance.server.structured import ResponseFormat
+from appliance.server.tools import ToolChoice, ToolsRequest
 
 
 def valid_unicode(text: str) -> str:
@@ -53,19 +58,17 @@ def bounded_int(ge: int | None = None, le: int | None = None) -> Any:
 TokenId = bounded_int(ge=0)
 Count = bounded_int(ge=1)
 TopK = bounded_int(ge=-1, le=MAX_TOP_K)
+MAX_N = 64  # choices per request
+CONFLICT = "conflicting_fields"  # the error code of fields that contradict each other (no JSON Schema can say it)
+Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
-# these by default (the openai SDK's optional fields, LangChain's n=1, ...), so they must not be refused.
-OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "logprobs": (False, 0), "top_logprobs": (0,),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
-    "function_call": ("none", "auto"),
-}
-_WHY = {"n": "muxd returns one choice per request", "best_of": "muxd returns one choice per request",
-        "response_format": "structured output is not implemented", "tools": "tool calling is not implemented",
-        "functions": "function calling is not implemented"}
+# these by default, so they must not be refused.
+OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto")}
+_WHY = {"suffix": "fill-in-the-middle is not implemented",
+        "functions": "the deprecated functions API is not implemented; send tools",
+        "function_call": "the deprecated functions API is not implemented; send tool_choice"}
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -84,6 +87,8 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = Field(None, description="Send a last chunk with the token usage of the request "
                                                          "(ignored without streaming).")
+    continuous_usage_stats: bool | None = Field(None, description="Extension (vLLM): the usage so far on every "
+                                                                  "chunk.")
 
 
 class _SamplingRequest(BaseModel):
@@ -103,15 +108,19 @@ class _SamplingRequest(BaseModel):
     user: Text | None = Field(None, description="Accepted and ignored.")
     slo_class: Text | None = Field(None, description="Extension: the request class of the SLO contract (or the "
                                                      "X-SLO-Class header).")
-    n: Int | None = Field(None, json_schema_extra=_off_enum("n"), description="Choices per request: only 1.")
-    presence_penalty: Finite | None = Field(None, json_schema_extra=_off_enum("presence_penalty"),
-                                            description="Not implemented: only 0.")
-    frequency_penalty: Finite | None = Field(None, json_schema_extra=_off_enum("frequency_penalty"),
-                                             description="Not implemented: only 0.")
-    repetition_penalty: Finite | None = Field(None, json_schema_extra=_off_enum("repetition_penalty"),
-                                              description="Not implemented: only 1.")
-    logit_bias: dict[str, Finite] | None = Field(None, json_schema_extra=_off_enum("logit_bias"),
-                                                 description="Not implemented: only {}.")
+    n: bounded_int(ge=1, le=MAX_N) | None = Field(None, description="Choices to generate (each with its own seed "
+                                                                     "stream; the prompt is prefilled once).")
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[Finite, Field(gt=0)] | None = Field(None, description="Extension: > 1 discourages "
+                                                                                        "prompt and output tokens.")
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100].",
+        json_schema_extra={"propertyNames": {"pattern": r"^(0|[1-9][0-9]*)$"}})
+    min_p: Annotated[Finite, Field(ge=0, le=1)] | None = Field(None, description="Extension: drop tokens less likely "
+                                                                                 "than min_p times the likeliest.")
+    min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
+                                                                   "before this many tokens.")
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> "_SamplingRequest":
@@ -123,16 +132,54 @@ class _SamplingRequest(BaseModel):
                 raise RequestError(f"{name}={value!r} is not supported ({why}); leave it out or send {allowed}", name)
         return self
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice (choice i of a seeded request samples with seed + i, as vLLM)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos))
+            seed=None if self.seed is None else self.seed + choice, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
+            min_p=self.min_p or 0.0, min_tokens=min(self.min_tokens or 0, max_tokens),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.prompt_logprobs(),
+            grammar=self.grammar())
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_choices
+
+    def _bias(self) -> dict[int, float]:
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            token = _as_token_id(int(key)) if key.strip().lstrip("-").isdigit() else None
+            if token is None:
+                raise RequestError(f"logit_bias keys are token ids (integers >= 0 written as strings), got {key!r}",
+                                   "logit_bias")
+            out[token] = value
+        return out
+
+    def token_logprobs(self) -> int | None:
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        return None
+
+    def grammar(self) -> GrammarSpec | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 def _prompt_type(token_id: Any) -> Any:
@@ -155,10 +202,27 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Prompt
     max_tokens: Count | None = 16
-    echo: bool | None = Field(None, json_schema_extra=_off_enum("echo"), description="Not implemented: only false.")
-    best_of: Int | None = Field(None, json_schema_extra=_off_enum("best_of"), description="Only 1.")
+    echo: bool | None = Field(None, description="Return the prompt before the completion (with logprobs: the "
+                                                "prompt tokens' log-probabilities too).")
+    best_of: bounded_int(ge=1, le=MAX_N) | None = Field(None, description="Generate this many choices and return "
+                                                                          "the n with the highest log-probability "
+                                                                          "(streamed once all are done).")
     suffix: str | None = Field(None, json_schema_extra=_off_enum("suffix"), description="Not implemented.")
-    logprobs: Int | None = Field(None, json_schema_extra=_off_enum("logprobs"), description="Not implemented: only 0.")
+    logprobs: TopLogprobs | None = Field(None, description="Log-probability of each sampled token and this many "
+                                                            "alternatives (at most 20).")
+
+    @property
+    def num_generated(self) -> int:
+        """Choices generated: best_of when it exceeds n (the n likeliest are returned)."""
+        return max(self.best_of or 1, self.num_choices)
+
+    def token_logprobs(self) -> int | None:
+        if self.logprobs is None and self.num_generated > self.num_choices:
+            return 0  # ranking needs each token's log-probability
+        return self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -228,6 +292,13 @@ class ChatMessage(BaseModel):
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "".join(part.text for part in self.content)
+        for call in out.get("tool_calls") or []:  # templates write the arguments as JSON themselves (as vLLM)
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the text as it came
         return out
 
 
@@ -236,14 +307,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Count | None = None
     add_generation_prompt: bool | None = Field(True, description="Extension: end the prompt with the assistant's "
                                                                  "turn header.")
-    logprobs: bool | None = Field(None, json_schema_extra=_off_enum("logprobs"), description="Only false.")
-    top_logprobs: Int | None = Field(None, json_schema_extra=_off_enum("top_logprobs"), description="Only 0.")
-    response_format: dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("response_format"),
-                                                   description='Only {"type": "text"}.')
-    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=_off_enum("tools"), description="Only [].")
-    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("tool_choice"),
-                                                     description='Only "none" or "auto" (without tools).')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted (no tools are called).")
+    logprobs: bool | None = Field(None, description="Log-probability of each output token.")
+    top_logprobs: TopLogprobs | None = Field(None, description="Alternatives per token (needs logprobs).")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema (strict: "
+                                                                     "the output follows the schema).")
+    tools: ToolsRequest | None = None
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), '
+                                                             '"required", or {"type": "function", "function": '
+                                                             '{"name": ...}}.')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; the model may call several tools.")
     functions: list[dict[str, Any]] | None = Field(None, json_schema_extra=_off_enum("functions"),
                                                    description="Only [].")
     function_call: str | dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("function_call"),
@@ -251,6 +323,53 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs", CONFLICT)
+        if self.tool_choice is not None and self.tool_choice.constrains and not self.tools:
+            raise RequestError(f"tool_choice {self.tool_choice.describe()} needs tools", "tool_choice", CONFLICT)
+        if self.tools and self.tool_choice is not None and self.tool_choice.name is not None:
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.name not in names:
+                raise RequestError(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools "
+                                   f"({', '.join(names)})", "tool_choice", CONFLICT)
+        if self.response_format is not None and self.response_format.type != "text" and self.tool_choice is not None \
+                and self.tool_choice.constrains:
+            raise RequestError("response_format and a tool_choice that forces a tool call both constrain the "
+                               "output; send one", "response_format", CONFLICT)
+        return self
+
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.tools and self.tool_choice is not None and self.tool_choice.constrains:
+            return self.tool_choice.grammar(self.tools, self.parallel_tool_calls is not False)
+        return self.response_format.grammar() if self.response_format is not None else None
+
+    @property
+    def active_tools(self) -> ToolsRequest | None:
+        """The tools the template sees and the output may call (none with tool_choice "none")."""
+        if not self.tools or (self.tool_choice is not None and self.tool_choice.mode == "none"):
+            return None
+        return self.tools
+
+
+def below_pattern(n: int) -> str:
+    """A regular expression matching the decimal integers 0 .. n-1 (no leading zeros): token ids of a vocabulary."""
+    top = str(n - 1)
+    alts = ["0"] if n - 1 >= 0 else []
+    if len(top) > 1:
+        alts.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")  # fewer digits than the largest id
+    for i, digit in enumerate(top):  # as many digits: equal up to i, smaller at i, anything after
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = f"[0-9]{{{len(top) - i - 1}}}" if i < len(top) - 1 else ""
+            alts.append(f"{top[:i]}[{low}-{int(digit) - 1}]{rest}")
+    alts.append(top)
+    return "^(" + "|".join(dict.fromkeys(alts)) + ")$"
 
 
 def _preview(value: Any, limit: int = 60) -> str:
@@ -264,9 +383,14 @@ def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[Completion
     # the engine checks the class (and the X-SLO-Class header) with its own message; the schema names the classes
     slo_class = (Text | None, Field(None, json_schema_extra={"enum": [*slo_classes, None]}, description=(
         "Extension: the request class of the SLO contract (or the X-SLO-Class header).")))
+    bias_field = _SamplingRequest.model_fields["logit_bias"]
+    logit_bias = (bias_field.annotation, Field(None, description=bias_field.description, json_schema_extra={
+        "propertyNames": {"pattern": below_pattern(vocab_size)}}))
     completion = create_model("CompletionRequest", __base__=CompletionRequest, __doc__=CompletionRequest.__doc__,
-                              prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class)
+                              prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class,
+                              logit_bias=logit_bias)
     completion.vocab_size = vocab_size
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest,
-                        __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class)
+                        __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class, logit_bias=logit_bias)
     return completion, chat
+

@@ -1,5 +1,6 @@
-"""OpenAI completions and chat completions on top of the AsyncEngine: prompt -> engine request -> response body or
-SSE stream, with usage accounting, metrics, and abort when the client goes away.
+"""OpenAI completions and chat completions on top of the AsyncEngine: prompt -> engine requests (one per choice) ->
+response body or SSE stream, with usage accounting, metrics, and abort when the client goes away; /tokenize and
+/detokenize.
 
 Rendering chat templates and tokenizing run in a thread pool, never on the event loop: a multi-megabyte body must
 not stall /health or other streams. A stream that fails after it started ends with an error event and [DONE].
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -17,12 +18,16 @@ from pydantic import BaseModel
 
 from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.request import Request, RequestOutput
+from appliance.engine.request import Request
 from appliance.errors import ModelNotFoundError, RequestError
 from appliance.server import protocol as p
 from appliance.server import responses as r
+from appliance.server import tokenize as t
+from appliance.server.choices import Choices
 from appliance.server.errors import sse_error
-from appliance.server.metrics import Metrics, TokenTimer
+from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
+from appliance.server.metrics import Metrics
+from appliance.server.tools import detect_parser
 
 
 class OpenAIServing:
@@ -30,6 +35,11 @@ class OpenAIServing:
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        config = engine.engine.config
+        self.share_prefill = config.cache.enable_prefix_caching
+        self.auto_tools = config.server.enable_auto_tool_choice
+        self.tool_parser = detect_parser(self.tokenizer.chat_template if self.tokenizer else None,
+                                         config.server.tool_call_parser)
         self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="muxd-prep")
 
     def shutdown(self) -> None:
@@ -44,69 +54,79 @@ class OpenAIServing:
     async def completion(self, body: p.CompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         rid = r.new_id("cmpl")
-        request = await self._off_loop(self._completion_request, body, rid)
-
-        def chunk(out: RequestOutput | None, usage: r.Usage | None) -> BaseModel:
-            choices = [] if out is None else [r.CompletionChoice(text=out.new_text, finish_reason=out.finish_reason)]
-            return r.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
-
-        def final(text: str, out: RequestOutput) -> BaseModel:
-            return r.CompletionResponse(id=rid, model=self.model_name, usage=_usage(out),
-                                        choices=[r.CompletionChoice(text=text, finish_reason=out.finish_reason)])
-
-        return await self._serve(body, request, http, chunk, final, first=None)
+        requests = await self._off_loop(self._completion_requests, body, rid)
+        fmt = CompletionFormat(rid, self.model_name, self.tokenizer, body, requests[0].prompt_token_ids)
+        return await self._serve(body, requests, http, fmt)
 
     async def chat(self, body: p.ChatCompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         rid = r.new_id("chatcmpl")
-        request = await self._off_loop(self._chat_request, body, rid)
+        requests = await self._off_loop(self._chat_requests, body, rid)
+        return await self._serve(body, requests, http, ChatFormat(rid, self.model_name, self.tokenizer, body,
+                                                                   self.tool_parser))
 
-        def chunk(out: RequestOutput | None, usage: r.Usage | None) -> BaseModel:
-            choices = [] if out is None else [r.ChatChunkChoice(
-                delta=r.ChatDelta(content=out.new_text or None), finish_reason=out.finish_reason)]
-            return r.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage)
+    async def tokenize(self, body: t.TokenizeRequest) -> r.TokenizeResponse:
+        self.check_model(body.model)
+        ids = await self._off_loop(self._tokenize, body)
+        strs = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs \
+            else None
+        return r.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
-        def final(text: str, out: RequestOutput) -> BaseModel:
-            return r.ChatCompletionResponse(id=rid, model=self.model_name, usage=_usage(out), choices=[
-                r.ChatChoice(message=r.ChatMessageOut(content=text), finish_reason=out.finish_reason)])
-
-        first = r.ChatCompletionChunk(id=rid, model=self.model_name,
-                                      choices=[r.ChatChunkChoice(delta=r.ChatDelta(role="assistant", content=""))])
-        return await self._serve(body, request, http, chunk, final, first)
+    async def detokenize(self, body: t.DetokenizeRequest) -> r.DetokenizeResponse:
+        self.check_model(body.model)
+        return r.DetokenizeResponse(prompt=self._tokenizer().decode(body.tokens))
 
     # ---- request preparation (thread pool) ------------------------------------------------------------------------
-    async def _off_loop(self, fn: Callable, *args) -> Request:
+    async def _off_loop(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _completion_request(self, body: p.CompletionRequest, rid: str) -> Request:
+    def _completion_requests(self, body: p.CompletionRequest, rid: str) -> list[Request]:
         prompt = body.single_prompt()
         ids = self._encode(prompt, True, "prompt") if isinstance(prompt, str) else list(prompt)
         return self._make(body, ids, body.max_tokens, rid)
 
-    def _chat_request(self, body: p.ChatCompletionRequest, rid: str) -> Request:
-        messages = [m.for_template() for m in body.messages]
-        text = self._tokenizer().apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
-                                                     is not False)
-        return self._make(body, self._encode(text, False, "messages"), body.requested_max_tokens(), rid)
+    def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> list[Request]:
+        return self._make(body, self._encode(self._render(body), False, "messages"), body.requested_max_tokens(),
+                          rid)
 
-    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def _render(self, body: p.ChatCompletionRequest) -> str:
+        messages = [m.for_template() for m in body.messages]
+        tools = body.active_tools
+        if tools and not (body.tool_choice and body.tool_choice.constrains) and not self.auto_tools:
+            raise RequestError('tool_choice "auto" is off on this server (--no-enable-auto-tool-choice); send '
+                               'tool_choice "required" or a named function', "tool_choice")
+        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        return self._tokenizer().apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
+                                                     is not False, **extra)
+
+    def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
+        if body.messages is not None:
+            text = self._tokenizer().apply_chat_template([m.for_template() for m in body.messages],
+                                                         add_generation_prompt=body.add_generation_prompt)
+            return self._encode(text, False, "messages", limit=False)
+        return self._encode(body.prompt, body.add_special_tokens, "prompt", limit=False)
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str, limit: bool = True) -> list[int]:
         tok = self._tokenizer()
         try:
             p.valid_unicode(text)  # the template may have copied in message fields that are not validated as text
         except ValueError as exc:
             raise RequestError(f"{param}: {exc}", param) from None
         at_least = tok.min_tokens(text)
-        if at_least >= self.max_model_len:
+        if limit and at_least >= self.max_model_len:
             source = "prompt" if param == "prompt" else "prompt rendered from the messages"
             raise RequestError(f"the {source} is longer than this model's context of {self.max_model_len} tokens: "
                                f"its {len(text.encode())} bytes make at least {at_least} tokens", param,
                                CONTEXT_LENGTH_EXCEEDED)
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str) -> Request:
+    def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str) -> list[Request]:
+        """One engine request per choice (ids rid, rid-1, ...; choice i samples with seed + i)."""
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
-        return self.engine.make_request(ids, body.sampling_params(max_tokens), request_id=rid)
+        n = body.num_generated
+        return [self.engine.make_request(ids, body.sampling_params(max_tokens, i), request_id=rid if i == 0 else
+                                         f"{rid}-{i}") for i in range(n)]
 
     def _tokenizer(self):
         if self.tokenizer is None:
@@ -114,15 +134,17 @@ class OpenAIServing:
         return self.tokenizer
 
     # ---- shared flow ----------------------------------------------------------------------------------------------
-    async def _serve(self, body: p._SamplingRequest, request: Request, http: HTTPRequest, chunk: Callable,
-                     final: Callable, first: BaseModel | None):
-        request.slo_class = self._slo_class(body, http)
-        timer = TokenTimer(self.metrics)
-        outputs = await self.engine.submit(request)
-        if body.stream:
-            return StreamingResponse(self._sse(outputs, timer, chunk, first, body.include_usage),
+    async def _serve(self, body: p._SamplingRequest, requests: list[Request], http: HTTPRequest, fmt: Any):
+        slo_class = self._slo_class(body, http)
+        for request in requests:
+            request.slo_class = slo_class
+        choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill)
+        await choices.start()  # the first choice is accepted (or refused: 429) before any byte is sent
+        ranked = body.num_choices < len(requests)  # best_of > n
+        if body.stream and not ranked:
+            return StreamingResponse(self._sse(choices, choices.n, fmt, body, requests[0].num_prompt_tokens),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(self._collect(outputs, timer))
+        collect = asyncio.ensure_future(self._collect(choices, keep=ranked))
         gone = asyncio.ensure_future(_wait_disconnect(http))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():  # the client left: stop generating for it
@@ -131,8 +153,15 @@ class OpenAIServing:
             return JSONResponse(status_code=499, content={"error": {
                 "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
         gone.cancel()
-        text, last = collect.result()  # raises what ended the request early (engine error, shutdown)
-        return JSONResponse(final(text, last).model_dump())
+        states = collect.result()  # raises what ended the request early (engine error, shutdown)
+        usage = usage_of(states)
+        if ranked:
+            states = best(states, body.num_choices)
+        if body.stream:  # best_of: the winners, streamed once every candidate is done
+            return StreamingResponse(self._sse(replay(states), len(states), fmt, body,
+                                               requests[0].num_prompt_tokens, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(fmt.final(states, usage).model_dump())
 
     def _slo_class(self, body: p._SamplingRequest, http: HTTPRequest) -> str | None:
         """The request's SLO class: the X-SLO-Class header or the slo_class field (400 when unknown or when the
@@ -143,47 +172,35 @@ class OpenAIServing:
                                "send one", "slo_class")
         return self.engine.engine.slo_class(header if header is not None else body.slo_class)
 
-    async def _collect(self, outputs: AsyncIterator[RequestOutput], timer: TokenTimer) -> tuple[str, RequestOutput]:
-        parts, last = [], None
+    async def _collect(self, choices: Choices, keep: bool = False) -> list[Choice]:
+        states = [Choice(i, keep) for i in range(choices.n)]
         try:
-            async for out in outputs:
-                timer.tokens(len(out.new_token_ids))
-                parts.append(out.new_text)
-                last = out
+            async for index, out in choices:
+                states[index].add(out)
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
-        self._done(last, timer)
-        return "".join(parts), last
+            await choices.aclose()
+        return states
 
-    async def _sse(self, outputs: AsyncIterator[RequestOutput], timer: TokenTimer, chunk: Callable,
-                   first: BaseModel | None, include_usage: bool) -> AsyncIterator[str]:
-        last = None
+    async def _sse(self, outputs: Any, n: int, fmt: Any, body: p._SamplingRequest, prompt_tokens: int,
+                   usage: r.Usage | None = None) -> AsyncIterator[str]:
+        """`outputs`: (choice index, output) pairs, live or replayed; `usage`: the total when it is known."""
+        states = [Choice(i) for i in range(n)]
+        continuous = body.continuous_usage
         try:
-            if first is not None:
-                yield _event(first)
-            async for out in outputs:
-                timer.tokens(len(out.new_token_ids))
-                last = out
-                # a model without a tokenizer has no text: every token still gets its chunk (TTFT/TBT stay visible)
-                if out.new_text or out.finished or (self.tokenizer is None and out.new_token_ids):
-                    yield _event(chunk(out, None))
-            self._done(last, timer)
-            if include_usage and last is not None:
-                yield _event(chunk(None, _usage(last)))
+            for event in fmt.first(n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
+                yield _event(event)
+            async for index, out in outputs:
+                states[index].add(out)
+                for event in fmt.chunk(states[index], out, usage_of(states) if continuous else None):
+                    yield _event(event)
+            if body.include_usage:
+                yield _event(fmt.usage_chunk(usage or usage_of(states)))
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error travels as an event
             yield sse_error(exc)
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]
+            if isinstance(outputs, Choices):
+                await outputs.aclose()
         yield "data: [DONE]\n\n"
-
-    def _done(self, last: RequestOutput | None, timer: TokenTimer) -> None:
-        if last is not None:
-            self.metrics.request_done(last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens,
-                                      last.num_output_tokens, timer.started)
-
-
-def _usage(out: RequestOutput) -> r.Usage:
-    return r.Usage.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
 def _event(model: BaseModel) -> str:

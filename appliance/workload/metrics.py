@@ -19,6 +19,7 @@ from appliance.errors import ConfigError
 from appliance.workload.traces import RequestSpec
 
 PERCENTILES = (50.0, 90.0, 99.0)
+METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")  # vLLM's --percentile-metrics names
 SLO_METRICS = ("ttft", "tpot", "e2el", "tbt")  # tbt: every inter-token gap of the request
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")      # what vLLM's --goodput accepts
 
@@ -147,12 +148,13 @@ def good_flags(timelines: Sequence[RequestTimeline], slo: SLO,
 # ---- summary ------------------------------------------------------------------------------------------------------
 def summarize(timelines: Sequence[RequestTimeline], duration: float | None = None, slo: SLO | None = None,
               specs: Sequence[RequestSpec] | None = None, percentiles: Sequence[float] = PERCENTILES,
-              detailed: bool = False) -> dict[str, Any]:
+              detailed: bool = False, percentile_metrics: Sequence[str] = METRIC_NAMES) -> dict[str, Any]:
     """The result dict of a replay, with vLLM `bench serve` keys where the meaning is the same.
 
     duration: seconds from the first scheduled arrival to the last token (computed when None).
     Throughputs divide by it; `request_goodput` = good requests / duration (None without an SLO), and
-    `slo_attainment` = good requests / all requests (failed ones count as missed).
+    `slo_attainment` = good requests / all requests (failed ones count as missed). Percentiles are reported for
+    the `percentile_metrics` only; every metric keeps its mean, median and standard deviation.
     """
     done = [t for t in timelines if t.success]
     metrics = [request_metrics(t) for t in done]
@@ -178,7 +180,7 @@ def summarize(timelines: Sequence[RequestTimeline], duration: float | None = Non
     series = {"ttft": [m.ttft for m in metrics], "tpot": [m.tpot for m in metrics if m.output_tokens > 1],
               "itl": [g for m in metrics for g in m.itls], "e2el": [m.e2el for m in metrics]}
     for name, values in series.items():
-        result.update(_stats(name, values, percentiles))
+        result.update(_stats(name, values, percentiles if name in percentile_metrics else ()))
     lags = [m.lag for m in metrics]
     result["mean_client_lag_ms"] = float(np.mean(lags)) * 1000 if lags else 0.0
     result["max_client_lag_ms"] = float(np.max(lags)) * 1000 if lags else 0.0

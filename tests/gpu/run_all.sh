@@ -23,6 +23,9 @@ python3 -m appliance bench engine --multiplex --batches 64 --contexts 1024 --pre
 mux=$?
 PYTHONPATH=. python3 tests/gpu/prefill_graphs_bench.py --json "$out/prefill-graphs.json" > "$out/prefill-graphs.md" 2>"$out/prefill-graphs.log"
 pgraphs=$?
+PYTHONPATH=. python3 tests/gpu/constrained_decoding_bench.py --json "$out/constrained.json" > "$out/constrained.md" \
+    2>"$out/constrained.log"
+constrained=$?
 proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
     trace=${@: -1}
@@ -43,11 +46,14 @@ echo "| bench engine | exit $bench |"
 echo "| warm start | $(grep -o 'start-up: .*' "$out/startup-warm.log") |"
 echo "| bench engine --multiplex | exit $mux |"
 echo "| prefill graphs bench | exit $pgraphs |"
+echo "| constrained decoding bench | exit $constrained |"
 echo "| muxd profile | $proof |"
 echo
 cat "$out/multiplex.md" 2>/dev/null
 echo
 cat "$out/prefill-graphs.md" 2>/dev/null
+echo
+cat "$out/constrained.md" 2>/dev/null
 echo
 cat "$out/engine-bench.md" 2>/dev/null
 [ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$mux" = 0 ]

@@ -30,6 +30,20 @@ def serve(request, tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """An openai client of the module's `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    [card] = client.models.list().data
+    return card.id
+
+
 @pytest.fixture(scope="session")
 def served_dir(request) -> Path:
     from appliance.config import EMBEDDED_MODEL_DIR

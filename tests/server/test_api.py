@@ -15,15 +15,6 @@ def server(serve):
     return serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    [card] = client.models.list().data
-    return card.id
 
 
 @pytest.fixture(scope="module")
@@ -152,18 +143,34 @@ BAD_BODIES = [
     # unknown fields and options muxd does not implement are refused, naming the field
     ("completions", {"prompt": "hi", "temprature": 0.5}, "temprature"),
     ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {}}, "chat_template_kwargs"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
-    ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
-    ("completions", {"prompt": "hi", "echo": True}, "echo"),
-    ("completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
-    ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ("completions", {"prompt": "hi", "frequency_penalty": -1}, "frequency_penalty"),
-    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
-    ("chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "n": 1000}, "n"),
+    ("completions", {"prompt": "hi", "best_of": 0}, "best_of"),
+    ("completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+    ("completions", {"prompt": "hi", "echo": "yes"}, "echo"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 10}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias.5"),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    ("chat/completions", {"messages": CHAT, "logprobs": "yes"}, "logprobs"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+     "response_format.json_schema"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools.0.function.name"),
     ("chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"messages": CHAT, "tool_choice": "sometimes"}, "tool_choice"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"messages": CHAT, "n": True}, "n"),
     ("chat/completions", {"messages": CHAT, "slo_class": "platinum"}, "slo_class"),  # not a class of the contract
 ]

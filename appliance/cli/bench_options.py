@@ -1,0 +1,240 @@
+"""The options `muxd bench` and `muxd bench sweep` share (workload, target, SLO, output; vLLM's `bench serve` names
+as aliases) and their parsing into one `BenchOptions`, refusing contradictory combinations before anything starts.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from appliance.bench.launcher import parse_policies, parse_serve_args
+from appliance.bench.run import BenchOptions
+from appliance.errors import ApplianceError, ConfigError
+from appliance.slo.contract import load_contract
+from appliance.workload import shaping as wl
+from appliance.workload.metrics import METRIC_NAMES, SLO, parse_goodput
+from appliance.workload.traces import FORMATS
+
+_W, _T, _S, _O = "Workload", "Target", "SLO", "Output"
+
+# name -> (annotated type, default); shared by `muxd bench` and `muxd bench sweep`
+COMMON: dict[str, tuple[Any, Any]] = {
+    "trace": (Annotated[Optional[Path], typer.Option("--trace", "--dataset-path",
+                                                     help="Trace file (Azure or BurstGPT CSV, Mooncake JSONL, "
+                                                          "ShareGPT JSON); omit for a synthetic workload.",
+                                                     rich_help_panel=_W)], None),
+    "trace_format": (Annotated[str, typer.Option("--trace-format", "--dataset-name", help=f"auto, "
+                                                 f"{', '.join(FORMATS)}; random: a synthetic workload.",
+                                                 rich_help_panel=_W)], "auto"),
+    "num_prompts": (Annotated[int, typer.Option(help="Synthetic: number of requests.", rich_help_panel=_W)], 100),
+    "workload": (Annotated[Optional[str], typer.Option(help="A named synthetic workload instead of a trace: "
+                                                          "chat-short (prompts lognormal, median 1,000 tokens; outputs "
+                                                          "lognormal, median 250; Poisson arrivals unless "
+                                                          "--burstiness). Sets --input-len and --output-len.",
+                                                     rich_help_panel=_W)], None),
+    "input_len": (Annotated[str, typer.Option("--input-len", "--random-input-len",
+                                              help="Synthetic prompt tokens: N, uniform:LO:HI or "
+                                                   "lognormal:MEDIAN:SIGMA.", rich_help_panel=_W)], "256"),
+    "output_len": (Annotated[str, typer.Option("--output-len", "--random-output-len",
+                                               help="Synthetic output tokens (same forms as --input-len).",
+                                               rich_help_panel=_W)], "64"),
+    "window": (Annotated[Optional[str], typer.Option(help="Part of the trace to replay, START:END seconds from its "
+                                                          "start (e.g. 600:900).", rich_help_panel=_W)], None),
+    "skip": (Annotated[int, typer.Option(help="Skip this many requests first.", rich_help_panel=_W)], 0),
+    "max_requests": (Annotated[Optional[int], typer.Option(help="Replay at most this many requests.",
+                                                           rich_help_panel=_W)], None),
+    "request_rate": (Annotated[Optional[float], typer.Option(help="Re-time to this average rate (req/s), keeping "
+                                                                 "the trace's burst pattern; 'inf' sends all at "
+                                                                 "once. Default: the trace's own times (synthetic: "
+                                                                 "inf).", rich_help_panel=_W)], None),
+    "speedup": (Annotated[Optional[float], typer.Option(help="Replay the trace this many times faster.",
+                                                        rich_help_panel=_W)], None),
+    "burstiness": (Annotated[float, typer.Option(help="Gamma shape of synthetic gaps (1 = Poisson, < 1 burstier, "
+                                                      "inf = constant).", rich_help_panel=_W)], 1.0),
+    "seed": (Annotated[int, typer.Option(help="Seed of arrivals, lengths and prompts.", rich_help_panel=_W)], 0),
+    "max_model_len": (Annotated[Optional[int], typer.Option(help="Clip requests to this context (default: what "
+                                                                 "the server reports).", rich_help_panel=_W)], None),
+    "url": (Annotated[Optional[str], typer.Option("--url", "--base-url",
+                                                  help="Base URL of a running OpenAI-compatible server (e.g. "
+                                                       "http://127.0.0.1:8000); default: start muxd serve.",
+                                                  rich_help_panel=_T)], None),
+    "endpoint": (Annotated[str, typer.Option(help="completions or chat.", rich_help_panel=_T)], "completions"),
+    "served_model_name": (Annotated[Optional[str], typer.Option(help="Model name to send (default: the first of "
+                                                                     "GET /v1/models).", rich_help_panel=_T)], None),
+    "model": (Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory (or 'embedded') to serve "
+                                                                          "when muxd bench starts the server; also "
+                                                                          "the tokenizer source.",
+                                                    rich_help_panel=_T)], None),
+    "tokenizer": (Annotated[Optional[str], typer.Option(help="Hugging Face directory whose tokenizer builds "
+                                                             "exact-length prompts (needed with --url unless the "
+                                                             "trace records prompt texts).",
+                                                        rich_help_panel=_T)], None),
+    "policies": (Annotated[Optional[str], typer.Option(help="Comma-separated scheduling policies: start muxd serve "
+                                                            "once per policy and compare them.",
+                                                       rich_help_panel=_T)], None),
+    "serve_args": (Annotated[Optional[str], typer.Option(help="Extra `muxd serve` flags for the server bench starts "
+                                                              "or the in-process engine, e.g. '--max-num-seqs 64 "
+                                                              "--load-format dummy'.", rich_help_panel=_T)], None),
+    "in_process": (Annotated[bool, typer.Option("--in-process", help="Drive the engine in this process (no HTTP).",
+                                                rich_help_panel=_T)], False),
+    "ready_timeout": (Annotated[float, typer.Option(help="Seconds to wait for a started server's /ready.",
+                                                    rich_help_panel=_T)], 600.0),
+    "temperature": (Annotated[float, typer.Option(help="Sampling temperature sent with every request.",
+                                                  rich_help_panel=_T)], 0.0),
+    "max_concurrency": (Annotated[Optional[int], typer.Option(help="Requests in flight at most (latency then "
+                                                                   "counts from the send).",
+                                                              rich_help_panel=_T)], None),
+    "request_timeout": (Annotated[Optional[float], typer.Option(help="Seconds after which a request counts as "
+                                                                     "failed.", rich_help_panel=_T)], None),
+    "max_idle": (Annotated[Optional[float], typer.Option(help="While no request is in flight, wait at most this "
+                                                              "many seconds for the next arrival and move the rest "
+                                                              "of the schedule earlier (latencies are unchanged, "
+                                                              "times reported on the trace's clock): long replays "
+                                                              "at low rates take their busy time only.",
+                                                         rich_help_panel=_T)], None),
+    "goodput": (Annotated[Optional[list[str]], typer.Option(help="vLLM-style SLO, a request is good when it meets "
+                                                                 "every target: ttft:MS tpot:MS e2el:MS (repeat the "
+                                                                 "flag or quote them together).",
+                                                            rich_help_panel=_S)], None),
+    "slo": (Annotated[Optional[Path], typer.Option(help="YAML SLO contract (per-request targets).",
+                                                   rich_help_panel=_S)], None),
+    "metric_percentiles": (Annotated[str, typer.Option(help="Percentiles to report, comma-separated.",
+                                                       rich_help_panel=_S)], "50,90,99"),
+    "percentile_metrics": (Annotated[str, typer.Option(help="Metrics whose percentiles are reported, "
+                                                             "comma-separated among ttft, tpot, itl, e2el.",
+                                                        rich_help_panel=_S)], ",".join(METRIC_NAMES)),
+    "result_dir": (Annotated[Optional[Path], typer.Option(help="Write result JSON, plots (and sweep summary.csv) "
+                                                               "here.", rich_help_panel=_O)], None),
+    "save_result": (Annotated[bool, typer.Option("--save-result", help="Write the result JSON (to --result-dir, "
+                                                                       "else the current directory).",
+                                                 rich_help_panel=_O)], False),
+    "result_filename": (Annotated[Optional[str], typer.Option(help="File name of the result JSON of a single run "
+                                                                   "(default: result.json).", rich_help_panel=_O)],
+                        None),
+    "save_detailed": (Annotated[bool, typer.Option("--save-detailed", help="Add per-request arrays to the JSON "
+                                                                           "(ttfts, itls, input/output lens).",
+                                                   rich_help_panel=_O)], False),
+    "spread_ties": (Annotated[bool, typer.Option("--spread-ties", help="Spread requests that share a timestamp "
+                                                                       "(traces recorded in coarse steps, e.g. "
+                                                                       "Mooncake's 3 s) over the gap to the next.",
+                                                 rich_help_panel=_W)], False),
+    "simulate": (Annotated[bool, typer.Option("--simulate", help="No server and no GPU: replay each --policies "
+                                                                 "entry on the simulated executor, judge it against "
+                                                                 "--slo and search its capacity.",
+                                              rich_help_panel=_T)], False),
+    "profile": (Annotated[Optional[Path], typer.Option(help="--simulate: latency profile of --model on --gpu "
+                                                            "(default: the roofline prior).",
+                                                       rich_help_panel=_T)], None),
+    "gpu": (Annotated[str, typer.Option(help="--simulate: the GPU to plan for (h100, h200).", rich_help_panel=_T)],
+            "h100"),
+    "device_error": (Annotated[float, typer.Option(help="--simulate: model error injected, the simulated GPU runs "
+                                                        "(1 + this) x the profile's times (0.2: 20 % slower, -0.2: "
+                                                        "20 % faster); the planner is not told.",
+                                                   rich_help_panel=_T)], 0.0),
+    "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
+                                              rich_help_panel=_O)], True),
+}
+
+
+def with_common_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command the COMMON options (typer reads the signature); they reach it as one BenchOptions `opts`."""
+    sig = inspect.signature(func)
+    own = [p for name, p in sig.parameters.items() if name != "opts"]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+              for name, (annotation, default) in COMMON.items()]
+    ctx = [p for p in own if p.annotation is typer.Context]
+    rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p.annotation is not typer.Context]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        common = {name: kwargs.pop(name) for name in COMMON}
+        try:
+            opts = _options(**common)
+            return func(*args, opts=opts, **kwargs)
+        except ApplianceError as exc:
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2) from None
+
+    del wrapper.__wrapped__
+    wrapper.__signature__ = sig.replace(parameters=ctx + rest + shared)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in ctx + rest + shared}
+    return wrapper
+
+
+def _options(**kw: Any) -> BenchOptions:
+    """Flags -> BenchOptions, refusing contradictory combinations before anything starts."""
+    if kw["simulate"] and (kw["url"] or kw["in_process"]):
+        raise ConfigError("--simulate replays on the simulated executor; --url and --in-process run a real one")
+    if kw["url"] and (kw["policies"] or kw["in_process"]):
+        raise ConfigError("--url targets a running server; --policies and --in-process start their own")
+    if kw["serve_args"] and kw["url"]:
+        raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
+    if kw["endpoint"] not in ("completions", "chat"):
+        raise ConfigError(f"--endpoint must be completions or chat, got {kw['endpoint']!r}")
+    if kw["trace_format"] == "random":  # vLLM's --dataset-name random: a synthetic workload
+        if kw["trace"] is not None:
+            raise ConfigError("--dataset-name random is a synthetic workload; leave out --trace/--dataset-path")
+        kw["trace_format"] = "auto"
+    if kw["trace_format"] not in ("auto", *FORMATS):
+        raise ConfigError(f"--trace-format (--dataset-name) must be one of auto, random, {', '.join(FORMATS)}, "
+                          f"got {kw['trace_format']!r}")
+    if kw.pop("save_result") and kw["result_dir"] is None:
+        kw["result_dir"] = Path(".")
+    if kw["result_filename"] is not None and not kw["result_filename"].strip():
+        raise ConfigError("--result-filename is empty; give a file name")
+    kw["percentile_metrics"] = _metric_names(kw["percentile_metrics"])
+    if kw["max_concurrency"] is not None and kw["max_concurrency"] < 1:
+        raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
+    if kw["max_idle"] is not None and kw["max_idle"] < 0:
+        raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
+    if kw["in_process"] and kw["endpoint"] == "chat":
+        raise ConfigError("--in-process sends prompts straight to the engine; --endpoint chat needs a server")
+    preset = kw.pop("workload")
+    if preset is not None:
+        if kw["trace"] is not None:
+            raise ConfigError("--workload names a synthetic workload; give it or --trace, not both")
+        kw["input_len"], kw["output_len"] = wl.preset(preset)
+    slo = _slo(kw.pop("goodput") or [], kw.pop("slo"))
+    percentiles = _percentiles(kw.pop("metric_percentiles"))
+    policies = parse_policies(kw.pop("policies")) if kw["policies"] else []
+    serve_args = parse_serve_args(kw.pop("serve_args"))
+    window = wl.parse_window(kw.pop("window")) if kw["window"] else None
+    kw.pop("progress")
+    return BenchOptions(**{k: v for k, v in kw.items() if k not in ("policies", "serve_args", "window")},
+                        window=window, slo=slo, percentiles=percentiles, policies=policies, serve_args=serve_args)
+
+
+def _slo(goodput: list[str], contract: Optional[Path]) -> SLO | None:
+    if goodput and contract:
+        raise ConfigError("give either --goodput or --slo, not both")
+    if contract is None:
+        return parse_goodput(goodput)
+    if not contract.is_file():
+        raise ConfigError(f"--slo {contract}: file not found")
+
+    return load_contract(contract)  # a Contract gives per-request targets (targets_for) and a verdict on the run
+
+
+def _metric_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in METRIC_NAMES]
+    if unknown or not names:
+        raise ConfigError(f"--percentile-metrics: {', '.join(unknown) or 'nothing given'}; choose among "
+                          f"{', '.join(METRIC_NAMES)}")
+    return names
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        values = ()
+    if not values or any(not 0 < p < 100 for p in values):
+        raise ConfigError(f"--metric-percentiles: expected numbers in (0, 100) like 50,90,99, got {text!r}")
+    return values
+
+
+# ---- shared steps -------------------------------------------------------------------------------------------------

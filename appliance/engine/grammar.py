@@ -1,0 +1,128 @@
+"""Structured output: a request's grammar (any JSON, a JSON Schema) compiled by xgrammar, a matcher per request that
+follows its output, and the token masks that keep sampling inside the grammar.
+
+The masks of a batch's constrained rows are filled on the host by xgrammar's threads right after the forward was
+launched (the device is busy meanwhile) and applied on the device in one kernel. Compiled grammars are cached by
+xgrammar; the vocabulary description is built once per tokenizer. xgrammar is imported on first use only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from appliance.errors import RequestError
+from appliance.model_zoo.tokenizer import Tokenizer
+
+UNUSABLE_SCHEMA = "invalid_json_schema"  # the error code of a schema the grammar compiler cannot express
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must be: `json_object` (any JSON object) or `json_schema` (`schema`, JSON text), and the field
+    of the request it came from (for error messages)."""
+
+    kind: str
+    schema: str = ""
+    param: str = "response_format"
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it (then nothing changed)."""
+        return bool(self._m.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete (the grammar accepted a stop token)."""
+        return bool(self._m.is_terminated())
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs against one tokenizer and model vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 4) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.threads = threads
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:  # the server prepares requests on several threads
+            if self._compiler is None:
+                import xgrammar as xgr  # defers xgrammar (and its start-up cost) to the first constrained request
+
+                raw = self.tokenizer.raw
+                meta = xgr.TokenizerInfo._detect_metadata_from_hf(raw.to_str())
+                pieces = raw.get_vocab(with_added_tokens=True)
+                vocab = [""] * (max(pieces.values(), default=-1) + 1)
+                for piece, index in pieces.items():
+                    vocab[index] = piece
+                info = xgr.TokenizerInfo(vocab, xgr.VocabType(meta["vocab_type"]), vocab_size=self.vocab_size,
+                                         stop_token_ids=self.stop_token_ids, add_prefix_space=meta["add_prefix_space"])
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
+            return self._compiler
+
+    def matcher(self, spec: GrammarSpec) -> Matcher:
+        """A fresh matcher for the spec; RequestError naming the field when the schema cannot be compiled."""
+        import xgrammar as xgr  # defers xgrammar to the first constrained request
+
+        compiler = self._get()
+        try:
+            if spec.kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            else:
+                compiled = compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises plain errors for schemas it cannot express
+            raise RequestError(f"{spec.param}: the JSON schema cannot be used for constrained decoding: "
+                               f"{str(exc).strip()[:300]}", spec.param, UNUSABLE_SCHEMA) from None
+        return Matcher(xgr.GrammarMatcher(compiled))
+
+
+_batch_matcher: Any = None
+_apply_backend = "auto"
+log = logging.getLogger("muxd.engine")
+
+
+def apply_masks(logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+    """Keep each constrained row of `logits` [B, V] to the tokens its grammar allows next (in place)."""
+    import xgrammar as xgr  # defers xgrammar (only constrained requests get here)
+
+    global _batch_matcher
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    if len(matchers) == 1:
+        matchers[0]._m.fill_next_token_bitmask(bitmask, 0)
+    else:  # xgrammar's threads fill the rows at once
+        if _batch_matcher is None:
+            _batch_matcher = xgr.BatchGrammarMatcher()
+        _batch_matcher.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
+    sub = logits[torch.tensor(rows, device=logits.device)]
+    if logits.device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    global _apply_backend
+    try:
+        xgr.apply_token_bitmask_inplace(sub, bitmask, backend=_apply_backend)
+    except Exception:  # noqa: BLE001 - a kernel xgrammar cannot build here (no compiler, old triton): plain torch
+        if _apply_backend == "torch_native":
+            raise
+        log.warning("xgrammar's %s mask kernel failed on %s; applying masks with torch", _apply_backend,
+                    logits.device)
+        _apply_backend = "torch_native"
+        xgr.apply_token_bitmask_inplace(sub, bitmask, backend=_apply_backend)
+    logits[torch.tensor(rows, device=logits.device)] = sub
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """A JSON schema given as a JSON object, as text; RequestError naming `param` otherwise."""
+    if not isinstance(schema, dict):
+        raise RequestError(f"{param} must be a JSON Schema object, got {type(schema).__name__}", param)
+    return json.dumps(schema)

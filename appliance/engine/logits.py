@@ -1,0 +1,77 @@
+"""What changes a batch's next-token logits before sampling: repetition, presence and frequency penalties,
+`logit_bias`, the `min_tokens` mask and a grammar's token mask — each one batched operation over the rows that need
+it (the host only gathers their ids into one tensor per kind), nothing for rows that need none.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from appliance.engine.grammar import apply_masks
+from appliance.engine.request import Request
+
+
+def process_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Apply every request's logits processors to its row of `logits` [B, V] in place; returns `logits`."""
+    penalised = [i for i, r in enumerate(reqs) if r.sampling.penalised]
+    if penalised:
+        _penalise(logits, [reqs[i] for i in penalised], penalised)
+    biased = [(i, t, b) for i, r in enumerate(reqs) for t, b in r.sampling.logit_bias.items()]
+    if biased:
+        rows, cols, values = zip(*biased)
+        _index_add(logits, rows, cols, torch.tensor(values, dtype=logits.dtype))
+    blocked = [(i, t) for i, r in enumerate(reqs) if len(r.output_token_ids) < r.sampling.min_tokens
+               for t in r.min_tokens_blocked]
+    if blocked:
+        rows, cols = zip(*blocked)
+        _index_put(logits, rows, cols, float("-inf"))
+    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    if constrained:
+        apply_masks(logits, [reqs[i].matcher for i in constrained], constrained)
+    return logits
+
+
+def _penalise(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    """vLLM's semantics: repetition divides positive logits (multiplies negative ones) of every token seen in the
+    prompt or the output; frequency subtracts penalty x count in the output; presence subtracts penalty once."""
+    vocab, device = logits.shape[-1], logits.device
+    index = torch.tensor(rows, device=device)
+    sub = logits[index]
+    counts = _counts([r.output_token_ids for r in reqs], vocab, device)
+    params = torch.tensor([(r.sampling.repetition_penalty, r.sampling.frequency_penalty,
+                            r.sampling.presence_penalty) for r in reqs], dtype=logits.dtype).to(device)
+    repetition, frequency, presence = (params[:, k:k + 1] for k in range(3))
+    if any(r.sampling.repetition_penalty != 1.0 for r in reqs):
+        seen = (counts > 0) | (_counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else []
+                                        for r in reqs], vocab, device) > 0)
+        scaled = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen, scaled, sub)
+    sub = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
+    logits[index] = sub
+
+
+def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, vocab] occurrences of each token id in each row's sequence (one padded copy to the device)."""
+    width = max((len(s) for s in seqs), default=0)
+    ids = np.full((len(seqs), max(width, 1)), vocab, dtype=np.int64)  # the pad id counts in a column cut off below
+    for row, seq in enumerate(seqs):
+        ids[row, :len(seq)] = seq
+    index = torch.from_numpy(ids).to(device)
+    counts = torch.zeros(len(seqs), vocab + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _index_add(logits: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...], values: torch.Tensor) -> None:
+    r, c = _coords(logits, rows, cols)
+    logits.index_put_((r, c), values.to(logits.device), accumulate=True)
+
+
+def _index_put(logits: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...], value: float) -> None:
+    r, c = _coords(logits, rows, cols)
+    logits.index_put_((r, c), torch.tensor(value, dtype=logits.dtype, device=logits.device))
+
+
+def _coords(logits: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.tensor([rows, cols], dtype=torch.long).to(logits.device)
+    return both[0], both[1]

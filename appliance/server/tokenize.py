@@ -1,0 +1,42 @@
+"""The bodies of vLLM's /tokenize (a prompt, or chat messages) and /detokenize (token ids within the vocabulary)."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from appliance.errors import RequestError
+from appliance.server.protocol import ChatMessage, Text, TokenId, bounded_int
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
+    model: Text | None = None
+    prompt: Text = None  # type: ignore[assignment] - one of prompt and messages (the validator checks)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("send either prompt or messages", "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+def detokenize_body(vocab_size: int) -> type[DetokenizeRequest]:
+    """/detokenize's body for one model: token ids within its vocabulary."""
+    return create_model("DetokenizeRequest", __base__=DetokenizeRequest, __doc__=DetokenizeRequest.__doc__,
+                        tokens=(list[bounded_int(ge=0, le=vocab_size - 1)], ...))

@@ -1,0 +1,201 @@
+"""Tool calling: the `tools` and `tool_choice` of a chat request, the grammar that forces a call ("required" or a
+named function), and the parsers that read calls from a model's own format when it chooses ("auto"): Hermes-style
+`<tool_call>{...}</tool_call>` blocks (Qwen 2.5 and 3) and Llama 3.x JSON (`{"name": ..., "parameters": ...}`, after
+an optional `<|python_tag|>`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+from appliance.engine.grammar import GrammarSpec
+
+_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, Field(pattern=_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return self.function.parameters or {"type": "object", "properties": {}}
+
+
+ToolsRequest = list[Tool]
+
+
+@dataclass(frozen=True)
+class ToolChoiceValue:
+    mode: str  # none, auto, required, named
+    name: str | None = None
+
+    @property
+    def constrains(self) -> bool:
+        """The output is forced to be a call (a grammar constrains it)."""
+        return self.mode in ("required", "named")
+
+    def describe(self) -> str:
+        return repr(self.name) if self.mode == "named" else repr(self.mode)
+
+    def grammar(self, tools: list[Tool], parallel: bool = True) -> GrammarSpec:
+        """A grammar forcing the call: the named function's arguments, or a list of calls (one at most without
+        parallel tool calls)."""
+        if self.mode == "named":
+            tool = next(t for t in tools if t.function.name == self.name)
+            return GrammarSpec("json_schema", json.dumps(tool.parameters), "tool_choice")
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": t.parameters},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if parallel else {"maxItems": 1})}
+        return GrammarSpec("json_schema", json.dumps(array), "tool_choice")
+
+
+def _tool_choice(value: Any) -> ToolChoiceValue:
+    if isinstance(value, ToolChoiceValue):
+        return value
+    if value in ("none", "auto", "required"):
+        return ToolChoiceValue(value)
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(function, dict) \
+            and set(function) == {"name"} and isinstance(function["name"], str) and set(value) == {"type", "function"}:
+        return ToolChoiceValue("named", function["name"])
+    raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')
+
+
+_CHOICE_SCHEMA = {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                     "properties": {"name": {"type": "string", "pattern": _NAME}}}}}]}
+ToolChoice = Annotated[ToolChoiceValue, BeforeValidator(_tool_choice), WithJsonSchema(_CHOICE_SCHEMA)]
+
+
+# ---- reading calls from the output --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = ""
+
+    @staticmethod
+    def new(name: str, arguments: Any) -> "ToolCall":
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(name, text, f"call_{uuid.uuid4().hex[:24]}")
+
+
+def detect_parser(template: str | None, configured: str = "auto") -> str:
+    """The format the model writes calls in: --tool-call-parser, or guessed from its chat template."""
+    if configured != "auto":
+        return configured
+    if template and "<tool_call>" in template:
+        return "hermes"
+    if template and ("<|python_tag|>" in template or "ipython" in template):
+        return "llama3_json"
+    return "none"
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
+    """(content left, calls) of a whole output; text that does not parse as calls stays content."""
+    if parser == "hermes" and "<tool_call>" in text:
+        calls = [_call(json.loads(m)) for m in _HERMES.findall(text) if _is_call(m)]
+        if calls:
+            content = text[:text.index("<tool_call>")].strip()
+            return content or None, calls
+    if parser == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if body.startswith("{"):
+            parts = [p for p in re.split(r"\s*;\s*(?=\{)", body)]
+            if all(_is_call(p) for p in parts):
+                return None, [_call(json.loads(p)) for p in parts]
+    return text, []
+
+
+def forced_calls(text: str, choice: ToolChoiceValue) -> list[ToolCall]:
+    """The calls of an output a grammar forced (tool_choice "required" or named)."""
+    if choice.mode == "named":
+        return [ToolCall.new(choice.name, text.strip())]
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return []  # cut short (max_tokens): no complete call
+    return [ToolCall.new(item["name"], item["parameters"]) for item in items]
+
+
+def _is_call(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(
+        value.get("arguments", value.get("parameters", {})), (dict, str))
+
+
+def _call(value: dict[str, Any]) -> ToolCall:
+    return ToolCall.new(value["name"], value.get("arguments", value.get("parameters", {})))
+
+
+class CallStream:
+    """Streams content while the output may be plain text and holds back what may be a call, for one choice: feed
+    it text deltas, then `finish()` the calls."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0
+        self.calling = False
+
+    def feed(self, delta: str) -> str:
+        """The content that may be shown now."""
+        self.text += delta
+        if self.calling or self.parser == "none":
+            return self._release(len(self.text)) if self.parser == "none" else ""
+        if self.parser == "llama3_json":
+            head = self.text.lstrip().removeprefix("<|python_tag|>").lstrip()
+            if head.startswith("{") or (not head and self.text.strip() == ""):
+                self.calling = bool(head)
+                return ""
+            return self._release(len(self.text))
+        at = self.text.find("<tool_call>", self.sent)
+        if at >= 0:
+            self.calling = True
+            return self._release(at)
+        return self._release(len(self.text) - _partial_suffix(self.text, "<tool_call>"))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not shown yet, calls) at the end of the output."""
+        content, calls = parse_calls(self.text, self.parser)
+        if calls:
+            return (content or "")[self.sent:] if content and len(content) > self.sent else "", calls
+        return self._release(len(self.text)), []
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker` (held back: the marker may be arriving)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -1,0 +1,139 @@
+"""The OpenAI/vLLM sampling options on the engine: penalties against a row-by-row reference, logit_bias, min_tokens,
+min_p, and log-probabilities (sampled and prompt) checked against a transformers forward of the same checkpoint."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.config import Config
+from appliance.engine.factory import build_engine
+from appliance.engine.logits import process_logits
+from appliance.engine.request import Request, RequestOutput, SamplingParams
+from appliance.errors import RequestError
+
+PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(36)]  # three pages of 16, the last partial
+
+
+@pytest.fixture(scope="module")
+def llama(llama_checkpoint):
+    path, hf = llama_checkpoint
+    return build_engine(Config.flat(model=path, num_gpu_blocks_override=64)), hf
+
+
+def run(engine, prompt, params: SamplingParams) -> list[RequestOutput]:
+    rid = engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def _reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], sp: SamplingParams):
+    out = logits.clone()
+    for t in set(prompt) | set(output):
+        if sp.repetition_penalty != 1.0:
+            out[t] = out[t] / sp.repetition_penalty if out[t] > 0 else out[t] * sp.repetition_penalty
+    for t in set(output):
+        out[t] -= sp.frequency_penalty * output.count(t) + sp.presence_penalty
+    return out
+
+
+def test_penalties_match_a_row_by_row_reference():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+              SamplingParams(), SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=2)]
+    reqs = []
+    for i, sp in enumerate(params):
+        r = Request(f"r{i}", [(3 * i + k) % 50 for k in range(7)], sp)
+        r.output_token_ids = [(5 * i + k * k) % 50 for k in range(9)]
+        reqs.append(r)
+    expected = torch.stack([_reference_penalties(logits[i], r.prompt_token_ids, r.output_token_ids, r.sampling)
+                            for i, r in enumerate(reqs)])
+    got = process_logits(logits.clone(), reqs)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.equal(got[2], logits[2])  # a row without penalties is untouched
+
+
+def test_logit_bias_and_min_tokens(llama):
+    engine, _ = llama
+    forced = run(engine, PROMPT, SamplingParams(max_tokens=5, temperature=0.9, seed=1, logit_bias={42: 100.0}))
+    assert [o.new_token_ids[0] for o in forced] == [42] * 5
+    eos = sorted(engine.eos_token_ids)[0]
+    # EOS made overwhelmingly likely: it still waits for min_tokens, then ends the output
+    outs = run(engine, PROMPT, SamplingParams(max_tokens=20, temperature=0, logit_bias={eos: 100.0}, min_tokens=4))
+    tokens = [o.new_token_ids[0] for o in outs]
+    assert len(tokens) == 5 and eos not in tokens[:4] and tokens[4] == eos and outs[-1].finish_reason == "stop"
+
+
+def test_min_p_one_is_greedy_and_penalties_change_the_output(llama):
+    engine, _ = llama
+    greedy = run(engine, PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    cut = run(engine, PROMPT, SamplingParams(max_tokens=12, temperature=1.5, min_p=1.0, seed=3, ignore_eos=True))
+    assert [o.new_token_ids for o in cut] == [o.new_token_ids for o in greedy]
+    penalised = run(engine, PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                   frequency_penalty=2.0, presence_penalty=2.0))
+    tokens = [o.new_token_ids[0] for o in penalised]
+    assert len(set(tokens)) > len({o.new_token_ids[0] for o in greedy}) or len(set(tokens)) == 12
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_match_transformers(llama, temperature):
+    engine, hf = llama
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=5, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    outs = run(engine, PROMPT, params)
+    tokens = [o.new_token_ids[0] for o in outs]
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + tokens])).logits[0].float()
+    scale = temperature or 1.0
+    for step, out in enumerate(outs):
+        [lp] = out.logprobs
+        expected = (ref[len(PROMPT) - 1 + step] / scale).log_softmax(-1)
+        assert lp.token_id == tokens[step]
+        assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4)
+        assert lp.rank == int((expected > expected[lp.token_id]).sum()) + 1
+        top = expected.topk(3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    prompt_lps = outs[0].prompt_logprobs
+    assert len(prompt_lps) == len(PROMPT) and prompt_lps[0] is None
+    expected = (ref[:len(PROMPT) - 1] / scale).log_softmax(-1)
+    for pos in range(1, len(PROMPT)):
+        lp = prompt_lps[pos]
+        assert lp.token_id == PROMPT[pos] and len(lp.top) == 2
+        assert lp.logprob == pytest.approx(expected[pos - 1, PROMPT[pos]].item(), abs=1e-4)
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_chunking(llama_checkpoint):
+    path, hf = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="chunked", chunk_budget=16))
+    run(engine, PROMPT, SamplingParams(max_tokens=1))  # the prompt's pages are now cached
+    [out] = run(engine, PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
+    assert out.num_cached_tokens == 0
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float().log_softmax(-1)
+    got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    assert got == pytest.approx([ref[p - 1, PROMPT[p]].item() for p in range(1, len(PROMPT))], abs=1e-4)
+    assert engine.pool.num_free_pages == 64  # nothing leaked
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(min_p=1.5), "min_p"), (SamplingParams(min_tokens=20, max_tokens=4), "min_tokens"),
+    (SamplingParams(presence_penalty=3), "presence_penalty"), (SamplingParams(frequency_penalty=-2.5),
+                                                                "frequency_penalty"),
+    (SamplingParams(repetition_penalty=0), "repetition_penalty"), (SamplingParams(logit_bias={5: 101}), "logit_bias"),
+    (SamplingParams(logit_bias={10**6: 1}), "logit_bias"), (SamplingParams(logprobs=21), "logprobs"),
+])
+def test_bad_options_name_the_field(llama, params, field):
+    engine, _ = llama
+    with pytest.raises(RequestError) as info:
+        engine.make_request(PROMPT, params)
+    assert info.value.param == field
+
+
+def test_min_tokens_with_stop_ids_outside_the_vocabulary(llama):
+    engine, _ = llama
+    outs = run(engine, PROMPT, SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[2**62, 10**6]))
+    assert len(outs) == 3 and outs[-1].finished  # the engine keeps running

@@ -1,0 +1,181 @@
+"""What vLLM users' clients and dashboards rely on, against a real `muxd serve`: vLLM's metric names, usage on every
+chunk, /tokenize, /detokenize, /version."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.server.metrics import VLLM_ITL_BUCKETS, VLLM_TTFT_BUCKETS
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+    return serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+
+
+
+
+def _vllm_samples(server) -> dict[str, list]:
+    text = httpx.get(server.url + "/metrics").text
+    return {f.name: f.samples for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+
+
+def test_vllm_metric_names_labels_and_buckets(server, client, model_name):
+    out = client.completions.create(model=model_name, prompt="hello", max_tokens=5, extra_body={"ignore_eos": True})
+    families = _vllm_samples(server)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:num_preemptions",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:e2e_request_latency_seconds",
+                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success"):
+        assert name in families, name
+        assert all(s.labels["model_name"] == model_name and s.labels["engine"] == "0" for s in families[name])
+    edges = {name: [float(s.labels["le"]) for s in families[name] if s.name.endswith("_bucket")]
+             for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds")}
+    assert edges["vllm:time_to_first_token_seconds"] == [*VLLM_TTFT_BUCKETS, float("inf")]
+    assert edges["vllm:inter_token_latency_seconds"] == [*VLLM_ITL_BUCKETS, float("inf")]
+    names = {s.name for samples in families.values() for s in samples}
+    assert {"vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"} <= names
+    queries = sum(s.value for s in families["vllm:prefix_cache_queries"] if s.name.endswith("_total"))
+    assert queries >= out.usage.prompt_tokens
+    waiting = [s.value for s in families["vllm:num_requests_waiting"]]
+    assert waiting == [0.0]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_usage_on_every_chunk(client, model_name, endpoint):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "chat":
+        stream = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=6, stream=True, stream_options=options,
+                                                extra_body={"ignore_eos": True})
+    else:
+        stream = client.completions.create(model=model_name, prompt="hi", max_tokens=6, stream=True,
+                                           stream_options=options, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in content)
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in content)
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+
+
+def test_continuous_usage_false_is_accepted(server, model_name):
+    body = {"model": model_name, "prompt": "hi", "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": False, "continuous_usage_stats": False}}
+    response = httpx.post(server.url + "/v1/completions", json=body)
+    assert response.status_code == 200
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    assert events and all("usage" not in e for e in events)
+
+
+def test_tokenize_detokenize_version(server, model_name):
+    from appliance import __version__
+    from appliance.config import EMBEDDED_MODEL_DIR
+    from appliance.model_zoo.tokenizer import Tokenizer
+
+    tok = Tokenizer(EMBEDDED_MODEL_DIR)
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+    body = httpx.post(server.url + "/tokenize", json={"model": model_name, "prompt": "def main():",
+                                                       "return_token_strs": True}).json()
+    assert body["tokens"] == tok.encode("def main():") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 512 and len(body["token_strs"]) == body["count"]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}).json()
+    assert text == {"prompt": "def main():"}
+    for path, bad, param in (("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**6]}, "tokens.0"),
+                             ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model")):
+        response = httpx.post(server.url + path, json=bad)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == param
+
+
+def test_n_choices_with_seeds_streamed_and_not(client, model_name):
+    kw = dict(model=model_name, prompt="import os\n" * 8, max_tokens=8, temperature=1.0, seed=11, n=3,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # each choice its own seed stream
+    assert whole.usage.completion_tokens == 24 and whole.usage.prompt_tokens > 8
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0  # choices after the first reuse its prefill
+    streamed = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    parts = {0: "", 1: "", 2: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            parts[c.index] += c.text
+    assert [parts[i] for i in range(3)] == texts  # seeded: the same texts
+    single = client.completions.create(**{**kw, "n": 1, "seed": 12})
+    assert single.choices[0].text == texts[1]  # choice i samples with seed + i
+
+
+def test_chat_logprobs_and_top_logprobs(client, model_name):
+    out = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the top one was taken
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+    streamed = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=5, temperature=0, logprobs=True, stream=True,
+                                              extra_body={"ignore_eos": True})
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content])
+
+
+def test_completion_logprobs_with_echo(client, model_name):
+    out = client.completions.create(model=model_name, prompt="def main():", max_tokens=3, temperature=0, logprobs=2,
+                                    echo=True, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith("def main():")
+    n = out.usage.prompt_tokens + 3
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    plain = client.completions.create(model=model_name, prompt="def main():", max_tokens=3, temperature=0,
+                                      logprobs=0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[-3:], abs=1e-5)
+
+
+def test_penalties_bias_and_min_tokens_through_the_api(client, model_name):
+    forced = client.completions.create(model=model_name, prompt="x", max_tokens=4, logit_bias={"65": 100},
+                                       temperature=0.8, seed=1)
+    assert forced.usage.completion_tokens == 4
+    text = client.completions.create(model=model_name, prompt="x", max_tokens=4, logit_bias={"65": 100},
+                                     temperature=0).choices[0].text
+    assert text == forced.choices[0].text
+    short = client.completions.create(model=model_name, prompt="x", max_tokens=30, temperature=0,
+                                      logit_bias={"2": 100}, extra_body={"min_tokens": 3})
+    assert short.usage.completion_tokens == 4 and short.choices[0].finish_reason == "stop"
+    penalised = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=8, presence_penalty=1.5,
+        frequency_penalty=1.0, extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "ignore_eos": True})
+    assert penalised.usage.completion_tokens == 8
+
+
+def test_best_of_returns_the_likeliest(client, model_name):
+    kw = dict(model=model_name, prompt="import", max_tokens=6, temperature=1.0, seed=3, logprobs=0,
+              extra_body={"ignore_eos": True})
+    candidates = client.completions.create(**kw, n=4)
+    totals = {c.text: sum(c.logprobs.token_logprobs) for c in candidates.choices}
+    best = client.completions.create(**kw, n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == sorted(totals, key=totals.get, reverse=True)[:2]
+    assert best.usage.completion_tokens == 24  # every candidate was generated
+    streamed = client.completions.create(**kw, n=2, best_of=4, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in best.choices]
