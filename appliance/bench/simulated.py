@@ -150,7 +150,7 @@ def _summary(run: PolicyRun, sweep: SweepResult) -> dict[str, Any]:
                capacity_points=[{"request_rate": p.rate, "passed": p.passed, "slo_attainment": p.attainment}
                                 for p in sweep.points])
     if hasattr(run.planner, "stats"):
-        out["mux_stats"] = {k: v for k, v in vars(run.planner.stats).items() if k != "decode_sms"}
+        out[f"{run.policy}_stats"] = {k: v for k, v in vars(run.planner.stats).items() if not isinstance(v, dict)}
     return out
 
 
