@@ -170,21 +170,16 @@ class SchedulerSettings:
         _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_waiting", "chunk_budget",
                   "layers_per_step", "layerwise_decode_sms", "pdmux_bs_divisor", "pdmux_token_budget")
         _at_least(self, 3, "pdmux_sm_groups")
-        divisions = self.pdmux_division_list
-        if divisions and len(divisions) != self.pdmux_sm_groups - 2:
-            raise ConfigError(f"--pdmux-divisions gives {len(divisions)} divisions; --pdmux-sm-groups "
+        if len(self.pdmux_division_list) not in (0, self.pdmux_sm_groups - 2):
+            raise ConfigError(f"--pdmux-divisions gives {len(self.pdmux_division_list)} divisions; --pdmux-sm-groups "
                               f"{self.pdmux_sm_groups} takes {self.pdmux_sm_groups - 2} (all-prefill and all-decode "
                               "are the other two groups)")
 
     @property
     def pdmux_division_list(self) -> tuple[tuple[int, int, int], ...]:
         """--pdmux-divisions as (prefill SMs, decode SMs, smallest decode batch) triples."""
-        if not self.pdmux_divisions:
-            return ()
-        try:
-            out = tuple(tuple(int(x) for x in d.split(":")) for d in self.pdmux_divisions.split(","))
-        except ValueError:
-            out = ((),)
+        text = self.pdmux_divisions or ""
+        out = tuple(tuple(int(x) for x in d.split(":") if x.strip().isdigit()) for d in text.split(",") if text)
         if any(len(d) != 3 or min(d) < 1 for d in out):
             raise ConfigError(f"--pdmux-divisions: cannot read {self.pdmux_divisions!r}; write PREFILL_SMS:DECODE_SMS:"
                               "MIN_BATCH triples, comma-separated, e.g. 112:20:1,104:28:5")
