@@ -28,9 +28,9 @@ from appliance.slo.contract import Contract, default_contract, load_contract
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
-POLICIES = ("mux", "chunked", "serial", "layerwise")  # engine/planners/registry.py builds each
+POLICIES = ("mux", "chunked", "serial", "layerwise", "pdmux")  # engine/planners/registry.py builds each
 POLICY_CHOICES = ("auto", *POLICIES)  # auto: mux on a CUDA GPU, serial on a CPU
-SPATIAL_POLICIES = ("mux", "layerwise")  # the policies that run prefill and decode on disjoint SM partitions
+SPATIAL_POLICIES = ("mux", "layerwise", "pdmux")  # the policies that run prefill and decode on disjoint SM partitions
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/tools.py reads each
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -136,8 +136,8 @@ class CacheSettings:
 @dataclass(frozen=True)
 class SchedulerSettings:
     policy: str = flag("auto", "Scheduling policy: mux (SLO-aware multiplexing), chunked (Sarathi-style token "
-                       "budget, the vLLM/SGLang default), serial (prefill first), layerwise, or auto: mux on a CUDA "
-                       "GPU, serial on a CPU.", "--planner")
+                       "budget, the vLLM/SGLang default), serial (prefill first), layerwise, pdmux (SGLang's "
+                       "PD-multiplexing policy), or auto: mux on a CUDA GPU, serial on a CPU.", "--planner")
     max_num_seqs: int = flag(256, "Requests prefilling or decoding at once.")
     max_num_batched_tokens: int = flag(8192, "Prompt tokens prefilled per engine step (a longer prompt still runs, "
                                        "alone); chunked's budget unless --chunk-budget or --profile sets it.")
@@ -155,12 +155,35 @@ class SchedulerSettings:
                               "the TBT target, whenever the profile predicts it prefills faster than the SM split.")
     layers_per_step: int = flag(1, "layerwise: prefill layers advanced per step.")
     layerwise_decode_sms: int = flag(64, "layerwise: SMs decode gets while prefill runs.")
+    pdmux_sm_groups: int = flag(8, "pdmux: stream groups fixed at start-up (SGLang's sm_group_num): all-prefill, "
+                                "all-decode and the SM splits between.")
+    pdmux_divisions: Optional[str] = flag(None, "pdmux: SGLang's manual_divisions, PREFILL_SMS:DECODE_SMS:MIN_BATCH,"
+                                          "... (--pdmux-sm-groups minus 2 of them); default: SGLang's own rule.")
+    pdmux_bs_divisor: int = flag(36, "pdmux: without divisions, split group = decode batch * (groups - 2) // this "
+                                 "(SGLang's decode_bs_divisor).")
+    pdmux_token_budget: int = flag(65536, "pdmux: a prefill batch of N tokens advances max(1, this // N) layers a "
+                                   "step (SGLang's split_forward_token_budget).")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_CHOICES:
             raise ConfigError(f"--policy (--planner) must be one of {', '.join(POLICY_CHOICES)}, got {self.policy!r}")
         _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_waiting", "chunk_budget",
-                  "layers_per_step", "layerwise_decode_sms")
+                  "layers_per_step", "layerwise_decode_sms", "pdmux_bs_divisor", "pdmux_token_budget")
+        _at_least(self, 3, "pdmux_sm_groups")
+        if len(self.pdmux_division_list) not in (0, self.pdmux_sm_groups - 2):
+            raise ConfigError(f"--pdmux-divisions gives {len(self.pdmux_division_list)} divisions; --pdmux-sm-groups "
+                              f"{self.pdmux_sm_groups} takes {self.pdmux_sm_groups - 2} (all-prefill and all-decode "
+                              "are the other two groups)")
+
+    @property
+    def pdmux_division_list(self) -> tuple[tuple[int, int, int], ...]:
+        """--pdmux-divisions as (prefill SMs, decode SMs, smallest decode batch) triples."""
+        text = self.pdmux_divisions or ""
+        out = tuple(tuple(int(x) for x in d.split(":") if x.strip().isdigit()) for d in text.split(",") if text)
+        if any(len(d) != 3 or min(d) < 1 for d in out):
+            raise ConfigError(f"--pdmux-divisions: cannot read {self.pdmux_divisions!r}; write PREFILL_SMS:DECODE_SMS:"
+                              "MIN_BATCH triples, comma-separated, e.g. 112:20:1,104:28:5")
+        return out  # type: ignore[return-value]
 
     @functools.cached_property
     def contract(self) -> Contract:

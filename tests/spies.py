@@ -7,8 +7,9 @@ import torch
 
 
 def on_forward(engine, callback: Callable[[object, dict[str, torch.Tensor]], None]) -> Callable[[], None]:
-    """Call callback(plan, {request id: logits row}) after each launched plan; returns a function that removes the
-    spy. Logits of prefill chunks that end a prompt appear with the plan that launched them."""
+    """Call callback(plan, {request id: logits row}) after each launched plan that runs something (not the engine's
+    release of finished requests when it goes idle); returns a function that removes the spy. Logits of prefill
+    chunks that end a prompt appear with the plan that launched them."""
     runner, executor = engine.runner, engine.executor
     seen: dict[str, torch.Tensor] = {}
 
@@ -29,7 +30,8 @@ def on_forward(engine, callback: Callable[[object, dict[str, torch.Tensor]], Non
     def launch(plan, requests):
         seen.clear()
         out = inner_launch(plan, requests)
-        callback(plan, dict(seen))
+        if not plan.empty:
+            callback(plan, dict(seen))
         return out
 
     executor.launch = launch

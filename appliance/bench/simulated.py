@@ -72,6 +72,9 @@ def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, l
     max_len = min(model.max_position_embeddings, bench.sim.num_pages * bench.sim.page_size)
     specs, shaped_notes = shape(raw, opts, max_len)
     notes += shaped_notes
+    if "pdmux" in policies:
+        groups = "; ".join(g.describe() for g in bench.planner("pdmux").groups)
+        notes.append(f"pdmux stream groups (SGLang's prefill/decode SMs -> muxd's): {groups}")
     if "chunked" in policies and (bench.options is None or bench.options.chunk_budget is None):
         slo = bench.contract.slo_for(None)
         notes.append(f"chunked budget {bench.tune_chunk_budget(specs)} tokens (the largest, in steps of 128, whose "
@@ -147,7 +150,7 @@ def _summary(run: PolicyRun, sweep: SweepResult) -> dict[str, Any]:
                capacity_points=[{"request_rate": p.rate, "passed": p.passed, "slo_attainment": p.attainment}
                                 for p in sweep.points])
     if hasattr(run.planner, "stats"):
-        out["mux_stats"] = {k: v for k, v in vars(run.planner.stats).items() if k != "decode_sms"}
+        out[f"{run.policy}_stats"] = {k: v for k, v in vars(run.planner.stats).items() if not isinstance(v, dict)}
     return out
 
 

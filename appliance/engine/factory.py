@@ -101,7 +101,7 @@ class _Builder:
                               f"{cache_cfg.block_size} = {capacity} tokens); lower it or give the cache more memory")
         contract = sched_cfg.contract
         predictor = self._predictor()
-        planner = self._planner(predictor)
+        planner = self._planner(predictor, partitions)
         scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
         runner = ModelRunner(model, kv_cache, rt.attention_backend)
         executor = Executor(runner, partitions)
@@ -148,9 +148,12 @@ class _Builder:
         return PartitionSet.create(self.device, rt.partition_granularity)
 
     def _predictor(self) -> Predictor | None:
-        """The latency predictor, for mux and for chunked without a budget but with a profile."""
+        """The latency predictor, for mux and for chunked without a budget but with a profile; for pdmux with a
+        profile only so that the executor pads prefill launches to its GEMM buckets as for mux (pdmux plans without
+        it)."""
         sched = self.config.scheduler
-        if sched.policy == "mux" or (sched.policy == "chunked" and sched.tuned_chunk_budget is None):
+        if sched.policy == "mux" or (sched.policy == "chunked" and sched.tuned_chunk_budget is None) or (
+                sched.policy == "pdmux" and sched.profile is not None):
             gpu = torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
             if sched.profile is None and sched.policy == "mux":
                 found = find_profile(self.model.config, gpu, cache_dir())
@@ -160,9 +163,13 @@ class _Builder:
             return load_predictor(sched.profile, self.model.config, gpu, sched.profile_file)
         return None
 
-    def _planner(self, predictor: Predictor | None) -> Planner:
+    def _planner(self, predictor: Predictor | None, partitions: PartitionSet) -> Planner:
         sched = self.config.scheduler
-        planner = build_planner(sched, sched.contract, predictor)
+        splits = (partitions.total_sms, tuple(p.decode_sms for p in partitions.splits)) if partitions.splits else None
+        planner = build_planner(sched, sched.contract, predictor, splits)
+        if sched.policy == "pdmux":
+            log.info("pdmux stream groups (SGLang's prefill/decode SMs -> this GPU's): %s",
+                     "; ".join(g.describe() for g in planner.groups))
         if sched.policy == "chunked" and sched.tuned_chunk_budget is None:
             log.info("chunked prefill: a budget of %d tokens per step, the largest whose step the predictor (%s) "
                      "keeps within the contract's TBT target of %.0f ms", planner.token_budget, predictor.source,

@@ -66,7 +66,8 @@ def reference(llama_checkpoint):
 
 
 @pytest.mark.parametrize("policy, extra", [
-    ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {}), ("mux-chunks", {})])
+    ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {}), ("mux-chunks", {}),
+    ("pdmux", {}), ("pdmux-split", {"pdmux_token_budget": 20, "max_num_batched_tokens": 16})])
 def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
     path, _ = llama_checkpoint
     engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy=policy.split("-")[0], **extra))
@@ -94,6 +95,16 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
         spatial = [p for p in seen if p.decode_sms is not None]
         assert spatial and all(p.decode_sms == 32 and p.prefill_sms == 100 for p in spatial)
         assert any(w.layer_end - w.layer_start == 1 for p in spatial for w in p.prefill)
+    if policy == "pdmux":  # short prompts: every layer in one launch, batches formed one at a time
+        assert all((w.layer_start, w.layer_end) == (0, engine.model.config.num_layers) for p in seen for w in p.prefill)
+        assert any(p.decode_sms is not None and p.prefill for p in seen)  # a split group (ignored on the CPU)
+    if policy == "pdmux-split":  # chunks of at most 16 tokens, a batch of N tokens advancing 20 // N layers a step
+        n = engine.model.config.num_layers
+        for p in (p for p in seen if p.prefill):
+            tokens, (w, *_) = sum(w.num_tokens for w in p.prefill), p.prefill
+            assert tokens <= 16 and w.layer_end - w.layer_start in (max(1, 20 // tokens), n - w.layer_start)
+        works = [w for p in seen for w in p.prefill]
+        assert any(w.token_start > 0 for w in works) and any(w.layer_start > 0 for w in works)
     if policy == "mux-chunks":  # prompts of 25-40 tokens run as 17-token chunks beside the decode rows
         assert engine.scheduler.planner.stats.chunk_steps > 0
         assert any(p.mixed and p.decode and w.token_end - w.token_start == 17 for p in seen for w in p.prefill)

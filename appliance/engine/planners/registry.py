@@ -1,5 +1,5 @@
-"""Every policy by name (`mux`, `chunked`, `serial`, `layerwise`) and how to build its planner, plus the chunked
-baseline's budget tuned to the TBT target (the largest token budget whose step meets it when idle)."""
+"""Every policy by name (`mux`, `chunked`, `serial`, `layerwise`, `pdmux`) and how to build its planner, plus the
+chunked baseline's budget tuned to the TBT target (the largest token budget whose step meets it when idle)."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence
@@ -9,14 +9,16 @@ from appliance.engine.planners.base import Planner
 from appliance.engine.planners.chunked import ChunkedPlanner
 from appliance.engine.planners.layerwise import LayerwisePlanner
 from appliance.engine.planners.mux import MuxOptions, MuxPlanner
+from appliance.engine.planners.pdmux import PdmuxOptions, PdmuxPlanner
 from appliance.engine.planners.serial import SerialPlanner
 from appliance.errors import ConfigError
 from appliance.predictor.host import HostModel
-from appliance.predictor.predictor import Predictor
+from appliance.predictor.predictor import Predictor, partition_choices
 from appliance.predictor.shapes import DecodeLoad, PrefillItem
 from appliance.slo.contract import Contract
 
 IDLE_DECODE = DecodeLoad(1, 1024)  # "idle": one other request decoding with a short context
+DEFAULT_SMS = 132  # pdmux's stream groups where neither partitions nor a predictor say the GPU (an H100/H200)
 
 
 class StepTimes(Protocol):
@@ -44,10 +46,20 @@ def tune_chunk_budget(timer: StepTimes, tbt_ms: float, decode: DecodeLoad = IDLE
 
 
 def build_planner(settings: SchedulerSettings, contract: Contract | None = None,
-                  predictor: Predictor | None = None) -> Planner:
+                  predictor: Predictor | None = None,
+                  partitions: tuple[int, tuple[int, ...]] | None = None) -> Planner:
     """The planner of `settings.policy`; `mux` needs the contract and the predictor, `chunked` without a budget
-    tunes it to the contract's TBT target with the predictor (else takes --max-num-batched-tokens)."""
+    tunes it to the contract's TBT target with the predictor (else takes --max-num-batched-tokens); `pdmux` lays its
+    stream groups over `partitions` (the GPU's SMs and the executor's decode partitions), else the predictor's, else
+    a 132-SM GPU's at the default granularity."""
     name, max_tokens = settings.policy, settings.max_num_batched_tokens
+    if name == "pdmux":
+        if partitions is None:
+            partitions = ((predictor.sm_count, tuple(predictor.decode_partitions)) if predictor is not None
+                          else (DEFAULT_SMS, partition_choices(DEFAULT_SMS)))
+        return PdmuxPlanner(PdmuxOptions(settings.pdmux_sm_groups, settings.pdmux_division_list,
+                                         settings.pdmux_bs_divisor, settings.pdmux_token_budget, max_tokens),
+                            *partitions)
     if name == "serial":
         return SerialPlanner(max_tokens)
     if name == "layerwise":
