@@ -256,6 +256,11 @@ class ServerSettings:
     max_request_bytes: str = flag("16MiB", "Largest request body (e.g. 16MiB or 1048576); larger ones get HTTP 413.")
     shutdown_timeout: float = flag(30.0, "On SIGTERM/SIGINT, seconds running requests may take to finish (new ones "
                                    "get 503) before they are ended.")
+    engine_restarts: int = flag(3, "After an engine step fails (its requests end with an error), rebuild the engine "
+                                "in process around the loaded weights, at most this many times within "
+                                "--engine-restart-window; one failure more stops the server (exit 1) so that its "
+                                "supervisor restarts it. 0: stop at the first failure.")
+    engine_restart_window: float = flag(300.0, "Seconds over which --engine-restarts counts failed steps.")
     trace_dir: Optional[str] = flag(None, "Write the executor's timeline (Chrome-trace JSON) here when the server "
                                     "stops; GET /debug/timeline serves it live.")
     log_level: str = flag("info", "debug, info, warning, error.")
@@ -275,6 +280,9 @@ class ServerSettings:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                               f"{self.tool_call_parser!r}")
+        if self.engine_restarts < 0 or not self.engine_restart_window > 0:
+            raise ConfigError(f"--engine-restarts must be >= 0 and --engine-restart-window > 0 seconds, got "
+                              f"{self.engine_restarts} and {self.engine_restart_window}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
 

@@ -51,7 +51,7 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
                "model; GET /ready turns 200 when it is up)")
     server.run()
     if fatal:
-        typer.secho(f"error: start-up failed: {fatal[0]}", fg=typer.colors.RED, err=True)
+        typer.secho(f"error: {fatal[0]}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
 
 

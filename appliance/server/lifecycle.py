@@ -14,10 +14,11 @@ from typing import Any, Callable
 import uvicorn
 
 from appliance.config import Config
-from appliance.engine.async_engine import AsyncEngine, EngineDeadError
+from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
-from appliance.errors import UnavailableError
+from appliance.engine.supervisor import RestartBudget, rebuild_engine
+from appliance.errors import ApplianceError, UnavailableError
 from appliance.server.gate import Traffic
 from appliance.server.metrics import Metrics
 from appliance.server.serving import OpenAIServing
@@ -41,7 +42,9 @@ class ServerState:
     async def start(self) -> None:
         try:
             engine = await _in_daemon_thread(lambda: build_engine(self.cfg))
-            self.engine = AsyncEngine(engine)
+            srv = self.cfg.server
+            self.engine = AsyncEngine(engine, rebuild=rebuild_engine, on_fatal=self._engine_stopped,
+                                      restarts=RestartBudget(srv.engine_restarts, srv.engine_restart_window))
             self.engine.start()
             warm = self.engine.make_request([0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
             async for _ in self.engine.stream(warm):
@@ -55,7 +58,11 @@ class ServerState:
         except BaseException as exc:  # noqa: BLE001 - reported and turned into a clean shutdown
             log.error("start-up failed: %s", exc)
             if self.on_fatal is not None:
-                self.on_fatal(exc)
+                self.on_fatal(ApplianceError(f"start-up failed: {exc}"))
+
+    def _engine_stopped(self, exc: BaseException) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(ApplianceError(f"the engine stopped after failed steps: {type(exc).__name__}: {exc}"))
 
     async def stop(self) -> None:
         if self.serving is not None:
@@ -68,8 +75,8 @@ class ServerState:
             await asyncio.to_thread(self.engine.shutdown)
 
     def require_ready(self) -> OpenAIServing:
-        if self.engine is not None and self.engine.error is not None:
-            raise EngineDeadError(f"engine stopped: {self.engine.error!r}")
+        if self.engine is not None and not self.traffic.draining:
+            self.engine.check_open()  # dead (500) or being rebuilt after a failed step (503)
         if self.traffic.draining:
             raise UnavailableError("the server is shutting down; retry on another replica", "shutting_down")
         if not self.ready or self.serving is None:
