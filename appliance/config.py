@@ -254,6 +254,11 @@ class ServerSettings:
     api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 route (/health, /ready "
                                   "and /metrics stay open).", envvar="MUXD_API_KEY")
     max_request_bytes: str = flag("16MiB", "Largest request body (e.g. 16MiB or 1048576); larger ones get HTTP 413.")
+    header_timeout: float = flag(10.0, "Seconds a connection may take to send a request's headers (from opening, or "
+                                 "from its previous response); slower connections are closed.")
+    body_timeout: float = flag(30.0, "Seconds a request's whole body may take to arrive after its headers; slower "
+                               "requests get HTTP 408. A request takes its place among --max-num-seqs + "
+                               "--max-waiting only once its body has arrived.")
     shutdown_timeout: float = flag(30.0, "On SIGTERM/SIGINT, seconds running requests may take to finish (new ones "
                                    "get 503) before they are ended.")
     engine_restarts: int = flag(3, "After an engine step fails (its requests end with an error), rebuild the engine "
@@ -275,6 +280,9 @@ class ServerSettings:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.request_byte_limit < 1:
             raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
+        if not (self.header_timeout > 0 and self.body_timeout > 0):
+            raise ConfigError(f"--header-timeout and --body-timeout must be > 0 seconds, got {self.header_timeout} "
+                              f"and {self.body_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

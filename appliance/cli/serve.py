@@ -2,6 +2,7 @@
 `muxd generate` (one prompt, streamed to the terminal)."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Optional
@@ -14,6 +15,7 @@ from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
+from appliance.server.http import HeaderDeadlineProtocol
 from appliance.server.lifecycle import DrainingServer
 
 
@@ -45,7 +47,8 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
             server.should_exit = True
 
     app = create_app(config, on_fatal)
-    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
+    http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
+    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level, http=http,
                                            timeout_graceful_shutdown=5), app.state.muxd, srv.shutdown_timeout)
     typer.echo(f"muxd {__version__}: serving {config.model.model_name} on http://{srv.host}:{srv.port} (loading the "
                "model; GET /ready turns 200 when it is up)")
