@@ -22,7 +22,7 @@ from appliance.attention import BACKEND_NAMES
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
-from appliance.model_zoo.tokenizer import compile_chat_template
+from appliance.model_zoo.tokenizer import read_tokenizer_config
 from appliance.predictor.profile import ProfileFile, read_profile
 from appliance.slo.contract import Contract, default_contract, load_contract
 
@@ -73,6 +73,10 @@ class ModelSettings:
                                         "capped by the KV cache).")
     chat_template: Optional[str] = flag(None, "Chat template to use instead of the model's: a file, or the jinja "
                                         "template itself.")
+    special_tokens_in_messages: bool = flag(False, "Read control tokens written inside chat messages (e.g. "
+                                            "<|im_end|>) as the control tokens themselves, as transformers' "
+                                            "apply_chat_template does. Off: they are tokenized as plain text, so a "
+                                            "user cannot close their turn and forge a system turn.")
     seed: Optional[int] = flag(None, "Seed the sampling generator once at start-up, as vLLM does: the same requests "
                                "in the same order sample the same tokens. A request's own 'seed' fixes its output "
                                "regardless.")
@@ -342,8 +346,8 @@ class Config:
 
     def check(self) -> ModelConfig:
         """The checks that read files or the machine, before anything slow: the device, the model directory and
-        its config.json, the weights' presence, the context length, the SLO contract, the chat template. Returns
-        the model's config."""
+        its config.json, the context length, the SLO contract, the weights (present, and each safetensors file whole),
+        the tokenizer's special ids and chat template. Returns the model's config."""
         device = self.runtime.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
@@ -352,12 +356,13 @@ class Config:
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
         path = resolve_model_dir(self.model.model_dir)
         cfg = ModelConfig.from_file(path / "config.json")
-        if self.model.load_format != "dummy":
-            checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
         cfg.check_max_model_len(self.model.max_model_len or cfg.max_model_len)
-        template = self.model.chat_template_source()
-        if template is not None:
-            compile_chat_template(template)
+        if self.model.load_format != "dummy":
+            checkpoint_files(path, check=True)  # each file's header: a truncated download fails here, named
+        if (path / "tokenizer.json").is_file():  # the template compiles, the special ids are token ids
+            read_tokenizer_config(path, self.model.chat_template_source())
+        elif self.model.chat_template is not None:
+            raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
         return cfg
 
 

@@ -97,8 +97,7 @@ def generate(
             messages = [{"role": "user", "content": prompt}]
             if system is not None:
                 messages.insert(0, {"role": "system", "content": system})
-            rendered = engine.tokenizer.apply_chat_template(messages)
-            text = engine.tokenizer.encode(rendered, add_special_tokens=False)
+            text = engine.tokenizer.encode_chat(engine.tokenizer.render_chat(messages))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop or []))
         rid = engine.add_request(text, params)
