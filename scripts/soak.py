@@ -57,7 +57,8 @@ def snapshot(server: ServerProcess, settle: bool = False) -> dict[str, float]:
     m = server.metrics()
     return {"rss_mib": round(server.rss_bytes() / 2**20, 1), "open_fds": fds,
             "kv_free_pages": m["muxd:kv_cache_free_pages"], "running": m["muxd:num_requests_running"],
-            "waiting": m["muxd:num_requests_waiting"]}
+            "waiting": m["muxd:num_requests_waiting"],
+            "load_avg_1m": float(Path("/proc/loadavg").read_text().split()[0])}
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, cancel_after: int | None) -> int:
