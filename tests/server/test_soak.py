@@ -13,7 +13,7 @@ from soak import SOAK_FLAGS, soak  # noqa: E402
 
 def test_mixed_traffic_leaves_nothing_behind(serve):
     server = serve(*SOAK_FLAGS)
-    figures = soak(server, seconds=12, windows=2, burst_every_s=5, burst_size=20, sample_every_s=4)
+    figures = soak(server, seconds=8, windows=2, burst_every_s=3, burst_size=20, sample_every_s=4)
     statuses = figures["by_status"]
     assert figures["server_errors_5xx"] == 0 and figures["probe_failures"] == 0, figures["by_kind_and_status"]
     assert set(statuses) <= {200, 400, 429}, statuses
