@@ -70,10 +70,11 @@ def main() -> None:
         for name in HOSTILE:
             figures[name] = check(write(name, Path(tmp)))
             figures[name]["stderr_lines"] = [line.replace(tmp + "/", "") for line in figures[name]["stderr_lines"]]
-    text = json.dumps(figures, indent=2)
-    print(text)
+    for name, f in figures.items():  # one line per case; the JSON (with --out) holds everything
+        print(f"{name:18} exit {f['exit_code']}  {f['seconds']:5.2f} s  {f['peak_rss_mib']:6.1f} MiB  "
+              f"{f['stderr_lines'][0] if f['stderr_lines'] else ''}")
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

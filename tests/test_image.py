@@ -9,11 +9,12 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 import uuid
 
 import httpx
 import pytest
+
+from appliance.bench.launcher import wait_until_ready
 
 IMAGE = os.environ.get("MUXD_IMAGE", "localhost/muxd:cpu")
 # where the kernel's cgroups are v1/hybrid and raising rlimits is refused (as on the project's VMs), podman runs
@@ -54,14 +55,7 @@ def test_the_image_serves_chat_and_drains_on_sigterm(engine):
     assert started.returncode == 0, started.stderr
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(url, None, 180, lambda: _run([tool, "logs", name]).stderr[-2000:])
         assert httpx.get(url + "/ready").json() == {"status": "ready", "model": "muxd-embedded"}
         chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "What does len do?"}], "max_tokens": 16})

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 from live_server import free_port
 
+from appliance.bench.launcher import wait_until_ready
 from appliance.config import Config
 from appliance.server.api import create_app
 
@@ -37,15 +38,10 @@ def live_app(request):
 
 
 def wait_ready(url: str, timeout: float) -> float:
+    """Seconds until GET /ready answered 200 (ApplianceError after `timeout`)."""
     started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"not ready within {timeout} s")
+    wait_until_ready(url, None, timeout, lambda: "")
+    return time.monotonic() - started
 
 
 def eventually(condition, timeout: float = 30) -> bool:
