@@ -49,7 +49,9 @@ def open_fds(pid: int) -> int:
 
 def snapshot(server: ServerProcess, settle: bool = False) -> dict[str, float]:
     """Memory, descriptors (counted before this snapshot's own /metrics connection; with `settle`, the fewest seen
-    over a second, as the server closes its side of connections just closed by clients) and the KV pool."""
+    over a second, as the server closes its side of connections just closed by clients), the KV pool, and (with
+    `settle`) the events the executor's timeline holds: it keeps the latest 20,000, so resident memory grows while it
+    fills."""
     fds = open_fds(server.proc.pid)
     for _ in range(10 if settle else 0):
         time.sleep(0.1)
@@ -58,7 +60,9 @@ def snapshot(server: ServerProcess, settle: bool = False) -> dict[str, float]:
     return {"rss_mib": round(server.rss_bytes() / 2**20, 1), "open_fds": fds,
             "kv_free_pages": m["muxd:kv_cache_free_pages"], "running": m["muxd:num_requests_running"],
             "waiting": m["muxd:num_requests_waiting"],
-            "load_avg_1m": float(Path("/proc/loadavg").read_text().split()[0])}
+            "load_avg_1m": float(Path("/proc/loadavg").read_text().split()[0]),
+            **({"timeline_events": len(httpx.get(server.url + "/debug/timeline", timeout=60).json()["traceEvents"])}
+               if settle else {})}
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, cancel_after: int | None) -> int:
@@ -78,7 +82,7 @@ async def _one(client: httpx.AsyncClient, base: str, rng: random.Random) -> tupl
     """One request of a random kind; returns (kind, status)."""
     kind = rng.choice(["stream", "stream", "cancel", "whole", "chat", "malformed"])
     text = f"def function_{rng.randrange(10**6)}(x):"
-    body = {"prompt": text, "max_tokens": rng.randint(8, 96), "ignore_eos": True, "temperature": rng.random()}
+    body = {"prompt": text, "max_tokens": rng.randint(8, 48), "ignore_eos": True, "temperature": rng.random()}
     if kind == "malformed":
         path, raw = rng.choice(MALFORMED)
         r = await client.post(base + path, content=raw, headers={"content-type": "application/json"})
@@ -129,7 +133,7 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def soak(server: ServerProcess, seconds: float, windows: int = 6, seed: int = 0, concurrency: int = 6,
+def soak(server: ServerProcess, seconds: float, windows: int = 6, seed: int = 0, concurrency: int = 4,
          burst_every_s: float = 30.0, burst_size: int = 40, sample_every_s: float = 30.0) -> dict[str, Any]:
     """Run the traffic for `seconds` against a ready server; figures before, during and after."""
     for _ in range(8):  # warm-up: the allocator's pools and the first compiled paths, before the baseline
