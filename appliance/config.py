@@ -255,8 +255,8 @@ class ServerSettings:
     host: str = flag("127.0.0.1", "Address to bind; use 0.0.0.0 to accept connections from other machines.",
                      envvar="MUXD_HOST")
     port: int = flag(8000, "TCP port.", envvar="MUXD_PORT")
-    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 route (/health, /ready "
-                                  "and /metrics stay open).", envvar="MUXD_API_KEY")
+    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 and /debug route (/health, "
+                                  "/ready and /metrics stay open).", envvar="MUXD_API_KEY")
     max_request_bytes: str = flag("16MiB", "Largest request body (e.g. 16MiB or 1048576); larger ones get HTTP 413.")
     header_timeout: float = flag(10.0, "Seconds a connection may take to send a request's headers (from opening, or "
                                  "from its previous response); slower connections are closed.")
