@@ -15,7 +15,8 @@ def test_mixed_traffic_leaves_nothing_behind(serve):
     server = serve(*SOAK_FLAGS)
     figures = soak(server, seconds=8, windows=2, burst_every_s=3, burst_size=20, sample_every_s=4)
     statuses = figures["by_status"]
-    assert figures["server_errors_5xx"] == 0 and figures["probe_failures"] == 0, figures["by_kind_and_status"]
+    assert figures["server_errors_5xx"] == 0, figures["by_kind_and_status"]
+    assert set(figures["probe_statuses"]) <= {200, 429}, figures["probe_statuses"]  # a burst may fill every place
     assert set(statuses) <= {200, 400, 429}, statuses
     assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0  # it served, and refused what was malformed
     assert figures["leaked_kv_pages"] == 0 and figures["after"]["running"] == 0
