@@ -25,20 +25,20 @@ def on_forward(engine, callback: Callable[[object, dict[str, torch.Tensor]], Non
 
     for name in ("decode", "prefill", "forward"):
         watch(name)
-    inner_launch = executor.launch
+    inner_start = executor.start
 
-    def launch(plan, requests):
+    def start(plan, requests, partition=None):
         seen.clear()
-        out = inner_launch(plan, requests)
+        out = inner_start(plan, requests, partition)
         if not plan.empty:
             callback(plan, dict(seen))
         return out
 
-    executor.launch = launch
+    executor.start = start
 
     def undo() -> None:
         for name in ("decode", "prefill", "forward"):
             runner.__dict__.pop(name, None)
-        executor.__dict__.pop("launch", None)
+        executor.__dict__.pop("start", None)
 
     return undo

@@ -2,7 +2,9 @@
 metadata, computed with vectorised numpy on the host and sent to the device in one copy from pinned memory.
 
 Each request's page list is mirrored in a numpy array that grows as pages are appended, so a step costs O(new pages),
-never a Python loop over every token or page.
+never a Python loop over every token or page. A token the host does not know yet (sampled by the step still running,
+engine/launched.py) enters the batch as a placeholder naming its row of the device's token buffer, and the forward
+reads it from there (`resolve`).
 """
 from __future__ import annotations
 
@@ -41,15 +43,34 @@ class TokenBatch:
     positions: torch.Tensor   # [T] int64, device
     metadata: AttentionMetadata
     last_rows: np.ndarray     # row of each sequence's last token
+    placeholders: bool = False  # some input ids are placeholders (`resolve` them before the embedding)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
 
+def placeholder(row: int) -> int:
+    """The input id standing for the token at `row` of the token buffer (negative: no token id is)."""
+    return -1 - row
+
+
+def resolve(ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """`ids` with every placeholder replaced by its token from `buffer`, on the device (no host synchronisation;
+    captured inside the decode CUDA graphs)."""
+    return torch.where(ids < 0, buffer[(-1 - ids).clamp(min=0)], ids)
+
+
 def span_tokens(r: Request, start: int, end: int) -> list[int]:
-    """r.all_token_ids[start:end] without building the whole list (decode reads one token of a long context)."""
+    """r.all_token_ids[start:end] without building the whole list (decode reads one token of a long context); a
+    pending token (still on the device) as its placeholder."""
     n = len(r.prompt_token_ids)
+    known = n + len(r.output_token_ids)
+    if end > known:
+        if end - known > 1 or r.pending_row < 0:
+            raise RuntimeError(f"{r.request_id}: tokens [{known}, {end}) are not known on the host and only the "
+                               f"latest step's token can be read on the device (pending row {r.pending_row})")
+        return span_tokens(r, start, known) + [placeholder(r.pending_row)]
     if start >= n:
         return r.output_token_ids[start - n:end - n]
     if end <= n:
@@ -129,4 +150,6 @@ class BatchBuilder:
         n = len(host.positions)
         meta = host.metadata(self.page_size, dev[n:2 * n])
         input_ids = dev[2 * n:] if host.input_ids is not None else dev[:0]
-        return TokenBatch(input_ids=input_ids, positions=dev[:n], metadata=meta, last_rows=host.qo_indptr[1:] - 1)
+        placeholders = host.input_ids is not None and bool(len(host.input_ids)) and int(host.input_ids.min()) < 0
+        return TokenBatch(input_ids=input_ids, positions=dev[:n], metadata=meta, last_rows=host.qo_indptr[1:] - 1,
+                          placeholders=placeholders)

@@ -1,4 +1,11 @@
-"""Engine: validates and admits requests, and runs steps (plan -> execute -> update -> detokenize -> outputs).
+"""Engine: validates and admits requests, and runs steps (plan -> launch -> read the previous step's tokens ->
+update -> detokenize -> outputs).
+
+The loop is overlapped (`--async-scheduling`, on by default): the host plans and launches step N+1 while the device
+runs step N, then reads step N's tokens, so the host's work between steps hides behind the device's. A request whose
+latest token is not read yet decodes from it on the device (engine/launched.py); one that finishes at step N had at
+most one more step launched, whose token is dropped; a step whose tokens the next plan needs (a grammar's matcher, a
+penalty over the output) is read at once. With it off, every step is read before the next is planned.
 
 Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server. The synchronous
 `generate` is the small Python API for scripts and tests. `engine/factory.py` builds one (`build_engine`); the
@@ -16,13 +23,14 @@ from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.executor import Executor
 from appliance.engine.grammar import GrammarCompiler
 from appliance.engine.kv_cache import KVCache, PagePool
+from appliance.engine.launched import LaunchedStep
 from appliance.engine.plan import StepPlan
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.scheduler import Scheduler
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.tokenizer import Tokenizer
 from appliance.predictor.predictor import Predictor
-from appliance.predictor.shapes import decode_load, prefill_items
+from appliance.predictor.shapes import DecodeLoad, decode_load, prefill_items
 from appliance.slo.contract import Contract
 
 log = logging.getLogger("muxd.engine")
@@ -63,6 +71,9 @@ class Engine:
         self._counter = itertools.count()
         self._prefills_mark = 0  # the executor's prefill launches already handed to the planner
         self.num_preemptions = 0
+        self.async_scheduling = config.runtime.async_scheduling  # plan step N+1 while step N runs
+        self._launched: LaunchedStep | None = None  # the step whose tokens the next step() reads
+        self._eager: set[str] = set()  # requests whose next sample needs their latest token on the host
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -82,6 +93,8 @@ class Engine:
         if self.tokenizer is not None:
             self._detok[request.request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids,
                                                           request.sampling.stop)
+        if request.matcher is not None or request.sampling.penalised:  # their masks and penalties read the output
+            self._eager.add(request.request_id)
         self.scheduler.add(request)
         return request.request_id
 
@@ -99,13 +112,21 @@ class Engine:
             return False
         self.executor.settle(request_id)
         self.scheduler.finish(request, "abort", aborted=True)  # the next plan releases its executor state
-        self._detok.pop(request_id, None)
+        self._forget(request_id)
         self._release_if_idle()
         return True
 
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._eager.discard(request_id)
+
     def _release_if_idle(self) -> None:
-        """With nothing left to run there is no next plan: release the state of who left now."""
+        """With nothing left to run there is no next plan: read the step still running (its tokens all belong to
+        requests that left) and release the state of who left now."""
         if not self.scheduler.has_work():
+            if self._launched is not None:
+                step, self._launched = self._launched, None
+                self._process(step)
             self.executor.release(self.scheduler.released())
 
     def has_unfinished(self) -> bool:
@@ -114,18 +135,31 @@ class Engine:
     def free_device_memory(self) -> None:
         """Give back the KV cache and the captured graphs; the model and tokenizer stay loaded. After a failed step,
         before a new engine is built around the same weights (engine/supervisor.py); this one serves no more."""
+        self._launched = None
         self.executor.drop_graphs()
         self.kv_cache.data = self.kv_cache.data.new_empty(0)
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: merge prefills that finished, plan, launch (decode waits for its tokens, prefill may
-        finish iterations later), record the decode step. With nothing to launch, wait for in-flight prefill."""
+        """One iteration: merge prefills that finished, plan and launch a step, then read the tokens of the step
+        launched before it (overlapped: while this one runs) and of this one when it must be read at once
+        (synchronous loop, or its tokens steer the next plan). With nothing to launch, wait for in-flight prefill."""
         outputs = self._merge(self.executor.poll())
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
-        sampled = self.executor.launch(plan, self.scheduler.requests)
-        if plan.empty:
+        launched = self.executor.start(plan, self.scheduler.requests)
+        previous, self._launched = self._launched, None
+        if not plan.empty:
+            launched.load = decode_load(self.scheduler.requests, plan.decode)
+            self.scheduler.launched(plan, launched.completed, launched.row_of())
+        if previous is not None:
+            outputs += self._process(previous)
+        if not plan.empty:
+            if launched.rows and self.async_scheduling and not self._needs_tokens(launched):
+                self._launched = launched
+            else:
+                outputs += self._process(launched)
+        elif previous is None:
             if self.executor.has_inflight():
                 self.executor.wait()
                 outputs += self._merge(self.executor.poll())
@@ -135,39 +169,55 @@ class Engine:
                 raise RuntimeError(f"planner {self.scheduler.planner.name!r} planned nothing with "
                                    f"{len(self.scheduler.requests)} requests pending")
             return outputs
-        self._observe(plan)
-        outputs += [self._output(r, token) for r, token in self.scheduler.update_decode(plan, sampled)]
         outputs += self._merge(self.executor.poll())
         self._release_if_idle()
         return outputs
 
-    def _observe(self, plan: StepPlan) -> None:
+    def _needs_tokens(self, step: LaunchedStep) -> bool:
+        """The next plan's sampling needs this step's tokens on the host (a grammar's next mask, a penalty)."""
+        return bool(self._eager) and any(rid in self._eager for rid in step.rows)
+
+    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens and report them; the token of a request that left since it was launched
+        (finished at the step before, aborted) is dropped."""
+        tokens = self.executor.collect(step)
+        self._observe(step.plan, step.load)
+        requests = self.scheduler.requests
+        rows = [(r, token, end) for r, token, end in zip(step.requests, tokens, step.ends)
+                if requests.get(r.request_id) is r]
+        self.scheduler.accept(rows)
+        return [self._output(r, token, step.logprobs.get(r.request_id)) for r, token, _ in rows]
+
+    def _observe(self, plan: StepPlan, load: DecodeLoad | None = None) -> None:
         """Hand a decode step that ran beside prefill layers, prefill layers that ran on a partition beside decode,
-        and a mixed step, to the planner (online refinement of its contention models), before the step's tokens
-        change the batch's contexts."""
+        and a mixed step, to the planner (online refinement of its contention models); `load`: the decode batch's
+        as launched (default: as it is now)."""
         planner = self.scheduler.planner
+        if load is None:
+            load = decode_load(self.scheduler.requests, plan.decode)
         finished, self._prefills_mark = self.executor.prefills_since(self._prefills_mark)
         for obs in finished:
             if obs.beside_decode:  # (on all SMs nothing runs beside it: the predictor keeps to partitions)
                 planner.observe_prefill(prefill_items(obs.works), obs.layers, obs.prefill_sms, obs.ms)
         mixed_ms = self.executor.last_mixed_ms
         if plan.mixed and plan.prefill and mixed_ms is not None:
-            planner.observe_mixed(prefill_items(plan.prefill), decode_load(self.scheduler.requests, plan.decode),
-                                  mixed_ms)
+            planner.observe_mixed(prefill_items(plan.prefill), load, mixed_ms)
         seen = self.executor.last_decode
         if seen is not None and seen.concurrent:
-            planner.observe_decode(decode_load(self.scheduler.requests, plan.decode), seen.decode_sms,
-                                   prefill_items(seen.concurrent), seen.ms)
+            planner.observe_decode(load, seen.decode_sms, prefill_items(seen.concurrent), seen.ms)
 
     def _merge(self, done: list) -> list[RequestOutput]:
         """Record prefill works whose layers have all run; a prompt's last chunk brings its first token."""
-        return [self._output(r, token) for work, tok in done for r, token in self.scheduler.complete_prefill(work, tok)]
+        return [self._output(r, token, entry) for work, tok, entry in done
+                for r, token in self.scheduler.complete_prefill(work, tok)]
 
-    def _output(self, r: Request, token: int) -> RequestOutput:
+    def _output(self, r: Request, token: int, logprob_entry: tuple | None = None) -> RequestOutput:
+        """Report a token the host has just read: log-probabilities, the grammar's matcher, detokenization, stop
+        conditions (the request finishes here, its pages freed at once)."""
         sp = r.sampling
         detok = self._detok.get(r.request_id)
         runner = self.runner
-        logprob = runner.take_logprobs(r.request_id) if sp.logprobs is not None else None
+        logprob = logprob_entry[0].get(logprob_entry[1]) if logprob_entry is not None else None
         prompt_logprobs = runner.take_prompt_logprobs(r.request_id, r.num_prompt_tokens) \
             if sp.prompt_logprobs is not None and len(r.output_token_ids) == 1 else None
         # the grammar allowed only this token or a stop token; a complete output ends here whatever ignore_eos says
@@ -178,7 +228,8 @@ class Engine:
         reason = None
         if stop_token or stop_string:
             reason = "stop"
-        elif len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.max_model_len:
+        elif len(r.output_token_ids) >= sp.max_tokens or \
+                r.num_prompt_tokens + len(r.output_token_ids) >= self.max_model_len:
             reason = "length"
         text = ""
         if detok:
@@ -187,7 +238,7 @@ class Engine:
             text = detok.delta(finished=reason is not None)
         if reason:
             self.scheduler.finish(r, reason)
-            self._detok.pop(r.request_id, None)
+            self._forget(r.request_id)
         return RequestOutput(
             request_id=r.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,
             finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,

@@ -1,10 +1,14 @@
-"""The executor: carries out StepPlans on the GPU's SM partitions, or synchronously on a null partition (CPU, or
-multiplexing off) — one code path either way.
+"""The executor: carries out StepPlans on the GPU's SM partitions, or on a null partition (CPU, or multiplexing off:
+everything in the order of one stream) — one code path either way.
 
-Each iteration launches the decode step on the chosen partition's decode stream first (a CUDA-graph replay), then the
-planned prefill layers on its prefill stream, and waits for the decode tokens only. A prefill launch records an event
-after its last layer; `poll()` reports the works whose events have fired, so prefill may finish iterations later and
-decode never waits for it. A request's continued prefill on another stream first waits for its previous event.
+`start` launches the decode step on the chosen partition's decode stream first (a CUDA-graph replay), then the
+planned prefill layers on its prefill stream, and returns without waiting: the sampled tokens go to the runner's token
+buffer and are copied to the host behind an event (engine/launched.py), and `collect` reads them, after the engine
+has launched the next step (the overlapped loop) or at once (`launch`, the synchronous one). A launch is ordered after
+the step before it on every stream it uses while that step's tokens are unread, so pages freed meanwhile are reused
+only after the kernels that may still touch them. A prefill launch on a partition records an event after its last
+layer; `poll()` reports the works whose events have fired, so prefill may finish iterations later and decode never
+waits for it. A request's continued prefill on another stream first waits for its previous event.
 With a profiled GEMM table (`pad_prefills`), a prefill launch runs its layers on the cheapest row bucket of its
 partition at or above its token count (predictor/gemm_table.py). Launches of up to `graph_rows` tokens replay
 piecewise CUDA graphs captured per partition at the buckets up to that size (engine/prefill_graphs.py).
@@ -14,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Callable
 
@@ -22,6 +26,7 @@ import torch
 
 from appliance.attention import AttentionBackend, make_backend
 from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.launched import LaunchedStep
 from appliance.engine.partitions import Partition, PartitionSet
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -33,8 +38,9 @@ from appliance.predictor.gemm_table import GemmTable, bucket_sizes
 
 @dataclass
 class _Launch:
-    """Prefill layers launched together: what they compute, the tokens of the chunks that end a prompt, and the
-    event after their last kernel (None: they ran synchronously)."""
+    """Prefill layers launched together on a partition's prefill stream: what they compute, the tokens of the chunks
+    that end a prompt (pinned host memory, valid once the event has fired) and their log-probabilities, and the event
+    after their last kernel."""
 
     works: list[PrefillWork]
     ids: list[str]
@@ -46,6 +52,7 @@ class _Launch:
     began: torch.cuda.Event | None = None  # recorded on the stream just before the first layer's kernels
     prefill_sms: int = 0
     decodes_before: int = 0  # the executor's split decode steps when it was launched
+    logprobs: dict = field(default_factory=dict)
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -70,8 +77,8 @@ class PrefillObservation:
 @dataclass(frozen=True)
 class DecodeObservation:
     """A decode step as it ran: its partition's decode SMs, its time (launch to tokens on the host, less the host
-    time spent launching prefill layers in between) and the prefill works running beside it (empty: it ran
-    alone)."""
+    time spent launching prefill layers in between; its kernels' own time when the next step was launched before its
+    tokens were read) and the prefill works running beside it (empty: it ran alone)."""
 
     decode_sms: int
     ms: float
@@ -97,6 +104,8 @@ class Executor:
         self.layers_launched = 0
         self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
         self.last_mixed_ms: float | None = None  # the latest step's time when it was a mixed step (online refinement)
+        self._previous: LaunchedStep | None = None  # the latest step with tokens to read back
+        self._tokens_at = 0.0  # when the latest collected step's tokens reached the host
         self.last_launch_ms: float | None = None  # host time the latest step spent launching prefill layers
         self.prefills: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
         self.prefills_seen = 0  # how many were ever appended (a reader keeps its own mark)
@@ -178,6 +187,7 @@ class Executor:
         self._prefill_graphs.clear()
         self._prefill_backends.clear()
         self._inflight = []
+        self._previous = None
         self.runner.graphs = None
 
     def graph_memory_bytes(self) -> int:
@@ -201,119 +211,207 @@ class Executor:
     @torch.inference_mode()
     def launch(self, plan: StepPlan, requests: dict[str, Request],
                partition: Partition | None = None) -> dict[str, int]:
-        """Drop the state of the requests the plan released, launch the plan and return the decode tokens; prefill
-        results come from `poll()`. `partition` overrides the planned one (the profiler measures each partition
-        alone)."""
+        """`start` the plan and `collect` it at once: the decode tokens, after the step has run (prefill launched
+        on a partition completes later, through `poll()`). `partition` overrides the planned one (the profiler
+        measures each partition alone)."""
+        step = self.start(plan, requests, partition)
+        tokens = self.collect(step)
+        decode = set(plan.decode)
+        return {rid: t for rid, t in zip(step.rows, tokens) if rid in decode}
+
+    @torch.inference_mode()
+    def start(self, plan: StepPlan, requests: dict[str, Request],
+              partition: Partition | None = None) -> LaunchedStep:
+        """Drop the state of the requests the plan released and launch the plan without waiting for it. Its
+        sampled tokens stay on the device until `collect`; prefill layers launched on a partition's prefill stream
+        complete through `poll()`, and those that run in stream order with the step (the null partition, a mixed
+        step) are complete once launched (`LaunchedStep.completed`)."""
         self.release(plan)
-        self.last_decode = self.last_mixed_ms = self.last_launch_ms = None
+        self.last_launch_ms = None
+        step = LaunchedStep(plan, time.perf_counter())
         if plan.empty:
-            return {}
+            return step
+        previous = self._previous
+        if previous is not None and previous.collected:
+            previous = self._previous = None
+        if previous is not None:
+            previous.overlapped = True
         part = partition or self.partition_for(plan)
         if part is not self.current:
             self.switches += 1
             self.timeline.instant("partition switch", f"{part.name} decode", previous=self.current.name,
                                   decode_sms=part.decode_sms, prefill_sms=part.prefill_sms)
             self.current = part
+        step.partition, step.decode_sms = part.name, part.decode_sms
+        streams = [part.decode_stream] if plan.decode or plan.mixed else []
+        streams += [part.prefill_stream] if plan.prefill and not plan.mixed else []
+        self._after(previous, streams)
         if plan.mixed:
-            return self._mixed(plan, requests, part)
-        decode_tokens = None
-        started = time.perf_counter()
-        # time the decode kernels only where prefill may run beside them (what the contention guard learns from)
-        timing = part.decode_stream is not None and part is not self.partitions.full and bool(
-            plan.prefill or self._inflight)
-        if plan.decode:
-            with _on(part.decode_stream):
-                if timing:
-                    marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    marks[0].record()
-                ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
-                decode_tokens = self.runner.sample(ids, logits, requests)
-                if timing:
-                    marks[1].record()
-        launching = time.perf_counter()
-        for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
-            self._launch_prefill(list(group), requests, start, end, part)
-        launch_s = time.perf_counter() - launching
-        self.last_launch_ms = launch_s * 1e3 if plan.prefill else None
-        if decode_tokens is None:
-            return {}
-        beside = () if part is self.partitions.full else tuple(
-            w for launch in self._inflight if launch.event is not None and not launch.done() for w in launch.works)
-        with _on(part.decode_stream):
-            tokens = self.runner.read_tokens(decode_tokens)
-        ended = time.perf_counter()
-        # the host's prefill launches ran while the decode kernels did: the step as the profile measured it (decode
-        # alone on the host) is the wall time less them, or the decode kernels' own time when that is longer
-        ms = (ended - started - launch_s) * 1e3
-        if timing:
-            ms = max(ms, marks[0].elapsed_time(marks[1]))
-        self.last_decode = DecodeObservation(part.decode_sms, ms, beside)
-        self._split_decodes += part is not self.partitions.full
-        self.timeline.span("decode", f"{part.name} decode", started, ended, batch=len(plan.decode),
-                           decode_sms=part.decode_sms)
-        return dict(zip(plan.decode, tokens))
+            self._mixed(plan, requests, part, step)
+        else:
+            if plan.decode:
+                step.ends = [requests[i].num_tokens for i in plan.decode]
+                with _on(part.decode_stream):
+                    step.marks = self._mark()
+                    ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
+                    self._sampled(step, ids, logits, requests)
+                    self._mark(step.marks)
+                self._split_decodes += part is not self.partitions.full
+            launching = time.perf_counter()
+            for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
+                self._launch_prefill(list(group), requests, start, end, part, step)
+            step.launch_s = time.perf_counter() - launching
+            self.last_launch_ms = step.launch_s * 1e3 if plan.prefill else None
+            if part is not self.partitions.full:
+                step.beside = tuple(w for launch in self._inflight if not launch.done() for w in launch.works)
+        if step.rows:
+            with _on(part.decode_stream):  # after the decode rows (and, on the null partition, the prefill rows)
+                step.host, step.event = self.runner.tokens.read_back(len(step.rows))
+                step.stream = torch.cuda.current_stream() if step.event is not None else None
+            self._previous = step
+        step.launched = time.perf_counter()
+        return step
 
-    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition) -> dict[str, int]:
-        """A mixed (chunked-prefill) step is one forward on all SMs, complete when it returns. It replays the
+    def collect(self, step: LaunchedStep) -> list[int]:
+        """The step's sampled tokens on the host, in row order (waiting for them if they are not there yet); sets
+        the observations of the step (`last_decode`, `last_mixed_ms`) for the planner's online refinement."""
+        if step.collected:
+            raise RuntimeError("a launched step's tokens are collected once")
+        step.collected = True
+        self.last_decode = self.last_mixed_ms = None
+        if not step.rows:
+            return []
+        if step.event is not None:
+            waited = time.perf_counter()
+            step.event.synchronize()
+            self.runner.gpu_wait_s += time.perf_counter() - waited
+        tokens = step.host.tolist()
+        ended = time.perf_counter()
+        if step.marks is not None:
+            step.device_ms = step.marks[0].elapsed_time(step.marks[1])
+        ready = ended if step.event is not None else step.launched  # (without an event: complete when launched)
+        step.wall_ms = (ready - max(step.started, self._tokens_at)) * 1e3
+        self._tokens_at = ready
+        plan = step.plan
+        # launch to tokens on the host, as the profile measured a step; when the next step was launched first, that
+        # includes a wait behind the previous step: then the kernels' own time
+        since = (ready - step.started) * 1e3
+        if plan.mixed:
+            self.last_mixed_ms = step.device_ms if step.overlapped and step.device_ms is not None else since
+            self.timeline.span("mixed", f"{step.partition} decode", step.started, ended, batch=len(plan.decode),
+                               prefill_tokens=sum(w.num_tokens for w in plan.prefill))
+        elif plan.decode:
+            # the host's prefill launches ran while the decode kernels did: the step as the profile measured it (decode
+            # alone on the host) is the wall time less them, or the decode kernels' own time when that is longer
+            ms = since - step.launch_s * 1e3
+            if step.device_ms is not None:
+                ms = step.device_ms if step.overlapped else max(ms, step.device_ms)
+            self.last_decode = DecodeObservation(step.decode_sms, ms, step.beside)
+            self.timeline.span("decode", f"{step.partition} decode", step.started, ended, batch=len(plan.decode),
+                               decode_sms=step.decode_sms)
+        return tokens
+
+    def _after(self, previous: LaunchedStep | None, streams: list[torch.cuda.Stream | None]) -> None:
+        """Order this launch's streams after the step launched before it, while that one's tokens are not read: it
+        may still write KV pages (of requests that finished, were aborted or preempted since, whose pages this
+        launch may reuse; of chunks this launch continues) and the token buffer this launch reads. Its own stream
+        keeps the order by itself."""
+        if previous is None or previous.event is None:
+            return
+        for stream in streams:
+            stream = stream if stream is not None else torch.cuda.current_stream()
+            if stream != previous.stream:
+                stream.wait_event(previous.event)
+
+    def _mark(self, marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None):
+        """Timing events around a step's kernels on the current stream (none on a CPU): the first call records the
+        start and returns the pair, the second records the end."""
+        if self.runner.device.type != "cuda":
+            return None
+        if marks is None:
+            marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks[0].record()
+        else:
+            marks[1].record()
+        return marks
+
+    def _sampled(self, step: LaunchedStep, ids: list[str], logits: torch.Tensor,
+                 requests: dict[str, Request]) -> None:
+        """Sample the rows `ids` into the token buffer after the step's rows so far."""
+        if not ids:
+            return
+        tokens, logprobs = self.runner.sample(ids, logits, requests)
+        self.runner.tokens.write(len(step.rows), tokens)
+        step.rows += ids
+        step.requests += [requests[i] for i in ids]
+        step.ends += [None] * (len(step.rows) - len(step.ends))
+        step.logprobs.update(logprobs)
+
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition, step: LaunchedStep) -> None:
+        """A mixed (chunked-prefill) step is one forward on all SMs, in stream order with the step. It replays the
         partition's prefill graphs where one holds its rows (padded to the smallest that does), unless a prefill
         launch still running there may be using their buffers."""
-        started = time.perf_counter()
         graphs = self._prefill_graphs.get(part.name)
         if graphs is not None and any(l.partition == part.name and not l.done() for l in self._inflight):
             graphs = None
+        step.ends = [requests[i].num_tokens for i in plan.decode]
         with _on(part.decode_stream):
+            step.marks = self._mark()
             ids, logits = self.runner.forward(plan, requests, graphs.padded if graphs else None, graphs)
-            sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
-        ended = time.perf_counter()
-        self.last_mixed_ms = (ended - started) * 1e3  # launch to tokens on the host: what the decode rows wait
-        self.timeline.span("mixed", f"{part.name} decode", started, ended, batch=len(plan.decode),
-                           prefill_tokens=sum(w.num_tokens for w in plan.prefill))
-        ends = [w.request_id for w in plan.prefill if w.token_end == requests[w.request_id].num_tokens]
-        tokens = torch.tensor([sampled[i] for i in ends], dtype=torch.long)
-        self._inflight.append(_Launch(list(plan.prefill), ends, tokens, None, None, part.name, started))
-        return {rid: sampled[rid] for rid in plan.decode}
+            self._sampled(step, ids, logits, requests)
+            self._mark(step.marks)
+        step.completed = list(plan.prefill)
 
     def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
-                        part: Partition) -> None:
+                        part: Partition, step: LaunchedStep) -> None:
         stream = part.prefill_stream
         started = time.perf_counter()
+        self.layers_launched += end - start
+        if stream is None:  # the null partition: in stream order with the step, whose rows get the prompts it ends
+            ids, logits = self.runner.prefill(works, requests, start, end, None, self.pad_rows(part.prefill_sms),
+                                              self._prefill_graphs.get(part.name))
+            self._sampled(step, ids, logits, requests)
+            step.completed += works
+            self.timeline.instant("prefill launch", f"{part.name} prefill", started, layers=f"{start}-{end}",
+                                  tokens=sum(w.num_tokens for w in works))
+            return
         with _on(stream):
             for w in works:  # a continued chunk launched on another stream waits for its previous layers
                 last = self._last.get(w.request_id)
-                if last is not None and stream is not None and last.stream is not stream and last.event is not None:
+                if last is not None and last.stream is not stream and last.event is not None:
                     stream.wait_event(last.event)
                     self.runner.use_partials_on(w.request_id, stream)
-            began = event = None
-            if stream is not None:
-                began = torch.cuda.Event(enable_timing=True)
-                began.record(stream)
+            began = torch.cuda.Event(enable_timing=True)
+            began.record(stream)
             ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name),
                                               self.pad_rows(part.prefill_sms), self._prefill_graphs.get(part.name))
-            tokens = self.runner.sample(ids, logits, requests) if ids else None
-            if stream is not None:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(stream)
-        launch = _Launch(works, ids, tokens, event, stream, part.name, started, began, part.prefill_sms,
-                         self._split_decodes)
+            host, logprobs = None, {}
+            if ids:  # read back without waiting: poll() reads them once the event has fired
+                tokens, logprobs = self.runner.sample(ids, logits, requests)
+                host = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+        launch = _Launch(works, ids, host, event, stream, part.name, started, began, part.prefill_sms,
+                         self._split_decodes, logprobs)
         self._inflight.append(launch)
         for w in works:
             self._last[w.request_id] = launch
-        self.layers_launched += end - start
         self.timeline.instant("prefill launch", f"{part.name} prefill", started, layers=f"{start}-{end}",
                               tokens=sum(w.num_tokens for w in works))
 
     # ---- completion -------------------------------------------------------------------------------------------
-    def poll(self) -> list[tuple[PrefillWork, int | None]]:
-        """Prefill works whose layers have all run since the last call, in launch order, with the sampled token of
-        each chunk that ends its prompt (None for the others)."""
-        done: list[tuple[PrefillWork, int | None]] = []
+    def poll(self) -> list[tuple[PrefillWork, int | None, tuple | None]]:
+        """Prefill works launched on a partition whose layers have all run since the last call, in launch order, with
+        the sampled token of each chunk that ends its prompt and its log-probability entry (None for the others)."""
+        done: list[tuple[PrefillWork, int | None, tuple | None]] = []
         pending = []
         for launch in self._inflight:
             if not launch.done():
                 pending.append(launch)
                 continue
             tokens = dict(zip(launch.ids, launch.tokens.tolist())) if launch.tokens is not None else {}
-            done += [(w, tokens.get(w.request_id)) for w in launch.works]
+            done += [(w, tokens.get(w.request_id), launch.logprobs.get(w.request_id)) for w in launch.works]
             for w in launch.works:
                 if self._last.get(w.request_id) is launch:
                     del self._last[w.request_id]

@@ -4,6 +4,9 @@ A `DecodeGraphs` set is captured on one stream (a graph keeps the SM limit of th
 multiplexing executor captures one set per SM partition) into one memory pool, largest batch first. Inputs live in
 persistent buffers; each size has its own attention backend whose decode wrapper keeps fixed index buffers: `plan()`
 runs on the host before a replay, only `run()` is captured. Padded rows read and write the KV cache's scratch page.
+An input id may be a placeholder for a token the previous step sampled and the host has not read: the graph takes it
+from the runner's token buffer (engine/launched.py), so a step can be launched before the previous one's tokens are
+on the host.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 
 from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, page_layout
 from appliance.attention.pinned import PinnedRing
-from appliance.engine.batch import HostBatch
+from appliance.engine.batch import HostBatch, resolve
 from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.llama import DecoderForCausalLM
 
@@ -53,8 +56,10 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache,
                  make_backend: Callable[[int], AttentionBackend], max_batch: int,
-                 stream: torch.cuda.Stream | None = None, pool=None, sizes: list[int] | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, pool=None, sizes: list[int] | None = None,
+                 token_buffer: torch.Tensor | None = None) -> None:
         self.model, self.kv_cache, self.make_backend = model, kv_cache, make_backend
+        self.token_buffer = token_buffer  # where placeholders among the input ids are read from (None: no placeholders)
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.stream = stream
@@ -95,6 +100,8 @@ class DecodeGraphs:
     def _forward(self, size: int) -> None:
         model = self.model
         positions, _, ids = self._views(size)
+        if self.token_buffer is not None:
+            ids = resolve(ids, self.token_buffer)
         hidden = model.embed(ids)
         hidden, residual = model.forward_layers(positions, hidden, None, 0, model.num_layers)
         self.logits[:size].copy_(model.compute_logits(hidden, residual))

@@ -84,7 +84,8 @@ class PagePool:
     # ---- prefix cache -----------------------------------------------------------------------------------------
     def _extend_hashes(self, table: PageTable, token_ids: list[int], num_tokens: int) -> None:
         size = self.page_size
-        for i in range(len(table.hashes), num_tokens // size):
+        # (a request whose latest token is still on the device counts it in num_tokens: only known tokens hash)
+        for i in range(len(table.hashes), min(num_tokens, len(token_ids)) // size):
             parent = table.hashes[-1] if table.hashes else b""
             table.hashes.append(_page_hash(parent, token_ids[i * size:(i + 1) * size]))
 
@@ -146,12 +147,13 @@ class PagePool:
         if not self.enable_prefix_caching:
             return
         self._extend_hashes(table, token_ids, num_computed)
-        for i in range(table.num_registered, num_computed // self.page_size):
+        full = min(num_computed // self.page_size, len(table.hashes))
+        for i in range(table.num_registered, full):
             page, h = table.pages[i], table.hashes[i]
             if self._hash_of[page] is None and h not in self._page_of:
                 self._hash_of[page] = h
                 self._page_of[h] = page
-        table.num_registered = max(table.num_registered, num_computed // self.page_size)
+        table.num_registered = max(table.num_registered, full)
 
     def free(self, table: PageTable) -> None:
         """Drop the table's references; unreferenced cached pages stay reusable, tail pages evicted first."""

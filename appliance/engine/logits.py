@@ -1,6 +1,7 @@
 """What changes a batch's next-token logits before sampling: repetition, presence and frequency penalties,
 `logit_bias`, the `min_tokens` mask and a grammar's token mask — each one batched operation over the rows that need
-it (the host only gathers their ids into one tensor per kind), nothing for rows that need none.
+it (the host only gathers their ids into one tensor per kind), nothing for rows that need none. Host data goes to the
+device with asynchronous copies: a blocking one would wait for every kernel queued before it, the next step's too.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def process_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     if biased:
         rows, cols, values = zip(*biased)
         _index_add(logits, rows, cols, torch.tensor(values, dtype=logits.dtype))
-    blocked = [(i, t) for i, r in enumerate(reqs) if len(r.output_token_ids) < r.sampling.min_tokens
+    # (output tokens still on the device count: the token sampled now is the next one)
+    blocked = [(i, t) for i, r in enumerate(reqs) if r.num_output_tokens < r.sampling.min_tokens
                for t in r.min_tokens_blocked]
     if blocked:
         rows, cols = zip(*blocked)
@@ -35,11 +37,12 @@ def _penalise(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> Non
     """vLLM's semantics: repetition divides positive logits (multiplies negative ones) of every token seen in the
     prompt or the output; frequency subtracts penalty x count in the output; presence subtracts penalty once."""
     vocab, device = logits.shape[-1], logits.device
-    index = torch.tensor(rows, device=device)
+    index = to_device(torch.tensor(rows), device)
     sub = logits[index]
     counts = _counts([r.output_token_ids for r in reqs], vocab, device)
     params = torch.tensor([(r.sampling.repetition_penalty, r.sampling.frequency_penalty,
-                            r.sampling.presence_penalty) for r in reqs], dtype=logits.dtype).to(device)
+                            r.sampling.presence_penalty) for r in reqs], dtype=logits.dtype)
+    params = to_device(params, device)
     repetition, frequency, presence = (params[:, k:k + 1] for k in range(3))
     if any(r.sampling.repetition_penalty != 1.0 for r in reqs):
         seen = (counts > 0) | (_counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else []
@@ -56,7 +59,7 @@ def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Te
     ids = np.full((len(seqs), max(width, 1)), vocab, dtype=np.int64)  # the pad id counts in a column cut off below
     for row, seq in enumerate(seqs):
         ids[row, :len(seq)] = seq
-    index = torch.from_numpy(ids).to(device)
+    index = to_device(torch.from_numpy(ids), device)
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -64,14 +67,19 @@ def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Te
 
 def _index_add(logits: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...], values: torch.Tensor) -> None:
     r, c = _coords(logits, rows, cols)
-    logits.index_put_((r, c), values.to(logits.device), accumulate=True)
+    logits.index_put_((r, c), to_device(values, logits.device), accumulate=True)
 
 
 def _index_put(logits: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...], value: float) -> None:
     r, c = _coords(logits, rows, cols)
-    logits.index_put_((r, c), torch.tensor(value, dtype=logits.dtype, device=logits.device))
+    logits.index_put_((r, c), to_device(torch.tensor(value, dtype=logits.dtype), logits.device))
 
 
 def _coords(logits: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    both = torch.tensor([rows, cols], dtype=torch.long).to(logits.device)
+    both = to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device)
     return both[0], both[1]
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the work queued there (the copy is staged at once)."""
+    return host.to(device, non_blocking=True)

@@ -64,7 +64,7 @@ def sampled_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: torch.Te
     rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
     if not rows:
         return {}
-    index = torch.tensor(rows, device=logits.device)
+    index = torch.tensor(rows).to(logits.device, non_blocking=True)  # (a blocking copy waits for the queue)
     batch = logprobs_of(logits[index], tokens[index], [scale(reqs[i].sampling) for i in rows],
                         [reqs[i].sampling.logprobs for i in rows])
     return {reqs[i].request_id: (batch, n) for n, i in enumerate(rows)}
@@ -78,6 +78,6 @@ def prompt_logprobs(logits: torch.Tensor, request: Request, start: int) -> tuple
     n = min(logits.shape[0], len(prompt) - 1 - start)
     if n <= 0:
         return None
-    targets = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.long).to(logits.device)
+    targets = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.long).to(logits.device, non_blocking=True)
     k = request.sampling.prompt_logprobs or 0
     return start + 1, logprobs_of(logits[:n], targets, [scale(request.sampling)] * n, [k] * n)

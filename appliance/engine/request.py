@@ -156,14 +156,31 @@ class Request:
         self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
         self.min_tokens_blocked: list[int] = []  # ids masked while fewer than sampling.min_tokens are out
         self.matcher = None  # the grammar's state (engine/grammar.py) when the output is constrained
+        # tokens sampled by launched steps that the host has not read yet (overlapped loop, engine/engine.py); the
+        # latest sits at `pending_row` of the token buffer its step wrote (engine/launched.py)
+        self.num_pending = 0
+        self.pending_row = -1
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and output tokens known on the host (pending tokens are not among them)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, pending ones included: the length the next step computes from."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, pending ones included (the index of the next one)."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def exhausted(self) -> bool:
+        """It has sampled max_tokens tokens (some may still be pending): it finishes once they are read, so no
+        step is planned for it."""
+        return self.num_output_tokens >= self.sampling.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -173,11 +190,11 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt's log-probabilities are still to compute: its first prefill runs every prompt token (no
         prefix-cache reuse)."""
-        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+        return self.sampling.prompt_logprobs is not None and not self.num_output_tokens
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
-                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
+                f"out={len(self.output_token_ids)}, pending={self.num_pending}, computed={self.num_computed_tokens})")
 
 
 @dataclass(frozen=True)

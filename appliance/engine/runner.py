@@ -1,6 +1,6 @@
 """ModelRunner: executes a StepPlan on the model — builds token batches and attention metadata, runs decode (a CUDA
 graph replay where one is captured) and layer-range prefill forwards, keeps unfinished prefills' activations between
-steps, and samples.
+steps, and samples into the token buffer the next step may read its input ids from (engine/launched.py).
 
 It decides nothing: which requests run, over which tokens and layers, comes from the plan.
 """
@@ -22,9 +22,10 @@ from appliance.attention import (
     new_workspace,
     resolve_backend_name,
 )
-from appliance.engine.batch import BatchBuilder, TokenBatch
+from appliance.engine.batch import BatchBuilder, TokenBatch, resolve
 from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.kv_cache import KVCache
+from appliance.engine.launched import TokenBuffer
 from appliance.engine.logits import process_logits
 from appliance.engine.logprobs import LogprobBatch, prompt_logprobs, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
@@ -35,6 +36,7 @@ from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.rope import dynamic_lengths, rope_lengths
 
 Logits = tuple[list[str], torch.Tensor]  # request ids and their fp32 next-token logits rows
+Sampled = tuple[torch.Tensor, dict[str, tuple[LogprobBatch, int]]]  # token ids (device), log-probabilities by request
 
 
 @dataclass
@@ -47,7 +49,9 @@ class _Partial:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, attention_backend: str = "auto") -> None:
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, attention_backend: str = "auto",
+                 max_rows: int = 1024) -> None:
+        """max_rows: the most tokens one step samples (one per running request: at least --max-num-seqs)."""
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.data.device
         self.dtype = next(model.parameters()).dtype
@@ -58,8 +62,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = True  # replay captured graphs when a batch fits (off: the same forward, eagerly)
         self.gpu_wait_s = 0.0   # time the host spent blocked on the device (reading sampled tokens)
+        self.tokens = TokenBuffer(max_rows, self.device)  # the latest step's sampled ids, for the next one's inputs
         self._partials: dict[str, _Partial] = {}
-        self._logprobs: dict[str, tuple[LogprobBatch, int]] = {}  # of each request's latest sampled token
         self._prompt_logprobs: dict[str, list[tuple[int, LogprobBatch]]] = {}
 
     # ---- set-up -----------------------------------------------------------------------------------------------
@@ -76,7 +80,8 @@ class ModelRunner:
                                 graph_batch_size=size, max_pages=self.kv_cache.num_pages + 1,
                                 shared_workspace=workspace)
 
-        return DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream, pool=pool, sizes=sizes)
+        return DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream, pool=pool, sizes=sizes,
+                            token_buffer=self.tokens.ids)
 
     def capture_graphs(self, max_batch: int, stream: torch.cuda.Stream | None = None) -> DecodeGraphs | None:
         """Capture the runner's own decode graphs up to max_batch rows on `stream`; None when it cannot."""
@@ -115,7 +120,6 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a request's executor state (it finished, was preempted or aborted)."""
         self._partials.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self.batches.release(request_id)
 
@@ -124,23 +128,18 @@ class ModelRunner:
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, int]:
         """Run the plan; returns the sampled token of every request that finished a prefill or decoded."""
         ids, logits = self.forward(plan, requests)
-        return dict(zip(ids, self.read_tokens(self.sample(ids, logits, requests))))
+        return dict(zip(ids, self.read_tokens(self.sample(ids, logits, requests)[0])))
 
-    def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request]) -> torch.Tensor:
+    def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request]) -> Sampled:
         """Sampled token ids of the rows (a device tensor; no host synchronisation), after each request's logits
-        processors; the log-probabilities of rows that ask for them wait for `take_logprobs`."""
+        processors, and {request id: (batch, row)} of the rows that ask for their log-probability (read with
+        `LogprobBatch.get` when the token is reported)."""
         if not ids:
-            return torch.empty(0, dtype=torch.long)
+            return torch.empty(0, dtype=torch.long), {}
         reqs = [requests[i] for i in ids]
         logits = process_logits(logits, reqs)
-        tokens = sample_tensor(logits, [r.sampling for r in reqs], [len(r.output_token_ids) for r in reqs])
-        self._logprobs.update(sampled_logprobs(logits, reqs, tokens))
-        return tokens
-
-    def take_logprobs(self, request_id: str) -> TokenLogprob | None:
-        """The log-probability of the request's latest sampled token (None when it did not ask)."""
-        entry = self._logprobs.pop(request_id, None)
-        return entry[0].get(entry[1]) if entry is not None else None
+        tokens = sample_tensor(logits, [r.sampling for r in reqs], [r.num_output_tokens for r in reqs])
+        return tokens, sampled_logprobs(logits, reqs, tokens)
 
     def take_prompt_logprobs(self, request_id: str, prompt_len: int) -> list[TokenLogprob | None] | None:
         """Its prompt tokens' log-probabilities (None for the first), once its prefill has run every layer."""
@@ -199,10 +198,10 @@ class ModelRunner:
         ids = [r.request_id for r in reqs]
         spans = [(r.num_tokens - 1, r.num_tokens) for r in reqs]
         size = graphs.padded_size(len(reqs)) if (graphs is not None and self.use_graphs) else None
-        if size is not None:
+        if size is not None:  # (the graph reads placeholders from the token buffer itself)
             host = self.batches.layout(reqs, spans, pad_rows=size - len(reqs), pad_page=self.kv_cache.scratch_page)
             return ids, graphs.run(host, len(reqs))
-        batch = self.batches.build(reqs, spans)
+        batch = self._resolved(self.batches.build(reqs, spans))
         hidden, residual = self._layers(batch, 0, self.num_layers, None, backend=backend)
         return ids, self.model.compute_logits(hidden, residual)
 
@@ -217,7 +216,7 @@ class ModelRunner:
         dec = [requests[i] for i in plan.decode]
         pre = [requests[w.request_id] for w in plan.prefill]
         spans = [(r.num_tokens - 1, r.num_tokens) for r in dec] + [(w.token_start, w.token_end) for w in plan.prefill]
-        batch = self.batches.build(dec + pre, spans)
+        batch = self._resolved(self.batches.build(dec + pre, spans))
         hidden, residual = self._layers(batch, 0, self.num_layers, None, dec + pre, pad_rows=pad_rows, graphs=graphs)
         self._keep_prompt_logprobs(list(plan.prefill), pre, hidden, residual, batch.last_rows[len(dec):])
         picked = list(range(len(dec))) + [len(dec) + i for i, (w, r) in enumerate(zip(plan.prefill, pre))
@@ -255,6 +254,13 @@ class ModelRunner:
         if not done:
             return [], torch.empty(0)
         return [works[i].request_id for i in done], self._logits_at(hidden, residual, batch.last_rows[done])
+
+    def _resolved(self, batch: TokenBatch) -> TokenBatch:
+        """The batch with its placeholders replaced by the ids the previous step sampled (on the device)."""
+        if batch.placeholders:
+            batch.input_ids = resolve(batch.input_ids, self.tokens.ids)
+            batch.placeholders = False
+        return batch
 
     def _logits_at(self, hidden: torch.Tensor, residual: torch.Tensor | None, rows: np.ndarray) -> torch.Tensor:
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))

@@ -35,7 +35,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_ind
     cols = torch.tensor(table, dtype=torch.float64).to(logits.device, non_blocking=True)
     temperature, top_p, top_k = cols[:, 0].float(), cols[:, 1].float(), cols[:, 2].long()
     seeded, key_lo, key_hi, min_p = cols[:, 3].bool(), cols[:, 4].long(), cols[:, 5].long(), cols[:, 6].float()
-    index = torch.tensor(rows, device=logits.device)
+    index = torch.tensor(rows).to(logits.device, non_blocking=True)  # (a blocking copy waits for the queue)
     sub = logits[index] / temperature.unsqueeze(1)
     need_filter = any(params[i].top_k > 0 or params[i].top_p < 1.0 or params[i].min_p > 0 for i in rows)
     probs = _filtered_probs(sub, top_k, top_p, min_p) if need_filter else sub.softmax(dim=-1)

@@ -3,13 +3,15 @@ mechanisms a planner calls), and the bookkeeping of a step's results. It asks it
 `engine/planners/`) for every step and never touches tensors. Prefill work may complete after the step that
 launched it (an asynchronous executor runs it on its own stream): it stays in flight until `complete_prefill`, and
 planners read `launched_layer` to plan around it; a synchronous executor completes everything in `update`.
+A launched step's tokens may stay on the device while the next step is planned (the overlapped loop): `launched`
+counts each of them as pending in its request's length, `accept` appends it once read.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from appliance.engine.kv_cache import PagePool
 from appliance.engine.plan import PrefillWork, StepPlan
@@ -70,10 +72,11 @@ class Scheduler:
     def admit(self, request: Request) -> bool:
         """Move a waiting request to prefilling with pages for all its tokens (cached prefix reused).
 
-        Its prefill computes every token it has: the prompt, and after a preemption the output so far.
+        Its prefill computes every token it has: the prompt, and after a preemption the output so far (not before
+        the host has read all of it: a request preempted with a token pending waits a step).
         """
         assert request.status is RequestStatus.WAITING
-        if self.num_running >= self.max_num_seqs:
+        if self.num_running >= self.max_num_seqs or request.num_pending:
             return False
         cached = self.pool.allocate(request.page_table, request.all_token_ids, request.num_tokens,
                                     reuse=not request.wants_prompt_logprobs)
@@ -118,7 +121,9 @@ class Scheduler:
         return True
 
     def preempt(self, request: Request) -> None:
-        """Free every page of a running request and requeue it (first in line) to recompute its tokens."""
+        """Free every page of a running request and requeue it (first in line) to recompute its tokens. A token it
+        still has pending is appended when read (`accept`); the executor orders the next launch after the step that
+        may still write its pages."""
         self.pool.free(request.page_table)
         (self.decoding if request.status is RequestStatus.DECODING else self.prefilling).remove(request)
         request.status = RequestStatus.WAITING
@@ -155,6 +160,28 @@ class Scheduler:
             out += self.complete_prefill(work, sampled.get(work.request_id))
         return out
 
+    def launched(self, plan: StepPlan, completed: Sequence[PrefillWork], rows: dict[str, int]) -> None:
+        """A plan was launched and its sampled tokens are still on the device, at `rows` of its token buffer: each
+        decoding request, and each prompt that a work run in order with the step (`completed`) finishes, gets a
+        pending token there; `accept` appends them once the host has read them."""
+        for rid in plan.decode:
+            r = self.requests[rid]
+            r.num_pending += 1
+            r.pending_row = rows[rid]
+        for work in completed:
+            self.complete_prefill(work, None, rows.get(work.request_id))
+
+    def accept(self, rows: Sequence[tuple[Request, int, int | None]]) -> None:
+        """The tokens of a launched step as read back, in row order: (request, token, the context its decode step
+        computed; None for a prompt's first token). Requests that left since are not given."""
+        for r, token, end in rows:
+            r.num_pending -= 1
+            if end is not None and r.status is RequestStatus.DECODING:
+                r.num_computed_tokens = end
+                self._register(r)
+            r.output_token_ids.append(token)
+        self._emitted([(r, token) for r, token, _ in rows])
+
     def update_decode(self, plan: StepPlan, sampled: dict[str, int]) -> list[tuple[Request, int]]:
         """Record the plan's decode step."""
         out = []
@@ -167,8 +194,10 @@ class Scheduler:
         self._emitted(out)
         return out
 
-    def complete_prefill(self, work: PrefillWork, token: int | None) -> list[tuple[Request, int]]:
-        """Record one prefill work whose layers have all run (`token`: sampled when it ends the request's prompt)."""
+    def complete_prefill(self, work: PrefillWork, token: int | None,
+                         row: int | None = None) -> list[tuple[Request, int]]:
+        """Record one prefill work whose layers have all run (`token`: sampled when it ends the request's prompt;
+        None with `row`: sampled at that row of a launched step's token buffer, pending until `accept`)."""
         works = self.inflight.get(work.request_id)
         if works:
             works.remove(work)
@@ -185,10 +214,14 @@ class Scheduler:
         self._register(r)
         if work.token_end < r.num_tokens:
             return []
-        assert token is not None, f"prefill of {r.request_id} ended its prompt without a sampled token"
+        assert token is not None or row is not None, f"prefill of {r.request_id} ended its prompt without a token"
         self.prefilling.remove(r)
         self.decoding.append(r)
         r.status = RequestStatus.DECODING
+        if token is None:
+            r.num_pending += 1
+            r.pending_row = row
+            return []
         r.output_token_ids.append(token)
         self._emitted([(r, token)])
         return [(r, token)]

@@ -1,10 +1,13 @@
-"""A log of every engine step, for diagnosis and serving calibration: planning time, launch time (the executor's
-whole step: for a decode or mixed step, launch to tokens on the host), the host time since the previous step's launch
-ended (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition
-and prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the
-executor measured. Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time,
-prefill SMs, layers, whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the
-engine's scheduler and executor; `detach` restores them.
+"""A log of every engine step, for diagnosis and serving calibration: planning time, launch time (`launch_ms`, the
+step's wall time: for a decode or mixed step, from its launch, or from the previous step's tokens when it waited
+behind them in the overlapped loop, to its tokens on the host; `host_launch_ms`, the host time the launch itself
+took), the device time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step was launched
+before its tokens were read (`overlapped`), the host time since the previous step's launch ended (`gap_ms`: the
+engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition and prefill layers,
+the prefill launches in flight, and, given a predictor, its figure for the step beside what the executor measured.
+Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
+whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
+executor; `detach` restores them.
 """
 from __future__ import annotations
 
@@ -23,11 +26,12 @@ class StepLog:
         self._originals: tuple | None = None
         self._seen = engine.executor.prefills_seen
         self._launch_end: float | None = None  # when the previous step's launch returned
+        self._rows: dict[int, dict[str, Any]] = {}  # launched steps not collected yet -> their row
 
     def attach(self) -> "StepLog":
         sched, executor = self.engine.scheduler, self.engine.executor
-        self._originals = (sched.schedule, executor.launch)
-        schedule, launch = self._originals
+        self._originals = (sched.schedule, executor.start, executor.collect)
+        schedule, start, collect = self._originals
 
         def timed_schedule():
             t0 = time.perf_counter()
@@ -43,24 +47,40 @@ class StepLog:
                 "headroom": {name: c["tbt"]["headroom"] for name, c in sched.planner.control_state().items()}})
             return plan
 
-        def timed_launch(plan, requests, partition=None):
+        def timed_start(plan, requests, partition=None):
             t0 = time.perf_counter()
-            out = launch(plan, requests, partition)
+            step = start(plan, requests, partition)
             if self.steps:
-                self.steps[-1]["launch_ms"] = (time.perf_counter() - t0) * 1e3
-                self.steps[-1]["partition"] = executor.current.name
-                self.steps[-1]["prefill_launch_ms"] = executor.last_launch_ms
-                self.steps[-1].update(self._predicted(plan, requests))
+                row = self.steps[-1]
+                row["host_launch_ms"] = (time.perf_counter() - t0) * 1e3
+                row["partition"] = executor.current.name
+                row["prefill_launch_ms"] = executor.last_launch_ms
+                row.update(self._predicted(plan, requests, step))
+                if step.rows:
+                    self._rows[id(step)] = row
+                else:  # nothing to read back: the launch was the step
+                    row["launch_ms"] = row["host_launch_ms"]
             self._collect_prefills()
             self._launch_end = time.perf_counter()
-            return out
+            return step
 
-        sched.schedule, executor.launch = timed_schedule, timed_launch
+        def timed_collect(step):
+            tokens = collect(step)
+            row = self._rows.pop(id(step), None)
+            if row is not None:
+                row.update(launch_ms=step.wall_ms, device_ms=step.device_ms, overlapped=step.overlapped)
+                obs = executor.last_decode
+                if obs is not None and "pred_ms" in row and not step.plan.mixed:
+                    row.update(obs_ms=obs.ms, beside=len(obs.concurrent))
+            return tokens
+
+        sched.schedule, executor.start, executor.collect = timed_schedule, timed_start, timed_collect
         return self
 
     def detach(self) -> None:
         if self._originals is not None:
-            self.engine.scheduler.schedule, self.engine.executor.launch = self._originals
+            sched, executor = self.engine.scheduler, self.engine.executor
+            sched.schedule, executor.start, executor.collect = self._originals
             self._originals = None
 
     def _collect_prefills(self) -> None:
@@ -74,7 +94,7 @@ class StepLog:
                 row["pred_ms"] = self.predictor.prefill_solo_ms(items, sms, obs.layers)
             self.prefills.append(row)
 
-    def _predicted(self, plan, requests) -> dict[str, Any]:
+    def _predicted(self, plan, requests, step) -> dict[str, Any]:
         """The predictor's figure for the step as planned, beside what the executor measured."""
         if self.predictor is None or not plan.decode:
             return {}
@@ -85,9 +105,6 @@ class StepLog:
             items = prefill_items(plan.prefill)
             row.update(pred_ms=p.mixed_ms(items, load), items=[[i.new, i.reused] for i in items])
             return row
-        obs = self.engine.executor.last_decode
-        if obs is not None:
-            beside = prefill_items(obs.concurrent)
-            row.update(obs_ms=obs.ms, beside=len(beside),
-                       pred_ms=p.decode_ms(load, obs.decode_sms, beside) if beside else p.decode_ms(load))
+        beside = prefill_items(step.beside)
+        row.update(pred_ms=p.decode_ms(load, step.decode_sms, beside) if beside else p.decode_ms(load))
         return row

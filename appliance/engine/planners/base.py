@@ -71,9 +71,10 @@ def chunk_end(r: Request, max_tokens: int) -> int:
 
 
 def reserve_all(sched: Scheduler, requests: Iterable[Request]) -> tuple[str, ...]:
-    """Reserve a decode slot for each request, oldest first, skipping those preempted on the way."""
+    """Reserve a decode slot for each request, oldest first, skipping those preempted on the way and those whose
+    last token is already sampled (still pending: they finish once it is read)."""
     batch = []
     for r in sorted(requests, key=lambda r: r.start_seq):
-        if r.status is RequestStatus.DECODING and sched.reserve_decode(r):
+        if r.status is RequestStatus.DECODING and not r.exhausted and sched.reserve_decode(r):
             batch.append(r.request_id)
     return tuple(batch)

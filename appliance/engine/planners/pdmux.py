@@ -147,7 +147,7 @@ class PdmuxPlanner(Planner):
     def _decode(self, sched: Scheduler) -> tuple[str, ...]:
         """Reserve every decode slot (SGLang's update_running_batch): its KV estimate decays a step, or is re-estimated
         from the survivors when KV pressure took requests away."""
-        before = list(sched.decoding)
+        before = [r for r in sched.decoding if not r.exhausted]  # (those finish once their last token is read)
         decode = reserve_all(sched, before)
         if len(decode) < len(before):
             self.stats.retractions += 1

@@ -1,0 +1,91 @@
+"""A step launched on the device whose sampled tokens the host has not read yet, and the device buffer they go to.
+
+Every step writes the token ids it sampled, row after row (decode rows first, then the prompts it finished), into one
+device buffer (`TokenBuffer`), then copies them to pinned host memory without waiting and records an event after the
+copy. The next step may be launched before the host reads them: a request whose latest token is still on the device
+enters that step as a placeholder for its row (engine/batch.py), and the forward takes the id from the buffer on the
+device (inside the decode CUDA graph). The host reads a step's tokens (`Executor.collect`) once the next step is
+launched; on a CPU the copy is done when it returns and the same code path runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.request import Request
+
+
+class TokenBuffer:
+    """The device buffer of the latest step's sampled token ids, and a ring of pinned host buffers they are read
+    back into (a host buffer is reused only after the event of the copy into it has fired)."""
+
+    def __init__(self, capacity: int, device: torch.device, slots: int = 3) -> None:
+        self.capacity, self.device = capacity, device
+        self._cuda = device.type == "cuda"
+        with torch.inference_mode():  # written by sampling (inference mode), read inside captured graphs
+            self.ids = torch.zeros(capacity, dtype=torch.long, device=device)
+        self._host = [torch.empty(capacity, dtype=torch.long, pin_memory=self._cuda) for _ in range(slots)]
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._slot = 0
+
+    def write(self, offset: int, tokens: torch.Tensor) -> None:
+        """Rows [offset, offset + len(tokens)) get `tokens` (on the current stream)."""
+        if offset + len(tokens) > self.capacity:
+            raise RuntimeError(f"a step sampled {offset + len(tokens)} tokens; the token buffer holds {self.capacity} "
+                               "(one per running request: raise the runner's max_rows to --max-num-seqs)")
+        self.ids[offset:offset + len(tokens)].copy_(tokens)
+
+    def read_back(self, count: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying rows [0, count) to the host on the current stream: (the host tensor, the event after the copy;
+        None on a CPU, where the copy is done)."""
+        self._slot = (self._slot + 1) % len(self._host)
+        event = self._events[self._slot]
+        if event is not None:
+            event.synchronize()  # the step that last used this buffer was read two launches ago: at once
+        host = self._host[self._slot][:count]
+        host.copy_(self.ids[:count], non_blocking=self._cuda)
+        if not self._cuda:
+            return host, None
+        event = self._events[self._slot] = torch.cuda.Event()
+        event.record()
+        return host, event
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """What a plan launched and how to read its tokens: the rows it sampled (request ids and requests, in the token
+    buffer's order), each decode row's context at launch, the prefill works that ran with it (in stream order: they
+    are complete once launched), their log-probabilities, the read-back and its event, and the timing the executor
+    turns into observations once the tokens are read."""
+
+    plan: StepPlan
+    started: float
+    rows: list[str] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    ends: list[int | None] = field(default_factory=list)  # a decode row's context at launch (None: a prompt's end)
+    completed: list[PrefillWork] = field(default_factory=list)
+    logprobs: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    stream: torch.cuda.Stream | None = None  # where the read-back was queued (what a later launch orders after)
+    marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # around the decode (or mixed) kernels
+    partition: str = ""
+    decode_sms: int = 0
+    beside: tuple[PrefillWork, ...] = ()  # prefill works still running on another partition when it launched
+    launch_s: float = 0.0  # host time spent launching prefill layers
+    load: Any = None  # the decode load at launch (the engine's, for the planner's online refinement)
+    launched: float = 0.0  # when its launch returned
+    overlapped: bool = False  # another step was launched before its tokens were read
+    collected: bool = False
+    wall_ms: float | None = None  # from launch (or the previous step's tokens, if later) to its tokens on the host
+    device_ms: float | None = None  # its decode (or mixed) kernels on the device, from the marks
+
+    def row_of(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.rows)}
+
+    def done(self) -> bool:
+        """Its tokens can be read without waiting."""
+        return self.event is None or self.event.query()

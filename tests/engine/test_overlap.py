@@ -1,0 +1,255 @@
+"""The overlapped step loop (`--async-scheduling`) against the synchronous one on the CPU engine: the same code path
+runs (a step's tokens are read one engine step later, the next step decodes from placeholders), and every request's
+outputs are the same token for token — across policies, with stop tokens and strings, max_tokens ending at every
+step, aborts at every step, preemption under a small KV cache, logprobs, seeds and n > 1, grammars and penalties
+(read at once) — and no page is left behind."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import pytest
+import torch
+
+from appliance.config import Config
+from appliance.engine.batch import placeholder, resolve, span_tokens
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.grammar import GrammarSpec
+from appliance.engine.request import Request, SamplingParams
+from appliance.engine.steplog import StepLog
+
+POLICIES = [("serial", {}), ("chunked", {"chunk_budget": 12}), ("layerwise", {}), ("mux", {}), ("pdmux", {})]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def engine_for(path, overlap: bool, **kw) -> Engine:
+    kw.setdefault("num_gpu_blocks_override", 64)
+    return build_engine(Config.flat(model=path, async_scheduling=overlap, **kw))
+
+
+def drive(engine: Engine, arrivals: dict[int, list[Request]],
+          aborts: dict[int, list[str]] | None = None) -> dict[str, list[tuple]]:
+    """Step the engine, submitting `arrivals[k]` and aborting `aborts[k]` before engine step k; every request's
+    outputs as (token ids, finished, reason, logprobs)."""
+    aborts = aborts or {}
+    outs: dict[str, list[tuple]] = defaultdict(list)
+    k, last = 0, max([*arrivals, *aborts, 0])
+    while k <= last or engine.has_unfinished():
+        for r in arrivals.get(k, []):
+            engine.submit(r)
+        for rid in aborts.get(k, []):
+            engine.abort(rid)
+        if engine.has_unfinished():
+            for o in engine.step():
+                # (log-probabilities to 5 decimals: a batch of another shape may round the last bit differently)
+                lps = tuple((lp.token_id, round(lp.logprob, 5), lp.rank, tuple((t, round(v, 5)) for t, v in lp.top))
+                            for lp in o.logprobs) if o.logprobs else None
+                outs[o.request_id].append((tuple(o.new_token_ids), o.finished, o.finish_reason, o.text, lps))
+        k += 1
+    assert_clean(engine)
+    return dict(outs)
+
+
+def assert_clean(engine: Engine) -> None:
+    assert not engine.scheduler.requests and engine._launched is None
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    assert not engine.runner.batches._mirrors and not engine.executor.has_inflight()
+
+
+def both(path, make: Callable[[Engine], dict[int, list[Request]]], aborts=None, **kw):
+    """(synchronous, overlapped) outputs of the same arrivals. The overlapped engine must have overlapped: read steps
+    after launching the next, whose inputs held placeholders; `dropped` counts the tokens it dropped (of requests that
+    had finished or were aborted by then)."""
+    results = []
+    for overlap in (False, True):
+        engine = engine_for(path, overlap, **kw)
+        seen, placeholders, accepted = [], [], []
+        collect, to_device, accept = engine.executor.collect, engine.runner.batches.to_device, engine.scheduler.accept
+        engine.executor.collect = lambda step: seen.append(step) or collect(step)
+
+        def spy(host, to_device=to_device, placeholders=placeholders):
+            batch = to_device(host)
+            placeholders.append(batch.placeholders)
+            return batch
+
+        engine.runner.batches.to_device = spy
+        engine.scheduler.accept = lambda rows: accepted.append(len(rows)) or accept(rows)
+        results.append(drive(engine, make(engine), aborts))
+        assert any(s.overlapped for s in seen) == overlap, "a step was read after the next one was launched"
+        assert not overlap or any(placeholders) or engine.runner.graphs is not None
+        both.dropped = sum(len(s.rows) for s in seen) - sum(accepted)
+    return results
+
+
+@pytest.fixture(scope="module")
+def stop_token(llama_checkpoint) -> tuple[int, int]:
+    """(token, n): a token of the greedy output after prompt(2, 9) that first appears as its n-th token (n >= 3):
+    as a stop token it ends that request there."""
+    path, _ = llama_checkpoint
+    greedy = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    tokens = engine_for(path, False).generate(prompt(2, 9), greedy)[0].token_ids
+    n = next(i for i in range(2, 9) if tokens[i] not in tokens[:i])
+    return tokens[n], n + 1
+
+
+def mixed_requests(stop: tuple[int, int]) -> Callable[[Engine], dict[int, list[Request]]]:
+    """Greedy, seeded, logprobs, a stop token, min_tokens, an n=3 group sharing a prompt, staggered arrivals."""
+    def make(engine: Engine) -> dict[int, list[Request]]:
+        greedy = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+        stopped = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, stop_token_ids=[stop[0]])
+        shared = prompt(7, 21)
+        specs = [
+            (prompt(3, 33), SamplingParams(max_tokens=7, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)),
+            (prompt(4, 17), SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)),
+            (prompt(5, 25), SamplingParams(max_tokens=8, temperature=1.2, seed=5, logprobs=0, min_tokens=3)),
+        ] + [(shared, SamplingParams(max_tokens=5, temperature=1.0, seed=100 + i, ignore_eos=True)) for i in range(3)]
+        first = [engine.make_request(prompt(1, 40), greedy), engine.make_request(prompt(2, 9), stopped)]
+        later = [engine.make_request(p, sp) for p, sp in specs]
+        return {0: first, 3: later[:3], 5: later[3:]}
+    return make
+
+
+@pytest.mark.parametrize("policy, extra", POLICIES)
+def test_overlapped_equals_synchronous_across_policies(llama_checkpoint, stop_token, policy, extra):
+    path, _ = llama_checkpoint
+    sync, overlapped = both(path, mixed_requests(stop_token), policy=policy, **extra)
+    assert overlapped == sync
+    stopped = sync["req-1"]
+    assert stopped[-1][2] == "stop" and len(stopped) == stop_token[1]
+
+
+def test_max_tokens_ending_at_every_step(llama_checkpoint):
+    path, _ = llama_checkpoint
+
+    def make(engine):
+        return {0: [engine.make_request(prompt(20 + n, 11 + n), SamplingParams(max_tokens=n, temperature=0,
+                                                                              ignore_eos=True))
+                    for n in range(1, 10)]}
+
+    sync, overlapped = both(path, make)
+    assert overlapped == sync
+    assert sorted(sum(len(o[0]) for o in outs) for outs in sync.values()) == list(range(1, 10))
+
+
+def test_stop_strings_and_eos(text_checkpoint):
+    """Stop strings that end the output at different tokens, and the model's EOS, end it at the same token."""
+    probe = engine_for(text_checkpoint, False, max_model_len=256)
+    text = probe.generate("The quick brown fox", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
+    cuts = sorted({text[i:i + 3] for i in range(2, len(text) - 3, 4) if text[i:i + 3].strip()})[:6]
+    assert cuts
+
+    def make(engine):
+        reqs = [engine.make_request("The quick brown fox", SamplingParams(max_tokens=30, temperature=0, stop=[c]))
+                for c in cuts]
+        reqs.append(engine.make_request("Hello, world", SamplingParams(max_tokens=30, temperature=0)))  # EOS counts
+        return {0: reqs}
+
+    sync, overlapped = both(text_checkpoint, make, max_model_len=256)
+    assert overlapped == sync
+    assert sum(outs[-1][2] == "stop" for outs in sync.values()) >= len(cuts)
+    assert both.dropped >= 1  # the tokens of the step launched before a stop was read
+
+
+def test_aborts_at_every_step(llama_checkpoint):
+    """Aborting one request before any engine step: the others are unchanged, and what the aborted one got is a
+    prefix of its whole output (the overlapped loop reports each token a step later)."""
+    path, _ = llama_checkpoint
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True)]
+
+    def make(engine):
+        return {0: [engine.make_request(prompt(30 + i, 14 + 5 * i), params[i % 2], f"r{i}") for i in range(4)]}
+
+    engines = {overlap: engine_for(path, overlap, policy="layerwise") for overlap in (False, True)}
+    pending = []  # the aborted request's tokens still on the device when the overlapped engine aborted it
+    abort = engines[True].abort
+    engines[True].abort = lambda rid: pending.append(
+        getattr(engines[True].scheduler.requests.get(rid), "num_pending", 0)) or abort(rid)
+    full = drive(engines[False], make(engines[False]))
+    for k in range(14):
+        for overlap, engine in engines.items():
+            got = drive(engine, make(engine), {k: ["r1"]})
+            assert {rid: outs for rid, outs in got.items() if rid != "r1"} == \
+                {rid: outs for rid, outs in full.items() if rid != "r1"}, (k, overlap)
+            tokens = [t for o in got.get("r1", []) for t in o[0]]
+            assert tokens == [t for o in full["r1"] for t in o[0]][:len(tokens)], (k, overlap)
+    assert any(pending)
+
+
+def test_preemption_under_a_small_kv_cache(llama_checkpoint):
+    """Twelve pages for eight requests of 3-5 pages: preemption, also of requests whose latest token is still on the
+    device; every output equals the synchronous loop's (and the solo runs')."""
+    path, _ = llama_checkpoint
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(8)]
+    pending = []
+
+    def make(engine):
+        inner = engine.scheduler.preempt
+        engine.scheduler.preempt = lambda r: (pending.append(r.num_pending), inner(r))[1]
+        return {0: [engine.make_request(prompt(10 + i, 18 + 3 * i), params[i]) for i in range(8)]}
+
+    sync, overlapped = both(path, make, num_gpu_blocks_override=12, enable_prefix_caching=False)
+    assert overlapped == sync
+    assert any(pending) and len(pending) >= 2  # preempted at all, and once with a pending token
+    solo = engine_for(path, True)
+    for i in range(0, 8, 2):
+        assert [t for o in sync[f"req-{i}"] for t in o[0]] == \
+            solo.generate(prompt(10 + i, 18 + 3 * i), params[i])[0].token_ids
+
+
+def test_grammar_and_penalties_are_read_at_once(text_checkpoint):
+    """A grammar's matcher and a penalty need the latest token before the next sample: their steps are read before
+    the next plan, the others still overlap; outputs equal the synchronous loop's."""
+    pytest.importorskip("xgrammar")
+    read_at_once = []
+
+    def make(engine):
+        collect = engine.executor.collect
+        engine.executor.collect = lambda step: read_at_once.append(
+            ("r-json" in step.rows or "r-pen" in step.rows, step.overlapped)) or collect(step)
+        plain = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # (it runs on alone, overlapped)
+        return {0: [engine.make_request("Hello, world", plain, "r-plain"),
+                    engine.make_request("Tell me", SamplingParams(max_tokens=12, temperature=0,
+                                                                  grammar=GrammarSpec("json_object")), "r-json")],
+                2: [engine.make_request("The quick", SamplingParams(max_tokens=10, temperature=0.9, seed=4,
+                                                                    presence_penalty=1.5, frequency_penalty=0.5,
+                                                                    repetition_penalty=1.3), "r-pen")]}
+
+    sync, overlapped = both(text_checkpoint, make, max_model_len=256)
+    assert overlapped == sync
+    overlapping = read_at_once[len(read_at_once) // 2:]  # (the second half: the overlapped engine's)
+    assert not any(constrained and over for constrained, over in overlapping)
+
+
+def test_a_pending_token_is_a_placeholder_read_on_the_device():
+    r = Request("r", [5, 6, 7], SamplingParams())
+    r.output_token_ids = [8]
+    r.num_pending, r.pending_row = 1, 2
+    assert r.num_tokens == 5 and r.num_output_tokens == 2
+    assert span_tokens(r, 2, 5) == [7, 8, placeholder(2)]
+    buffer = torch.tensor([40, 41, 42, 43])
+    assert resolve(torch.tensor([7, placeholder(2), placeholder(0)]), buffer).tolist() == [7, 42, 40]
+    r.num_pending = 2  # only the latest step's token can be read on the device
+    with pytest.raises(RuntimeError, match="not known on the host"):
+        span_tokens(r, 4, 6)
+
+
+def test_the_step_log_records_wall_and_device_time(llama_checkpoint):
+    path, _ = llama_checkpoint
+    engine = engine_for(path, True, policy="serial")
+    log = StepLog(engine).attach()
+    for n in (12, 30, 7):
+        engine.add_request(prompt(n, n), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    log.detach()
+    decode = [s for s in log.steps if s["decode"]]
+    assert decode and all(s["launch_ms"] > 0 and s["device_ms"] is None for s in decode)  # (no device on a CPU)
+    assert any(s["overlapped"] for s in decode)
+    assert_clean(engine)
