@@ -28,7 +28,7 @@ def test_version_and_module_entry_point():
     ("serve", ["--model", "--host", "--port", "--dtype", "--load-format", "--max-num-seqs", "--kv-cache-memory",
                "--api-key", "MUXD_API_KEY", "--max-num-batched-tokens", "--block-size", "--seed", "--chat-template",
                "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-request-bytes", "--shutdown-timeout",
-               "--prefill-graph-rows", "--mixed-chunks"]),
+               "--prefill-graph-rows", "--mixed-chunks", "--async-scheduling", "--no-async-scheduling"]),
     ("generate", ["prompt", "--max-tokens", "--temperature", "--chat", "--top-k", "--stop", "--system"]),
     ("version", ["version"]),
 ])

@@ -4,15 +4,19 @@ batches) and paged decode, K/V written into pages by slot.
 One instance owns one workspace and its wrappers: the engine's eager instance plans once per forward; each captured
 decode batch size gets its own instance made with `graph_batch_size`, whose decode wrapper keeps its index buffers
 fixed (`use_cuda_graph=True`) so that only `run()` is captured and `plan()` refreshes the buffers before a replay.
+`plan()` writes its schedule into a pinned host buffer and copies it to the device without waiting: backends that
+share a workspace share two such buffers, used in turn (`PlanStaging`), so that the next step's plan, made while the
+current step runs, never rewrites a buffer whose copy has not run yet.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from appliance.attention.kv_write import write_kv
 from appliance.attention.metadata import AttentionMetadata
+from appliance.attention.pinned import PinnedRing
 
 if TYPE_CHECKING:  # the package's __init__ imports this module lazily
     from appliance.attention import AttentionShape
@@ -25,10 +29,65 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 CUDA_CORE_DECODE_GROUPS = (1, 2)
 
 
-def make_workspaces(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (float, int) workspace pair that several backends used one after another on one stream may share."""
-    return (torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device),
-            torch.zeros(8 << 20, dtype=torch.uint8, device=device))
+class PlanStaging:
+    """Two pinned host buffers that plan() writes a schedule into before its asynchronous copy to the device, used
+    in turn; a buffer is rewritten only once the copy from it has run (an event each). One plan ahead of the device
+    never waits: the copy two plans back ran before the step the device is on now."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.buffers = [torch.empty(like.shape, dtype=like.dtype, pin_memory=True) for _ in range(2)]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._indices = PinnedRing(torch.int32, pinned=True)
+
+    def indices_on(self, indices, device: torch.device) -> torch.Tensor:
+        """Page indices on the device, copied without waiting. A CUDA-graph decode wrapper copies host indices into
+        its fixed buffer with a blocking copy, which would wait for every kernel queued before it (the step still
+        running); from the device its copy is queued like the rest of the plan."""
+        packed, _ = self._indices.stage([indices])
+        out = packed.to(device, non_blocking=True)
+        self._indices.done()
+        return out
+
+    def next(self) -> torch.Tensor:
+        """The buffer for the next plan (after the copy that last read it)."""
+        self._turn ^= 1
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()
+        return self.buffers[self._turn]
+
+    def copied(self) -> None:
+        """The plan's copy from the current buffer is queued on the current stream."""
+        event = self._events[self._turn] or torch.cuda.Event()
+        event.record()
+        self._events[self._turn] = event
+
+    def fits(self, wrapper) -> bool:
+        """The buffers hold what `wrapper`'s plan writes (its int workspace's size)."""
+        return self.buffers[0].numel() * self.buffers[0].element_size() >= \
+            wrapper._int_workspace_buffer.numel() * wrapper._int_workspace_buffer.element_size()
+
+
+def _stages(wrapper) -> bool:
+    """The wrapper plans through a pinned buffer it reads from an attribute at each plan() (flashinfer 0.5: where
+    it does not, the wrapper keeps its own buffer and the staging pair only orders the plans)."""
+    return hasattr(wrapper, "_pin_memory_int_workspace_buffer") and hasattr(wrapper, "_int_workspace_buffer")
+
+
+class Workspaces(NamedTuple):
+    """A (float, int) device workspace pair and its plan staging, which several backends used one after another on
+    one stream may share."""
+
+    float_buffer: torch.Tensor
+    int_buffer: torch.Tensor
+    staging: PlanStaging
+
+
+def make_workspaces(device: torch.device) -> Workspaces:
+    int_buffer = torch.zeros(8 << 20, dtype=torch.uint8, device=device)
+    return Workspaces(torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device), int_buffer,
+                      PlanStaging(int_buffer))
 
 
 def prefill_kernel(device: torch.device, dtype: torch.dtype) -> str:
@@ -57,7 +116,7 @@ class FlashInferAttention:
     def __init__(self, cfg: AttentionShape, dtype: torch.dtype, device: torch.device, *,
                  graph_batch_size: int | None = None, max_pages: int = 0,
                  decode_tensor_cores: bool | None = None,
-                 workspaces: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 workspaces: Workspaces | None = None) -> None:
         import flashinfer
 
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -66,7 +125,7 @@ class FlashInferAttention:
         self.decode_tensor_cores = (group not in CUDA_CORE_DECODE_GROUPS if decode_tensor_cores is None
                                     else decode_tensor_cores)
         # (float, int) workspaces; graph backends of one stream share one pair: their replays never overlap
-        self.workspace = (workspaces[0] if workspaces is not None
+        self.workspace = (workspaces.float_buffer if workspaces is not None
                           else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device))
         self.graph_batch_size = graph_batch_size
         self.prefill = None
@@ -85,9 +144,18 @@ class FlashInferAttention:
         if workspaces is not None:
             for wrapper in (self.prefill, self.decode):
                 if wrapper is not None:
-                    wrapper.reset_workspace_buffer(*workspaces)
+                    wrapper.reset_workspace_buffer(workspaces.float_buffer, workspaces.int_buffer)
+        # the wrappers' own pinned buffers give way to the staging pair (wrappers of one instance plan one at a time)
+        wrappers = [w for w in (self.prefill, self.decode) if w is not None and _stages(w)]
+        if workspaces is not None:
+            self.staging = workspaces.staging
+        else:
+            self.staging = PlanStaging(max((w._int_workspace_buffer for w in wrappers), key=torch.Tensor.numel,
+                                           default=torch.empty(0, dtype=torch.uint8)))
+        for w in wrappers:
+            if self.staging.fits(w):
+                w._pin_memory_int_workspace_buffer = self.staging.buffers[0]
         self._active = None
-        self._planned: torch.cuda.Event | None = None
         self._plan_key: tuple | None = None  # the prefill layout last planned
 
     def prepare(self, m: AttentionMetadata) -> None:
@@ -99,15 +167,19 @@ class FlashInferAttention:
             return
         self._plan_key = key
         # plan() writes its schedule into a pinned host buffer and copies it to the device asynchronously; when
-        # launches queue up on a busy stream (prefill beside decode), the previous copy may not have run yet, so
-        # the buffer is rewritten only after it has
-        if self._planned is not None:
-            self._planned.synchronize()
+        # launches queue up on a busy stream (the next step planned while this one runs, prefill beside decode), a
+        # copy may not have run yet: the staging pair rewrites a buffer only after its copy has
+        wrapper = self.decode if m.decode_only else self.prefill
+        staged = self.staging.next()
+        if wrapper is not None and _stages(wrapper) and self.staging.fits(wrapper):
+            wrapper._pin_memory_int_workspace_buffer = staged
         # plain host tensors: staging them through pinned memory measured 25-35 us slower per plan (H200)
         qo_indptr, indptr, indices, last, seq_lens = (torch.from_numpy(a) for a in (
             m.qo_indptr, m.kv_indptr, m.kv_indices, m.last_page_len, m.seq_lens))
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
         if m.decode_only:
+            if self.graph_batch_size is not None:
+                indices = self.staging.indices_on(m.kv_indices, self.workspace.device)
             self.decode.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, m.page_size,
                              seq_lens=seq_lens, **common)
             self._active = self.decode
@@ -117,9 +189,7 @@ class FlashInferAttention:
             self.prefill.plan(qo_indptr, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
                               m.page_size, causal=True, **common)
             self._active = self.prefill
-        if self._planned is None:
-            self._planned = torch.cuda.Event()
-        self._planned.record()
+        self.staging.copied()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

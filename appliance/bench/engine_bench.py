@@ -1,6 +1,8 @@
 """`muxd bench engine`: decode step latency by batch and context, prefill time by new and cached tokens, eager vs
 CUDA-graph decode, host overhead per step and start-up times, each against a floor from ceilings measured in the same
-run (bytes moved over the copy bandwidth; model FLOPs over the bf16 GEMM rate).
+run (bytes moved over the copy bandwidth; model FLOPs over the bf16 GEMM rate). A decode row's host time is what the
+step shows beyond its device time (wall minus the graph replay alone), with the engine's loop overlapped (its default)
+and, with `sync_rows`, synchronous for comparison.
 
 Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
 prefill of its whole batch.
@@ -27,12 +29,14 @@ from appliance.model_zoo.loader import load_model
 
 @dataclass
 class Row:
-    kind: str                  # decode | prefill | decode-eager
+    kind: str                  # decode | decode-sync (the synchronous loop) | prefill | decode-eager
     label: str
     ms: float                  # median wall time of one engine step (decode) or one prefill forward + sampling
     floor_ms: float
     device_ms: float | None = None  # decode: replay of the captured graph alone
-    host_ms: float | None = None    # decode: step wall time not spent waiting for the device
+    host_ms: float | None = None    # decode: what the step shows beyond the device (wall minus device; without a
+    # captured graph, the wall time not spent waiting for the device)
+    busy_ms: float | None = None    # decode: host time per step not spent waiting for the device (hidden or not)
     note: str = ""
 
     @property
@@ -118,12 +122,18 @@ class EngineBench:
         for r in reqs:
             self.engine.abort(r.request_id)
 
-    def decode(self, batch: int, context: int, graphs: bool = True) -> Row:
+    def decode(self, batch: int, context: int, graphs: bool = True, overlap: bool | None = None) -> Row:
+        """A decode row; `overlap` False runs the engine's synchronous loop (None: as the engine is configured)."""
         label = f"decode b={batch} ctx={context}"
         floor = self.costs.decode_bytes(batch, context) / self.ceilings.copy_bytes_per_s * 1e3
         kind = "decode" if graphs else "decode-eager"
+        overlapping = self.engine.async_scheduling
+        if overlap is not None:
+            self.engine.async_scheduling = overlap
+            kind = kind if overlap else "decode-sync"
         reqs = self.seat(batch, context)
         if isinstance(reqs, str):
+            self.engine.async_scheduling = overlapping
             return Row(kind, label, float("nan"), floor, note=reqs)
         runner = self.engine.runner
         runner.use_graphs = graphs
@@ -144,8 +154,10 @@ class EngineBench:
         finally:
             runner.use_graphs = True
             self.clear(reqs)
-        return Row(kind, label, statistics.median(walls) * 1e3, floor, device_ms=device,
-                   host_ms=statistics.median(hosts) * 1e3)
+            self.engine.async_scheduling = overlapping
+        ms, busy = statistics.median(walls) * 1e3, statistics.median(hosts) * 1e3
+        return Row(kind, label, ms, floor, device_ms=device, host_ms=ms - device if device is not None else busy,
+                   busy_ms=busy, note="" if self.engine.async_scheduling or kind == "decode-sync" else "sync loop")
 
     def prefill(self, new: int, cached: int) -> Row:
         label = f"prefill new={new} cached={cached}"
@@ -189,7 +201,9 @@ def start_engine(model_dir: str, load_format: str, dtype: str | None, config: Co
 
 def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None, batches=(1, 8, 32, 64, 128),
         contexts=(1024, 8192), prefills=((512, 0), (2048, 0), (8192, 0), (2048, 8192), (2048, 32768)),
-        iters: int = 20, config: Config | None = None, startup_only: bool = False) -> EngineBenchResult:
+        iters: int = 20, config: Config | None = None, startup_only: bool = False,
+        sync_rows: bool = False) -> EngineBenchResult:
+    """`sync_rows`: each decode row also with the engine's synchronous loop (kind decode-sync), for comparison."""
     ceilings = measure_ceilings()
     config = config or Config.flat(max_num_seqs=max(batches), max_num_batched_tokens=max(n for n, _ in prefills),
                                     max_model_len=max(n + c for n, c in prefills) + 64)
@@ -204,6 +218,8 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
     for context in contexts:
         for batch in batches:
             result.rows.append(bench.decode(batch, context))
+            if sync_rows:
+                result.rows.append(bench.decode(batch, context, overlap=False))
     eager = bench.decode(1, contexts[0], graphs=False)
     result.rows.append(eager)
     graph_row = next(r for r in result.rows if r.kind == "decode" and r.label == f"decode b=1 ctx={contexts[0]}")
@@ -220,16 +236,18 @@ def render(result: EngineBenchResult) -> str:
     c = result.ceilings
     lines = [f"device: {c['device']}; copy {c['copy_TBps']:.2f} TB/s (read+write), bf16 GEMM "
              f"{c['gemm_TFLOPps']:.0f} TFLOP/s, both measured in this run", "",
-             "| row | measured ms | floor ms | ratio | device ms | host ms | note |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| row | measured ms | floor ms | ratio | device ms | host ms | host busy ms | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in result.rows:
         ratio = f"{r.ratio:.2f}x" if r.ms == r.ms else "-"
         if r.kind == "prefill" and r.ms == r.ms:
             ratio += f" ({100 / r.ratio:.0f}% of GEMM rate)"
-        lines.append(f"| {r.label}{' (eager)' if r.kind == 'decode-eager' else ''} | "
+        suffix = {"decode-eager": " (eager)", "decode-sync": " (sync loop)"}.get(r.kind, "")
+        lines.append(f"| {r.label}{suffix} | "
                      f"{'-' if r.ms != r.ms else f'{r.ms:.2f}'} | {r.floor_ms:.2f} | {ratio} | "
                      f"{'' if r.device_ms is None else f'{r.device_ms:.2f}'} | "
-                     f"{'' if r.host_ms is None else f'{r.host_ms:.2f}'} | {r.note} |")
+                     f"{'' if r.host_ms is None else f'{r.host_ms:.2f}'} | "
+                     f"{'' if r.busy_ms is None else f'{r.busy_ms:.2f}'} | {r.note} |")
     lines.append("")
     lines.append("start-up: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in result.startup.items()))

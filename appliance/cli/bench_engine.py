@@ -45,6 +45,11 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         attention_backend: str = typer.Option("auto", help="auto, flashinfer or torch."),
         compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile each layer."),
         cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
+        async_scheduling: bool = typer.Option(True, "--async-scheduling/--no-async-scheduling",
+                                              help="The engine's overlapped loop (plan the next step while one runs), "
+                                                   "as `muxd serve` runs it by default."),
+        compare_sync: bool = typer.Option(False, "--compare-sync", help="Also time every decode row with the "
+                                          "synchronous loop (rows marked 'sync loop'): host ms on and off."),
         startup_only: bool = typer.Option(False, "--startup-only", help="Only build the engine and report "
                                                                        "start-up times (run twice: cold, warm)."),
         multiplex: bool = typer.Option(False, "--multiplex", help="Instead of the rows above: decode on each SM "
@@ -65,10 +70,11 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         config = Config.flat(max_num_seqs=max(bs) + multiplex,  # + the concurrent prefill
                               max_num_batched_tokens=max(n for n, _ in pre),
                               max_model_len=max(max(n + c for n, c in pre), max(ctx)) + iters + 64,
-                              attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph)
+                              attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph,
+                              async_scheduling=async_scheduling)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,
                                   prefills=pre, iters=iters, config=config,
-                                  startup_only=startup_only or multiplex)
+                                  startup_only=startup_only or multiplex, sync_rows=compare_sync)
         table = engine_bench.render(result)
         if multiplex:
             table = multiplex_bench.run_multiplex(result, granularity, batch=max(bs), context=ctx[0],

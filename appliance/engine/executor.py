@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Callable
 
@@ -26,7 +25,7 @@ import torch
 
 from appliance.attention import AttentionBackend, make_backend
 from appliance.engine.graphs import DecodeGraphs
-from appliance.engine.launched import LaunchedStep
+from appliance.engine.launched import DecodeObservation, LaunchedStep, PrefillLaunch, PrefillObservation
 from appliance.engine.partitions import Partition, PartitionSet
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -34,55 +33,6 @@ from appliance.engine.request import Request
 from appliance.engine.runner import ModelRunner
 from appliance.engine.timeline import Timeline
 from appliance.predictor.gemm_table import GemmTable, bucket_sizes
-
-
-@dataclass
-class _Launch:
-    """Prefill layers launched together on a partition's prefill stream: what they compute, the tokens of the chunks
-    that end a prompt (pinned host memory, valid once the event has fired) and their log-probabilities, and the event
-    after their last kernel."""
-
-    works: list[PrefillWork]
-    ids: list[str]
-    tokens: torch.Tensor | None
-    event: torch.cuda.Event | None
-    stream: torch.cuda.Stream | None
-    partition: str
-    launched_at: float
-    began: torch.cuda.Event | None = None  # recorded on the stream just before the first layer's kernels
-    prefill_sms: int = 0
-    decodes_before: int = 0  # the executor's split decode steps when it was launched
-    logprobs: dict = field(default_factory=dict)
-
-    def done(self) -> bool:
-        return self.event is None or self.event.query()
-
-
-@dataclass(frozen=True)
-class PrefillObservation:
-    """Prefill layers as they ran: the partition's prefill SMs, the works, their GPU time (from an event before the
-    first layer to one after the last, on the prefill stream) and whether decode steps ran on the other SMs
-    meanwhile."""
-
-    prefill_sms: int
-    works: tuple[PrefillWork, ...]
-    ms: float
-    beside_decode: bool
-
-    @property
-    def layers(self) -> int:
-        return self.works[0].layer_end - self.works[0].layer_start
-
-
-@dataclass(frozen=True)
-class DecodeObservation:
-    """A decode step as it ran: its partition's decode SMs, its time (launch to tokens on the host, less the host
-    time spent launching prefill layers in between; its kernels' own time when the next step was launched before its
-    tokens were read) and the prefill works running beside it (empty: it ran alone)."""
-
-    decode_sms: int
-    ms: float
-    concurrent: tuple[PrefillWork, ...]
 
 
 def _on(stream: torch.cuda.Stream | None):
@@ -97,8 +47,8 @@ class Executor:
         self.timeline = timeline or Timeline()
         self._graphs: dict[str, DecodeGraphs | None] = {}
         self._prefill_backends: dict[str, AttentionBackend] = {}
-        self._inflight: list[_Launch] = []
-        self._last: dict[str, _Launch] = {}  # each request's latest prefill launch
+        self._inflight: list[PrefillLaunch] = []
+        self._last: dict[str, PrefillLaunch] = {}  # each request's latest prefill launch
         self.current: Partition = self.partitions.full
         self.switches = 0
         self.layers_launched = 0
@@ -392,7 +342,7 @@ class Executor:
                 host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
-        launch = _Launch(works, ids, host, event, stream, part.name, started, began, part.prefill_sms,
+        launch = PrefillLaunch(works, ids, host, event, stream, part.name, started, began, part.prefill_sms,
                          self._split_decodes, logprobs)
         self._inflight.append(launch)
         for w in works:

@@ -102,7 +102,9 @@ class _Builder:
         predictor = self._predictor()
         planner = self._planner(predictor, partitions)
         scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
-        runner = ModelRunner(model, kv_cache, rt.attention_backend)
+        # a step samples one token per running request at most: the token buffer holds them all
+        runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows=max(sched_cfg.max_num_seqs,
+                                                                                 self.max_graph_batch))
         executor = Executor(runner, partitions)
         if self.cuda and rt.cuda_graph:
             start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""A step launched on the device whose sampled tokens the host has not read yet, and the device buffer they go to.
+"""What the executor launched and has not finished reading: a step whose sampled tokens the host has not read yet,
+the device buffer they go to, prefill layers launched on a partition's stream, and what both are observed to take.
 
 Every step writes the token ids it sampled, row after row (decode rows first, then the prompts it finished), into one
 device buffer (`TokenBuffer`), then copies them to pinned host memory without waiting and records an event after the
@@ -89,3 +90,52 @@ class LaunchedStep:
     def done(self) -> bool:
         """Its tokens can be read without waiting."""
         return self.event is None or self.event.query()
+
+
+@dataclass
+class PrefillLaunch:
+    """Prefill layers launched together on a partition's prefill stream: what they compute, the tokens of the chunks
+    that end a prompt (pinned host memory, valid once the event has fired) and their log-probabilities, and the event
+    after their last kernel."""
+
+    works: list[PrefillWork]
+    ids: list[str]
+    tokens: torch.Tensor | None
+    event: torch.cuda.Event | None
+    stream: torch.cuda.Stream | None
+    partition: str
+    launched_at: float
+    began: torch.cuda.Event | None = None  # recorded on the stream just before the first layer's kernels
+    prefill_sms: int = 0
+    decodes_before: int = 0  # the executor's split decode steps when it was launched
+    logprobs: dict = field(default_factory=dict)
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+@dataclass(frozen=True)
+class PrefillObservation:
+    """Prefill layers as they ran: the partition's prefill SMs, the works, their GPU time (from an event before the
+    first layer to one after the last, on the prefill stream) and whether decode steps ran on the other SMs
+    meanwhile."""
+
+    prefill_sms: int
+    works: tuple[PrefillWork, ...]
+    ms: float
+    beside_decode: bool
+
+    @property
+    def layers(self) -> int:
+        return self.works[0].layer_end - self.works[0].layer_start
+
+
+@dataclass(frozen=True)
+class DecodeObservation:
+    """A decode step as it ran: its partition's decode SMs, its time (launch to tokens on the host, less the host
+    time spent launching prefill layers in between; its kernels' own time when the next step was launched before its
+    tokens were read) and the prefill works running beside it (empty: it ran alone)."""
+
+    decode_sms: int
+    ms: float
+    concurrent: tuple[PrefillWork, ...]

@@ -98,11 +98,11 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     beside = []  # decode steps that ran while prefill layers did: each refines the planner's contention guard
     observe = mux._observe
 
-    def spy(plan):
+    def spy(plan, load=None):
         seen = mux.executor.last_decode
         if seen is not None and seen.concurrent:
             beside.append(seen)
-        observe(plan)
+        observe(plan, load)
 
     mux._observe = spy
     log = StepLog(mux, mux.predictor).attach()  # and the prefill launches' GPU time, for serving calibration

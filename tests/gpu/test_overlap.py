@@ -1,0 +1,187 @@
+"""The overlapped step loop on CUDA: with decode CUDA graphs (flashinfer, torch.compile) and with SM partitions (green
+contexts, prefill layers beside decode, decode switching partitions), the overlapped loop's outputs equal the
+synchronous loop's token for token — greedy and seeded, stop tokens, max_tokens ending at every step, aborts at every
+step, preemption under a small KV cache — and no page is left behind; the next step's attention plan is staged in two
+pinned buffers used in turn."""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import pytest
+from copy_model import PERIOD, periodic_prompt
+
+from appliance.config import Config
+from appliance.engine.engine import Engine
+from appliance.engine.factory import build_engine
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.planners.base import Planner, admit_fcfs, chunk_end, reserve_all
+from appliance.engine.request import Request, SamplingParams
+from appliance.engine.scheduler import Scheduler
+
+
+class AlternatingLayerwise(Planner):
+    """Test planner: every decoding request decodes, each pending prompt advances one layer a step, and the decode
+    partition alternates between two sizes while prefill runs (so consecutive decode steps run on different streams)."""
+
+    name = "test-alternating"
+
+    def __init__(self, decode_sms=(32, 64)) -> None:
+        self.sizes = itertools.cycle(decode_sms)
+
+    def plan(self, sched: Scheduler) -> StepPlan:
+        decode = reserve_all(sched, list(sched.decoding))
+        admit_fcfs(sched, 100_000)
+        works = tuple(PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, 4096), layer, layer + 1)
+                      for r, layer in sched.pending_prefills() if r.request_id not in sched.inflight)
+        busy = bool(works) or sched.has_inflight()
+        return StepPlan(decode=decode, prefill=works, decode_sms=next(self.sizes) if decode and busy else None)
+
+
+def build(path, **kw) -> Engine:
+    kw = {"num_gpu_blocks_override": 512, "max_num_seqs": 32, "compile": True, **kw}
+    return build_engine(Config.flat(model=path, device="cuda", attention_backend="flashinfer", cuda_graph=True, **kw))
+
+
+@pytest.fixture(scope="module")
+def fast(copy_model) -> Engine:
+    return build(copy_model)
+
+
+@pytest.fixture(scope="module")
+def multiplexed(copy_model) -> Engine:
+    engine = build(copy_model, policy="layerwise", multiplex=True, max_num_seqs=16)
+    assert engine.executor.multiplexed and len(engine.partitions.splits) >= 2
+    engine.scheduler.planner = AlternatingLayerwise()
+    return engine
+
+
+def stop_after(seed: int, length: int, n: int) -> int:
+    """A token that ends the greedy continuation of periodic_prompt(seed, length) at its n-th token or earlier."""
+    return periodic_prompt(seed, length + n)[length + n - 1]
+
+
+ABORTED = (3, 12)  # the requests `compare` aborts (in order of creation: a greedy one and the stop-token one)
+
+
+def workload(engine: Engine) -> dict[int, list[Request]]:
+    """max_tokens ending at every step from 1 to 12, stop tokens, seeded sampling, logprobs; staggered arrivals
+    (requests 0-11 greedy, 12 stopped by a token, 13 seeded, 14 with logprobs, 15 longer)."""
+    greedy = [engine.make_request(periodic_prompt(s, 30 + 3 * s),
+                                  SamplingParams(max_tokens=s, temperature=0, ignore_eos=True)) for s in range(1, 13)]
+    others = [
+        engine.make_request(periodic_prompt(20, 40), SamplingParams(max_tokens=20, temperature=0,
+                                                                     stop_token_ids=[stop_after(20, 40, 5)])),
+        engine.make_request(periodic_prompt(21, 2 * PERIOD + 3), SamplingParams(max_tokens=16, temperature=2.0,
+                                                                                seed=7, ignore_eos=True)),
+        engine.make_request(periodic_prompt(22, 33), SamplingParams(max_tokens=10, temperature=0, logprobs=2,
+                                                                    ignore_eos=True)),
+        engine.make_request(periodic_prompt(23, 50), SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)),
+    ]
+    return {0: greedy[:6] + others[:2], 2: greedy[6:], 5: others[2:]}
+
+
+def drive(engine: Engine, overlap: bool, arrivals: dict[int, list[Request]],
+          aborts: dict[int, list[str]] | None = None) -> dict[str, list[tuple]]:
+    """Step the engine with the loop overlapped or not, submitting `arrivals[k]` and aborting `aborts[k]` before step
+    k; every request's outputs (token ids, finished, reason, log-probability token ids)."""
+    engine.async_scheduling = overlap
+    aborts = aborts or {}
+    outs: dict[str, list[tuple]] = defaultdict(list)
+    k, last = 0, max([*arrivals, *aborts])
+    while k <= last or engine.has_unfinished():
+        for r in arrivals.get(k, []):
+            engine.submit(r)
+        for rid in aborts.get(k, []):
+            engine.abort(rid)
+        if engine.has_unfinished():
+            for o in engine.step():
+                lps = tuple(lp.token_id for lp in o.logprobs) if o.logprobs else None
+                outs[o.request_id].append((tuple(o.new_token_ids), o.finished, o.finish_reason, lps))
+        k += 1
+    assert not engine.scheduler.requests and engine._launched is None
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    assert not engine.runner.batches._mirrors and not engine.executor.has_inflight()
+    return dict(outs)
+
+
+def by_index(outs: dict[str, list[tuple]], engine_first: int) -> dict[int, list[tuple]]:
+    """Outputs keyed by submission order (request ids count on across runs of one engine)."""
+    return {int(rid.split("-")[1]) - engine_first: v for rid, v in outs.items()}
+
+
+def compare(engine: Engine, aborts_at: int | None = None) -> tuple[dict, dict]:
+    results = []
+    for overlap in (False, True):
+        first = int(engine.next_request_id().split("-")[1]) + 1
+        arrivals = workload(engine)
+        made = sorted((r for rs in arrivals.values() for r in rs), key=lambda r: int(r.request_id.split("-")[1]))
+        aborts = {aborts_at: [made[i].request_id for i in ABORTED]} if aborts_at is not None else None
+        seen = []
+        collect = engine.executor.collect
+        engine.executor.collect = lambda step: seen.append(step.overlapped) or collect(step)
+        try:
+            results.append(by_index(drive(engine, overlap, arrivals, aborts), first))
+        finally:
+            del engine.executor.collect
+        assert any(seen) == overlap
+    return results[0], results[1]
+
+
+def test_overlapped_equals_synchronous_with_cuda_graphs(fast):
+    replays = fast.runner.graphs.replays
+    sync, overlapped = compare(fast)
+    assert overlapped == sync
+    assert fast.runner.graphs.replays > replays
+    lengths = sorted(sum(len(o[0]) for o in outs) for outs in sync.values())
+    assert set(range(1, 13)) <= set(lengths)
+    assert sync[12][-1][2] == "stop" and sum(len(o[0]) for o in sync[12]) <= 5  # the stop token
+
+
+def test_aborts_at_every_step_with_cuda_graphs(fast):
+    """Two requests aborted before each engine step in turn: the others are unchanged, the aborted ones got a prefix
+    of their output."""
+    full, _ = compare(fast)
+    for k in range(16):
+        sync, overlapped = compare(fast, aborts_at=k)
+        for got in (sync, overlapped):
+            assert {i: v for i, v in got.items() if i not in ABORTED} == \
+                {i: v for i, v in full.items() if i not in ABORTED}, k
+            for i in ABORTED:
+                tokens = [t for o in got.get(i, []) for t in o[0]]
+                assert tokens == [t for o in full[i] for t in o[0]][:len(tokens)], (k, i)
+
+
+def test_overlapped_equals_synchronous_on_sm_partitions(multiplexed):
+    switches = multiplexed.executor.switches
+    sync, overlapped = compare(multiplexed)
+    assert overlapped == sync
+    assert multiplexed.executor.switches > switches and multiplexed.executor.layers_launched > 0
+    for k in (1, 3, 6):
+        sync, overlapped = compare(multiplexed, aborts_at=k)
+        assert {i: v for i, v in overlapped.items() if i not in ABORTED} == \
+            {i: v for i, v in sync.items() if i not in ABORTED}
+
+
+def test_preemption_under_a_small_kv_cache(copy_model):
+    """Twenty pages for sixteen requests: preemption, also of requests whose latest token is still on the device."""
+    engine = build(copy_model, num_gpu_blocks_override=20, compile=False, enable_prefix_caching=False)
+    pending = []
+    inner = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda r: (pending.append(r.num_pending), inner(r))[1]
+    sync, overlapped = compare(engine)
+    assert overlapped == sync
+    assert any(pending)
+
+
+def test_plans_alternate_between_two_pinned_buffers(fast):
+    """The decode graphs of one stream share one staging pair, and the overlapped loop used both of its buffers."""
+    graphs = fast.runner.graphs
+    stagings = {id(backend.staging) for _, backend in graphs._graphs.values()}
+    assert len(stagings) == 1
+    staging = next(backend.staging for _, backend in graphs._graphs.values())
+    assert all(b.is_pinned() for b in staging.buffers)
+    for backend in (b for _, b in graphs._graphs.values()):
+        assert backend.decode._pin_memory_int_workspace_buffer.data_ptr() in {b.data_ptr() for b in staging.buffers}
+    drive(fast, True, {0: [fast.make_request(periodic_prompt(30, 40), SamplingParams(max_tokens=6, temperature=0))]})
+    assert all(e is not None for e in staging._events)
