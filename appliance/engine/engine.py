@@ -188,6 +188,16 @@ class Engine:
             num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None,
             logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs)
 
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    def on_fatal(self, callback) -> None:
+        """Have `callback(error)` called, from another thread, when the engine can no longer run (a rank of a
+        tensor-parallel engine died); steps raise RankError from then on."""
+        self.executor.on_fatal(callback)
+
+    def close(self) -> None:
+        """Stop the processes the engine started (the other ranks of a tensor-parallel engine)."""
+        self.executor.close()
+
     # ---- synchronous API --------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
