@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 from typing import Optional
 
 import typer
@@ -15,6 +17,9 @@ from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
 from appliance.server.lifecycle import DrainingServer
+
+
+FATAL_EXIT_S = 30.0  # after a fatal error, how long the server may take to end before the process exits anyway
 
 
 def fail(exc: ApplianceError) -> None:
@@ -43,6 +48,10 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         fatal.append(exc)
         if server is not None:
             server.should_exit = True
+        # a rank lost in the middle of a collective can leave a GPU stream that never ends: leave regardless
+        timer = threading.Timer(FATAL_EXIT_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
 
     app = create_app(config, on_fatal)
     server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
@@ -51,7 +60,8 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
                "model; GET /ready turns 200 when it is up)")
     server.run()
     if fatal:
-        typer.secho(f"error: start-up failed: {fatal[0]}", fg=typer.colors.RED, err=True)
+        when = "" if app.state.muxd.ready else "start-up failed: "
+        typer.secho(f"error: {when}{fatal[0]}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
 
 

@@ -196,6 +196,7 @@ class RankGroup:
 
     def _fail(self, i: int) -> None:
         proc = self.procs[i]
+        proc.join(JOIN_TIMEOUT_S)  # its sentinel fired: this only reaps it, for its exit code
         report = self._reports.get(i)
         self.failure = (f"tensor-parallel rank {i + 1} (pid {proc.pid}) {_signal_name(proc.exitcode)}"
                         f"{': ' + report if report else ''}; the engine cannot continue")

@@ -41,6 +41,7 @@ class ServerState:
     async def start(self) -> None:
         try:
             engine = await _in_daemon_thread(lambda: build_engine(self.cfg))
+            engine.on_fatal(self._engine_lost)
             self.engine = AsyncEngine(engine)
             self.engine.start()
             warm = self.engine.make_request([0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
@@ -57,6 +58,12 @@ class ServerState:
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
+    def _engine_lost(self, exc: BaseException) -> None:
+        """The engine can no longer run (a tensor-parallel rank died): the server ends with the error."""
+        log.error("%s; the server stops", exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
     async def stop(self) -> None:
         if self.serving is not None:
             self.serving.shutdown()
@@ -66,6 +73,7 @@ class ServerState:
             self.engine.engine.executor.timeline.save(path / f"timeline-{os.getpid()}.json")
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+            await asyncio.to_thread(self.engine.engine.close)
 
     def require_ready(self) -> OpenAIServing:
         if self.engine is not None and self.engine.error is not None:
