@@ -108,8 +108,8 @@ def read_samples(path: Path, header: dict) -> dict[str, tuple[Point, float]]:
     for k in ("shape", "tensor_parallel_size", "gpu", "sm_count", "decode_partitions"):
         default = 1 if k == "tensor_parallel_size" else None  # a log from before tensor parallelism: one rank
         if head.get(k, default) != header.get(k, default):
-            raise ConfigError(f"{path}: measured with {k} {head.get(k, default)!r}, this run has {header.get(k, default)!r}; "
-                              "remove it or drop --resume")
+            raise ConfigError(f"{path}: measured with {k} {head.get(k, default)!r}, this run has "
+                              f"{header.get(k, default)!r}; remove it or drop --resume")
     out = {}
     for n, line in enumerate(lines[1:], start=2):
         try:
