@@ -23,7 +23,7 @@ from appliance.attention import BACKEND_NAMES
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
-from appliance.model_zoo.tokenizer import compile_chat_template
+from appliance.model_zoo.tokenizer import read_tokenizer_config
 from appliance.predictor.profile import ProfileFile, read_profile
 from appliance.slo.contract import Contract, default_contract, load_contract
 
@@ -74,6 +74,10 @@ class ModelSettings:
                                         "capped by the KV cache).")
     chat_template: Optional[str] = flag(None, "Chat template to use instead of the model's: a file, or the jinja "
                                         "template itself.")
+    special_tokens_in_messages: bool = flag(False, "Read control tokens written inside chat messages (e.g. "
+                                            "<|im_end|>) as the control tokens themselves, as transformers' "
+                                            "apply_chat_template does. Off: they are tokenized as plain text, so a "
+                                            "user cannot close their turn and forge a system turn.")
     seed: Optional[int] = flag(None, "Seed the sampling generator once at start-up, as vLLM does: the same requests "
                                "in the same order sample the same tokens. A request's own 'seed' fixes its output "
                                "regardless.")
@@ -264,11 +268,21 @@ class ServerSettings:
     host: str = flag("127.0.0.1", "Address to bind; use 0.0.0.0 to accept connections from other machines.",
                      envvar="MUXD_HOST")
     port: int = flag(8000, "TCP port.", envvar="MUXD_PORT")
-    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 route (/health, /ready "
-                                  "and /metrics stay open).", envvar="MUXD_API_KEY")
+    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 and /debug route (/health, "
+                                  "/ready and /metrics stay open).", envvar="MUXD_API_KEY")
     max_request_bytes: str = flag("16MiB", "Largest request body (e.g. 16MiB or 1048576); larger ones get HTTP 413.")
+    header_timeout: float = flag(10.0, "Seconds a connection may take to send a request's headers (from opening, or "
+                                 "from its previous response); slower connections are closed.")
+    body_timeout: float = flag(30.0, "Seconds a request's whole body may take to arrive after its headers; slower "
+                               "requests get HTTP 408. A request takes its place among --max-num-seqs + "
+                               "--max-waiting only once its body has arrived.")
     shutdown_timeout: float = flag(30.0, "On SIGTERM/SIGINT, seconds running requests may take to finish (new ones "
                                    "get 503) before they are ended.")
+    engine_restarts: int = flag(3, "After an engine step fails (its requests end with an error), rebuild the engine "
+                                "in process around the loaded weights, at most this many times within "
+                                "--engine-restart-window; one failure more stops the server (exit 1) so that its "
+                                "supervisor restarts it. 0: stop at the first failure.")
+    engine_restart_window: float = flag(300.0, "Seconds over which --engine-restarts counts failed steps.")
     trace_dir: Optional[str] = flag(None, "Write the executor's timeline (Chrome-trace JSON) here when the server "
                                     "stops; GET /debug/timeline serves it live.")
     log_level: str = flag("info", "debug, info, warning, error.")
@@ -283,11 +297,17 @@ class ServerSettings:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.request_byte_limit < 1:
             raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
+        if not (self.header_timeout > 0 and self.body_timeout > 0):
+            raise ConfigError(f"--header-timeout and --body-timeout must be > 0 seconds, got {self.header_timeout} "
+                              f"and {self.body_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                               f"{self.tool_call_parser!r}")
+        if self.engine_restarts < 0 or not self.engine_restart_window > 0:
+            raise ConfigError(f"--engine-restarts must be >= 0 and --engine-restart-window > 0 seconds, got "
+                              f"{self.engine_restarts} and {self.engine_restart_window}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
 
@@ -340,9 +360,9 @@ class Config:
 
     def check(self) -> ModelConfig:
         """The checks that read files or the machine, before anything slow: the device (and GPUs enough for the
-        ranks), the model directory and its config.json (and whether it splits across the ranks), the weights'
-        presence, the context length, the SLO contract, the chat template. Returns the model's config as each
-        rank runs it."""
+        ranks), the model directory and its config.json (and whether it splits across the ranks), the context length,
+        the SLO contract, the weights (present, and each safetensors file whole), the tokenizer's special ids and chat
+        template. Returns the model's config as each rank runs it."""
         device = self.runtime.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
@@ -359,12 +379,13 @@ class Config:
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
         path = resolve_model_dir(self.model.model_dir)
         cfg = ModelConfig.from_file(path / "config.json").sharded(tp)
-        if self.model.load_format != "dummy":
-            checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
         cfg.check_max_model_len(self.model.max_model_len or cfg.max_model_len)
-        template = self.model.chat_template_source()
-        if template is not None:
-            compile_chat_template(template)
+        if self.model.load_format != "dummy":
+            checkpoint_files(path, check=True)  # each file's header: a truncated download fails here, named
+        if (path / "tokenizer.json").is_file():  # the template compiles, the special ids are token ids
+            read_tokenizer_config(path, self.model.chat_template_source())
+        elif self.model.chat_template is not None:
+            raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
         return cfg
 
 

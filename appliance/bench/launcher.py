@@ -115,12 +115,12 @@ class ServerProcess:
             self.proc.wait()
 
 
-def wait_until_ready(url: str, proc: subprocess.Popen, timeout: float, log_tail: Callable[[], str]) -> None:
-    """Poll GET /ready of a `muxd serve` process until 200; ApplianceError (with its log's tail) if it exits or
-    stays unready for `timeout` seconds."""
+def wait_until_ready(url: str, proc: subprocess.Popen | None, timeout: float, log_tail: Callable[[], str]) -> None:
+    """Poll GET /ready of a `muxd serve` process (or of a server it does not own: proc None) until 200;
+    ApplianceError (with its log's tail) if it exits or stays unready for `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise ApplianceError(f"muxd serve ({' '.join(map(str, proc.args[3:]))}) exited with {proc.returncode}:"
                                  f"\n{log_tail()}")
         try:

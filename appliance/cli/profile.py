@@ -180,6 +180,8 @@ def profile_command(app: typer.Typer) -> None:
                             "between its runs: something else kept this host busy (another process, another GPU's "
                             "work); the medians absorb some of it, but a profile taken on an idle machine fits "
                             "tighter", fg=typer.colors.YELLOW, err=True)
+        else:
+            typer.echo("repeated points: none (no short point to repeat, or the budget left no time to)")
 
 
 def _report(result, budget_minutes: float | None) -> None:

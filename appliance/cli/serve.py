@@ -2,6 +2,7 @@
 `muxd generate` (one prompt, streamed to the terminal)."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -16,8 +17,8 @@ from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
+from appliance.server.http import HeaderDeadlineProtocol
 from appliance.server.lifecycle import DrainingServer
-
 
 FATAL_EXIT_S = 30.0  # after a fatal error, how long the server may take to end before the process exits anyway
 
@@ -54,14 +55,14 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         timer.start()
 
     app = create_app(config, on_fatal)
-    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
+    http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
+    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level, http=http,
                                            timeout_graceful_shutdown=5), app.state.muxd, srv.shutdown_timeout)
     typer.echo(f"muxd {__version__}: serving {config.model.model_name} on http://{srv.host}:{srv.port} (loading the "
                "model; GET /ready turns 200 when it is up)")
     server.run()
     if fatal:
-        when = "" if app.state.muxd.ready else "start-up failed: "
-        typer.secho(f"error: {when}{fatal[0]}", fg=typer.colors.RED, err=True)
+        typer.secho(f"error: {fatal[0]}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
 
 
@@ -104,8 +105,7 @@ def generate(
             messages = [{"role": "user", "content": prompt}]
             if system is not None:
                 messages.insert(0, {"role": "system", "content": system})
-            rendered = engine.tokenizer.apply_chat_template(messages)
-            text = engine.tokenizer.encode(rendered, add_special_tokens=False)
+            text = engine.tokenizer.encode_chat(engine.tokenizer.render_chat(messages))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop or []))
         rid = engine.add_request(text, params)

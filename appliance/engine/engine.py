@@ -111,6 +111,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def free_device_memory(self) -> None:
+        """Give back the KV cache and the captured graphs; the model and tokenizer stay loaded. After a failed step,
+        before a new engine is built around the same weights (engine/supervisor.py); this one serves no more."""
+        self.executor.drop_graphs()
+        self.kv_cache.data = self.kv_cache.data.new_empty(0)
+
     # ---- steps ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: merge prefills that finished, plan, launch (decode waits for its tokens, prefill may

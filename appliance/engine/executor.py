@@ -189,6 +189,14 @@ class Executor:
                                                           runner.device)
         runner.graphs = self._graphs.get(self.partitions.full.name)
 
+    def drop_graphs(self) -> None:
+        """Drop the captured graphs, prefill backends and in-flight launches (the engine is being replaced)."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._prefill_backends.clear()
+        self._inflight = []
+        self.runner.graphs = None
+
     def graph_memory_bytes(self) -> int:
         return sum(g.memory_bytes for g in (*self._graphs.values(), *self._prefill_graphs.values()) if g is not None)
 

@@ -44,13 +44,12 @@ log = logging.getLogger("muxd.engine")
 def load_tokenizer(config: Config) -> Tokenizer | None:
     """The model directory's tokenizer (None without tokenizer.json), with --chat-template applied."""
     path = resolve_model_dir(config.model.model_dir)
-    tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
     template = config.model.chat_template_source()
-    if template is not None:
-        if tokenizer is None:
+    if not (Path(path) / "tokenizer.json").is_file():
+        if template is not None:
             raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
-        tokenizer.set_chat_template(template)
-    return tokenizer
+        return None
+    return Tokenizer(path, template)
 
 
 def build_engine(config: Config, model: DecoderForCausalLM | None = None,

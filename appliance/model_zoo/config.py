@@ -20,7 +20,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": None, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": None, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": None, "qk_norm": True},
+    "Qwen3ForCausalLM": {"qkv_bias": None, "qk_norm": True, "head_dim": 128},  # transformers' Qwen3Config default
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 DTYPES = {
@@ -136,7 +136,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv,
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            head_dim=_head_dim(raw, family, hidden, num_heads, source),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             rope=_parse_rope(raw, source),
@@ -240,6 +240,19 @@ class ModelConfig:
         per_layer = attn + 3 * h * i + (2 * i + h) * self.mlp_bias + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
+
+
+def _head_dim(raw: dict[str, Any], family: dict[str, Any], hidden: int, num_heads: int, source: str) -> int:
+    """config.json's head_dim; absent, the family's default as transformers has it (Qwen3: 128), else
+    hidden_size / num_attention_heads."""
+    if raw.get("head_dim"):
+        return int(raw["head_dim"])
+    if family.get("head_dim"):
+        return int(family["head_dim"])
+    if hidden % num_heads:
+        raise ConfigError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={num_heads}; "
+                          "give head_dim explicitly")
+    return hidden // num_heads
 
 
 def _sliding_window(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -70,14 +71,34 @@ def _fill_dummy(model: DecoderForCausalLM, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a model directory, from the shard index when there is one."""
+def checkpoint_files(path: Path, check: bool = False) -> list[Path]:
+    """The safetensors files of a model directory, from the shard index when there is one; with `check`, each
+    file's header is read (by the safetensors library, which also refuses a file shorter than its header says:
+    a truncated download), so a broken file fails before anything slow, named."""
+    files = _checkpoint_files(path)
+    if check:
+        for file in files:
+            with _opened(file, "cpu"):
+                pass
+    return files
+
+
+def _opened(file: Path, device: str):
+    """safe_open, its errors (a truncated or corrupt file) as a ModelLoadError naming the file."""
+    try:
+        return safe_open(str(file), framework="pt", device=device)
+    except Exception as exc:  # safetensors raises its own SafetensorError (an Exception) or OSError
+        raise ModelLoadError(f"{file}: not a readable safetensors file ({exc}); a truncated or interrupted "
+                             "download? Fetch it again") from None
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise ModelLoadError(f"{index}: not a valid shard index (needs a 'weight_map' object): {exc}") from exc
         files = [path / name for name in sorted(set(weight_map.values()))]
         for f in files:
@@ -113,7 +134,7 @@ def _load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
     load_device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}" \
         if device.type == "cuda" else "cpu"
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device=load_device) as f:
+        with _opened(file, load_device) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
@@ -136,16 +157,23 @@ def _copy(f, file: Path, name: str, target: Target, param: torch.Tensor) -> None
     implied = list(dest.shape)
     whole = rows is None or rows.size == rows.total
     if whole:
-        tensor = f.get_tensor(name)
+        tensor = _read(file, name, lambda: f.get_tensor(name))
         shape = tuple(tensor.shape)
     else:
         implied[target.dim] = rows.total
-        part = f.get_slice(name)
+        part = _read(file, name, lambda: f.get_slice(name))
         shape = tuple(part.get_shape())
     if shape != tuple(implied):
         raise ModelLoadError(f"{file}: tensor {name!r} has shape {shape}, config.json implies {tuple(implied)}")
     if not whole:  # read this rank's rows only
         index = [slice(None)] * len(shape)
         index[target.dim] = slice(rows.start, rows.start + rows.size)
-        tensor = part[tuple(index)]
+        tensor = _read(file, name, lambda: part[tuple(index)])
     dest.copy_(tensor)
+
+
+def _read(file: Path, name: str, read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001 - the file changed or is corrupt past its header
+        raise ModelLoadError(f"{file}: tensor {name!r} cannot be read ({exc})") from None

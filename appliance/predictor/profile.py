@@ -96,9 +96,9 @@ class ProfileFile(_Model):
             missing = {"step_ms", "per_row_us", "launch_ms", "per_layer_ms"} - set(host)
             if missing:
                 raise ValueError(f"needs {', '.join(sorted(missing))}")
-            bad = {k: v for k, v in host.items() if not 0 <= v <= 100}
+            bad = {k: v for k, v in host.items() if not 0 <= v <= 1000}
             if bad:
-                raise ValueError(f"host times must be in 0..100 (ms, or us per row), got {bad}")
+                raise ValueError(f"host times must be in 0..1000 (ms, or us per row), got {bad}")
         return host
 
     @field_validator("serving")
