@@ -23,7 +23,7 @@ from appliance.server.api import create_app
 
 log = logging.getLogger("muxd.cluster")
 PREFIX_MEMORY = 1024     # prefix hashes a replica reports (the most recent; its prefix cache holds their pages)
-CALIBRATION_TOKENS = (16, 384)  # idle prefills timed at start-up when the engine has no latency predictor
+CALIBRATION_TOKENS = (16, 512)  # idle prefills timed at start-up when the engine has no latency predictor
 
 
 class EngineReplica:
@@ -148,7 +148,7 @@ class EngineReplica:
             fixed = predictor.prefill_ms([PrefillItem(1, 0)])
             return fixed, max(0.0, (predictor.prefill_ms([PrefillItem(1025, 0)]) - fixed) / 1024)
         sizes = [min(n, engine.max_model_len - 2) for n in CALIBRATION_TOKENS]
-        times = [min([await self._time_prefill(n) for _ in range(2)]) for n in sizes]
+        times = [min([await self._time_prefill(n) for _ in range(3)]) for n in sizes]
         per_token = max(0.0, (times[1] - times[0]) / max(1, sizes[1] - sizes[0]))
         return max(0.0, times[0] - per_token * sizes[0]), per_token
 

@@ -30,6 +30,10 @@ def hints_of(pending_request: Any) -> RoutingHints:
     return RoutingHints.from_dict(kwargs.get("hints") if isinstance(kwargs, dict) else None)
 
 
+def _request_id(pending_request: Any) -> str:
+    return str(getattr(getattr(pending_request, "metadata", None), "internal_request_id", id(pending_request)))
+
+
 def reports_of(replicas: Any) -> dict[str, tuple[Any, ReplicaReport]]:
     """Ray's running replicas by name, each with its last report."""
     return {r.replica_id.unique_id: (r, ReplicaReport.from_stats(r.routing_stats, r.replica_id.unique_id))
@@ -58,11 +62,14 @@ def _router_class() -> type:
 
         async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list[list]:
             replicas = reports_of(candidate_replicas)
-            ranked = self.scorer.rank([report for _, report in replicas.values()], hints_of(pending_request))
+            hints = hints_of(pending_request)
+            ranked = self.scorer.rank([report for _, report in replicas.values()], hints)
+            if ranked and pending_request is not None:
+                self.scorer.chose(_request_id(pending_request), ranked[0].replica, hints)
             return [[replicas[choice.replica][0]] for choice in ranked]
 
         def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
-            self.scorer.sent(replica_id.unique_id, hints_of(pending_request))
+            self.scorer.sent(replica_id.unique_id, hints_of(pending_request), _request_id(pending_request))
 
         def update_replicas(self, replicas: list) -> None:
             super().update_replicas(replicas)

@@ -1,21 +1,24 @@
 """SLO-aware replica choice, as plain Python (the Ray Serve router in router.py only adapts it): each replica's
 report (waiting queue and the predicted prefill time of what waits, running batch, KV usage, the prefix hashes it
 served, its prefill rate from its own predictor), corrected by what this router sent since that report, gives the
-request's predicted TTFT on that replica, as a fraction of its TTFT target. Replicas are ranked by that, plus a
-penalty for a nearly full KV cache (preemptions) and a small share of load (to spread ties, which keeps the running
-batches, and so TBT, even).
+request's predicted TTFT on that replica as a fraction of its TTFT target, plus a penalty for a nearly full KV cache
+(preemptions). Replicas within SLACK_STEP of each other on that count are equals; among equals the one holding more
+of the prompt's prefix wins (its prefix cache saves the prefill and the pages), then the least loaded (which keeps
+the running batches, and so TBT, even).
 """
 from __future__ import annotations
 
 import collections
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from appliance.cluster.hints import ORIGIN, RoutingHints, matched_chunks
 
 KV_SAFE = 0.9            # above this KV usage a new request risks preemptions: penalised in proportion
-LOAD_WEIGHT = 0.05       # share of the load term beside predicted TTFT / target (breaks ties between idle replicas)
+SLACK_STEP = 0.05        # predicted TTFTs within 5% of the target of each other count as equal
+RESERVATION_S = 30.0     # a replica chosen for a request counts it until confirmed, or at most this long
 LOCAL_AFFINITY = 4096    # prefix hashes this router remembers per replica (what it sent there lately)
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.05
 
@@ -57,27 +60,34 @@ class ReplicaReport:
 @dataclass
 class Choice:
     replica: str
-    score: float
+    score: float               # predicted TTFT / target, plus the KV penalty
     predicted_ttft_ms: float
     cached_tokens: int
+    load: float                # requests running, waiting or on their way, per seat
+
+    def key(self) -> tuple:
+        return (int(self.score / SLACK_STEP), -self.cached_tokens, self.load, self.score)
 
 
 class Scorer:
-    """The router's state across requests: what it sent to each replica since that replica's last report, and the
-    prefixes it sent there."""
+    """The router's state across requests: the requests it chose a replica for and has not seen confirmed yet (a
+    burst is routed before any confirmation comes back), and those it sent that the replica's report does not count
+    yet; and the prefixes it sent to each replica."""
 
     def __init__(self, origin: str = ORIGIN) -> None:
         self.origin = origin
-        self._sent: dict[str, int] = collections.Counter()              # requests sent per replica
+        self._sent: dict[str, int] = collections.Counter()              # confirmed sends per replica
         self._unreported: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self._reserved: dict[str, tuple[str, int, float]] = {}          # request -> (replica, tokens, when)
         self._affinity: dict[str, collections.OrderedDict] = collections.defaultdict(collections.OrderedDict)
 
     def rank(self, reports: Iterable[ReplicaReport], hints: RoutingHints) -> list[Choice]:
         """Replicas best first (a replica named in hints.avoid, or unhealthy, last)."""
+        reports = list(reports)
         choices = [self.score(r, hints) for r in reports]
-        random.shuffle(choices)  # equal scores: no replica is always first
+        random.shuffle(choices)  # equal keys: no replica is always first
         bad = {r.replica for r in reports if not r.healthy} | set(hints.avoid)
-        return sorted(choices, key=lambda c: (c.replica in bad, c.score))
+        return sorted(choices, key=lambda c: (c.replica in bad, c.key()))
 
     def score(self, report: ReplicaReport, hints: RoutingHints) -> Choice:
         held = report.prefixes | self._affinity[report.replica].keys()
@@ -89,22 +99,33 @@ class Scorer:
         score = ttft_ms / report.ttft_target_ms(hints.slo_class, hints.tokens - cached)
         if report.kv_usage > KV_SAFE:
             score += (report.kv_usage - KV_SAFE) / (1 - KV_SAFE)
-        load = report.num_running + report.num_waiting + len(pending)
-        score += LOAD_WEIGHT * load / max(1, report.max_num_seqs)
-        return Choice(report.replica, score, ttft_ms, cached)
+        load = (report.num_running + report.num_waiting + len(pending)) / max(1, report.max_num_seqs)
+        return Choice(report.replica, score, ttft_ms, cached, load)
 
     def _pending(self, report: ReplicaReport) -> list[int]:
-        """Prompt tokens of the requests this router sent to the replica that its report does not count yet."""
+        """Prompt tokens of the requests on their way to the replica: chosen for it and not confirmed yet, or sent
+        and not counted by its last report."""
         queue = self._unreported[report.replica]
-        seen = report.received.get(self.origin, 0)
-        while queue and queue[0][0] < seen:
+        behind = self._sent[report.replica] - report.received.get(self.origin, 0)
+        while len(queue) > max(0, behind):
             queue.popleft()
-        return [tokens for _, tokens in queue]
+        now = time.monotonic()
+        for rid in [rid for rid, (_, _, when) in self._reserved.items() if now - when > RESERVATION_S]:
+            del self._reserved[rid]  # chosen, then cancelled before it was sent
+        return [*queue, *(tokens for replica, tokens, _ in self._reserved.values() if replica == report.replica)]
 
-    def sent(self, replica: str, hints: RoutingHints) -> None:
-        """Record a request routed to `replica` (its prefixes now live there too)."""
-        self._unreported[replica].append((self._sent[replica], hints.tokens))
-        self._sent[replica] += 1
+    def chose(self, request_id: str, replica: str, hints: RoutingHints) -> None:
+        """The router picked `replica` for the request (it may still go elsewhere if that one is full)."""
+        if hints.origin == self.origin:
+            self._reserved[request_id] = (replica, hints.tokens, time.monotonic())
+
+    def sent(self, replica: str, hints: RoutingHints, request_id: str | None = None) -> None:
+        """Record a request routed to `replica` (its prefixes now live there too). Probes without an origin are
+        not counted by the replicas, so not here either."""
+        self._reserved.pop(request_id or "", None)
+        if hints.origin == self.origin:
+            self._unreported[replica].append(hints.tokens)
+            self._sent[replica] += 1
         memory = self._affinity[replica]
         for h in hints.prefix:
             memory[h] = None
