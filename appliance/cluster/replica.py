@@ -148,13 +148,16 @@ class EngineReplica:
             fixed = predictor.prefill_ms([PrefillItem(1, 0)])
             return fixed, max(0.0, (predictor.prefill_ms([PrefillItem(1025, 0)]) - fixed) / 1024)
         sizes = [min(n, engine.max_model_len - 2) for n in CALIBRATION_TOKENS]
-        times = [min([await self._time_prefill(n) for _ in range(3)]) for n in sizes]
+        vocab = engine.model.config.vocab_size
+        times = [min([await self._time_prefill(n, 3 * i + k, vocab) for k in range(3)]) for i, n in enumerate(sizes)]
         per_token = max(0.0, (times[1] - times[0]) / max(1, sizes[1] - sizes[0]))
         return max(0.0, times[0] - per_token * sizes[0]), per_token
 
-    async def _time_prefill(self, tokens: int) -> float:
+    async def _time_prefill(self, tokens: int, salt: int, vocab: int) -> float:
+        """One prefill of a prompt no other shares (a prefix-cache hit would time next to nothing)."""
         engine = self.state.engine
-        request = engine.make_request([7] * tokens, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+        ids = [(7919 * (salt + 1) + 104729 * salt * i + 31 * i) % (vocab - 10) + 5 for i in range(tokens)]
+        request = engine.make_request(ids, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
         started = time.perf_counter()
         async for _ in engine.stream(request):
             break

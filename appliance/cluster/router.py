@@ -71,6 +71,9 @@ def _router_class() -> type:
         def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
             self.scorer.sent(replica_id.unique_id, hints_of(pending_request), _request_id(pending_request))
 
+        def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+            self.scorer.completed(replica_id.unique_id, str(internal_request_id))
+
         def update_replicas(self, replicas: list) -> None:
             super().update_replicas(replicas)
             self.scorer.forget({r.replica_id.unique_id for r in replicas})

@@ -2,9 +2,10 @@
 report (waiting queue and the predicted prefill time of what waits, running batch, KV usage, the prefix hashes it
 served, its prefill rate from its own predictor), corrected by what this router sent since that report, gives the
 request's predicted TTFT on that replica as a fraction of its TTFT target, plus a penalty for a nearly full KV cache
-(preemptions). Replicas within SLACK_STEP of each other on that count are equals; among equals the one holding more
-of the prompt's prefix wins (its prefix cache saves the prefill and the pages), then the least loaded (which keeps
-the running batches, and so TBT, even).
+(preemptions). Replicas within SLACK_STEP of the best one on that count are its equals (measured from the best, so
+two near-equal scores are never split by a bucket edge); among equals the one holding more of the prompt's prefix
+wins (its prefix cache saves the prefill and the pages), then the least loaded (which keeps the running batches, and
+so TBT, even).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Iterable
 from appliance.cluster.hints import ORIGIN, RoutingHints, matched_chunks
 
 KV_SAFE = 0.9            # above this KV usage a new request risks preemptions: penalised in proportion
-SLACK_STEP = 0.05        # predicted TTFTs within 5% of the target of each other count as equal
+SLACK_STEP = 0.05        # predicted TTFTs within 5% of the target of the best count as equal
 RESERVATION_S = 30.0     # a replica chosen for a request counts it until confirmed, or at most this long
 LOCAL_AFFINITY = 4096    # prefix hashes this router remembers per replica (what it sent there lately)
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.05
@@ -65,8 +66,11 @@ class Choice:
     cached_tokens: int
     load: float                # requests running, waiting or on their way, per seat
 
-    def key(self) -> tuple:
-        return (int(self.score / SLACK_STEP), -self.cached_tokens, self.load, self.score)
+    def key(self, best: float) -> tuple:
+        """Sort key given the best score among the candidates: the best's equals first, by prefix and load."""
+        if self.score <= best + SLACK_STEP:
+            return (0, 0.0, -self.cached_tokens, self.load, self.score)
+        return (1, self.score, -self.cached_tokens, self.load, self.score)
 
 
 class Scorer:
@@ -77,7 +81,7 @@ class Scorer:
     def __init__(self, origin: str = ORIGIN) -> None:
         self.origin = origin
         self._sent: dict[str, int] = collections.Counter()              # confirmed sends per replica
-        self._unreported: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self._unreported: dict[str, collections.deque] = collections.defaultdict(collections.deque)  # (id, tokens)
         self._reserved: dict[str, tuple[str, int, float]] = {}          # request -> (replica, tokens, when)
         self._affinity: dict[str, collections.OrderedDict] = collections.defaultdict(collections.OrderedDict)
 
@@ -87,7 +91,8 @@ class Scorer:
         choices = [self.score(r, hints) for r in reports]
         random.shuffle(choices)  # equal keys: no replica is always first
         bad = {r.replica for r in reports if not r.healthy} | set(hints.avoid)
-        return sorted(choices, key=lambda c: (c.replica in bad, c.key()))
+        best = min((c.score for c in choices if c.replica not in bad), default=0.0)
+        return sorted(choices, key=lambda c: (c.replica in bad, c.key(best)))
 
     def score(self, report: ReplicaReport, hints: RoutingHints) -> Choice:
         held = report.prefixes | self._affinity[report.replica].keys()
@@ -112,7 +117,8 @@ class Scorer:
         now = time.monotonic()
         for rid in [rid for rid, (_, _, when) in self._reserved.items() if now - when > RESERVATION_S]:
             del self._reserved[rid]  # chosen, then cancelled before it was sent
-        return [*queue, *(tokens for replica, tokens, _ in self._reserved.values() if replica == report.replica)]
+        return [*(tokens for _, tokens in queue),
+                *(tokens for replica, tokens, _ in self._reserved.values() if replica == report.replica)]
 
     def chose(self, request_id: str, replica: str, hints: RoutingHints) -> None:
         """The router picked `replica` for the request (it may still go elsewhere if that one is full)."""
@@ -124,7 +130,7 @@ class Scorer:
         not counted by the replicas, so not here either."""
         self._reserved.pop(request_id or "", None)
         if hints.origin == self.origin:
-            self._unreported[replica].append(hints.tokens)
+            self._unreported[replica].append((request_id, hints.tokens))
             self._sent[replica] += 1
         memory = self._affinity[replica]
         for h in hints.prefix:
@@ -132,6 +138,14 @@ class Scorer:
             memory.move_to_end(h)
         while len(memory) > LOCAL_AFFINITY:
             memory.popitem(last=False)
+
+    def completed(self, replica: str, request_id: str) -> None:
+        """The request sent to `replica` is over: it waits there no more, whether or not a report counted it yet
+        (short requests finish between two reports)."""
+        queue = self._unreported.get(replica)
+        if queue:
+            for entry in [e for e in queue if e[0] == request_id]:
+                queue.remove(entry)
 
     def forget(self, live: set[str]) -> None:
         """Drop the state of replicas that are gone."""

@@ -70,7 +70,9 @@ async def _scenario() -> None:
             await asyncio.sleep(0.05)
         assert replica.state.engine.stats["num_running"] == 0 and not replica.state.engine.engine.has_unfinished()
         report = replicas[0].record_routing_stats()
-        assert report["healthy"] and report["prefill_ms_per_token"] >= 0 and "" in report["ttft_targets"]
+        assert report["healthy"] and "" in report["ttft_targets"]
+        # calibrated on prompts that share no prefix: a longer prompt costs more (a prefix-cache hit would not)
+        assert report["prefill_ms_per_token"] > 0
         assert (await replicas[0].ready()) == "r0"
         await replicas[0].check_health()
         replicas[0].state.engine.error = RuntimeError("boom")

@@ -62,6 +62,10 @@ def test_a_burst_spreads_before_the_reports_catch_up():
     # a report that counts what it received makes those requests its own backlog's business, not the router's
     assert scorer._pending(report("a", received={ORIGIN: 3})) == []
     assert len(scorer._pending(report("b", received={ORIGIN: 1}))) == 2
+    # a request that finished before any report counted it waits nowhere (sequential short requests do that)
+    done = next(rid for rid, replica, _ in chosen if replica == "c")
+    scorer.completed("c", done)
+    assert len(scorer._pending(report("c"))) == 2
 
 
 def test_avoided_unhealthy_and_full_replicas_rank_last():
@@ -89,3 +93,14 @@ def test_bad_cluster_settings_name_the_flag(kw, needle):
     with pytest.raises(ConfigError, match=needle):
         ClusterSettings(**kw)
     assert ClusterSettings(replicas=2, max_replicas=4).autoscaling
+
+
+def test_near_equal_scores_are_equals_wherever_they_fall():
+    """Two replicas a hair apart on predicted TTFT are equals even across a multiple of the slack step: the one
+    holding the prompt's prefix wins (an absolute bucket would split 0.049 and 0.051 and send it to the cold one)."""
+    hints = hints_for("/v1/completions", {"prompt": LONG + "question"}, origin=ORIGIN)
+    target = {"": (100.0, 0.0)}  # 5 ms of backlog = 0.05 of the target
+    warm = report("warm", prefixes=list(hints.prefix), backlog_ms=5.2, ttft_targets=target, prefill_ms_per_token=0.0,
+                  prefill_fixed_ms=0.0)
+    cold = report("cold", backlog_ms=4.8, ttft_targets=target, prefill_ms_per_token=0.0, prefill_fixed_ms=0.0)
+    assert Scorer().rank([cold, warm], hints)[0].replica == "warm"
