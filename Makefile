@@ -1,11 +1,12 @@
 # Two entry points for newcomers: `make serve` and `make test`. Both create .venv on first use.
-# `make binary` builds the single-file CPU binary dist/muxd; `make test-binary` builds it and tests it (minutes).
+# `make binary` builds the single-file CPU binary dist/muxd from the locked packages; `make test-binary` builds it and
+# tests it (minutes). `make image-cpu` builds the CPU image without a Docker daemon; `make lock` re-pins the locks.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test venv clean binary test-binary
+.PHONY: serve test venv clean binary test-binary image-cpu lock
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +26,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-$(VENV)/.binary: $(STAMP)
-	$(BIN)/pip install -q -e '.[test,binary]'
+# the binary holds exactly the packages of the CPU lock (the CPU image's too), each checked against its hash
+$(VENV)/.binary: $(STAMP) packaging/lock/requirements-cpu.txt
+	$(BIN)/pip install -q --require-hashes -r packaging/lock/requirements-cpu.txt
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q 'pyinstaller>=6.10'
 	touch $@
 
 binary: $(VENV)/.binary
@@ -34,6 +38,19 @@ binary: $(VENV)/.binary
 
 test-binary: $(VENV)/.binary
 	$(BIN)/python -m pytest -q -m slow tests/binary
+
+image-cpu:
+	packaging/image/build-cpu.sh
+
+# Re-pin both locks (hashes included) from pyproject.toml and packaging/lock/*.in, for the image's Python and platform.
+# torch's CPU build is not on PyPI: point uv at it with UV_FIND_LINKS=DIR or UV_EXTRA_INDEX_URL (PyTorch's CPU index).
+LOCK := --generate-hashes --no-header --no-annotate --quiet --python-platform x86_64-manylinux_2_28
+lock: $(STAMP)
+	$(BIN)/pip install -q uv
+	$(BIN)/uv pip compile pyproject.toml packaging/lock/cuda.in --extra gpu --python-version 3.12 $(LOCK) \
+		-o packaging/lock/requirements-cuda.txt
+	$(BIN)/uv pip compile pyproject.toml packaging/lock/cpu.in --python-version 3.11 $(LOCK) \
+		-o packaging/lock/requirements-cpu.txt
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

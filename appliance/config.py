@@ -1,4 +1,5 @@
-"""The one configuration of muxd: frozen dataclasses grouped by concern (model, cache, scheduler, runtime, server).
+"""The one configuration of muxd: frozen dataclasses grouped by concern (model, cache, scheduler, runtime, parallel,
+server).
 
 Every field is a `muxd serve` flag of the same name (vLLM's name where vLLM has the concept); `serve_flags()` makes
 the typer parameters from the fields, so the flags, the config and `muxd bench --serve-args` never drift apart. Cheap
@@ -22,7 +23,7 @@ from appliance.attention import BACKEND_NAMES
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
-from appliance.model_zoo.tokenizer import compile_chat_template
+from appliance.model_zoo.tokenizer import read_tokenizer_config
 from appliance.predictor.profile import ProfileFile, read_profile
 from appliance.slo.contract import Contract, default_contract, load_contract
 
@@ -73,6 +74,10 @@ class ModelSettings:
                                         "capped by the KV cache).")
     chat_template: Optional[str] = flag(None, "Chat template to use instead of the model's: a file, or the jinja "
                                         "template itself.")
+    special_tokens_in_messages: bool = flag(False, "Read control tokens written inside chat messages (e.g. "
+                                            "<|im_end|>) as the control tokens themselves, as transformers' "
+                                            "apply_chat_template does. Off: they are tokenized as plain text, so a "
+                                            "user cannot close their turn and forge a system turn.")
     seed: Optional[int] = flag(None, "Seed the sampling generator once at start-up, as vLLM does: the same requests "
                                "in the same order sample the same tokens. A request's own 'seed' fixes its output "
                                "regardless.")
@@ -247,15 +252,37 @@ class RuntimeSettings:
 
 
 @dataclass(frozen=True)
+class ParallelSettings:
+    tensor_parallel_size: int = flag(1, "GPUs the model is split across (tensor parallelism), one process each, "
+                                     "started by muxd; every rank multiplexes prefill and decode on the same SM "
+                                     "partitions. 1: one GPU, no process group.", "-tp")
+    dist_timeout: float = flag(600.0, "Seconds a collective between ranks may wait before the engine gives up (a "
+                               "rank that stopped answering); a rank that exits ends the server at once.")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "tensor_parallel_size", "dist_timeout")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     host: str = flag("127.0.0.1", "Address to bind; use 0.0.0.0 to accept connections from other machines.",
                      envvar="MUXD_HOST")
     port: int = flag(8000, "TCP port.", envvar="MUXD_PORT")
-    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 route (/health, /ready "
-                                  "and /metrics stay open).", envvar="MUXD_API_KEY")
+    api_key: Optional[str] = flag(None, "Require 'Authorization: Bearer KEY' on every /v1 and /debug route (/health, "
+                                  "/ready and /metrics stay open).", envvar="MUXD_API_KEY")
     max_request_bytes: str = flag("16MiB", "Largest request body (e.g. 16MiB or 1048576); larger ones get HTTP 413.")
+    header_timeout: float = flag(10.0, "Seconds a connection may take to send a request's headers (from opening, or "
+                                 "from its previous response); slower connections are closed.")
+    body_timeout: float = flag(30.0, "Seconds a request's whole body may take to arrive after its headers; slower "
+                               "requests get HTTP 408. A request takes its place among --max-num-seqs + "
+                               "--max-waiting only once its body has arrived.")
     shutdown_timeout: float = flag(30.0, "On SIGTERM/SIGINT, seconds running requests may take to finish (new ones "
                                    "get 503) before they are ended.")
+    engine_restarts: int = flag(3, "After an engine step fails (its requests end with an error), rebuild the engine "
+                                "in process around the loaded weights, at most this many times within "
+                                "--engine-restart-window; one failure more stops the server (exit 1) so that its "
+                                "supervisor restarts it. 0: stop at the first failure.")
+    engine_restart_window: float = flag(300.0, "Seconds over which --engine-restarts counts failed steps.")
     trace_dir: Optional[str] = flag(None, "Write the executor's timeline (Chrome-trace JSON) here when the server "
                                     "stops; GET /debug/timeline serves it live.")
     log_level: str = flag("info", "debug, info, warning, error.")
@@ -270,11 +297,17 @@ class ServerSettings:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.request_byte_limit < 1:
             raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
+        if not (self.header_timeout > 0 and self.body_timeout > 0):
+            raise ConfigError(f"--header-timeout and --body-timeout must be > 0 seconds, got {self.header_timeout} "
+                              f"and {self.body_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                               f"{self.tool_call_parser!r}")
+        if self.engine_restarts < 0 or not self.engine_restart_window > 0:
+            raise ConfigError(f"--engine-restarts must be >= 0 and --engine-restart-window > 0 seconds, got "
+                              f"{self.engine_restarts} and {self.engine_restart_window}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
 
@@ -284,7 +317,7 @@ class ServerSettings:
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings,
-                           "runtime": RuntimeSettings, "server": ServerSettings}
+                           "runtime": RuntimeSettings, "parallel": ParallelSettings, "server": ServerSettings}
 _FIELD_GROUP = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -297,6 +330,7 @@ class Config:
     cache: CacheSettings = field(default_factory=CacheSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
 
     @classmethod
@@ -325,23 +359,33 @@ class Config:
         return None if self.runtime.resolved_device().startswith("cuda") else "float32"
 
     def check(self) -> ModelConfig:
-        """The checks that read files or the machine, before anything slow: the device, the model directory and
-        its config.json, the weights' presence, the context length, the SLO contract, the chat template. Returns
-        the model's config."""
+        """The checks that read files or the machine, before anything slow: the device (and GPUs enough for the
+        ranks), the model directory and its config.json (and whether it splits across the ranks), the context length,
+        the SLO contract, the weights (present, and each safetensors file whole), the tokenizer's special ids and chat
+        template. Returns the model's config as each rank runs it."""
         device = self.runtime.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and device.startswith("cuda"):
+            if device != "cuda":
+                raise ConfigError(f"--device {device} with --tensor-parallel-size {tp}: rank r runs on cuda:r; "
+                                  "choose the GPUs with CUDA_VISIBLE_DEVICES and pass --device cuda")
+            if torch.cuda.device_count() < tp:
+                raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} GPUs; this machine shows "
+                                  f"{torch.cuda.device_count()}")
         if self.runtime.multiplex and not device.startswith("cuda"):
             raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
         path = resolve_model_dir(self.model.model_dir)
-        cfg = ModelConfig.from_file(path / "config.json")
-        if self.model.load_format != "dummy":
-            checkpoint_files(path)  # weights present (or the index's shards) before the slow load starts
+        cfg = ModelConfig.from_file(path / "config.json").sharded(tp)
         cfg.check_max_model_len(self.model.max_model_len or cfg.max_model_len)
-        template = self.model.chat_template_source()
-        if template is not None:
-            compile_chat_template(template)
+        if self.model.load_format != "dummy":
+            checkpoint_files(path, check=True)  # each file's header: a truncated download fails here, named
+        if (path / "tokenizer.json").is_file():  # the template compiles, the special ids are token ids
+            read_tokenizer_config(path, self.model.chat_template_source())
+        elif self.model.chat_template is not None:
+            raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
         return cfg
 
 

@@ -53,13 +53,18 @@ class ContractProblem:
 
 
 class ContractError(ConfigError):
-    """An SLO contract file is invalid; `problems` lists every problem found, each with its field path and line."""
+    """An SLO contract file is invalid; `problems` lists every problem found, each with its field path and line.
+    `unreadable`: the file could not be read as YAML at all (its one problem says why), so nothing else was checked."""
 
-    def __init__(self, source: str, problems: list[ContractProblem]) -> None:
-        self.source, self.problems = source, problems
+    def __init__(self, source: str, problems: list[ContractProblem], unreadable: bool = False) -> None:
+        self.source, self.problems, self.unreadable = source, problems, unreadable
         lines = "\n".join("  " + p.format(source) for p in problems)
         super().__init__(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in SLO contract {source}:\n"
                          f"{lines}")
+
+
+class RankError(ApplianceError):
+    """A rank of a tensor-parallel engine exited or stopped answering: the engine cannot run any more."""
 
 
 class ModelNotFoundError(RequestError):

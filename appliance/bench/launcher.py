@@ -146,12 +146,12 @@ class ServerProcess:
             self.proc.wait()
 
 
-def wait_until_ready(url: str, proc: subprocess.Popen, timeout: float, log_tail: Callable[[], str]) -> None:
-    """Poll GET /ready of a `muxd serve` (or `muxd cluster`) process until 200; ApplianceError (with its log's
-    tail) if it exits or stays unready for `timeout` seconds."""
+def wait_until_ready(url: str, proc: subprocess.Popen | None, timeout: float, log_tail: Callable[[], str]) -> None:
+    """Poll GET /ready of a `muxd serve` or `muxd cluster` process (or of a server it does not own: proc None) until
+    200; ApplianceError (with its log's tail) if it exits or stays unready for `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise ApplianceError(f"`muxd {' '.join(map(str, proc.args[3:]))}` exited with {proc.returncode}:"
                                  f"\n{log_tail()}")
         try:
@@ -160,4 +160,5 @@ def wait_until_ready(url: str, proc: subprocess.Popen, timeout: float, log_tail:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise ApplianceError(f"`muxd {proc.args[3]}` not ready after {timeout:g} s; its log:\n{log_tail()}")
+    what = f"`muxd {proc.args[3]}`" if proc is not None else f"the server at {url}"
+    raise ApplianceError(f"{what} not ready after {timeout:g} s; its log:\n{log_tail()}")

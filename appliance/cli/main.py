@@ -1,53 +1,29 @@
-"""The `muxd` command line: serve and generate (cli/serve.py), cluster (cli/cluster.py), bench (cli/bench.py,
-cli/bench_tools.py, cli/bench_engine.py), profile (cli/profile.py), slo (cli/slo.py), version. `python -m appliance`
-is the same."""
+"""The `muxd` entry point (`python -m appliance`, the console script). `muxd slo ...` runs without importing torch
+and the server stack, so that checking a contract answers in about a second; every other command loads the whole
+typer app (cli/commands.py). `from appliance.cli.main import app` gives that app."""
 from __future__ import annotations
 
-import typer
-
-from appliance import __version__
-from appliance.cli.bench import app as bench_app
-from appliance.cli.bench_engine import engine_bench_command
-from appliance.cli.cluster import register as register_cluster
-from appliance.cli.bench_tools import compare_command, diagnose_command, pool_command
-from appliance.cli.profile import profile_command
-from appliance.cli.serve import register as register_serve
-from appliance.cli.slo import app as slo_app
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},  # every subcommand inherits -h
-                  help="muxd: an LLM serving appliance with an OpenAI-compatible API.")
-register_serve(app)
-register_cluster(app)
-engine_bench_command(bench_app)  # `muxd bench engine` joins the bench group
-compare_command(bench_app)  # and `muxd bench compare`
-pool_command(bench_app)  # and `muxd bench pool`
-diagnose_command(bench_app)  # and `muxd bench diagnose`
-app.add_typer(bench_app, name="bench")
-app.add_typer(slo_app, name="slo")
-profile_command(app)
-
-
-@app.command()
-def version() -> None:
-    """Print the muxd version."""
-    typer.echo(f"muxd {__version__}")
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"muxd {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(show_version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
-                                            help="Print the muxd version and exit.")) -> None:
-    """muxd: an LLM serving appliance with an OpenAI-compatible API."""
+import sys
+from typing import Any
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["slo"]:
+        from appliance.cli.slo import app as slo_app  # defers torch: `muxd slo check` needs only pyyaml + pydantic
+
+        slo_app(args=sys.argv[2:], prog_name="muxd slo")
+        return
+    from appliance.cli.commands import app  # defers torch, the engine and the server until a command needs them
+
     app()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        from appliance.cli.commands import app  # defers torch, the engine and the server (as main does)
+
+        return app
+    raise AttributeError(name)
 
 
 if __name__ == "__main__":

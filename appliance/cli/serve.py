@@ -2,8 +2,11 @@
 `muxd generate` (one prompt, streamed to the terminal)."""
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
+import threading
 from typing import Any, Optional
 
 import typer
@@ -16,7 +19,10 @@ from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
+from appliance.server.http import HeaderDeadlineProtocol
 from appliance.server.lifecycle import DrainingServer
+
+FATAL_EXIT_S = 30.0  # after a fatal error, how long the server may take to end before the process exits anyway
 
 
 def fail(exc: ApplianceError) -> None:
@@ -52,15 +58,20 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         fatal.append(exc)
         if server is not None:
             server.should_exit = True
+        # a rank lost in the middle of a collective can leave a GPU stream that never ends: leave regardless
+        timer = threading.Timer(FATAL_EXIT_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
 
     app = create_app(config, on_fatal)
-    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
+    http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
+    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level, http=http,
                                            timeout_graceful_shutdown=5), app.state.muxd, srv.shutdown_timeout)
     typer.echo(f"muxd {__version__}: serving {config.model.model_name} on http://{srv.host}:{srv.port} (loading the "
                "model; GET /ready turns 200 when it is up)")
     server.run()
     if fatal:
-        typer.secho(f"error: start-up failed: {fatal[0]}", fg=typer.colors.RED, err=True)
+        typer.secho(f"error: {fatal[0]}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
 
 
@@ -117,8 +128,7 @@ def generate(
             messages = [{"role": "user", "content": prompt}]
             if system is not None:
                 messages.insert(0, {"role": "system", "content": system})
-            rendered = engine.tokenizer.apply_chat_template(messages)
-            text = engine.tokenizer.encode(rendered, add_special_tokens=False)
+            text = engine.tokenizer.encode_chat(engine.tokenizer.render_chat(messages))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop or []))
         rid = engine.add_request(text, params)

@@ -85,8 +85,11 @@ class Admission:
         limit = engine.config.scheduler.max_waiting
         if engine.config.scheduler.slo:
             limit = min(limit, engine.contract.overload.queue_limit)
-        if len(sched.waiting) >= limit:
-            raise CapacityError(f"{len(sched.waiting)} requests are waiting (limit {limit}); retry later")
+        # requests that the next step starts at once (free seats) are not queued: a burst that arrives between two
+        # steps fills the seats and then the queue, as it would one request at a time
+        queued = len(sched.waiting) - max(0, sched.max_num_seqs - sched.num_running)
+        if queued >= limit:
+            raise CapacityError(f"{max(queued, 0)} requests are waiting (limit {limit}); retry later")
         retry = sched.planner.admission_check(sched, request)
         if retry is not None:
             raise CapacityError(f"the server is too busy to meet this request's TTFT target (SLO contract "

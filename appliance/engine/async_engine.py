@@ -3,6 +3,10 @@
 Requests are validated on the caller's thread (so bad input fails before any streaming starts) and handed to the engine
 thread through an inbox; aborts travel the same way. Closing a stream early (client gone) aborts its request, which
 frees its KV pages on the engine's next loop turn. `close` ends every open stream with an error (shutdown).
+
+A step that raises is supervised: every request the engine held, and every one waiting in the inbox, ends at once
+with an error; the engine is rebuilt around the same weights (engine/supervisor.py) while new requests get 503; past
+the restart budget the engine stops for good and `on_fatal` tells the server to exit.
 """
 from __future__ import annotations
 
@@ -10,22 +14,38 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Callable
 
 from appliance.engine.engine import Engine
 from appliance.engine.request import Request, RequestOutput, SamplingParams
-from appliance.errors import RequestError
+from appliance.engine.supervisor import RestartBudget
+from appliance.errors import RequestError, UnavailableError
 
 log = logging.getLogger("muxd.engine")
+RESTARTING = "engine_restarting"  # the 503 code while a new engine is built
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an unexpected error; no request can be served any more."""
 
 
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in the engine; the request was ended (the engine restarts)."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, rebuild: Callable[[Engine], Engine] | None = None,
+                 restarts: RestartBudget | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """rebuild: makes a new engine from a failed one (None: a failed step stops the engine for good);
+        restarts: how many failures it recovers from; on_fatal: called on the event loop when it stops for good."""
         self.engine = engine
+        self.rebuild, self.on_fatal = rebuild, on_fatal
+        self.restarts = restarts or RestartBudget(3, 300.0)
+        self.restart_count = 0
+        self.restarting = False
+        self._lock = threading.Lock()  # the state (restarting, dead, closed) and the inbox change together
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -66,17 +86,15 @@ class AsyncEngine:
         Raises here (before any output) when the engine refuses it: CapacityError when the waiting queue is full.
         Iterate the stream to the end or close it: leaving early aborts the request and frees its pages.
         """
-        if self.error is not None:
-            raise EngineDeadError(f"engine stopped: {self.error!r}")
-        if self._closed is not None:
-            raise self._closed
         rid = request.request_id
-        if rid in self._streams:
-            raise RequestError(f"request id {rid!r} is already in use", "request_id")
         outputs: asyncio.Queue = asyncio.Queue()
         accepted = asyncio.get_running_loop().create_future()
-        self._streams[rid] = outputs
-        self._inbox.put(("add", request, accepted))
+        with self._lock:  # the engine thread cannot fail, restart or stop between this check and the put
+            self.check_open()
+            if rid in self._streams:
+                raise RequestError(f"request id {rid!r} is already in use", "request_id")
+            self._streams[rid] = outputs
+            self._inbox.put(("add", request, accepted))
         self._wake.set()
         try:
             await accepted
@@ -108,6 +126,15 @@ class AsyncEngine:
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
 
+    def check_open(self) -> None:
+        """Raise what a new request would meet now: the engine dead, shut down, or being rebuilt (503)."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        if self._closed is not None:
+            raise self._closed
+        if self.restarting:
+            raise UnavailableError("the engine is restarting after a failed step; retry in a few seconds", RESTARTING)
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
         self._wake.set()
@@ -115,30 +142,104 @@ class AsyncEngine:
     def close(self, exc: BaseException) -> int:
         """Refuse new requests with `exc` and end every open stream with it (their requests are aborted as their
         consumers stop). Call on the event loop; returns how many streams were open."""
-        self._closed = exc
+        with self._lock:
+            self._closed = exc
         open_streams = len(self._streams)
         self._fail_all(exc)
         return open_streams
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            while not self._stop:
-                self._drain_inbox()
-                if self.engine.has_unfinished():
-                    outputs = self.engine.step()
-                    self._publish_stats()
-                    if outputs:
-                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
-                else:
-                    self._publish_stats()
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-        except BaseException as exc:  # noqa: BLE001 - the loop must report every failure to the waiting clients
-            log.exception("engine loop failed")
+        while not self._stop:
+            try:
+                self._turn()
+            except BaseException as exc:  # noqa: BLE001 - every failure ends its requests and is recovered from
+                if not self._recover(exc):
+                    return
+
+    def _turn(self) -> None:
+        self._drain_inbox()
+        if self.engine.has_unfinished():
+            outputs = self.engine.step()
+            self._publish_stats()
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        else:
+            self._publish_stats()
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+
+    def _recover(self, exc: BaseException) -> bool:
+        """End every request of the failed engine and of the inbox with an error, then rebuild the engine (True) or,
+        past the restart budget or when rebuilding fails, stop for good and tell `on_fatal` (False)."""
+        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        with self._lock:
+            self.restarting = True
+            pending = self._take_inbox()
+        old = self.engine
+        failed = EngineStepError(f"the engine failed while serving this request ({type(exc).__name__}: {exc}); it "
+                                 "was ended and the engine restarted: retry it")
+        self._end(list(old.scheduler.requests), failed, pending,
+                  UnavailableError("the engine is restarting after a failed step; retry in a few seconds",
+                                   RESTARTING))
+        allowed = self.rebuild is not None and self.restarts.allow(time.monotonic())
+        if allowed:
+            started = time.monotonic()
+            try:
+                self.engine = self.rebuild(old)
+            except BaseException as rebuild_exc:  # noqa: BLE001 - a rebuild that fails is the end
+                log.error("rebuilding the engine failed: %s: %s", type(rebuild_exc).__name__, rebuild_exc,
+                          exc_info=rebuild_exc)
+                exc, allowed = rebuild_exc, False
+        if not allowed:
+            self._die(exc)
+            return False
+        self.restart_count += 1
+        with self._lock:
+            self.restarting = False
+        log.warning("engine rebuilt in %.1f s after a failed step (%d failures in the last %.0f s, %d allowed); "
+                    "serving again", time.monotonic() - started, self.restarts.recent, self.restarts.window_s,
+                    self.restarts.restarts)
+        return True
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
             self.error = exc
-            dead = EngineDeadError(f"engine stopped: {exc!r}")
-            self._loop.call_soon_threadsafe(self._fail_all, dead)
+            self.restarting = False
+            pending = self._take_inbox()
+        dead = EngineDeadError(f"engine stopped: {exc!r}")
+        self._end(None, dead, pending, dead)
+        if self.rebuild is not None:
+            log.critical("the engine failed %d times within %.0f s (more than the %d restarts allowed) or could not "
+                         "be rebuilt: stopping the server so that its supervisor restarts the process",
+                         self.restarts.recent, self.restarts.window_s, self.restarts.restarts)
+        if self.on_fatal is not None:
+            self._loop.call_soon_threadsafe(self.on_fatal, exc)
+
+    def _take_inbox(self) -> list[tuple[Request, asyncio.Future]]:
+        """Empty the inbox (under the lock); returns the requests that were waiting to be added."""
+        adds = []
+        while True:
+            try:
+                kind, item, done = self._inbox.get_nowait()
+            except queue.Empty:
+                return adds
+            if kind == "add":
+                adds.append((item, done))
+
+    def _end(self, ids: list[str] | None, exc: BaseException, pending: list[tuple[Request, asyncio.Future]],
+             pending_exc: BaseException) -> None:
+        """On the event loop: end the streams of `ids` (None: every open stream) with `exc`, and refuse the
+        `pending` adds with `pending_exc` (their submit raises it before any output)."""
+        def end() -> None:
+            for rid in list(self._streams) if ids is None else ids:
+                q = self._streams.get(rid)
+                if q is not None:
+                    q.put_nowait(exc)
+            for _, done in pending:
+                _resolve(done, pending_exc)
+
+        self._loop.call_soon_threadsafe(end)
 
     def _drain_inbox(self) -> None:
         while True:

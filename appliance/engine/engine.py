@@ -111,6 +111,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def free_device_memory(self) -> None:
+        """Give back the KV cache and the captured graphs; the model and tokenizer stay loaded. After a failed step,
+        before a new engine is built around the same weights (engine/supervisor.py); this one serves no more."""
+        self.executor.drop_graphs()
+        self.kv_cache.data = self.kv_cache.data.new_empty(0)
+
     # ---- steps ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: merge prefills that finished, plan, launch (decode waits for its tokens, prefill may
@@ -187,6 +193,16 @@ class Engine:
             finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
             num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None,
             logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs)
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    def on_fatal(self, callback) -> None:
+        """Have `callback(error)` called, from another thread, when the engine can no longer run (a rank of a
+        tensor-parallel engine died); steps raise RankError from then on."""
+        self.executor.on_fatal(callback)
+
+    def close(self) -> None:
+        """Stop the processes the engine started (the other ranks of a tensor-parallel engine)."""
+        self.executor.close()
 
     # ---- synchronous API --------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[int] | list[str | list[int]],

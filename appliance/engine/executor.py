@@ -52,6 +52,17 @@ class _Launch:
 
 
 @dataclass(frozen=True)
+class Decisions:
+    """What a step runs on, fixed before any kernel is launched (under tensor parallelism rank 0 decides and every
+    rank follows, so that all run the same shapes): the partition, whether a mixed step may replay prefill graphs,
+    and the rows of each prefill launch (one per layer range, in plan order; None: its tokens)."""
+
+    partition: Partition
+    mixed_graphs: bool = False
+    prefill_rows: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
 class PrefillObservation:
     """Prefill layers as they ran: the partition's prefill SMs, the works, their GPU time (from an event before the
     first layer to one after the last, on the prefill stream) and whether decode steps ran on the other SMs
@@ -76,6 +87,11 @@ class DecodeObservation:
     decode_sms: int
     ms: float
     concurrent: tuple[PrefillWork, ...]
+
+
+def _launches(plan: StepPlan) -> list[tuple[tuple[int, int], list[PrefillWork]]]:
+    """The plan's prefill launches: consecutive works over the same layer range run as one."""
+    return [(key, list(works)) for key, works in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end))]
 
 
 def _on(stream: torch.cuda.Stream | None):
@@ -105,6 +121,7 @@ class Executor:
         self._max_rows = 0
         self._null_sms = 0
         self._prefill_graphs: dict[str, PrefillGraphs] = {}  # per partition, all at the same row counts
+        self.serial_prefills = False  # each prefill launch after the previous one, whichever streams they run on
 
     def pad_prefills(self, table: GemmTable | None, max_rows: int, null_sms: int = 0) -> None:
         """Run each prefill launch on `table`'s cheapest row bucket for its partition (None: on its tokens), never
@@ -172,6 +189,14 @@ class Executor:
                                                           runner.device)
         runner.graphs = self._graphs.get(self.partitions.full.name)
 
+    def drop_graphs(self) -> None:
+        """Drop the captured graphs, prefill backends and in-flight launches (the engine is being replaced)."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._prefill_backends.clear()
+        self._inflight = []
+        self.runner.graphs = None
+
     def graph_memory_bytes(self) -> int:
         return sum(g.memory_bytes for g in (*self._graphs.values(), *self._prefill_graphs.values()) if g is not None)
 
@@ -196,18 +221,34 @@ class Executor:
         """Drop the state of the requests the plan released, launch the plan and return the decode tokens; prefill
         results come from `poll()`. `partition` overrides the planned one (the profiler measures each partition
         alone)."""
-        self.release(plan)
+        self._forget(plan.released)
         self.last_decode = self.last_mixed_ms = self.last_launch_ms = None
         if plan.empty:
             return {}
+        return self.run(plan, requests, self.decide(plan, partition))
+
+    def decide(self, plan: StepPlan, partition: Partition | None = None) -> Decisions:
+        """What the plan runs on: its partition, whether a mixed step may replay prefill graphs (not while a prefill
+        launch still running there may be using their buffers) and the rows of each prefill launch."""
         part = partition or self.partition_for(plan)
+        mixed_graphs = plan.mixed and part.name in self._prefill_graphs and not any(
+            l.partition == part.name and not l.done() for l in self._inflight)
+        pad = None if plan.mixed else self.pad_rows(part.prefill_sms)
+        rows = tuple(pad(sum(w.num_tokens for w in works)) if pad is not None else None
+                     for _, works in _launches(plan))
+        return Decisions(part, mixed_graphs, rows)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions) -> dict[str, int]:
+        """Launch a (non-empty) plan as `decisions` say; the decode tokens."""
+        part = decisions.partition
         if part is not self.current:
             self.switches += 1
             self.timeline.instant("partition switch", f"{part.name} decode", previous=self.current.name,
                                   decode_sms=part.decode_sms, prefill_sms=part.prefill_sms)
             self.current = part
         if plan.mixed:
-            return self._mixed(plan, requests, part)
+            return self._mixed(plan, requests, part, decisions.mixed_graphs)
         decode_tokens = None
         started = time.perf_counter()
         # time the decode kernels only where prefill may run beside them (what the contention guard learns from)
@@ -223,8 +264,11 @@ class Executor:
                 if timing:
                     marks[1].record()
         launching = time.perf_counter()
-        for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
-            self._launch_prefill(list(group), requests, start, end, part)
+        groups = _launches(plan)
+        if len(groups) != len(decisions.prefill_rows):
+            raise RuntimeError(f"{len(groups)} prefill launches but rows decided for {len(decisions.prefill_rows)}")
+        for ((start, end), works), rows in zip(groups, decisions.prefill_rows):
+            self._launch_prefill(works, requests, start, end, part, rows)
         launch_s = time.perf_counter() - launching
         self.last_launch_ms = launch_s * 1e3 if plan.prefill else None
         if decode_tokens is None:
@@ -245,14 +289,17 @@ class Executor:
                            decode_sms=part.decode_sms)
         return dict(zip(plan.decode, tokens))
 
-    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition) -> dict[str, int]:
-        """A mixed (chunked-prefill) step is one forward on all SMs, complete when it returns. It replays the
-        partition's prefill graphs where one holds its rows (padded to the smallest that does), unless a prefill
-        launch still running there may be using their buffers."""
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition,
+               use_graphs: bool) -> dict[str, int]:
+        """A mixed (chunked-prefill) step is one forward on all SMs, complete when it returns. With `use_graphs` it
+        replays the partition's prefill graphs where one holds its rows (padded to the smallest that does), after
+        any prefill launch of this process still using their buffers (one that another rank decided for)."""
         started = time.perf_counter()
-        graphs = self._prefill_graphs.get(part.name)
-        if graphs is not None and any(l.partition == part.name and not l.done() for l in self._inflight):
-            graphs = None
+        graphs = self._prefill_graphs.get(part.name) if use_graphs else None
+        if graphs is not None and part.decode_stream is not None:
+            for l in self._inflight:
+                if l.partition == part.name and l.event is not None and not l.done():
+                    part.decode_stream.wait_event(l.event)
         with _on(part.decode_stream):
             ids, logits = self.runner.forward(plan, requests, graphs.padded if graphs else None, graphs)
             sampled = dict(zip(ids, self.runner.read_tokens(self.runner.sample(ids, logits, requests))))
@@ -266,7 +313,8 @@ class Executor:
         return {rid: sampled[rid] for rid in plan.decode}
 
     def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
-                        part: Partition) -> None:
+                        part: Partition, rows: int | None = None) -> None:
+        """Layers [start, end) of the works on the partition's prefill stream, on `rows` rows (None: their tokens)."""
         stream = part.prefill_stream
         started = time.perf_counter()
         with _on(stream):
@@ -275,12 +323,16 @@ class Executor:
                 if last is not None and stream is not None and last.stream is not stream and last.event is not None:
                     stream.wait_event(last.event)
                     self.runner.use_partials_on(w.request_id, stream)
+            latest = self._inflight[-1] if self.serial_prefills and self._inflight else None
+            if latest is not None and stream is not None and latest.stream not in (None, stream):
+                stream.wait_event(latest.event)  # one prefill communicator: its collectives in launch order
             began = event = None
             if stream is not None:
                 began = torch.cuda.Event(enable_timing=True)
                 began.record(stream)
             ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name),
-                                              self.pad_rows(part.prefill_sms), self._prefill_graphs.get(part.name))
+                                              None if rows is None else lambda _: rows,
+                                              self._prefill_graphs.get(part.name))
             tokens = self.runner.sample(ids, logits, requests) if ids else None
             if stream is not None:
                 event = torch.cuda.Event(enable_timing=True)
@@ -351,11 +403,19 @@ class Executor:
 
     def release(self, plan: StepPlan) -> None:
         """Forget the executor state of the requests the plan names as preempted or finished."""
-        for rid in plan.released:
-            self._release(rid)
+        self._forget(plan.released)
 
-    def _release(self, request_id: str) -> None:
-        """Forget the request's executor state (finished, preempted or aborted: none of its kernels is in flight by
+    def _forget(self, request_ids: tuple[str, ...]) -> None:
+        """Forget the requests' executor state (finished, preempted or aborted: none of their kernels is in flight by
         then; the engine `settle`s an aborted request before its pages are freed)."""
-        self._last.pop(request_id, None)
-        self.runner.release(request_id)
+        for rid in request_ids:
+            self._last.pop(rid, None)
+            self.runner.release(rid)
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        """Have `callback` called when the executor can no longer run (a tensor-parallel rank died); one GPU has no
+        such failure of its own."""
+
+    def close(self) -> None:
+        """Stop what the executor started (the other ranks of a tensor-parallel engine)."""

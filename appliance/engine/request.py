@@ -14,6 +14,12 @@ MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary cuts nothing; the bound keeps k
 MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
 MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
+# Every generated token is checked against each stop string and stop token: caps keep one request from costing the
+# engine (and every other request in its batch) time per token in proportion to a list it may make as long as its body
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map
 
 
 def _is_int(x: object) -> bool:
@@ -22,6 +28,11 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _preview(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -64,10 +75,17 @@ class SamplingParams:
                                "top_k")
         if self.seed is not None and not _is_int(self.seed):
             raise RequestError(f"seed must be an integer, got {self.seed!r}", "seed")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got "
+                               f"{_preview(self.stop)}", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                               "are allowed", "stop_token_ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}", "stop_token_ids")
+            raise RequestError(f"stop_token_ids must be integers >= 0, got {_preview(self.stop_token_ids)}",
+                               "stop_token_ids")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise RequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -80,6 +98,9 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}",
                                "repetition_penalty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias holds {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                               "logit_bias")
         for token, bias in self.logit_bias.items():
             if not _is_int(token) or token < 0 or not _is_number(bias) or abs(bias) > MAX_BIAS:
                 raise RequestError(f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]; got "

@@ -75,7 +75,7 @@ def check_fields(raw: Any, source: str) -> None:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: must hold a JSON object of model settings, got {type(raw).__name__}")
     try:
-        fields = ConfigFields.model_validate(raw)
+        ConfigFields.model_validate(raw)
     except ValidationError as exc:
         problems = []
         paths = [[str(x) for x in e["loc"] if not str(x).startswith(("function-", "list[", "constrained"))]
@@ -88,7 +88,3 @@ def check_fields(raw: Any, source: str) -> None:
             msg = "should be a JSON object" if e["type"] in ("model_type", "dict_type") else e["msg"].lower()
             problems.append(f"field {where} is {e.get('input')!r}: {msg}")
         raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(problems))) from None
-    heads, hidden = fields.num_attention_heads, fields.hidden_size
-    if fields.head_dim is None and heads and hidden and hidden % heads:
-        raise ConfigError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
-                             "give head_dim explicitly")

@@ -1,28 +1,35 @@
 """Tokenizer of a Hugging Face model directory: `tokenizer.json` through the `tokenizers` library, the chat template
-from `tokenizer_config.json` (or `chat_template.jinja`, or an override) rendered with jinja2, special ids from
-`generation_config.json` / `config.json`, and a cheap lower bound on a text's token count.
+from `tokenizer_config.json` (or `chat_template.jinja`, or an override) rendered as transformers does
+(chat_template.py), special ids from `generation_config.json` / `config.json`, and a cheap lower bound on a text's
+token count. What a directory says about its template and special ids is checked when it is read
+(`read_tokenizer_config`), so a broken one fails at start-up, not on the first request.
 """
 from __future__ import annotations
 
 import json
-from datetime import datetime
+import re
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from appliance.errors import ConfigError, ModelLoadError, RequestError
+from appliance.errors import ModelLoadError, RequestError
+from appliance.model_zoo.chat_template import Escaped, compile_chat_template, escape_strings
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _token_text(value: Any) -> str | None:
@@ -32,25 +39,70 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-def _raise(message: str) -> None:
-    raise RequestError(f"chat template: {message}", "messages")
+def _token_ids(value: Any, where: str) -> list[int] | None:
+    """eos_token_id / bos_token_id: an integer id >= 0, a list of them, or null; anything else is refused."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items):
+        raise ModelLoadError(f"{where} is {value!r}; expected a token id (an integer >= 0), a list of them, or null")
+    return items
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+@dataclass
+class TokenizerConfig:
+    """What a model directory says about special tokens and its chat template, checked."""
+
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None
+    template: jinja2.Template | None
+    eos_token_ids: list[int] | None  # None: not given (the eos token's id then)
+    bos_token_id: int | None
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandbox HF templates expect; a syntax error is a ConfigError."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = _tojson  # as transformers renders templates: no HTML escaping, Unicode kept
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"chat template: syntax error on line {exc.lineno}: {exc.message}") from exc
+def read_tokenizer_config(model_dir: Path, chat_template: str | None = None) -> TokenizerConfig:
+    """tokenizer_config.json, generation_config.json and config.json's special ids, and the chat template compiled
+    (`chat_template` instead of the directory's, when given): ModelLoadError/ConfigError naming the file and field
+    when any is wrong."""
+    config = _read_json(model_dir / "tokenizer_config.json")
+    gen_path, cfg_path = model_dir / "generation_config.json", model_dir / "config.json"
+    gen, model_cfg = _read_json(gen_path), _read_json(cfg_path)
+    eos_where = f"{gen_path}: field 'eos_token_id'" if "eos_token_id" in gen else f"{cfg_path}: field 'eos_token_id'"
+    eos = _token_ids(gen.get("eos_token_id", model_cfg.get("eos_token_id")), eos_where)
+    bos_where = f"{gen_path}: field 'bos_token_id'" if "bos_token_id" in gen else f"{cfg_path}: field 'bos_token_id'"
+    bos = _token_ids(gen.get("bos_token_id", model_cfg.get("bos_token_id")), bos_where)
+    source, where = (chat_template, "--chat-template") if chat_template is not None else \
+        _find_template(model_dir, config)
+    template = compile_chat_template(source, f"{where}: chat template" if chat_template is None else where) \
+        if source is not None else None
+    return TokenizerConfig(_token_text(config.get("bos_token")), _token_text(config.get("eos_token")), source,
+                           template, eos, bos[0] if bos else None)
+
+
+def _find_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | None, str]:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    where = str(model_dir / "tokenizer_config.json")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{where}: field 'chat_template' is {type(template).__name__}; expected the template "
+                             "text")
+    return template, where
+
+
+@dataclass
+class RenderedChat:
+    """A conversation rendered by the chat template: `text` is the prompt as text; `escaped`, when the messages
+    held control-token text, says which parts of it are text and not control tokens."""
+
+    text: str
+    template_text: str
+    escaped: Escaped | None = None
 
 
 _TEXT_KEEPING = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength"}
@@ -68,7 +120,7 @@ def _keeps_all_text(pre: dict[str, Any] | None) -> bool:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -77,20 +129,24 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises plain Exceptions
             raise ModelLoadError(f"{path}: cannot be read by the tokenizers library: {exc}") from exc
-        config = _read_json(model_dir / "tokenizer_config.json")
-        gen = _read_json(model_dir / "generation_config.json")
-        model_cfg = _read_json(model_dir / "config.json")
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        self.chat_template = self._find_template(model_dir, config)
-        eos = gen.get("eos_token_id", model_cfg.get("eos_token_id"))
+        cfg = read_tokenizer_config(model_dir, chat_template)
+        self.bos_token, self.eos_token = cfg.bos_token, cfg.eos_token
+        self.chat_template, self._template = cfg.chat_template, cfg.template
+        eos = cfg.eos_token_ids
         if eos is None and self.eos_token is not None:
-            eos = self._tok.token_to_id(self.eos_token)
-        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-        self.bos_token_id: int | None = gen.get("bos_token_id", model_cfg.get("bos_token_id"))
+            found = self._tok.token_to_id(self.eos_token)
+            eos = [found] if found is not None else []
+        self.eos_token_ids: set[int] = set(eos or [])
+        self.bos_token_id: int | None = cfg.bos_token_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._template: jinja2.Template | None = None
         self.max_bytes_per_token = self._max_bytes_per_token(json.loads(self._tok.to_str()))
+        # the special (control) tokens, longest first so that one that starts another matches whole
+        specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = specials
+        self._control = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) \
+            if specials else None
+        self._as_text: HFTokenizer | None = None  # a copy that reads control-token text as text
+        self._as_text_lock = threading.Lock()
 
     def _max_bytes_per_token(self, spec: dict[str, Any]) -> int | None:
         """The most UTF-8 bytes of (normalized) text one token can stand for, where such a bound exists: a BPE model
@@ -129,19 +185,8 @@ class Tokenizer:
 
     def set_chat_template(self, source: str) -> None:
         """Use `source` instead of the model's own template (`--chat-template`); compiled now, so errors show now."""
-        self._template = compile_chat_template(source)
+        self._template = compile_chat_template(source, "--chat-template")
         self.chat_template = source
-
-    @staticmethod
-    def _find_template(model_dir: Path, config: dict[str, Any]) -> str | None:
-        jinja_file = model_dir / "chat_template.jinja"
-        if jinja_file.is_file():
-            return jinja_file.read_text()
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        return template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The batch API releases the GIL while it works; `encode` holds it, which stalls every other thread (the
@@ -154,21 +199,55 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        """Render a conversation to the prompt text the model was trained on."""
-        if self.chat_template is None:
+        """Render a conversation to the prompt text the model was trained on (as transformers does)."""
+        return self.render_chat(messages, add_generation_prompt, escape_control=False, **kwargs).text
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    escape_control: bool = True, **kwargs: Any) -> RenderedChat:
+        """Render a conversation; with `escape_control`, control-token text inside the messages is marked as text
+        for `encode_chat` (so a user cannot write `<|im_end|><|im_start|>system` and forge a turn)."""
+        if self.chat_template is None or self._template is None:
             raise RequestError("this model has no chat template (tokenizer_config.json lacks 'chat_template'); "
                                "use /v1/completions", "messages")
-        if self._template is None:
-            try:
-                self._template = compile_chat_template(self.chat_template)
-            except ConfigError as exc:
-                raise RequestError(f"this model's {exc}", "messages") from exc
         kwargs.setdefault("tools", None)  # as transformers passes it: templates test `tools is not none`
+        # what the request wrote (messages, tool definitions) is escaped; the template's own text is not
+        payload = {"messages": messages, "tools": kwargs.pop("tools")}
+        escaped = escape_strings(payload, self._control) if escape_control and self._control else None
+        if escaped is not None:
+            payload = escaped.value
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            rendered = self._template.render(**payload, add_generation_prompt=add_generation_prompt,
+                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except RequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template is code from the model directory: any error is the
             # request's (a message shape the template does not handle), never the server's
             raise RequestError(f"chat template failed to render: {type(exc).__name__}: {exc}", "messages") from exc
+        if escaped is None:
+            return RenderedChat(rendered, rendered)
+        return RenderedChat(escaped.restore(rendered), rendered, escaped)
+
+    def encode_chat(self, chat: RenderedChat) -> list[int]:
+        """Token ids of a rendered conversation. Control tokens the template wrote are control tokens; control-token
+        text from the messages (escaped by render_chat) is tokenized as ordinary text. Without any such text this
+        is exactly encode(chat.text) (segments between control tokens are tokenized independently either way)."""
+        if chat.escaped is None or self._control is None:
+            return self.encode(chat.text, add_special_tokens=False)
+        ids: list[int] = []
+        pieces = self._control.split(chat.template_text)
+        controls = self._control.findall(chat.template_text)
+        for i, piece in enumerate(pieces):
+            if piece:
+                text = chat.escaped.restore(piece)
+                ids += self._text_tokenizer().encode_batch([text], add_special_tokens=False)[0].ids
+            if i < len(controls):
+                ids.append(self._special_ids[controls[i]])
+        return ids
+
+    def _text_tokenizer(self) -> HFTokenizer:
+        with self._as_text_lock:
+            if self._as_text is None:
+                copy = HFTokenizer.from_str(self._tok.to_str())
+                copy.encode_special_tokens = True
+                self._as_text = copy
+            return self._as_text

@@ -61,7 +61,8 @@ def fit_host(steps: Iterable[dict[str, Any]]) -> HostModel | None:
         if s.get("decode") and h < MAX_HOST_MS:
             rows.append(int(s["decode"]))
             host.append(h)
-        if s.get("prefill_launch_ms") is not None and s.get("layers"):
+        # (a launch that takes longer ran its layers on the host: a CPU engine, not launch overhead)
+        if s.get("prefill_launch_ms") is not None and s.get("layers") and s["prefill_launch_ms"] < MAX_HOST_MS:
             layers.append(int(s["layers"]))
             launch.append(float(s["prefill_launch_ms"]))
     if len(host) < 20:

@@ -45,7 +45,7 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
                               "\"param\", \"code\"}}.")
     app.state.muxd = state
     app.add_middleware(Gate, traffic=state.traffic, max_body=cfg.server.request_byte_limit,
-                       api_key=cfg.server.api_key,
+                       api_key=cfg.server.api_key, body_timeout=cfg.server.body_timeout,
                        max_in_flight=cfg.scheduler.max_num_seqs + cfg.scheduler.max_waiting)
     openapi.install(app, api_key=cfg.server.api_key is not None)
 
@@ -73,7 +73,7 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
             "num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "free_pages": 0}
         return PrometheusResponse(state.metrics.render(stats))
 
-    @app.get("/debug/timeline", responses=openapi.errors(500, 503),
+    @app.get("/debug/timeline", responses=openapi.errors(401, 500, 503),
              summary="The engine's recent timeline (decode steps, prefill launches per SM partition, switches, "
                      "merges) as Chrome-trace JSON, for chrome://tracing or Perfetto.")
     async def timeline():

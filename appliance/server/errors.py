@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from appliance.engine.async_engine import EngineDeadError
+from appliance.engine.async_engine import EngineDeadError, EngineStepError
 from appliance.errors import ApplianceError, CapacityError, ModelNotFoundError, RequestError, UnavailableError
 from appliance.server.responses import ErrorInfo, ErrorResponse
 
@@ -51,6 +51,8 @@ def describe(exc: BaseException) -> tuple[int, ErrorInfo]:
         return 400, ErrorInfo(message=str(exc), type="invalid_request_error")
     if isinstance(exc, EngineDeadError):
         return 500, ErrorInfo(message=str(exc), type="internal_error", code="engine_dead")
+    if isinstance(exc, EngineStepError):
+        return 500, ErrorInfo(message=str(exc), type="internal_error", code="engine_step_failed")
     if isinstance(exc, HTTPException):
         code = "request_too_large" if exc.status_code == 413 else None
         return exc.status_code, ErrorInfo(message=str(exc.detail), type="invalid_request_error", code=code)
@@ -123,5 +125,5 @@ def install_handlers(app: FastAPI) -> None:
         return response_for(exc)
 
     app.add_exception_handler(RequestValidationError, invalid)
-    for kind in (ApplianceError, EngineDeadError, HTTPException):
+    for kind in (ApplianceError, EngineDeadError, EngineStepError, HTTPException):
         app.add_exception_handler(kind, known)

@@ -14,10 +14,11 @@ from typing import Any, Callable
 import uvicorn
 
 from appliance.config import Config
-from appliance.engine.async_engine import AsyncEngine, EngineDeadError
+from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
-from appliance.errors import UnavailableError
+from appliance.engine.supervisor import RestartBudget, rebuild_engine
+from appliance.errors import ApplianceError, RankError, UnavailableError
 from appliance.server.gate import Traffic
 from appliance.server.metrics import Metrics
 from appliance.server.serving import OpenAIServing
@@ -41,12 +42,18 @@ class ServerState:
     async def start(self) -> None:
         try:
             engine = await _in_daemon_thread(lambda: build_engine(self.cfg))
-            self.engine = AsyncEngine(engine)
+            engine.on_fatal(self._engine_lost)
+            srv = self.cfg.server
+            # a tensor-parallel engine is not rebuilt: its other ranks hold the failed step's state, or are gone
+            rebuild = rebuild_engine if self.cfg.parallel.tensor_parallel_size == 1 else None
+            self.engine = AsyncEngine(engine, rebuild=rebuild, on_fatal=self._engine_stopped,
+                                      restarts=RestartBudget(srv.engine_restarts, srv.engine_restart_window))
             self.engine.start()
             warm = self.engine.make_request([0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
             async for _ in self.engine.stream(warm):
                 pass
-            self.serving = OpenAIServing(self.engine, self.cfg.model.model_name, self.metrics)
+            self.serving = OpenAIServing(self.engine, self.cfg.model.model_name, self.metrics,
+                                         self.cfg.model.special_tokens_in_messages)
             self.ready = True
             log.info("model %s ready (%d KV pages of %d tokens, max_model_len %d)", self.cfg.model.model_name,
                      engine.pool.num_pages, engine.pool.page_size, engine.max_model_len)
@@ -55,7 +62,19 @@ class ServerState:
         except BaseException as exc:  # noqa: BLE001 - reported and turned into a clean shutdown
             log.error("start-up failed: %s", exc)
             if self.on_fatal is not None:
-                self.on_fatal(exc)
+                self.on_fatal(ApplianceError(f"start-up failed: {exc}"))
+
+    def _engine_stopped(self, exc: BaseException) -> None:
+        if self.on_fatal is not None:
+            lost = isinstance(exc, RankError)  # it names the rank; no restart was tried
+            self.on_fatal(exc if lost else ApplianceError(f"the engine stopped after failed steps: "
+                                                          f"{type(exc).__name__}: {exc}"))
+
+    def _engine_lost(self, exc: BaseException) -> None:
+        """The engine can no longer run (a tensor-parallel rank died): the server ends with the error."""
+        log.error("%s; the server stops", exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     async def stop(self) -> None:
         if self.serving is not None:
@@ -66,10 +85,11 @@ class ServerState:
             self.engine.engine.executor.timeline.save(path / f"timeline-{os.getpid()}.json")
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+            await asyncio.to_thread(self.engine.engine.close)
 
     def require_ready(self) -> OpenAIServing:
-        if self.engine is not None and self.engine.error is not None:
-            raise EngineDeadError(f"engine stopped: {self.engine.error!r}")
+        if self.engine is not None and not self.traffic.draining:
+            self.engine.check_open()  # dead (500) or being rebuilt after a failed step (503)
         if self.traffic.draining:
             raise UnavailableError("the server is shutting down; retry on another replica", "shutting_down")
         if not self.ready or self.serving is None:

@@ -19,13 +19,16 @@ _ERROR_DOC = {
     400: "Invalid request: wrong type, unknown field, unsupported option, prompt longer than the context.",
     401: "Missing or wrong API key (only when the server runs with --api-key).",
     404: "The model named in the body is not served here (code model_not_found).",
+    408: "The request body did not arrive within --body-timeout seconds.",
     413: "Request body larger than --max-request-bytes.",
     429: "Too many requests in flight or waiting; retry after Retry-After seconds.",
-    500: "Internal error, or the engine stopped.",
-    503: "The model is still loading, or the server is shutting down; retry after Retry-After seconds.",
+    500: "Internal error: an engine step failed while serving the request (code engine_step_failed), or the engine "
+         "stopped (engine_dead).",
+    503: "The model is still loading, the engine is restarting after a failed step, or the server is shutting down; "
+         "retry after Retry-After seconds.",
 }
 _RETRY = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
-GENERATE_ERRORS = (400, 401, 404, 413, 429, 500, 503)
+GENERATE_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -63,7 +66,7 @@ def install(app: FastAPI, api_key: bool) -> None:
             for path, item in schema.get("paths", {}).items():
                 for op in item.values():
                     op.get("responses", {}).pop("422", None)
-                    if api_key and path.startswith("/v1"):
+                    if api_key and path.startswith(("/v1", "/debug")):
                         op["security"] = [{"bearer": []}]
             components = schema.setdefault("components", {})
             schemas = components.setdefault("schemas", {})

@@ -20,7 +20,17 @@ from pydantic import (
 )
 
 from appliance.engine.grammar import GrammarSpec
-from appliance.engine.request import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_TOP_K, SamplingParams
+from appliance.engine.request import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    SamplingParams,
+)
 from appliance.errors import RequestError
 from appliance.server.structured import ResponseFormat
 from appliance.server.tools import ToolChoice, ToolsRequest
@@ -56,6 +66,7 @@ def bounded_int(ge: int | None = None, le: int | None = None) -> Any:
 
 
 TokenId = bounded_int(ge=0)
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
 Count = bounded_int(ge=1)
 TopK = bounded_int(ge=-1, le=MAX_TOP_K)
 MAX_N = 64  # choices per request
@@ -100,8 +111,9 @@ class _SamplingRequest(BaseModel):
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
     top_k: TopK | None = Field(None, description="-1 or 0: no top-k cut.")
     seed: Int | None = Field(None, description="Seed of this request's sampling (same seed, same output).")
-    stop: Annotated[Text, Field(min_length=1)] | list[Annotated[Text, Field(min_length=1)]] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} strings of up to {MAX_STOP_CHARS} characters.")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(False, description="Extension: keep generating after the end-of-sequence token.")
@@ -114,13 +126,23 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[Finite, Field(gt=0)] | None = Field(None, description="Extension: > 1 discourages "
                                                                                         "prompt and output tokens.")
-    logit_bias: dict[str, Annotated[Finite, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(
-        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100].",
+    logit_bias: Annotated[dict[str, Annotated[Finite, Field(ge=-MAX_BIAS, le=MAX_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description=f"Token id (as a string) -> bias added to its logit, in [-100, 100]; at most "
+                          f"{MAX_LOGIT_BIAS} entries.",
         json_schema_extra={"propertyNames": {"pattern": r"^(0|[1-9][0-9]*)$"}})
     min_p: Annotated[Finite, Field(ge=0, le=1)] | None = Field(None, description="Extension: drop tokens less likely "
                                                                                  "than min_p times the likeliest.")
     min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
                                                                    "before this many tokens.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, value: Any) -> Any:
+        """The count first, in words (a union would answer a long list with 'should be a valid string')."""
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"holds {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        return value
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> "_SamplingRequest":

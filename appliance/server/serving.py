@@ -20,6 +20,7 @@ from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import Request
 from appliance.errors import ModelNotFoundError, RequestError
+from appliance.model_zoo.tokenizer import RenderedChat
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server import tokenize as t
@@ -31,8 +32,10 @@ from appliance.server.tools import detect_parser
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics,
+                 special_tokens_in_messages: bool = False) -> None:
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self.escape_control = not special_tokens_in_messages
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         config = engine.engine.config
@@ -86,27 +89,35 @@ class OpenAIServing:
         return self._make(body, ids, body.max_tokens, rid)
 
     def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> list[Request]:
-        return self._make(body, self._encode(self._render(body), False, "messages"), body.requested_max_tokens(),
-                          rid)
+        chat = self._render(body)
+        self._check_text(chat.text, "messages")
+        return self._make(body, self._tokenizer().encode_chat(chat), body.requested_max_tokens(), rid)
 
-    def _render(self, body: p.ChatCompletionRequest) -> str:
+    def _render(self, body: p.ChatCompletionRequest) -> RenderedChat:
         messages = [m.for_template() for m in body.messages]
         tools = body.active_tools
         if tools and not (body.tool_choice and body.tool_choice.constrains) and not self.auto_tools:
             raise RequestError('tool_choice "auto" is off on this server (--no-enable-auto-tool-choice); send '
                                'tool_choice "required" or a named function', "tool_choice")
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
-        return self._tokenizer().apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt
-                                                     is not False, **extra)
+        return self._tokenizer().render_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                             escape_control=self.escape_control, **extra)
 
     def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
         if body.messages is not None:
-            text = self._tokenizer().apply_chat_template([m.for_template() for m in body.messages],
-                                                         add_generation_prompt=body.add_generation_prompt)
-            return self._encode(text, False, "messages", limit=False)
+            tok = self._tokenizer()
+            chat = tok.render_chat([m.for_template() for m in body.messages],
+                                   add_generation_prompt=body.add_generation_prompt, escape_control=self.escape_control)
+            self._check_text(chat.text, "messages", limit=False)
+            return tok.encode_chat(chat)
         return self._encode(body.prompt, body.add_special_tokens, "prompt", limit=False)
 
     def _encode(self, text: str, add_special_tokens: bool, param: str, limit: bool = True) -> list[int]:
+        self._check_text(text, param, limit)
+        return self._tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_text(self, text: str, param: str, limit: bool = True) -> None:
+        """Valid Unicode, and (with `limit`) not so long that even its fewest possible tokens exceed the context."""
         tok = self._tokenizer()
         try:
             p.valid_unicode(text)  # the template may have copied in message fields that are not validated as text
@@ -118,7 +129,6 @@ class OpenAIServing:
             raise RequestError(f"the {source} is longer than this model's context of {self.max_model_len} tokens: "
                                f"its {len(text.encode())} bytes make at least {at_least} tokens", param,
                                CONTEXT_LENGTH_EXCEEDED)
-        return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str) -> list[Request]:
         """One engine request per choice (ids rid, rid-1, ...; choice i samples with seed + i)."""

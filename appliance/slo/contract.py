@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from appliance.errors import ContractError, ContractProblem
-from appliance.slo.yaml_lines import LocatedYaml, YamlSyntaxError, load_located
+from appliance.slo.yaml_lines import LocatedYaml, YamlLimitError, YamlSyntaxError, load_located
 
 CLASS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -126,21 +126,41 @@ class ClassSLO:
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
+MAX_CONTRACT_BYTES = 64 * 1024  # a contract is a few hundred bytes; the YAML reader is pure Python
+
+
 def load_contract(path: str | Path) -> Contract:
-    """Read and validate a contract file; raises ContractError listing every problem with its line."""
+    """Read and validate a contract file; raises ContractError listing every problem with its line. A file that
+    cannot be read as a contract at all (too large, not UTF-8, not YAML, hostile YAML) is one problem and
+    `unreadable`."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data = f.read(MAX_CONTRACT_BYTES + 1)
     except OSError as exc:
-        raise ContractError(str(path), [ContractProblem("", 0, f"cannot read the file: {exc.strerror or exc}")])
+        raise _unreadable(str(path), 0, f"cannot read the file: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONTRACT_BYTES:
+        raise _unreadable(str(path), 0, f"the file is larger than {MAX_CONTRACT_BYTES // 1024} KiB; an SLO contract "
+                          "is a few hundred bytes of YAML")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise _unreadable(str(path), line, f"byte 0x{data[exc.start]:02x} at offset {exc.start} is not UTF-8 "
+                          "text; save the contract as UTF-8") from None
     return parse_contract(text, str(path))
+
+
+def _unreadable(source: str, line: int, message: str) -> ContractError:
+    return ContractError(source, [ContractProblem("", line, message)], unreadable=True)
 
 
 def parse_contract(text: str, source: str = "<contract>") -> Contract:
     try:
         doc = load_located(text)
     except YamlSyntaxError as exc:
-        raise ContractError(source, [ContractProblem("", exc.line, f"not valid YAML: {exc}")]) from None
+        refused = "refused" if isinstance(exc, YamlLimitError) else "not valid YAML"
+        raise _unreadable(source, exc.line, f"{refused}: {exc}") from None
     problems = [ContractProblem(_dotted(p), line, f"duplicate {_kind(p)} {p[-1]!r} (first defined on line {first})")
                 for p, line, first in doc.duplicates]
     if not isinstance(doc.value, dict):

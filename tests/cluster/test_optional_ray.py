@@ -29,7 +29,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_the_single_server_path_does_not_import_ray():
     out = _python("""
         import sys
-        import appliance.cli.main  # every command, `muxd cluster` and the cluster package included
+        import appliance.cli.main, appliance.cli.commands  # noqa: E401 - every command, `muxd cluster` included
         from appliance.config import Config
         from appliance.server.api import create_app
         create_app(Config.flat())  # the app `muxd serve` runs

@@ -132,11 +132,11 @@ overload: {overload}
 def test_contract_queue_limit(llama_checkpoint, tmp_path):
     path, _ = llama_checkpoint
     slo = write_contract(tmp_path, "{mode: queue, queue_limit: 2}")
-    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, slo=slo))
-    engine.add_request(prompts()[0], GREEDY)
-    engine.add_request(prompts()[1], GREEDY)
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, slo=slo, max_num_seqs=1))
+    for prompt in prompts()[:3]:  # one starts on the free seat, two wait
+        engine.add_request(prompt, GREEDY)
     with pytest.raises(CapacityError, match="limit 2"):
-        engine.add_request(prompts()[2], GREEDY)
+        engine.add_request(prompts()[3], GREEDY)
 
 
 def test_mux_sheds_with_retry_after(llama_checkpoint, tmp_path):

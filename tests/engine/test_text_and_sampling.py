@@ -106,10 +106,11 @@ def test_bad_prompts(engine):
 
 
 def test_waiting_queue_limit(text_checkpoint):
-    e = build_engine(Config.flat(model=text_checkpoint, num_gpu_blocks_override=16, max_waiting=2))
-    e.add_request("a"), e.add_request("b")
+    """One free seat and two queue places: three requests in, the fourth refused."""
+    e = build_engine(Config.flat(model=text_checkpoint, num_gpu_blocks_override=16, max_num_seqs=1, max_waiting=2))
+    e.add_request("a"), e.add_request("b"), e.add_request("c")
     with pytest.raises(CapacityError, match="waiting"):
-        e.add_request("c")
+        e.add_request("d")
 
 
 def test_sampling_seeded_reproducible_and_greedy_equivalents(engine):

@@ -213,8 +213,12 @@ def test_profile_command_calibrates_on_another_trace(tmp_path):
     assert result.exit_code == 0, result.output
     assert "calibrating: 8 requests of" in result.output and "serving factors" in result.output
     saved = json.loads(out.read_text())
-    # on the CPU the short points were measured again; how far their runs spread is reported
-    assert f"their runs differ by {saved['fit']['repeat_spread_median']:.1%} at the median" in result.output
+    # on the CPU the short points are measured again when the budget leaves time (a busy machine may leave none);
+    # either way the output says what happened
+    if "repeat_spread_median" in saved["fit"]:
+        assert f"their runs differ by {saved['fit']['repeat_spread_median']:.1%} at the median" in result.output
+    else:
+        assert "repeated points: none (no short point to repeat, or the budget left no time to)" in result.output
     assert set(saved["serving"]) <= {"decode", "prefill"}
     assert load_predictor(out, ModelConfig.from_file(EMBEDDED / "config.json"), "cpu").serving == saved["serving"]
 

@@ -103,3 +103,49 @@ def test_wait_idle(in_flight, idle):
     traffic = Traffic()
     traffic.in_flight = in_flight
     assert asyncio.run(traffic.wait_idle(0.05)) is idle
+
+
+def test_debug_routes_need_the_key_too():
+    app = make_app(Traffic(), api_key=KEY)
+
+    @app.get("/debug/timeline")
+    async def timeline():
+        return {"traceEvents": []}
+
+    assert error(call(app, "GET", "/debug/timeline"), 401)["code"] == "invalid_api_key"
+    assert call(app, "GET", "/debug/timeline", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_a_body_that_trickles_gets_408_and_never_holds_a_seat():
+    """The body must arrive whole within --body-timeout; while it arrives the request holds no seat."""
+    traffic = Traffic()
+    gate = make_app(traffic, body_timeout=0.2).build_middleware_stack()
+    sent: list[dict] = []
+    seats_while_receiving: list[int] = []
+
+    async def receive():
+        seats_while_receiving.append(traffic.in_flight)
+        if len(seats_while_receiving) == 1:
+            return {"type": "http.request", "body": b'{"a', "more_body": True}
+        await asyncio.Event().wait()  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/echo", "headers": [], "query_string": b"",
+             "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+    asyncio.run(gate(scope, receive, send))
+    assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
+    assert b"--body-timeout" in sent[1]["body"]
+    assert seats_while_receiving == [0, 0] and traffic.in_flight == 0 and traffic.receiving_bytes == 0
+
+
+def test_a_seat_is_checked_again_once_the_body_has_arrived():
+    traffic = Traffic()
+    app = make_app(traffic, max_in_flight=1)
+
+    async def body():
+        traffic.in_flight = 1  # every seat was taken while this body arrived
+        yield b"x"
+
+    assert error(call(app, "POST", "/v1/echo", content=body()), 429)["code"] == "queue_full"

@@ -1,0 +1,55 @@
+"""uvicorn's HTTP/1.1 protocol (h11) with a header deadline: a connection must deliver a request's complete headers
+within --header-timeout seconds of opening, or of the end of its previous response, or it is closed. uvicorn's own
+keep-alive timeout closes idle connections only until their first byte arrives, so a client that sends its headers
+one byte at a time would otherwise hold a connection forever. (The body deadline is the gate's: server/gate.py.)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("muxd.server")
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    def __init__(self, *args: Any, header_timeout: float = 10.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the request line and every header have arrived
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this keep-alive connection gets the same deadline
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.debug("closing a connection whose request headers did not arrive within %g s", self.header_timeout)
+            self.transport.close()
