@@ -41,7 +41,7 @@ def create_ingress_app(backend: Backend, settings: ClusterSettings, engine: Conf
     app.state.relay = relay
     seats = settings.max_count * (engine.scheduler.max_num_seqs + engine.scheduler.max_waiting)
     app.add_middleware(Gate, traffic=Traffic(), max_body=engine.server.request_byte_limit, max_in_flight=seats,
-                       api_key=engine.server.api_key)
+                       api_key=engine.server.api_key, body_timeout=engine.server.body_timeout)
     install_handlers(app)
 
     @app.get("/health")

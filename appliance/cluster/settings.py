@@ -35,8 +35,8 @@ class ClusterSettings:
     max_ongoing_requests: int = flag(256, "Requests in flight per replica before the router holds new ones back "
                                      "(Ray Serve's max_ongoing_requests).")
     replica_cpus: float = flag(1.0, "CPUs Ray reserves for each replica.")
-    replica_gpus: Optional[float] = flag(None, "GPUs Ray reserves for each replica (default: 1 with a CUDA "
-                                         "--device, else 0).")
+    replica_gpus: Optional[float] = flag(None, "GPUs Ray reserves for each replica (default: with a CUDA "
+                                         "--device, one per tensor-parallel rank (-tp); else 0).")
     routing_stats_period: float = flag(0.5, "Seconds between the reports (queue, batch, KV usage, predicted "
                                        "wait) each replica sends the router.")
     health_check_period: float = flag(5.0, "Seconds between health checks of a replica; a replica whose engine "
@@ -86,7 +86,9 @@ class ClusterSettings:
     def gpus_per_replica(self, engine: Config) -> float:
         if self.replica_gpus is not None:
             return self.replica_gpus
-        return 1.0 if engine.runtime.resolved_device().startswith("cuda") else 0.0
+        if not engine.runtime.resolved_device().startswith("cuda"):
+            return 0.0
+        return float(engine.parallel.tensor_parallel_size)  # a replica's ranks are processes of its own
 
     def values(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
