@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -70,7 +71,7 @@ def main() -> None:
     (args.out / "comparison.md").write_text(table + "\n")
     (args.out / "comparison.json").write_text(json.dumps(
         {"routers": {router: p.as_dict() for router, p in rows}, "runs": runs,
-         "commands": {k: " ".join(v) for k, v in commands.items()}}, indent=1))
+         "commands": {k: shlex.join(v) for k, v in commands.items()}}, indent=1))
     print(table)
 
 
