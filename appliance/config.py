@@ -391,20 +391,24 @@ class Config:
 
 def serve_flags(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """typer parameters of `muxd serve`, one per config field (a bool field is a --name/--no-name switch)."""
+    return [param for cls in GROUPS.values() for param in dataclass_flags(cls, skip)]
+
+
+def dataclass_flags(cls: type, skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """typer parameters of one settings dataclass whose fields were made with `flag` (a bool is a switch)."""
     import typer  # the CLI's library; the config itself does not need it
 
     params = []
-    for group, cls in GROUPS.items():
-        hints = _hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            meta, dash = f.metadata, f.name.replace("_", "-")
-            names = (f"--{dash}/--no-{dash}",) if hints[f.name] in (bool, Optional[bool]) else (f"--{dash}",)
-            option = typer.Option(f.default, *names, *meta["names"], help=meta["help"], envvar=meta["envvar"],
-                                  show_envvar=meta["envvar"] is not None, hidden=meta["hidden"])
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                            annotation=hints[f.name]))
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        meta, dash = f.metadata, f.name.replace("_", "-")
+        names = (f"--{dash}/--no-{dash}",) if hints[f.name] in (bool, Optional[bool]) else (f"--{dash}",)
+        option = typer.Option(f.default, *names, *meta["names"], help=meta["help"], envvar=meta["envvar"],
+                              show_envvar=meta["envvar"] is not None, hidden=meta["hidden"])
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=hints[f.name]))
     return params
 
 

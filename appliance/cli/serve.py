@@ -7,11 +7,13 @@ import logging
 import os
 import sys
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from appliance import __version__
+from appliance.cluster.deploy import require_ray, run
+from appliance.cluster.settings import ClusterSettings
 from appliance.config import Config, with_serve_flags
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
@@ -30,11 +32,18 @@ def fail(exc: ApplianceError) -> None:
 
 def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         None, metavar="MODEL", help="Model directory (or 'embedded'), as `vllm serve MODEL`; the same as --model.",
-        show_default=False)) -> None:
+        show_default=False),
+        replicas: int = typer.Option(1, "--replicas", help="Engine replicas: above 1, serve them on Ray Serve behind "
+                                     "one endpoint, as `muxd cluster --replicas N` (see `muxd cluster --help`)."),
+        ray: Optional[str] = typer.Option(None, "--ray", help="Join this Ray cluster and serve replicas there, as "
+                                          "`muxd cluster --ray ADDRESS`.")) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /tokenize,
     /detokenize, /version, /health, /ready, /metrics)."""
     import uvicorn  # defers the server's libraries to `serve`
 
+    if replicas != 1 or ray is not None:
+        run_cluster(config, model_tag, {"replicas": replicas, "ray_address": ray})
+        return
     try:
         config = with_model_tag(config, model_tag)
         config.check()
@@ -64,6 +73,20 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
     if fatal:
         typer.secho(f"error: {fatal[0]}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
+
+
+def run_cluster(config: Config, model_tag: str | None, cluster_flags: dict[str, Any]) -> None:
+    """`muxd cluster` (and `muxd serve --replicas N`): check everything, then serve the replicas until a signal."""
+    try:
+        config = with_model_tag(config, model_tag)
+        settings = ClusterSettings(**cluster_flags)
+        config.check()
+        require_ray()
+    except ApplianceError as exc:
+        fail(exc)
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(config, settings, typer.echo)
 
 
 def with_model_tag(config: Config, model_tag: str | None) -> Config:
