@@ -22,7 +22,6 @@ sys.path.insert(0, str(ROOT))
 from appliance.bench.pool import pool, read_point  # noqa: E402
 from appliance.slo.contract import load_contract  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "azure_code_2023.csv"
 CONTRACT = ROOT / "configs" / "slo" / "cpu-cluster.yaml"
 ROUTERS = ("slo", "pow2")
 
@@ -40,7 +39,8 @@ def bench(order: tuple[str, ...], out: Path, args: argparse.Namespace) -> list[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(f"bench-routers-{time.strftime('%Y%m%d-%H%M%S')}"))
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, required=True,
+                        help="the full Azure LLM inference code 2023 trace (azure_code_2023.csv)")
     parser.add_argument("--window", default="855:865", help="the trace's burst (Azure code: 327 requests in 10 s)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rate", type=float, default=2.5, help="re-timed average rate, the burst pattern kept")
