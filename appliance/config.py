@@ -1,4 +1,5 @@
-"""The one configuration of muxd: frozen dataclasses grouped by concern (model, cache, scheduler, runtime, server).
+"""The one configuration of muxd: frozen dataclasses grouped by concern (model, cache, scheduler, runtime, parallel,
+server).
 
 Every field is a `muxd serve` flag of the same name (vLLM's name where vLLM has the concept); `serve_flags()` makes
 the typer parameters from the fields, so the flags, the config and `muxd bench --serve-args` never drift apart. Cheap
@@ -255,6 +256,18 @@ class RuntimeSettings:
 
 
 @dataclass(frozen=True)
+class ParallelSettings:
+    tensor_parallel_size: int = flag(1, "GPUs the model is split across (tensor parallelism), one process each, "
+                                     "started by muxd; every rank multiplexes prefill and decode on the same SM "
+                                     "partitions. 1: one GPU, no process group.", "-tp")
+    dist_timeout: float = flag(600.0, "Seconds a collective between ranks may wait before the engine gives up (a "
+                               "rank that stopped answering); a rank that exits ends the server at once.")
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "tensor_parallel_size", "dist_timeout")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     host: str = flag("127.0.0.1", "Address to bind; use 0.0.0.0 to accept connections from other machines.",
                      envvar="MUXD_HOST")
@@ -308,7 +321,7 @@ class ServerSettings:
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings,
-                           "runtime": RuntimeSettings, "server": ServerSettings}
+                           "runtime": RuntimeSettings, "parallel": ParallelSettings, "server": ServerSettings}
 _FIELD_GROUP = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -321,6 +334,7 @@ class Config:
     cache: CacheSettings = field(default_factory=CacheSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
 
     @classmethod
@@ -349,17 +363,26 @@ class Config:
         return None if self.runtime.resolved_device().startswith("cuda") else "float32"
 
     def check(self) -> ModelConfig:
-        """The checks that read files or the machine, before anything slow: the device, the model directory and
-        its config.json, the context length, the SLO contract, the weights (present, and each safetensors file whole),
-        the tokenizer's special ids and chat template. Returns the model's config."""
+        """The checks that read files or the machine, before anything slow: the device (and GPUs enough for the
+        ranks), the model directory and its config.json (and whether it splits across the ranks), the context length,
+        the SLO contract, the weights (present, and each safetensors file whole), the tokenizer's special ids and chat
+        template. Returns the model's config as each rank runs it."""
         device = self.runtime.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and device.startswith("cuda"):
+            if device != "cuda":
+                raise ConfigError(f"--device {device} with --tensor-parallel-size {tp}: rank r runs on cuda:r; "
+                                  "choose the GPUs with CUDA_VISIBLE_DEVICES and pass --device cuda")
+            if torch.cuda.device_count() < tp:
+                raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} GPUs; this machine shows "
+                                  f"{torch.cuda.device_count()}")
         if self.runtime.multiplex and not device.startswith("cuda"):
             raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
         path = resolve_model_dir(self.model.model_dir)
-        cfg = ModelConfig.from_file(path / "config.json")
+        cfg = ModelConfig.from_file(path / "config.json").sharded(tp)
         cfg.check_max_model_len(self.model.max_model_len or cfg.max_model_len)
         if self.model.load_format != "dummy":
             checkpoint_files(path, check=True)  # each file's header: a truncated download fails here, named
@@ -372,20 +395,24 @@ class Config:
 
 def serve_flags(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """typer parameters of `muxd serve`, one per config field (a bool field is a --name/--no-name switch)."""
+    return [param for cls in GROUPS.values() for param in dataclass_flags(cls, skip)]
+
+
+def dataclass_flags(cls: type, skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """typer parameters of one settings dataclass whose fields were made with `flag` (a bool is a switch)."""
     import typer  # the CLI's library; the config itself does not need it
 
     params = []
-    for group, cls in GROUPS.items():
-        hints = _hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            meta, dash = f.metadata, f.name.replace("_", "-")
-            names = (f"--{dash}/--no-{dash}",) if hints[f.name] in (bool, Optional[bool]) else (f"--{dash}",)
-            option = typer.Option(f.default, *names, *meta["names"], help=meta["help"], envvar=meta["envvar"],
-                                  show_envvar=meta["envvar"] is not None, hidden=meta["hidden"])
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                            annotation=hints[f.name]))
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        meta, dash = f.metadata, f.name.replace("_", "-")
+        names = (f"--{dash}/--no-{dash}",) if hints[f.name] in (bool, Optional[bool]) else (f"--{dash}",)
+        option = typer.Option(f.default, *names, *meta["names"], help=meta["help"], envvar=meta["envvar"],
+                              show_envvar=meta["envvar"] is not None, hidden=meta["hidden"])
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=hints[f.name]))
     return params
 
 

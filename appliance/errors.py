@@ -63,6 +63,10 @@ class ContractError(ConfigError):
                          f"{lines}")
 
 
+class RankError(ApplianceError):
+    """A rank of a tensor-parallel engine exited or stopped answering: the engine cannot run any more."""
+
+
 class ModelNotFoundError(RequestError):
     """A request names a model this server does not serve (HTTP 404, code model_not_found)."""
 

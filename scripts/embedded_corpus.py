@@ -14,7 +14,6 @@ import warnings
 import zlib
 from pathlib import Path
 
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "appliance" / "model_zoo" / "embedded"
 

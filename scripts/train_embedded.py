@@ -28,9 +28,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from embedded_corpus import (ASSISTANT, BOS, CHAT_TEMPLATE, DEFAULT_OUT, EOS, PAD, SPECIAL_TOKENS, SYSTEM, USER,
-                             build_corpus)
+from embedded_corpus import (
+    ASSISTANT,
+    BOS,
+    CHAT_TEMPLATE,
+    DEFAULT_OUT,
+    EOS,
+    PAD,
+    SPECIAL_TOKENS,
+    SYSTEM,
+    USER,
+    build_corpus,
+)
 
 
 def train_tokenizer(texts, vocab_size: int):

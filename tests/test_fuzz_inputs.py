@@ -16,8 +16,8 @@ from pydantic import ValidationError
 
 from appliance.config import EMBEDDED_MODEL_DIR
 from appliance.errors import ApplianceError, ContractError, RequestError
-from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.chat_template import compile_chat_template
+from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.tokenizer import Tokenizer
 from appliance.server.protocol import ChatCompletionRequest, bodies_for
 from appliance.slo.contract import Contract, parse_contract

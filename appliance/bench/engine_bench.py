@@ -5,7 +5,8 @@ step shows beyond its device time (wall minus the graph replay alone), with the 
 and, with `sync_rows`, synchronous for comparison.
 
 Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
-prefill of its whole batch.
+prefill of its whole batch. With tensor parallelism (`-tp N`) every row runs through the executor, which every rank
+follows, and the floors are one rank's (its share of the weights and KV on its GPU).
 """
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ class EngineBench:
                 hosts.append(wall - (runner.gpu_wait_s - wait0))
             device = None
             graph_set = runner.graphs
-            if graphs and graph_set is not None and graph_set.padded_size(batch) is not None:
+            alone = self.engine.model.config.tp_size == 1  # a graph replayed on one rank alone would wait forever
+            if alone and graphs and graph_set is not None and graph_set.padded_size(batch) is not None:
                 device = time_cuda(lambda: graph_set.replay(graph_set.padded_size(batch))) * 1e3
         finally:
             runner.use_graphs = True
@@ -174,25 +176,42 @@ class EngineBench:
         r.num_computed_tokens = cached  # the prefix's KV is taken as cached (random contents)
         plan = StepPlan(prefill=(PrefillWork(r.request_id, cached, cached + new, 0, engine.model.num_layers),))
         try:
-            engine.runner.execute(plan, engine.scheduler.requests)
+            _execute(engine, plan)
             times = []
             for _ in range(max(3, self.iters // 5)):
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                engine.runner.execute(plan, engine.scheduler.requests)
+                _execute(engine, plan)
                 times.append(time.perf_counter() - start)
         finally:
             engine.abort(r.request_id)
         return Row("prefill", label, statistics.median(times) * 1e3, floor)
 
 
+def _execute(engine: Engine, plan: StepPlan) -> None:
+    """Run a plan to its end: on the runner of one rank, through the executor (which the other ranks follow) of
+    several."""
+    if engine.model.config.tp_size == 1:
+        engine.runner.execute(plan, engine.scheduler.requests)
+        return
+    engine.executor.launch(plan, engine.scheduler.requests)
+    while engine.executor.has_inflight():
+        engine.executor.wait()
+        engine.executor.poll()
+
+
 def start_engine(model_dir: str, load_format: str, dtype: str | None, config: Config) -> tuple[Engine, dict]:
     start = time.perf_counter()
-    model = load_model(model_dir, dtype=dtype, device="cuda", load_format=load_format)
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - start
-    start = time.perf_counter()
-    engine = build_engine(config, model)
+    if config.parallel.tensor_parallel_size > 1:  # every rank loads its own share while the engine starts
+        engine = build_engine(config.replace(model=str(model_dir), load_format=load_format, dtype=dtype or "auto",
+                                             device="cuda"))
+        load_s = 0.0
+    else:
+        model = load_model(model_dir, dtype=dtype, device="cuda", load_format=load_format)
+        torch.cuda.synchronize()
+        load_s = time.perf_counter() - start
+        start = time.perf_counter()
+        engine = build_engine(config, model)
     startup = {"load_s": load_s, "engine_init_s": time.perf_counter() - start, **engine.startup,
                "attention_backend": engine.runner.backend_name, "compiled": engine.compiled,
                "kv_pages": engine.pool.num_pages}

@@ -1,5 +1,6 @@
 """Side-by-side runs: which scheduling policies the installed muxd serves, and a `muxd serve` subprocess per policy
-(free port, wait for /ready, stop), so each policy is measured on the same device, model and trace.
+(free port, wait for /ready, stop), so each policy is measured on the same device, model and trace; likewise a
+`muxd cluster` subprocess per replica router (engine replicas on Ray Serve), so routers are compared the same way.
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from appliance.engine.planners.registry import POLICIES
 from appliance.errors import ApplianceError, ConfigError
 
 _RESERVED = ("--port", "--host", "--planner", "--policy", "--model", "-m")
+_CLUSTER_RESERVED = (*_RESERVED, "--router")
+# `muxd cluster --router`'s choices (cluster/settings.py ROUTERS, which bench sits below; a test keeps them equal)
+ROUTERS = ("slo", "pow2")
+CLUSTER_STOP_S = 90.0  # a cluster stops its Ray Serve application and its local Ray before it exits
 
 
 def known_policies() -> dict[str, list[str]]:
@@ -51,6 +56,27 @@ def parse_serve_args(text: str | None) -> list[str]:
     return args
 
 
+def parse_routers(text: str) -> list[str]:
+    """'slo,pow2' -> `muxd cluster` routers (refused before anything starts when unknown)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ROUTERS]
+    if not names or unknown:
+        raise ConfigError(f"--routers: give comma-separated routers among {', '.join(ROUTERS)}, got {text!r}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--routers: {text!r} names a router twice")
+    return names
+
+
+def parse_cluster_args(text: str | None) -> list[str]:
+    """Extra `muxd cluster` flags (replicas, autoscaling, Ray) for the launched clusters."""
+    args = shlex.split(text or "")
+    clash = [a for a in args if a.split("=")[0] in _CLUSTER_RESERVED]
+    if clash:
+        raise ConfigError(f"--cluster-args: {', '.join(clash)} is set by muxd bench (use --model, --policies and "
+                          "--routers)")
+    return args
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,21 +84,26 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`muxd serve --model MODEL <policy flags> <extra>` on a free local port; a context manager that waits for
-    /ready on entry and stops the server on exit."""
+    """`muxd serve --model MODEL <policy flags> <extra>` on a free local port (with a `router`: `muxd cluster
+    --router ROUTER <extra> <cluster_args>`, engine replicas on Ray Serve behind one endpoint); a context manager
+    that waits for /ready on entry and stops the server on exit."""
 
     def __init__(self, model: str, policy: str | None = None, extra: list[str] | None = None,
-                 ready_timeout: float = 600.0, log_dir: str | Path | None = None) -> None:
-        self.policy = policy
+                 ready_timeout: float = 600.0, log_dir: str | Path | None = None, router: str | None = None,
+                 cluster_args: list[str] | None = None) -> None:
+        self.policy, self.router = policy, router
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         flags = known_policies()[policy] if policy else []
-        self.args = [sys.executable, "-m", "appliance", "serve", "--port", str(self.port), "--model", model,
+        command = ["cluster", "--router", router, *(cluster_args or [])] if router else ["serve"]
+        self.args = [sys.executable, "-m", "appliance", *command, "--port", str(self.port), "--model", model,
                      *flags, *(extra or []), "--log-level", "warning"]
         self.ready_timeout = ready_timeout
+        self.stop_timeout = CLUSTER_STOP_S if router else 20.0
         log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="muxd-bench-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log = log_dir / f"server-{policy or 'default'}.log"
+        name = "-".join(x for x in (policy, router and f"router-{router}") if x) or "default"
+        self.log = log_dir / f"server-{name}.log"
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
@@ -109,19 +140,19 @@ class ServerProcess:
             return
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=self.stop_timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
 
 
 def wait_until_ready(url: str, proc: subprocess.Popen | None, timeout: float, log_tail: Callable[[], str]) -> None:
-    """Poll GET /ready of a `muxd serve` process (or of a server it does not own: proc None) until 200;
-    ApplianceError (with its log's tail) if it exits or stays unready for `timeout` seconds."""
+    """Poll GET /ready of a `muxd serve` or `muxd cluster` process (or of a server it does not own: proc None) until
+    200; ApplianceError (with its log's tail) if it exits or stays unready for `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise ApplianceError(f"muxd serve ({' '.join(map(str, proc.args[3:]))}) exited with {proc.returncode}:"
+            raise ApplianceError(f"`muxd {' '.join(map(str, proc.args[3:]))}` exited with {proc.returncode}:"
                                  f"\n{log_tail()}")
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
@@ -129,4 +160,5 @@ def wait_until_ready(url: str, proc: subprocess.Popen | None, timeout: float, lo
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise ApplianceError(f"muxd serve not ready after {timeout:g} s; its log:\n{log_tail()}")
+    what = f"`muxd {proc.args[3]}`" if proc is not None else f"the server at {url}"
+    raise ApplianceError(f"{what} not ready after {timeout:g} s; its log:\n{log_tail()}")

@@ -1,6 +1,6 @@
 """One benchmark run end to end: the workload (trace or synthetic, shaped for the served model), prompts, and a
-`Session` per target (a URL, a `muxd serve` launched per policy, or the engine in process) that replays it once or
-at many rates for a capacity sweep.
+`Session` per target (a URL, a `muxd serve` launched per policy, a `muxd cluster` launched per router, or the engine
+in process) that replays it once or at many rates for a capacity sweep.
 """
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ class BenchOptions:
     tokenizer: str | None = None
     policies: list[str] = field(default_factory=list)
     serve_args: list[str] = field(default_factory=list)
+    routers: list[str] = field(default_factory=list)      # `muxd cluster --router` per run (replicas on Ray Serve)
+    cluster_args: list[str] = field(default_factory=list)  # extra `muxd cluster` flags, e.g. --replicas 2
     in_process: bool = False
     ready_timeout: float = 600.0
     temperature: float = 0.0
@@ -122,9 +124,11 @@ class Session:
     """A target kept up for one or more replays: a context manager owning its event loop, and the server process
     or engine when it starts one."""
 
-    def __init__(self, opts: BenchOptions, policy: str | None = None) -> None:
-        self.opts, self.policy = opts, policy
-        self.label = policy or ("in-process" if opts.in_process else (opts.url or "muxd"))
+    def __init__(self, opts: BenchOptions, policy: str | None = None, router: str | None = None) -> None:
+        self.opts, self.policy, self.router = opts, policy, router
+        routed = router and f"router {router}"
+        self.label = (" ".join(x for x in (policy, routed) if x)
+                      or ("in-process" if opts.in_process else (opts.url or "muxd")))
         self.loop = asyncio.new_event_loop()
         self.server: ServerProcess | None = None
         self.engine: Any = None
@@ -155,7 +159,7 @@ class Session:
         url = opts.url
         if url is None:
             self.server = ServerProcess(opts.model_or_default, self.policy, opts.serve_args, opts.ready_timeout,
-                                        opts.result_dir)
+                                        opts.result_dir, self.router, opts.cluster_args)
             await asyncio.to_thread(self.server.__enter__)
             url = self.server.url
         self.model_id, self.max_model_len = await probe_server(url, opts.served_model_name)
@@ -200,6 +204,7 @@ class Session:
         requested = rate if rate is not None else opts.request_rate
         out: dict[str, Any] = {
             "date": result.started_at, "backend": self.backend, "label": self.label, "policy": self.policy,
+            **({"router": self.router, "cluster_args": " ".join(opts.cluster_args)} if self.router else {}),
             "model_id": self.model_id, "tokenizer_id": opts.tokenizer or opts.model,
             "trace": str(opts.trace) if opts.trace else "synthetic", "num_prompts": len(specs),
             "request_rate": _rate_value(requested), "offered_rate": _rate_value(wl.offered_rate(specs)),
@@ -216,6 +221,11 @@ class Session:
             if snapshot is not None:
                 out["planner"] = snapshot
         return out
+
+
+def variants(opts: BenchOptions) -> list[tuple[str | None, str | None]]:
+    """(policy, router) of every session the options ask for, policies outermost."""
+    return [(policy, router) for policy in opts.policies or [None] for router in opts.routers or [None]]
 
 
 def _rate_value(rate: float | None) -> float | str | None:

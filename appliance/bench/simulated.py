@@ -35,7 +35,11 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     if opts.slo is not None and contract is None:
         raise ConfigError("--simulate judges replays against an SLO contract: pass --slo FILE (not --goodput)")
     contract = contract or default_contract()
-    model = ModelConfig.from_file(resolve_model_dir(model_dir(opts.model_or_default)) / "config.json")
+    # the serve flags a simulation honours: the scheduler's (chunked's token budget, mux's adaptive chunks, ...) and
+    # the tensor-parallel degree (each rank's share of the model, its collectives, its KV pool)
+    serve = parse_serve_args(list(opts.serve_args))
+    options, tp = serve.scheduler, serve.parallel.tensor_parallel_size
+    model = ModelConfig.from_file(resolve_model_dir(model_dir(opts.model_or_default)) / "config.json").sharded(tp)
     predictor = load_predictor(opts.profile, model, gpu)
     try:
         device = device_spec(gpu)
@@ -46,8 +50,9 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
                                                           if serving else ""), *predictor.notes,
              f"contract {contract.name!r}: p{contract.slo_for(None).tbt_percentile:g} TBT "
              f"{contract.slo_for(None).tbt_ms:g} ms, attainment {contract.attainment:.0%}"]
-    # the serve flags a simulation honours: the scheduler's (chunked's token budget, mux's adaptive chunks, ...)
-    options = parse_serve_args(list(opts.serve_args)).scheduler
+    if tp > 1:
+        notes.append(f"tensor parallelism over {tp} GPUs (--tensor-parallel-size): each step is one rank's share "
+                     "plus its all-reduces and the logits' all-gather")
     if options.chunk_budget is not None:
         notes.append(f"chunked budget {options.chunk_budget} tokens (--chunk-budget)")
     if options.mixed_chunks:

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from appliance.bench import plots, report
 from appliance.bench.rates import RatePlan, criteria, measure_rates, parse_rates
-from appliance.bench.run import BenchOptions, Session, load_workload, prompt_synth, shape
+from appliance.bench.run import BenchOptions, Session, load_workload, prompt_synth, shape, variants
 from appliance.bench.simulated import run_simulated, simulated_measures
 from appliance.bench.sweep import SweepResult, find_capacity, write_summary
 from appliance.cli.bench_options import with_common_options
@@ -79,7 +79,8 @@ def _targets(opts: BenchOptions) -> dict[str, float] | None:
 @app.callback(invoke_without_command=True)
 @with_common_options
 def bench(ctx: typer.Context, opts: BenchOptions) -> None:
-    """Replay one workload and report latency, attainment and goodput (one column per --policies entry)."""
+    """Replay one workload and report latency, attainment and goodput (one column per --policies and --routers
+    entry)."""
     if ctx.invoked_subcommand is not None:
         return
     _run_bench(ctx, opts)
@@ -93,8 +94,8 @@ def _run_bench(ctx: typer.Context, opts: BenchOptions) -> None:
     show = ctx.params.get("progress", True)
     synth, raw = _workload(opts)
     results, runs = [], {}
-    for policy in opts.policies or [None]:
-        with Session(opts, policy) as session:
+    for policy, router in variants(opts):
+        with Session(opts, policy, router) as session:
             specs, notes = shape(raw, opts, session.max_model_len)
             prompts = _prompts(synth, specs)
             result = _replay(session, specs, prompts, show, f"replaying on {session.label}")
@@ -177,8 +178,8 @@ def _served_sweep(opts: BenchOptions, plan: RatePlan | None, search: Callable[..
         plan.check(opts.policies)
     synth, raw = _workload(opts)
     sweeps = []
-    for policy in opts.policies or [None]:
-        with Session(opts, policy) as session:
+    for policy, router in variants(opts):
+        with Session(opts, policy, router) as session:
             base, notes = shape(raw, opts, session.max_model_len)
             salts = itertools.count(1)
 

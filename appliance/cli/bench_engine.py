@@ -55,6 +55,8 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         multiplex: bool = typer.Option(False, "--multiplex", help="Instead of the rows above: decode on each SM "
                                        "partition alone and beside an 8k prefill, graph memory, switch cost."),
         granularity: int = typer.Option(16, help="--multiplex: decode partitions are multiples of this many SMs."),
+        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs the model is split "
+                                                 "across (one process each); the rows are timed on rank 0."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the result as JSON here."),
         markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the Markdown table here."),
     ) -> None:
@@ -66,12 +68,17 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         if not torch.cuda.is_available():
             typer.secho("error: muxd bench engine needs a CUDA device", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
+        if tensor_parallel_size > torch.cuda.device_count() or (multiplex and tensor_parallel_size > 1):
+            typer.secho(f"error: --tensor-parallel-size {tensor_parallel_size} needs as many GPUs (this machine "
+                        f"shows {torch.cuda.device_count()}) and runs without --multiplex (its replays time one GPU "
+                        "alone)", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=2)
         bs, ctx, pre = _ints(batches, "--batches"), _ints(contexts, "--contexts"), _prefills(prefill)
         config = Config.flat(max_num_seqs=max(bs) + multiplex,  # + the concurrent prefill
                               max_num_batched_tokens=max(n for n, _ in pre),
                               max_model_len=max(max(n + c for n, c in pre), max(ctx)) + iters + 64,
                               attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph,
-                              async_scheduling=async_scheduling)
+                              async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,
                                   prefills=pre, iters=iters, config=config,
                                   startup_only=startup_only or multiplex, sync_rows=compare_sync)

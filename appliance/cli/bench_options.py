@@ -10,7 +10,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from appliance.bench.launcher import parse_policies, parse_serve_args
+from appliance.bench.launcher import parse_cluster_args, parse_policies, parse_routers, parse_serve_args
 from appliance.bench.run import BenchOptions
 from appliance.errors import ApplianceError, ConfigError
 from appliance.slo.contract import load_contract
@@ -78,6 +78,14 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "serve_args": (Annotated[Optional[str], typer.Option(help="Extra `muxd serve` flags for the server bench starts "
                                                               "or the in-process engine, e.g. '--max-num-seqs 64 "
                                                               "--load-format dummy'.", rich_help_panel=_T)], None),
+    "routers": (Annotated[Optional[str], typer.Option(help="Comma-separated `muxd cluster` routers (slo, pow2): start "
+                                                           "muxd cluster (engine replicas on Ray Serve; needs the "
+                                                           "cluster extra) once per router and compare them.",
+                                                      rich_help_panel=_T)], None),
+    "cluster_args": (Annotated[Optional[str], typer.Option(help="Extra `muxd cluster` flags for the clusters "
+                                                                "--routers starts, e.g. '--replicas 2 --replica-cpus "
+                                                                "1' (engine flags go in --serve-args).",
+                                                           rich_help_panel=_T)], None),
     "in_process": (Annotated[bool, typer.Option("--in-process", help="Drive the engine in this process (no HTTP).",
                                                 rich_help_panel=_T)], False),
     "ready_timeout": (Annotated[float, typer.Option(help="Seconds to wait for a started server's /ready.",
@@ -170,6 +178,10 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError("--simulate replays on the simulated executor; --url and --in-process run a real one")
     if kw["url"] and (kw["policies"] or kw["in_process"]):
         raise ConfigError("--url targets a running server; --policies and --in-process start their own")
+    if kw["routers"] and (kw["url"] or kw["in_process"] or kw["simulate"]):
+        raise ConfigError("--routers starts a muxd cluster per router; --url, --in-process and --simulate do not")
+    if kw["cluster_args"] and not kw["routers"]:
+        raise ConfigError("--cluster-args configures the muxd cluster that --routers starts; give --routers")
     if kw["serve_args"] and kw["url"]:
         raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
     if kw["endpoint"] not in ("completions", "chat"):
@@ -201,10 +213,14 @@ def _options(**kw: Any) -> BenchOptions:
     percentiles = _percentiles(kw.pop("metric_percentiles"))
     policies = parse_policies(kw.pop("policies")) if kw["policies"] else []
     serve_args = parse_serve_args(kw.pop("serve_args"))
+    routers_text = kw.pop("routers")
+    routers = parse_routers(routers_text) if routers_text is not None else []
+    cluster_args = parse_cluster_args(kw.pop("cluster_args"))
     window = wl.parse_window(kw.pop("window")) if kw["window"] else None
     kw.pop("progress")
     return BenchOptions(**{k: v for k, v in kw.items() if k not in ("policies", "serve_args", "window")},
-                        window=window, slo=slo, percentiles=percentiles, policies=policies, serve_args=serve_args)
+                        window=window, slo=slo, percentiles=percentiles, policies=policies, serve_args=serve_args,
+                        routers=routers, cluster_args=cluster_args)
 
 
 def _slo(goodput: list[str], contract: Optional[Path]) -> SLO | None:

@@ -61,6 +61,10 @@ def profile_command(app: typer.Typer) -> None:
                                                   "(the server's --partition-granularity)."),
         prefill_graph_rows: int = typer.Option(512, help="Prefill launches of up to this many tokens replay "
                                                "piecewise CUDA graphs (the server's --prefill-graph-rows)."),
+        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs the model is split "
+                                                 "across (the server's --tensor-parallel-size); every step is timed "
+                                                 "on rank 0, collectives included, and the profile serves only this "
+                                                 "size."),
         holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
                                     "measure the predictor's error)."),
         seed: int = typer.Option(0, help="Seed of the held-out points' draw (another seed, other points)."),
@@ -117,7 +121,8 @@ def profile_command(app: typer.Typer) -> None:
             cfg = Config.flat(model=model, dtype=dtype, device=device, load_format=load_format,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-                              partition_granularity=partition_granularity, prefill_graph_rows=prefill_graph_rows)
+                              partition_granularity=partition_granularity, prefill_graph_rows=prefill_graph_rows,
+                              tensor_parallel_size=tensor_parallel_size)
             cfg = cfg.replace(multiplex=True if cfg.runtime.resolved_device().startswith("cuda") else None)
             model_config = cfg.check()
             logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
-from typing import Optional
+import threading
+from typing import Any, Optional
 
 import typer
 
 from appliance import __version__
+from appliance.cluster.deploy import require_ray, run
+from appliance.cluster.settings import ClusterSettings
 from appliance.config import Config, with_serve_flags
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
@@ -17,6 +21,8 @@ from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
 from appliance.server.http import HeaderDeadlineProtocol
 from appliance.server.lifecycle import DrainingServer
+
+FATAL_EXIT_S = 30.0  # after a fatal error, how long the server may take to end before the process exits anyway
 
 
 def fail(exc: ApplianceError) -> None:
@@ -26,11 +32,18 @@ def fail(exc: ApplianceError) -> None:
 
 def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         None, metavar="MODEL", help="Model directory (or 'embedded'), as `vllm serve MODEL`; the same as --model.",
-        show_default=False)) -> None:
+        show_default=False),
+        replicas: int = typer.Option(1, "--replicas", help="Engine replicas: above 1, serve them on Ray Serve behind "
+                                     "one endpoint, as `muxd cluster --replicas N` (see `muxd cluster --help`)."),
+        ray: Optional[str] = typer.Option(None, "--ray", help="Join this Ray cluster and serve replicas there, as "
+                                          "`muxd cluster --ray ADDRESS`.")) -> None:
     """Start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /tokenize,
     /detokenize, /version, /health, /ready, /metrics)."""
     import uvicorn  # defers the server's libraries to `serve`
 
+    if replicas != 1 or ray is not None:
+        run_cluster(config, model_tag, {"replicas": replicas, "ray_address": ray})
+        return
     try:
         config = with_model_tag(config, model_tag)
         config.check()
@@ -45,6 +58,10 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         fatal.append(exc)
         if server is not None:
             server.should_exit = True
+        # a rank lost in the middle of a collective can leave a GPU stream that never ends: leave regardless
+        timer = threading.Timer(FATAL_EXIT_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
 
     app = create_app(config, on_fatal)
     http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
@@ -56,6 +73,20 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
     if fatal:
         typer.secho(f"error: {fatal[0]}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1)
+
+
+def run_cluster(config: Config, model_tag: str | None, cluster_flags: dict[str, Any]) -> None:
+    """`muxd cluster` (and `muxd serve --replicas N`): check everything, then serve the replicas until a signal."""
+    try:
+        config = with_model_tag(config, model_tag)
+        settings = ClusterSettings(**cluster_flags)
+        config.check()
+        require_ray()
+    except ApplianceError as exc:
+        fail(exc)
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(config, settings, typer.echo)
 
 
 def with_model_tag(config: Config, model_tag: str | None) -> Config:

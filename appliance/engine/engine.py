@@ -155,7 +155,7 @@ class Engine:
         if previous is not None:
             outputs += self._process(previous)
         if not plan.empty:
-            if launched.rows and self.async_scheduling and not self._needs_tokens(launched):
+            if launched.rows and self.async_scheduling and self.executor.overlaps and not self._needs_tokens(launched):
                 self._launched = launched
             else:
                 outputs += self._process(launched)
@@ -244,6 +244,16 @@ class Engine:
             finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
             num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None,
             logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs)
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    def on_fatal(self, callback) -> None:
+        """Have `callback(error)` called, from another thread, when the engine can no longer run (a rank of a
+        tensor-parallel engine died); steps raise RankError from then on."""
+        self.executor.on_fatal(callback)
+
+    def close(self) -> None:
+        """Stop the processes the engine started (the other ranks of a tensor-parallel engine)."""
+        self.executor.close()
 
     # ---- synchronous API --------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[int] | list[str | list[int]],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from dataclasses import dataclass
 from itertools import groupby
 from typing import Callable
 
@@ -33,6 +34,22 @@ from appliance.engine.request import Request
 from appliance.engine.runner import ModelRunner
 from appliance.engine.timeline import Timeline
 from appliance.predictor.gemm_table import GemmTable, bucket_sizes
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What a step runs on, fixed before any kernel is launched (under tensor parallelism rank 0 decides and every
+    rank follows, so that all run the same shapes): the partition, whether a mixed step may replay prefill graphs,
+    and the rows of each prefill launch (one per layer range, in plan order; None: its tokens)."""
+
+    partition: Partition
+    mixed_graphs: bool = False
+    prefill_rows: tuple[int | None, ...] = ()
+
+
+def _launches(plan: StepPlan) -> list[tuple[tuple[int, int], list[PrefillWork]]]:
+    """The plan's prefill launches: consecutive works over the same layer range run as one."""
+    return [(key, list(works)) for key, works in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end))]
 
 
 def _on(stream: torch.cuda.Stream | None):
@@ -64,6 +81,8 @@ class Executor:
         self._max_rows = 0
         self._null_sms = 0
         self._prefill_graphs: dict[str, PrefillGraphs] = {}  # per partition, all at the same row counts
+        self.serial_prefills = False  # each prefill launch after the previous one, whichever streams they run on
+        self.overlaps = True  # a step's tokens may be read after the next step is launched (see Engine.step)
 
     def pad_prefills(self, table: GemmTable | None, max_rows: int, null_sms: int = 0) -> None:
         """Run each prefill launch on `table`'s cheapest row bucket for its partition (None: on its tokens), never
@@ -176,17 +195,33 @@ class Executor:
         sampled tokens stay on the device until `collect`; prefill layers launched on a partition's prefill stream
         complete through `poll()`, and those that run in stream order with the step (the null partition, a mixed
         step) are complete once launched (`LaunchedStep.completed`)."""
-        self.release(plan)
+        self._forget(plan.released)
         self.last_launch_ms = None
-        step = LaunchedStep(plan, time.perf_counter())
         if plan.empty:
-            return step
+            return LaunchedStep(plan, time.perf_counter())
+        return self.run(plan, requests, self.decide(plan, partition))
+
+    def decide(self, plan: StepPlan, partition: Partition | None = None) -> Decisions:
+        """What the plan runs on: its partition, whether a mixed step may replay prefill graphs (not while a prefill
+        launch still running there may be using their buffers) and the rows of each prefill launch."""
+        part = partition or self.partition_for(plan)
+        mixed_graphs = plan.mixed and part.name in self._prefill_graphs and not any(
+            l.partition == part.name and not l.done() for l in self._inflight)
+        pad = None if plan.mixed else self.pad_rows(part.prefill_sms)
+        rows = tuple(pad(sum(w.num_tokens for w in works)) if pad is not None else None
+                     for _, works in _launches(plan))
+        return Decisions(part, mixed_graphs, rows)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions) -> LaunchedStep:
+        """Launch a (non-empty) plan as `decisions` say, without waiting for it."""
+        step = LaunchedStep(plan, time.perf_counter())
         previous = self._previous
         if previous is not None and previous.collected:
             previous = self._previous = None
         if previous is not None:
             previous.overlapped = True
-        part = partition or self.partition_for(plan)
+        part = decisions.partition
         if part is not self.current:
             self.switches += 1
             self.timeline.instant("partition switch", f"{part.name} decode", previous=self.current.name,
@@ -197,7 +232,7 @@ class Executor:
         streams += [part.prefill_stream] if plan.prefill and not plan.mixed else []
         self._after(previous, streams)
         if plan.mixed:
-            self._mixed(plan, requests, part, step)
+            self._mixed(plan, requests, part, step, decisions.mixed_graphs)
         else:
             if plan.decode:
                 step.ends = [requests[i].num_tokens for i in plan.decode]
@@ -208,8 +243,12 @@ class Executor:
                     self._mark(step.marks)
                 self._split_decodes += part is not self.partitions.full
             launching = time.perf_counter()
-            for (start, end), group in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end)):
-                self._launch_prefill(list(group), requests, start, end, part, step)
+            groups = _launches(plan)
+            if len(groups) != len(decisions.prefill_rows):
+                raise RuntimeError(f"{len(groups)} prefill launches but rows decided for "
+                                   f"{len(decisions.prefill_rows)}")
+            for ((start, end), works), rows in zip(groups, decisions.prefill_rows):
+                self._launch_prefill(works, requests, start, end, part, step, rows)
             step.launch_s = time.perf_counter() - launching
             self.last_launch_ms = step.launch_s * 1e3 if plan.prefill else None
             if part is not self.partitions.full:
@@ -297,13 +336,17 @@ class Executor:
         step.ends += [None] * (len(step.rows) - len(step.ends))
         step.logprobs.update(logprobs)
 
-    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition, step: LaunchedStep) -> None:
-        """A mixed (chunked-prefill) step is one forward on all SMs, in stream order with the step. It replays the
-        partition's prefill graphs where one holds its rows (padded to the smallest that does), unless a prefill
-        launch still running there may be using their buffers."""
-        graphs = self._prefill_graphs.get(part.name)
-        if graphs is not None and any(l.partition == part.name and not l.done() for l in self._inflight):
-            graphs = None
+    def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition, step: LaunchedStep,
+               use_graphs: bool) -> None:
+        """A mixed (chunked-prefill) step is one forward on all SMs, in stream order with the step. With
+        `use_graphs` it replays the partition's prefill graphs where one holds its rows (padded to the smallest that
+        does), after any prefill launch of this process still using their buffers (one that another rank decided
+        for)."""
+        graphs = self._prefill_graphs.get(part.name) if use_graphs else None
+        if graphs is not None and part.decode_stream is not None:
+            for l in self._inflight:
+                if l.partition == part.name and l.event is not None and not l.done():
+                    part.decode_stream.wait_event(l.event)
         step.ends = [requests[i].num_tokens for i in plan.decode]
         with _on(part.decode_stream):
             step.marks = self._mark()
@@ -313,12 +356,15 @@ class Executor:
         step.completed = list(plan.prefill)
 
     def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
-                        part: Partition, step: LaunchedStep) -> None:
+                        part: Partition, step: LaunchedStep, rows: int | None = None) -> None:
+        """Layers [start, end) of the works on the partition's prefill stream (on the null partition: in order with
+        the step), on `rows` rows (None: their tokens)."""
+        pad = None if rows is None else lambda _: rows
         stream = part.prefill_stream
         started = time.perf_counter()
         self.layers_launched += end - start
         if stream is None:  # the null partition: in stream order with the step, whose rows get the prompts it ends
-            ids, logits = self.runner.prefill(works, requests, start, end, None, self.pad_rows(part.prefill_sms),
+            ids, logits = self.runner.prefill(works, requests, start, end, None, pad,
                                               self._prefill_graphs.get(part.name))
             self._sampled(step, ids, logits, requests)
             step.completed += works
@@ -331,10 +377,13 @@ class Executor:
                 if last is not None and last.stream is not stream and last.event is not None:
                     stream.wait_event(last.event)
                     self.runner.use_partials_on(w.request_id, stream)
+            latest = self._inflight[-1] if self.serial_prefills and self._inflight else None
+            if latest is not None and latest.stream not in (None, stream):
+                stream.wait_event(latest.event)  # one prefill communicator: its collectives in launch order
             began = torch.cuda.Event(enable_timing=True)
             began.record(stream)
-            ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name),
-                                              self.pad_rows(part.prefill_sms), self._prefill_graphs.get(part.name))
+            ids, logits = self.runner.prefill(works, requests, start, end, self._prefill_backends.get(part.name), pad,
+                                              self._prefill_graphs.get(part.name))
             host, logprobs = None, {}
             if ids:  # read back without waiting: poll() reads them once the event has fired
                 tokens, logprobs = self.runner.sample(ids, logits, requests)
@@ -407,11 +456,19 @@ class Executor:
 
     def release(self, plan: StepPlan) -> None:
         """Forget the executor state of the requests the plan names as preempted or finished."""
-        for rid in plan.released:
-            self._release(rid)
+        self._forget(plan.released)
 
-    def _release(self, request_id: str) -> None:
-        """Forget the request's executor state (finished, preempted or aborted: none of its kernels is in flight by
-        then; the engine `settle`s an aborted request before its pages are freed)."""
-        self._last.pop(request_id, None)
-        self.runner.release(request_id)
+    def _forget(self, request_ids: tuple[str, ...]) -> None:
+        """Forget the requests' executor state (finished, preempted or aborted: none of their prefill kernels is in
+        flight by then, the engine `settle`s an aborted request's; a decode step not read yet needs none of it)."""
+        for rid in request_ids:
+            self._last.pop(rid, None)
+            self.runner.release(rid)
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        """Have `callback` called when the executor can no longer run (a tensor-parallel rank died); one GPU has no
+        such failure of its own."""
+
+    def close(self) -> None:
+        """Stop what the executor started (the other ranks of a tensor-parallel engine)."""

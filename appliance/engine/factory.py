@@ -1,6 +1,10 @@
 """`build_engine(config)`: everything heavy about starting an engine, in order — load the model and tokenizer,
 compile the layers, create the SM partitions, warm up and size the KV cache from what is left of memory, build the
-planner from the contract and the latency predictor, capture the decode and prefill CUDA graphs."""
+planner from the contract and the latency predictor, capture the decode and prefill CUDA graphs.
+
+With tensor parallelism rank 0 (this process) starts the other ranks (engine/ranks.py); each of them (`serve_rank`)
+loads its share of the model and builds its executor in the same order as rank 0 (the warm-up, the KV cache's size
+and the graph captures are collectives), then runs the steps rank 0 sends."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +22,10 @@ from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.partitions import PartitionSet, partitions_available
 from appliance.engine.planners.base import Planner
 from appliance.engine.planners.registry import build_planner
+from appliance.engine.ranks import Rank, RankGroup, join_as, leave
 from appliance.engine.runner import ModelRunner
 from appliance.engine.scheduler import Scheduler
+from appliance.engine.tp_executor import FollowerExecutor, FollowerRunner, LeaderExecutor
 from appliance.errors import ConfigError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model, resolve_model_dir
@@ -50,26 +56,72 @@ def build_engine(config: Config, model: DecoderForCausalLM | None = None,
                  tokenizer: Tokenizer | None = None) -> Engine:
     """Build a ready engine: the model and tokenizer from `config.model` unless given (a given model comes
     without a tokenizer unless one is given too)."""
+    tp = config.parallel.tensor_parallel_size
     if model is None:
         if config.model.seed is not None:
             # vLLM's --seed: seeds the sampling generator once, so a run that receives the same requests in the same
             # order samples the same tokens; a request's own `seed` still fixes its output on its own
             torch.manual_seed(config.model.seed)
-        model = load_model(resolve_model_dir(config.model.model_dir), dtype=config.resolved_dtype(),
-                           device=config.runtime.resolved_device(), load_format=config.model.load_format)
+        if tp > 1:
+            return _build_parallel(config)
+        model = _load(config)
         tokenizer = load_tokenizer(config)
+    elif tp > 1:
+        raise ConfigError(f"--tensor-parallel-size {tp}: every rank loads its own share of the model; build the "
+                          "engine from the config alone")
     return _Builder(config, model).build(tokenizer)
 
 
+def _load(config: Config, rank: Rank | None = None) -> DecoderForCausalLM:
+    return load_model(resolve_model_dir(config.model.model_dir), dtype=config.resolved_dtype(),
+                      device=rank.device if rank else config.runtime.resolved_device(),
+                      load_format=config.model.load_format, rank=rank.index if rank else 0,
+                      tp_size=rank.size if rank else 1)
+
+
+def _build_parallel(config: Config) -> Engine:
+    """Rank 0 of a tensor-parallel engine: start the other ranks, then build as they do."""
+    par = config.parallel
+    group = RankGroup.start(par.tensor_parallel_size, config.runtime.resolved_device(), par.dist_timeout,
+                            serve_rank, config)
+    try:
+        with group.guard():
+            return _Builder(config, _load(config, group.rank), group).build(load_tokenizer(config))
+    except BaseException:
+        group.close()
+        raise
+
+
+def serve_rank(config: Config, index: int, size: int, store_port: int, conn) -> None:
+    """A rank other than 0 (its process's entry): join the ranks, load its share, build its executor as rank 0
+    builds its own, then run the steps rank 0 sends until it says stop."""
+    rank = join_as(index, size, store_port, config.runtime.resolved_device(), config.parallel.dist_timeout)
+    try:
+        _Builder(config, _load(config, rank), rank=rank).build_follower().follow(conn)
+    finally:
+        leave()
+
+
 class _Builder:
-    def __init__(self, config: Config, model: DecoderForCausalLM) -> None:
-        self.config, self.model = config, model
+    def __init__(self, config: Config, model: DecoderForCausalLM, group: RankGroup | None = None,
+                 rank: Rank | None = None) -> None:
+        self.config, self.model, self.group = config, model, group
+        self.rank = group.rank if group is not None else rank
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cuda = self.device.type == "cuda"
         self.startup: dict[str, float] = {}
+        self.graph_rows = 0  # prefill launches of up to this many tokens replay piecewise graphs
 
     def build(self, tokenizer: Tokenizer | None) -> Engine:
+        return self._build(tokenizer)
+
+    def build_follower(self) -> FollowerExecutor:
+        """A rank other than 0: the same steps in the same order (several are collectives), no scheduler."""
+        return self._build(None)
+
+    def _build(self, tokenizer: Tokenizer | None):
+        follower = self.rank is not None and self.rank.index > 0
         if self.config.scheduler.policy == "auto":  # mux where SM partitions exist, serial on a CPU
             self.config = self.config.replace(policy="mux" if self.cuda else "serial")
             log.info("policy: %s (the default on %s)", self.config.scheduler.policy, "CUDA" if self.cuda else "CPU")
@@ -87,7 +139,15 @@ class _Builder:
             reserve = self._profile_activations(sched_cfg.max_num_batched_tokens if self.cuda else 32, partitions)
             self.startup["warm_up_s"] = time.perf_counter() - start
         num_pages = self._pool_size(reserve)
+        if self.rank is not None:  # page numbers mean the same on every rank
+            num_pages = self.rank.agree_min(num_pages)
         kv_cache = KVCache(mcfg, num_pages, cache_cfg.block_size, self.dtype, self.device)
+        predictor = self._predictor()  # every rank: prefill graphs are captured at its GEMM buckets
+        # a step samples one token per running request at most: the token buffer holds them all
+        max_rows = max(sched_cfg.max_num_seqs, self.max_graph_batch)
+        if follower:
+            return self._capture(FollowerExecutor(FollowerRunner(model, kv_cache, rt.attention_backend, max_rows),
+                                                  partitions), predictor)
         # dynamic NTK rotates a prompt's K by the prompt's length, so equal prefixes need not share pages
         prefix_caching = cache_cfg.enable_prefix_caching and not mcfg.rope.length_dependent
         if cache_cfg.enable_prefix_caching and not prefix_caching:
@@ -99,28 +159,13 @@ class _Builder:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the KV cache ({num_pages} pages of "
                               f"{cache_cfg.block_size} = {capacity} tokens); lower it or give the cache more memory")
         contract = sched_cfg.contract
-        predictor = self._predictor()
         planner = self._planner(predictor, partitions)
         scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
-        # a step samples one token per running request at most: the token buffer holds them all
-        runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows=max(sched_cfg.max_num_seqs,
-                                                                                 self.max_graph_batch))
-        executor = Executor(runner, partitions)
-        if self.cuda and rt.cuda_graph:
-            start = time.perf_counter()
-            executor.capture(self.max_graph_batch)
-            self.startup["graph_capture_s"] = time.perf_counter() - start
-            self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
-        if predictor is not None and executor.multiplexed:
-            predictor.decode_partitions = [p.decode_sms for p in partitions.splits]
-        graph_rows = self._prefill_graph_rows(runner)
-        executor.pad_prefills(self._gemm_table(predictor, graph_rows), sched_cfg.max_num_batched_tokens,
-                              predictor.sm_count if predictor is not None else 0)
-        if graph_rows:
-            start = time.perf_counter()
-            executor.capture_prefill(graph_rows)
-            self.startup["prefill_graph_capture_s"] = time.perf_counter() - start
-            self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
+        runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows)
+        executor = Executor(runner, partitions) if self.group is None else LeaderExecutor(runner, partitions,
+                                                                                          self.group)
+        self._capture(executor, predictor)
+        graph_rows = self.graph_rows
         graphs = runner.graphs
         splits = ", ".join(f"{p.decode_sms}/{p.prefill_sms}" for p in partitions.splits)
         log.info("engine: attention %s, compiled %s, decode graphs %s, %s, %d KV pages of %d tokens",
@@ -132,6 +177,26 @@ class _Builder:
         engine.startup, engine.compiled = self.startup, compiled
         engine.max_graph_batch, engine.prefill_graph_rows = self.max_graph_batch, graph_rows
         return engine
+
+    def _capture(self, executor: Executor, predictor: Predictor | None) -> Executor:
+        """Decode graphs, the prefill padding and the prefill graphs (captures are collectives on several ranks)."""
+        rt, partitions = self.config.runtime, executor.partitions
+        if self.cuda and rt.cuda_graph:
+            start = time.perf_counter()
+            executor.capture(self.max_graph_batch)
+            self.startup["graph_capture_s"] = time.perf_counter() - start
+            self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
+        if predictor is not None and executor.multiplexed:
+            predictor.decode_partitions = [p.decode_sms for p in partitions.splits]
+        graph_rows = self.graph_rows = self._prefill_graph_rows(executor.runner)
+        executor.pad_prefills(self._gemm_table(predictor, graph_rows), self.config.scheduler.max_num_batched_tokens,
+                              predictor.sm_count if predictor is not None else 0)
+        if graph_rows:
+            start = time.perf_counter()
+            executor.capture_prefill(graph_rows)
+            self.startup["prefill_graph_capture_s"] = time.perf_counter() - start
+            self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
+        return executor
 
     @property
     def max_graph_batch(self) -> int:

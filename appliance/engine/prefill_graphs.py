@@ -154,7 +154,7 @@ class PrefillGraphs:
         if carried is None:
             if start != 0:
                 raise RuntimeError(f"a prefill resuming at layer {start} needs the activations it stopped with")
-            torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=self.hidden[:tokens])
+            self.model.embed_into(input_ids, self.hidden[:tokens])
         else:
             self.hidden[:tokens].copy_(carried[0])
             self.residual[:tokens].copy_(carried[1])

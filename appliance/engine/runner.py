@@ -159,10 +159,12 @@ class ModelRunner:
             if not r.wants_prompt_logprobs:
                 continue
             first = int(last) - w.num_tokens + 1
-            logits = self._logits_at(hidden, residual, np.arange(first, int(last) + 1))
-            part = prompt_logprobs(logits, r, w.token_start)
-            if part is not None:
-                self._prompt_logprobs.setdefault(r.request_id, []).append(part)
+            self._record_prompt_logprobs(r, w, self._logits_at(hidden, residual, np.arange(first, int(last) + 1)))
+
+    def _record_prompt_logprobs(self, r: Request, w: PrefillWork, logits: torch.Tensor) -> None:
+        part = prompt_logprobs(logits, r, w.token_start)
+        if part is not None:
+            self._prompt_logprobs.setdefault(r.request_id, []).append(part)
 
     def read_tokens(self, tokens: torch.Tensor) -> list[int]:
         """Token ids on the host: waits for the current stream's work (counted as time waiting for the device)."""

@@ -6,7 +6,7 @@ tied embeddings, rope scaling). Accepts both the transformers 4.x and 5.x spelli
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # attention sees only this many tokens on some layer (see check_max_model_len)
+    # tensor parallelism: with tp_size > 1 the head counts and intermediate_size above are one rank's share (see
+    # `sharded`) and `full` is the whole model's config
+    tp_size: int = 1
+    full: "ModelConfig | None" = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -186,9 +190,51 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def unsharded(self) -> "ModelConfig":
+        """The whole model's config (itself without tensor parallelism)."""
+        return self.full or self
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Rows of the embedding and LM head on each rank (the vocabulary split evenly, the last rank padded)."""
+        return -(-self.vocab_size // self.tp_size)
+
+    def sharded(self, tp_size: int) -> "ModelConfig":
+        """One rank's share under `tp_size`-way tensor parallelism (attention heads, KV heads and the MLP split
+        evenly; fewer KV heads than ranks are replicated, each rank keeping the one its query heads read). A
+        ConfigError names the numbers when the model cannot be split that way."""
+        if tp_size == self.tp_size:
+            return self
+        if self.tp_size != 1:
+            return self.unsharded.sharded(tp_size)
+        where = f"--tensor-parallel-size {tp_size}"
+        if tp_size < 1:
+            raise ConfigError(f"{where}: the size must be >= 1")
+        if self.num_heads % tp_size:
+            raise ConfigError(f"{where}: num_attention_heads={self.num_heads} is not divisible by {tp_size} ranks; "
+                              f"use a size that divides it")
+        kv = self.num_kv_heads
+        if kv >= tp_size and kv % tp_size:
+            raise ConfigError(f"{where}: num_key_value_heads={kv} is not divisible by {tp_size} ranks; use a size "
+                              f"that divides it")
+        if kv < tp_size and tp_size % kv:
+            raise ConfigError(f"{where}: num_key_value_heads={kv} is fewer than the ranks and {tp_size} is not a "
+                              f"multiple of it, so the KV heads cannot be replicated evenly; use a divisor or a "
+                              f"multiple of {kv}")
+        if self.intermediate_size % tp_size:
+            raise ConfigError(f"{where}: intermediate_size={self.intermediate_size} is not divisible by {tp_size} "
+                              "ranks")
+        return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=max(1, kv // tp_size),
+                       intermediate_size=self.intermediate_size // tp_size, tp_size=tp_size, full=self)
+
+    def kv_head_start(self, rank: int) -> int:
+        """The first of the whole model's KV heads that `rank` holds (replicated heads: the one its queries read)."""
+        return rank * self.unsharded.num_kv_heads // self.tp_size
+
     def num_params(self) -> int:
-        """Parameter count (for sizing and logs)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        """Parameter count (for sizing and logs); one rank's under tensor parallelism."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_per_rank
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias + 2 * self.head_dim * self.qk_norm
         per_layer = attn + 3 * h * i + (2 * i + h) * self.mlp_bias + 2 * h

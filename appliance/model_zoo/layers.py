@@ -2,6 +2,8 @@
 in rope.py), merged linear layers, gated MLP, paged self-attention and the decoder layer.
 
 Inputs are flat token batches ([num_tokens, hidden]); attention reads its batch layout from the forward context.
+Under tensor parallelism (a config from `ModelConfig.sharded`) each layer holds rank `rank`'s share, Megatron-style:
+QKV and gate/up column-parallel (their rows of the checkpoint's), O and down row-parallel (parallel.py).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import nn
 
 from appliance.attention import paged_attention
 from appliance.model_zoo.config import ModelConfig, RopeConfig
+from appliance.model_zoo.parallel import Rows, Target, row_linear
 from appliance.model_zoo.rope import rope_cos_sin, rope_inv_freq
 
 
@@ -58,23 +61,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class MergedLinear(nn.Linear):
-    """One GEMM for several checkpoint projections (q/k/v, gate/up); `shards` maps each checkpoint name to its rows."""
+    """One GEMM for several checkpoint projections (q/k/v, gate/up); `shards` maps each checkpoint name to the rows
+    of its tensor this layer holds (all of them on one rank), stacked in order."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.shards: dict[str, tuple[int, int]] = {}
+    def __init__(self, in_features: int, shards: dict[str, Rows], bias: bool) -> None:
+        super().__init__(in_features, sum(rows.size for rows in shards.values()), bias=bias)
+        self.shards: dict[str, tuple[int, Rows]] = {}
         offset = 0
-        for name, size in shards.items():
-            self.shards[name] = (offset, size)
-            offset += size
+        for name, rows in shards.items():
+            self.shards[name] = (offset, rows)
+            offset += rows.size
+
+    def checkpoint_targets(self, name: str) -> dict[str, Target]:
+        """Checkpoint tensor name -> where its rows go (the projections sit beside this layer in the checkpoint)."""
+        parent = name.rsplit(".", 1)[0]
+        return {f"{parent}.{shard}.{kind}": Target(f"{name}.{kind}", 0, offset, rows)
+                for shard, (offset, rows) in self.shards.items() for kind in ("weight", "bias")
+                if getattr(self, kind) is not None}
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rank: int = 0) -> None:
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": size, "up_proj": size}, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        size, total = cfg.intermediate_size, cfg.unsharded.intermediate_size
+        rows = Rows(rank * size, size, total)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": rows, "up_proj": rows}, bias=cfg.mlp_bias)
+        self.down_proj = row_linear(total, cfg.hidden_size, cfg.mlp_bias, rank, cfg.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -82,13 +94,15 @@ class MLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, rank: int = 0) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        full = cfg.unsharded
+        q = Rows(rank * cfg.q_size, cfg.q_size, full.q_size)
+        kv = Rows(cfg.kv_head_start(rank) * cfg.head_dim, cfg.kv_size, full.kv_size)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias=cfg.qkv_bias)
+        self.o_proj = row_linear(full.q_size, cfg.hidden_size, cfg.o_bias, rank, cfg.tp_size)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -109,10 +123,10 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, rank: int = 0) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg, layer, rotary)
-        self.mlp = MLP(cfg)
+        self.self_attn = SelfAttention(cfg, layer, rotary, rank)
+        self.mlp = MLP(cfg, rank)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

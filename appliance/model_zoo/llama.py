@@ -1,7 +1,9 @@
 """The decoder of the zoo: Llama 2/3/3.1, Qwen2/2.5 and Qwen3 dense as configurations of one module tree.
 
 Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn..., lm_head) so that loading is a
-name lookup. The forward is split so that a prefill can run any layer range [start, end) and resume later.
+name lookup. The forward is split so that a prefill can run any layer range [start, end) and resume later. Under
+tensor parallelism (a config from `ModelConfig.sharded`) the model holds rank `rank`'s share; its embedding and
+logits are the whole vocabulary's on every rank.
 """
 from __future__ import annotations
 
@@ -11,27 +13,33 @@ from torch import nn
 from appliance.attention import set_layer
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from appliance.model_zoo.parallel import VocabParallelEmbedding, VocabShard, vocab_logits
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rank: int = 0) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tp_size == 1:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, rank, cfg.tp_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, rank) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rank: int = 0) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = DecoderBody(cfg)
+        self.config, self.rank = cfg, rank
+        self.model = DecoderBody(cfg, rank)
         if cfg.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif cfg.tp_size == 1:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.lm_head = VocabShard(cfg.vocab_size, cfg.hidden_size, rank, cfg.tp_size)
 
     @property
     def num_layers(self) -> int:
@@ -39,6 +47,13 @@ class DecoderForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def embed_into(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """The embeddings of `input_ids` written into `out` (a graph's fixed buffer)."""
+        if self.config.tp_size == 1:
+            torch.index_select(self.model.embed_tokens.weight, 0, input_ids, out=out)
+        else:
+            out.copy_(self.embed(input_ids))
 
     def forward_layers(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                        start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -52,7 +67,9 @@ class DecoderForCausalLM(nn.Module):
         """Final norm and LM head for the given rows (typically each sequence's last token) -> fp32 logits."""
         hidden = self.model.norm(hidden) if residual is None else self.model.norm(hidden, residual)[0]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        if self.config.tp_size == 1:
+            return nn.functional.linear(hidden, weight).float()
+        return vocab_logits(hidden, weight, self.config.vocab_size).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Whole model on a flat token batch (inside a forward context) -> fp32 logits for every row."""

@@ -1,21 +1,23 @@
 """Loads a decoder from a local Hugging Face directory (safetensors, single or sharded) or with dummy weights.
 
 The module tree is built on the meta device and materialised once on the target device, so a checkpoint is never held
-twice in memory. Every problem is a ModelLoadError naming the file and the tensor or field.
+twice in memory. Under tensor parallelism a rank builds its share of the model and reads only its rows of each
+sharded tensor from the files. Every problem is a ModelLoadError naming the file and the tensor or field.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
 
 from appliance.errors import ModelLoadError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
-from appliance.model_zoo.layers import MergedLinear
 from appliance.model_zoo.llama import DecoderForCausalLM
+from appliance.model_zoo.parallel import Target
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # tensors some checkpoints carry that the model recomputes
@@ -32,8 +34,9 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
-               load_format: str = "auto", seed: int = 0) -> DecoderForCausalLM:
-    """Build the model described by `path`/config.json and fill its weights.
+               load_format: str = "auto", seed: int = 0, rank: int = 0, tp_size: int = 1) -> DecoderForCausalLM:
+    """Build the model described by `path`/config.json and fill its weights (rank `rank`'s share of them under
+    `tp_size`-way tensor parallelism).
 
     dtype: None keeps the checkpoint's torch_dtype. load_format: 'auto'/'safetensors' read the weights, 'dummy' draws
     random weights of the right shapes (seeded) for benchmarking sizes without a checkpoint.
@@ -45,7 +48,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
     if dtype is not None:
         cfg = replace(cfg, dtype=parse_dtype(dtype, "--dtype"))
     with torch.device("meta"):
-        model = DecoderForCausalLM(cfg)
+        model = DecoderForCausalLM(cfg.sharded(tp_size), rank)
     model = model.to(cfg.dtype).to_empty(device=device)
     model.model.rotary.reset_buffers()
     if load_format == "dummy":
@@ -108,18 +111,22 @@ def _checkpoint_files(path: Path) -> list[Path]:
                          "for random weights)")
 
 
+def checkpoint_targets(model: DecoderForCausalLM) -> dict[str, Target]:
+    """Checkpoint tensor name -> where it (or this rank's rows of it) goes: sharded and merged layers say so, every
+    other parameter is its checkpoint tensor whole."""
+    targets = {name: Target(name) for name, _ in model.named_parameters()}
+    for mod_name, module in model.named_modules():
+        describe = getattr(module, "checkpoint_targets", None)
+        if describe is not None:
+            for name, target in describe(mod_name).items():
+                targets.pop(target.param, None)
+                targets[name] = target
+    return targets
+
+
 def _load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
-    # each merged layer's shards, keyed by the checkpoint's names (…q_proj.weight -> qkv_proj.weight rows)
-    shard_targets: dict[str, tuple[str, int, int]] = {}
-    for mod_name, module in model.named_modules():
-        if isinstance(module, MergedLinear):
-            for shard, (offset, size) in module.shards.items():
-                for kind in ("weight", "bias"):
-                    if getattr(module, kind) is not None:
-                        shard_targets[f"{mod_name.rsplit('.', 1)[0]}.{shard}.{kind}"] = (
-                            f"{mod_name}.{kind}", offset, size)
-    expected = {n for n in params if n not in {t for t, _, _ in shard_targets.values()}} | set(shard_targets)
+    targets = checkpoint_targets(model)
     loaded: set[str] = set()
     tied = model.config.tie_word_embeddings
     device = next(model.parameters()).device
@@ -131,24 +138,42 @@ def _load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                if name in shard_targets:
-                    target, offset, size = shard_targets[name]
-                    dest = params[target].data.narrow(0, offset, size)
-                elif name in params:
-                    dest = params[name].data
-                else:
+                target = targets.get(name)
+                if target is None:
                     raise ModelLoadError(f"{file}: unexpected tensor {name!r} for {model.config.architecture} "
                                          "(does config.json match the weights?)")
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as exc:  # noqa: BLE001 - the file changed or is corrupt past its header
-                    raise ModelLoadError(f"{file}: tensor {name!r} cannot be read ({exc})") from None
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
-                                         f"implies {tuple(dest.shape)}")
-                dest.copy_(tensor)
+                _copy(f, file, name, target, params[target.param].data)
                 loaded.add(name)
-    missing = sorted(expected - loaded)
+    missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: checkpoint lacks tensor(s) {shown}")
+
+
+def _copy(f, file: Path, name: str, target: Target, param: torch.Tensor) -> None:
+    """Copy checkpoint tensor `name` (only the target's rows of it when it names some) into its parameter."""
+    rows = target.rows
+    dest = param if rows is None else param.narrow(target.dim, target.offset, rows.size)
+    implied = list(dest.shape)
+    whole = rows is None or rows.size == rows.total
+    if whole:
+        tensor = _read(file, name, lambda: f.get_tensor(name))
+        shape = tuple(tensor.shape)
+    else:
+        implied[target.dim] = rows.total
+        part = _read(file, name, lambda: f.get_slice(name))
+        shape = tuple(part.get_shape())
+    if shape != tuple(implied):
+        raise ModelLoadError(f"{file}: tensor {name!r} has shape {shape}, config.json implies {tuple(implied)}")
+    if not whole:  # read this rank's rows only
+        index = [slice(None)] * len(shape)
+        index[target.dim] = slice(rows.start, rows.start + rows.size)
+        tensor = _read(file, name, lambda: part[tuple(index)])
+    dest.copy_(tensor)
+
+
+def _read(file: Path, name: str, read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001 - the file changed or is corrupt past its header
+        raise ModelLoadError(f"{file}: tensor {name!r} cannot be read ({exc})") from None

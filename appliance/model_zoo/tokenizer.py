@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
-from appliance.errors import ConfigError, ModelLoadError, RequestError
+from appliance.errors import ModelLoadError, RequestError
 from appliance.model_zoo.chat_template import Escaped, compile_chat_template, escape_strings
 
 

@@ -19,8 +19,10 @@ log = logging.getLogger("muxd.predictor")
 
 
 def profile_key(model: ModelConfig, gpu_name: str) -> str:
-    """The cache file name of a profile of `model`'s shapes on `gpu_name` written by this muxd version."""
-    shape = hashlib.sha256(json.dumps(model_shape(model), sort_keys=True).encode()).hexdigest()[:12]
+    """The cache file name of a profile of `model`'s shapes (split across its tensor-parallel ranks) on `gpu_name`
+    written by this muxd version."""
+    ident = model_shape(model) | ({"tensor_parallel_size": model.tp_size} if model.tp_size > 1 else {})
+    shape = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     gpu = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "gpu"
     return f"{gpu}-{shape}-muxd{__version__}.json"
 
@@ -31,7 +33,8 @@ def _describes(path: Path, model: ModelConfig, gpu_name: str) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     return (isinstance(raw, dict) and raw.get("format") == FORMAT and raw.get("gpu", {}).get("name") == gpu_name
-            and raw.get("model", {}).get("shape") == model_shape(model))
+            and raw.get("model", {}).get("shape") == model_shape(model)
+            and raw.get("tensor_parallel_size", 1) == model.tp_size)
 
 
 def find_profile(model: ModelConfig, gpu_name: str, cache: Path) -> Path | None:

@@ -63,6 +63,7 @@ class ProfileFile(_Model):
     created: str = ""
     model: ModelInfo
     gpu: GpuInfo
+    tensor_parallel_size: int = Field(default=1, ge=1)  # ranks the model was split across (each on its own GPU)
     decode_partitions: list[int]
     # SM count -> a, b, c, d[, host floor h[, q: per GEMM ms of the table[, w: per unit of the attention plan's
     # critical path]]]
@@ -177,7 +178,9 @@ class ProfileFile(_Model):
 
 
 def model_shape(cfg: ModelConfig) -> dict[str, int]:
-    """What makes two models the same for latency: their shapes, not their names or weights."""
+    """What makes two models the same for latency: their shapes (the whole model's), not their names or weights;
+    the tensor-parallel degree is recorded beside it."""
+    cfg = cfg.unsharded
     return {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size}
@@ -198,6 +201,7 @@ def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelCon
     return ProfileFile(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         model=ModelInfo(name=model_name, shape=model_shape(model)), gpu=GpuInfo(name=gpu_name, sm_count=sm_count),
+        tensor_parallel_size=model.tp_size,
         decode_partitions=sorted(decode_partitions),
         prefill={str(k): list(v) for k, v in solo.prefill.items()},
         decode={str(k): list(v) for k, v in solo.decode.items()},
@@ -245,6 +249,9 @@ def mismatch(profile: ProfileFile, model: ModelConfig, device: DeviceSpec, gpu_n
         diff = ", ".join(f"{k} {profile.model.shape.get(k)} != {v}" for k, v in shape.items()
                          if profile.model.shape.get(k) != v)
         return f"it was measured for model {profile.model.name!r} of another shape ({diff})"
+    if profile.tensor_parallel_size != model.tp_size:
+        return (f"it was measured with --tensor-parallel-size {profile.tensor_parallel_size}, this engine runs "
+                f"{model.tp_size}")
     try:
         same_gpu = device_spec(profile.gpu.name).name == device.name
     except ConfigError:

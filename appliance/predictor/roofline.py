@@ -1,6 +1,8 @@
 """The SM-scaling roofline prior: step latency from the model's shapes and the device's ceilings, before any
 profile exists. Compute scales with the SM count; memory bandwidth saturates at an inflection SM count (a few SMs
-already pull most of HBM); attention is costed per request. One calibration factor per phase, fitted from a few
+already pull most of HBM); attention is costed per request. Under tensor parallelism a step is one rank's share
+of the work plus its collectives: two all-reduces per layer and one for the embedding, and the all-gather of the
+logits, at the device's link bandwidth whatever the partition. One calibration factor per phase, fitted from a few
 measured samples, scales it to the real engine (Bullet, DuetServe).
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ class DeviceSpec:
     granularity: int = 8
     layer_overhead_ms: float = 0.01
     contention: float = 0.3
+    link_bandwidth: float = 360e9  # all-reduce bus bandwidth between the GPUs of one host
+    link_latency_ms: float = 0.012  # per collective
 
     def flops_at(self, sms: int) -> float:
         return self.flops * min(sms, self.sm_count) / self.sm_count
@@ -43,11 +47,14 @@ class DeviceSpec:
 # Measured (GPU_FACTS): H100 SXM copy ~3.0 TB/s, bf16 GEMM ~790 TFLOP/s; a 512 MB read-modify-write took 0.36 ms on
 # 132 SMs, 0.50 on 32 and 0.89 on 16, which a linear rise to a knee at 44 SMs reproduces within 5 %. H200: 4.3 TB/s,
 # same GEMM rate; its knee is assumed to scale with its bandwidth. The CPU entry only lets CPU runs plan something:
-# the CPU runner ignores partitions.
+# the CPU runner ignores partitions. Links (assumed, not measured: no machine of several GPUs has been lent): NCCL's
+# all-reduce bus bandwidth over NVLink 4 without multicast, about 360 GB/s, and some 12 us a small collective; gloo
+# over the loopback for the CPU.
 DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("H100", 132, 790e12, 3.0e12, 44, memory_bytes=80e9),
     "h200": DeviceSpec("H200", 132, 790e12, 4.3e12, 63, memory_bytes=141e9),
-    "cpu": DeviceSpec("CPU", 16, 1e12, 50e9, 4, memory_bytes=16e9, granularity=4, layer_overhead_ms=0.05),
+    "cpu": DeviceSpec("CPU", 16, 1e12, 50e9, 4, memory_bytes=16e9, granularity=4, layer_overhead_ms=0.05,
+                      link_bandwidth=2e9, link_latency_ms=0.05),
 }
 
 
@@ -84,7 +91,7 @@ class RooflineModel:
 
     @functools.cached_property
     def _head_params(self) -> int:
-        return self.model.vocab_size * self.model.hidden_size
+        return self.model.vocab_per_rank * self.model.hidden_size
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -118,19 +125,31 @@ class RooflineModel:
     def _overhead_ms(self) -> float:
         return self.device.layer_overhead_ms * self.model.num_layers
 
+    def comm_ms(self, tokens: int, logit_rows: int) -> float:
+        """The collectives of a step of `tokens` rows under tensor parallelism (0 on one rank): ring all-reduces of
+        the hidden state after each layer's attention and MLP and after the embedding, and the all-gather of the
+        logits rows."""
+        m, d, tp = self.model, self.device, self.model.tp_size
+        if tp == 1:
+            return 0.0
+        reduce = 2 * (tp - 1) / tp * tokens * m.hidden_size * self.dtype_bytes
+        gather = (tp - 1) / tp * logit_rows * m.vocab_per_rank * tp * self.dtype_bytes
+        collectives = 2 * m.num_layers + 2
+        return collectives * d.link_latency_ms + 1e3 * ((2 * m.num_layers + 1) * reduce + gather) / d.link_bandwidth
+
     # ---- LatencyModel -----------------------------------------------------------------------------------------
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int) -> float:
         if not items:
             return 0.0
         tokens = sum(i.new for i in items)
         t = self._linear_ms(tokens, len(items), sms) + sum(self._prefill_attention_ms(i, sms) for i in items)
-        return self.prefill_scale * (t + self._overhead_ms())
+        return self.prefill_scale * (t + self._overhead_ms() + self.comm_ms(tokens, len(items)))
 
     def decode_ms(self, load: DecodeLoad, sms: int) -> float:
         if load.empty:
             return 0.0
         t = self._linear_ms(load.batch_size, load.batch_size, sms) + self._decode_attention_ms(load, sms)
-        return self.decode_scale * (t + self._overhead_ms())
+        return self.decode_scale * (t + self._overhead_ms() + self.comm_ms(load.batch_size, load.batch_size))
 
     def mixed_ms(self, items: Sequence[PrefillItem], load: DecodeLoad, sms: int) -> float:
         if not items:
@@ -140,7 +159,7 @@ class RooflineModel:
         t += sum(self._prefill_attention_ms(i, sms) for i in items)
         if not load.empty:
             t += self._decode_attention_ms(load, sms)
-        return self.prefill_scale * (t + self._overhead_ms())
+        return self.prefill_scale * (t + self._overhead_ms() + self.comm_ms(tokens, len(items) + load.batch_size))
 
     # ---- calibration ------------------------------------------------------------------------------------------
     def calibrated(self, samples: Sequence[Sample]) -> "RooflineModel":

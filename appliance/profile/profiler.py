@@ -80,6 +80,7 @@ def samples_path_for(out: Path) -> Path:
 def _header(timer: StepTimer, model_name: str) -> dict:
     decode, prefill = timer.decode_plan, timer.prefill_plan
     return {"format": SAMPLES_FORMAT, "model": model_name, "shape": model_shape(timer.engine.model.config),
+            "tensor_parallel_size": timer.engine.model.config.tp_size,
             "gpu": timer.gpu_name, "sm_count": timer.sm_count, "decode_partitions": timer.decode_partitions,
             "decode_plan": decode.to_dict() if decode else None,
             "prefill_plan": prefill.to_dict() if prefill else None}
@@ -104,10 +105,11 @@ def read_samples(path: Path, header: dict) -> dict[str, tuple[Point, float]]:
         head = None
     if not isinstance(head, dict) or head.get("format") != SAMPLES_FORMAT:
         raise ConfigError(f"{path}: not a muxd profile samples log; remove it or drop --resume")
-    for k in ("shape", "gpu", "sm_count", "decode_partitions"):
-        if head.get(k) != header[k]:
-            raise ConfigError(f"{path}: measured with {k} {head.get(k)!r}, this run has {header[k]!r}; "
-                              "remove it or drop --resume")
+    for k in ("shape", "tensor_parallel_size", "gpu", "sm_count", "decode_partitions"):
+        default = 1 if k == "tensor_parallel_size" else None  # a log from before tensor parallelism: one rank
+        if head.get(k, default) != header.get(k, default):
+            raise ConfigError(f"{path}: measured with {k} {head.get(k, default)!r}, this run has "
+                              f"{header.get(k, default)!r}; remove it or drop --resume")
     out = {}
     for n, line in enumerate(lines[1:], start=2):
         try:
@@ -259,6 +261,7 @@ def refit_profile(samples_path: Path, out: Path, model: ModelConfig, *, max_grap
         raise ConfigError(f"{samples_path}: not a muxd profile samples log (its first line is not the header)")
     if head.get("shape") != model_shape(model):
         raise ConfigError(f"{samples_path}: measured for model shape {head.get('shape')}, not {model_shape(model)}")
+    model = model.sharded(head.get("tensor_parallel_size", 1))  # the ranks' share, as it was measured
     done = read_samples(samples_path, head)
     if "decode_plan" in head:
         plan = DecodePlan.from_dict(head["decode_plan"]) if head["decode_plan"] else None

@@ -18,7 +18,7 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.engine.supervisor import RestartBudget, rebuild_engine
-from appliance.errors import ApplianceError, UnavailableError
+from appliance.errors import ApplianceError, RankError, UnavailableError
 from appliance.server.gate import Traffic
 from appliance.server.metrics import Metrics
 from appliance.server.serving import OpenAIServing
@@ -42,8 +42,11 @@ class ServerState:
     async def start(self) -> None:
         try:
             engine = await _in_daemon_thread(lambda: build_engine(self.cfg))
+            engine.on_fatal(self._engine_lost)
             srv = self.cfg.server
-            self.engine = AsyncEngine(engine, rebuild=rebuild_engine, on_fatal=self._engine_stopped,
+            # a tensor-parallel engine is not rebuilt: its other ranks hold the failed step's state, or are gone
+            rebuild = rebuild_engine if self.cfg.parallel.tensor_parallel_size == 1 else None
+            self.engine = AsyncEngine(engine, rebuild=rebuild, on_fatal=self._engine_stopped,
                                       restarts=RestartBudget(srv.engine_restarts, srv.engine_restart_window))
             self.engine.start()
             warm = self.engine.make_request([0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
@@ -63,7 +66,15 @@ class ServerState:
 
     def _engine_stopped(self, exc: BaseException) -> None:
         if self.on_fatal is not None:
-            self.on_fatal(ApplianceError(f"the engine stopped after failed steps: {type(exc).__name__}: {exc}"))
+            lost = isinstance(exc, RankError)  # it names the rank; no restart was tried
+            self.on_fatal(exc if lost else ApplianceError(f"the engine stopped after failed steps: "
+                                                          f"{type(exc).__name__}: {exc}"))
+
+    def _engine_lost(self, exc: BaseException) -> None:
+        """The engine can no longer run (a tensor-parallel rank died): the server ends with the error."""
+        log.error("%s; the server stops", exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     async def stop(self) -> None:
         if self.serving is not None:
@@ -74,6 +85,7 @@ class ServerState:
             self.engine.engine.executor.timeline.save(path / f"timeline-{os.getpid()}.json")
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+            await asyncio.to_thread(self.engine.engine.close)
 
     def require_ready(self) -> OpenAIServing:
         if self.engine is not None and not self.traffic.draining:

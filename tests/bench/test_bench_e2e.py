@@ -157,6 +157,10 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     (["--url", "http://127.0.0.1:9", "--trace", str(DATA / "azure_code_2023_head200.csv")], "--tokenizer"),
     (["--window", "9:3"], "--window"),
     (["--max-idle", "-1"], "--max-idle must be >= 0"),
+    (["--routers", "slo,roundrobin"], "--routers: give comma-separated routers among slo, pow2"),
+    (["--routers", "slo", "--url", "http://127.0.0.1:9"], "--routers starts a muxd cluster per router"),
+    (["--cluster-args", "--replicas 2"], "give --routers"),
+    (["--routers", "slo", "--cluster-args", "--router pow2"], "set by muxd bench"),
 ])
 def test_bad_flags_are_refused_before_starting(args, message):
     result = CliRunner().invoke(app, ["bench", *args, "--no-progress"], env={"COLUMNS": "200"})

@@ -21,9 +21,9 @@ python3 -m appliance bench engine --startup-only --json "$out/startup-warm.json"
 python3 -m appliance bench engine --multiplex --batches 64 --contexts 1024 --prefill 8192 --iters 30 \
     --json "$out/multiplex.json" --markdown "$out/multiplex.md" > "$out/multiplex.log" 2>&1
 mux=$?
-PYTHONPATH=. python3 tests/gpu/prefill_graphs_bench.py --json "$out/prefill-graphs.json" > "$out/prefill-graphs.md" 2>"$out/prefill-graphs.log"
+PYTHONPATH=.:${PYTHONPATH:-} python3 tests/gpu/prefill_graphs_bench.py --json "$out/prefill-graphs.json" > "$out/prefill-graphs.md" 2>"$out/prefill-graphs.log"
 pgraphs=$?
-PYTHONPATH=. python3 tests/gpu/constrained_decoding_bench.py --json "$out/constrained.json" > "$out/constrained.md" \
+PYTHONPATH=.:${PYTHONPATH:-} python3 tests/gpu/constrained_decoding_bench.py --json "$out/constrained.json" > "$out/constrained.md" \
     2>"$out/constrained.log"
 constrained=$?
 proof="skipped"

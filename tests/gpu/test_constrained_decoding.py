@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
+import pytest
 
 from appliance.config import Config
 from appliance.engine.factory import build_engine
 from appliance.engine.grammar import GrammarSpec
 from appliance.engine.request import SamplingParams
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the test extra) validates the outputs")
+xgrammar = pytest.importorskip("xgrammar", reason="structured output needs xgrammar")
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -1,0 +1,107 @@
+"""The executors of a tensor-parallel engine, one per rank.
+
+Rank 0's `LeaderExecutor` decides each step as the single-GPU executor does, sends it to the other ranks
+(step_wire.py) and runs it; every other rank's `FollowerExecutor` runs the same step on its share of the model, on
+the same SM partition and the same shapes, so that each collective has all ranks. Prefill launches and prefill graphs
+use the prefill process group, everything else decode's, and prefill launches keep their launch order across streams
+(a communicator's collectives must run in the order every rank issued them). A follower samples nothing: rank 0
+samples, and the tokens reach the others with the next step that uses them — which is why the engine's loop is not
+overlapped here: rank 0 reads every step's tokens before it plans the next.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from appliance.engine.executor import Decisions, Executor
+from appliance.engine.launched import LaunchedStep
+from appliance.engine.partitions import PartitionSet
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.engine.ranks import SHUTDOWN, RankGroup
+from appliance.engine.request import Request
+from appliance.engine.runner import ModelRunner, Sampled
+from appliance.engine.step_wire import STEP, WireDecoder, WireEncoder
+from appliance.model_zoo.parallel import phase
+
+
+class _Phases(Executor):
+    """Prefill's collectives on prefill's process group, one prefill launch after another."""
+
+    def __init__(self, runner: ModelRunner, partitions: PartitionSet | None = None) -> None:
+        super().__init__(runner, partitions)
+        self.serial_prefills = True
+
+    def _launch_prefill(self, *args: Any, **kwargs: Any) -> None:
+        with phase("prefill"):
+            super()._launch_prefill(*args, **kwargs)
+
+    def capture_prefill(self, graph_rows: int) -> None:
+        with phase("prefill"):
+            super().capture_prefill(graph_rows)
+
+
+class LeaderExecutor(_Phases):
+    """Rank 0: every step (and every release of requests) goes to the other ranks before it runs here."""
+
+    def __init__(self, runner: ModelRunner, partitions: PartitionSet | None, group: RankGroup) -> None:
+        super().__init__(runner, partitions)
+        self.group = group
+        self.wire = WireEncoder()
+        self.overlaps = False  # the other ranks learn each token from the step message that uses it
+
+    def _forget(self, request_ids: tuple[str, ...]) -> None:
+        payload = self.wire.release(request_ids)
+        if payload is not None:
+            self.group.send(payload)
+        super()._forget(request_ids)
+
+    def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions) -> LaunchedStep:
+        self.group.send(self.wire.step(plan, requests, self.partitions.partitions.index(decisions.partition),
+                                       decisions.mixed_graphs, self.runner.use_graphs, decisions.prefill_rows))
+        with self.group.guard():
+            return super().run(plan, requests, decisions)
+
+    def collect(self, step: LaunchedStep) -> list[int]:
+        with self.group.guard():
+            return super().collect(step)
+
+    def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        self.group.on_failure(callback)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class FollowerExecutor(_Phases):
+    """A rank other than 0: runs what rank 0 sends until it says stop (or is gone)."""
+
+    def follow(self, conn: Any) -> None:
+        wire = WireDecoder()
+        while True:
+            try:
+                payload = conn.recv_bytes()
+            except EOFError:  # rank 0 is gone
+                return
+            if payload == SHUTDOWN:
+                return
+            step = wire.read(payload)
+            for rid in step.plan.finished:
+                self.settle(rid)  # this rank's kernels may still write the pages rank 0 has freed
+            self._forget(step.plan.finished)
+            if step.kind == STEP:
+                self.runner.use_graphs = step.use_graphs
+                launched = self.run(step.plan, wire.requests, Decisions(self.partitions.partitions[step.partition],
+                                                                        step.mixed_graphs, step.prefill_rows))
+                self.collect(launched)  # (as rank 0 does before its next step)
+            self.poll()
+
+
+class FollowerRunner(ModelRunner):
+    """A follower's runner: the same forwards (the LM head's all-gather included), no sampling."""
+
+    def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request]) -> Sampled:
+        return torch.zeros(len(ids), dtype=torch.long, device=self.device), {}
+
+    def _record_prompt_logprobs(self, r: Request, w: PrefillWork, logits: torch.Tensor) -> None:
+        pass

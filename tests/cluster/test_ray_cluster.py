@@ -1,0 +1,187 @@
+"""The cluster on a local Ray cluster (CPU): engine replicas of the embedded model behind the ingress over real
+HTTP: routing, streaming, cancellation, a replica killed mid-stream, scale-up under load and scale-down when idle.
+Skipped without Ray Serve (`pip install 'muxd[cluster]'`); one Ray cluster for the module."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'muxd[cluster]'")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from appliance.cluster.deploy import APP_NAME, ENGINE_DEPLOYMENT, build_app, deploy  # noqa: E402
+from appliance.cluster.ingress import REPLICA_HEADER  # noqa: E402
+from appliance.cluster.settings import ClusterSettings  # noqa: E402
+from appliance.config import Config  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+LONG = {"ignore_eos": True, "stream": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def _running(app: str) -> int:
+    status = serve.status().applications.get(app)
+    if status is None or ENGINE_DEPLOYMENT not in status.deployments:
+        return 0
+    return status.deployments[ENGINE_DEPLOYMENT].replica_states.get("RUNNING", 0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster and the muxd app with two replicas of two seats each (so requests queue)."""
+    engine = Config.flat(port=_free_port(), max_num_seqs=2, log_level="warning")
+    settings = ClusterSettings(replicas=2, replica_cpus=0.5, routing_stats_period=0.2, health_check_period=1.0)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    url = deploy(engine, settings)
+    yield url, engine
+    serve.shutdown()
+    ray.shutdown()
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, path: str = "/v1/completions") -> dict:
+    """One streamed request: its replica, its text events, whether output came before an error, how it ended."""
+    out = {"replica": None, "events": [], "error": None, "output_before_error": False, "done": False}
+    async with client.stream("POST", path, json=body) as r:
+        out["status"], out["replica"] = r.status_code, r.headers.get(REPLICA_HEADER)
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                out["done"] = True
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                out["error"] = event["error"]
+            else:
+                out["events"].append(event)
+                out["output_before_error"] = True
+    return out
+
+
+def test_routing_and_streaming(cluster):
+    url, _ = cluster
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            bodies = [{"prompt": f"{i} " + "story " * (40 + 30 * i), "max_tokens": 24, "ignore_eos": True}
+                      for i in range(8)]
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+            assert all(a.status_code == 200 for a in answers)
+            spread = {a.headers[REPLICA_HEADER] for a in answers}
+            prefix = "A shared system prompt that every request of this tenant starts with. " * 20
+            same = [await client.post("/v1/completions", json={"prompt": prefix + q, "max_tokens": 2})
+                    for q in ("one", "two", "three")]
+            chat = await _stream(client, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                                          **LONG}, "/v1/chat/completions")
+            metrics = (await client.get("/metrics")).text
+            return spread, {r.headers[REPLICA_HEADER] for r in same}, chat, metrics
+
+    spread, same, chat, metrics = asyncio.run(run())
+    assert len(spread) == 2  # a burst goes to both replicas
+    assert len(same) == 1    # a shared prompt prefix stays where its KV pages are cached
+    assert chat["status"] == 200 and chat["done"] and chat["error"] is None
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in chat["events"])
+    assert chat["events"][-1]["choices"][0]["finish_reason"] == "length"
+    assert metrics.count("muxd:cluster_replica_num_running{") == 2
+
+
+def test_a_client_that_leaves_frees_its_replica(cluster):
+    url, _ = cluster
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json={"prompt": "go", "max_tokens": 1900,
+                                                                     **LONG}) as r:
+                async for line in r.aiter_lines():
+                    if '"text"' in line:
+                        break  # leave after the first token; 1900 would take far longer than the wait below
+
+    asyncio.run(run())
+
+    def idle():
+        text = httpx.get(url + "/metrics").text
+        rows = [line for line in text.splitlines() if line.startswith("muxd:cluster_replica_num_running{")]
+        return rows and all(line.endswith(" 0.0") for line in rows)
+
+    _wait(idle, 15, "the abandoned request to leave its replica")
+
+
+def test_a_replica_killed_mid_stream(cluster):
+    url, _ = cluster
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+            # 4 seats in the cluster, 8 requests: some stream, some wait in a replica's queue (not started)
+            tasks = [asyncio.ensure_future(_stream(client, {"prompt": f"request {i}", "max_tokens": 400, **LONG}))
+                     for i in range(8)]
+            victim = None
+            while victim is None:
+                await asyncio.sleep(0.2)
+                metrics = (await client.get("/metrics")).text
+                victim = next((line.split('replica="')[1].split('"')[0] for line in metrics.splitlines()
+                               if line.startswith("muxd:cluster_replica_num_waiting{") and not line.endswith(" 0.0")
+                               ), None)
+            name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if ENGINE_DEPLOYMENT in a["name"] and a["name"].endswith(victim))
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            return victim, await asyncio.wait_for(asyncio.gather(*tasks), 150)
+
+    victim, results = asyncio.run(run())
+    failed = [r for r in results if r["error"] is not None]
+    assert failed, "the killed replica had streams that had started"
+    for r in failed:  # what had started ends with a clear error, and the stream still closes with [DONE]
+        assert r["replica"] == victim and r["output_before_error"] and r["done"]
+        assert r["error"]["code"] == "replica_lost" and "retry" in r["error"]["message"]
+    for r in results:  # nothing that had not started is lost: it finished on the other replica
+        if r["error"] is None:
+            assert r["status"] == 200 and r["done"] and r["events"][-1]["choices"][0]["finish_reason"] == "length"
+    assert len(results) - len(failed) >= 5  # 8 requests, at most the victim's 2 seats were streaming
+    _wait(lambda: _running(APP_NAME) == 2, 120, "Ray Serve to replace the killed replica")
+
+
+def test_autoscaling_up_under_load_and_down_when_idle(cluster):
+    url, engine = cluster
+    serve.delete(APP_NAME)
+    settings = ClusterSettings(replicas=1, min_replicas=1, max_replicas=2, target_queue=2, upscale_delay=1,
+                               downscale_delay=2, replica_cpus=0.5, routing_stats_period=0.2)
+    serve.run(build_app(engine, settings), name=APP_NAME, route_prefix="/", blocking=False)
+    _wait(lambda: _running(APP_NAME) == 1, 120, "the autoscaled app to start with one replica")
+
+    async def load():
+        async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+            tasks = [asyncio.ensure_future(_stream(client, {"prompt": f"load {i}", "max_tokens": 1900, **LONG}))
+                     for i in range(6)]
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: _wait(lambda: _running(APP_NAME) == 2, 90, "a second replica under load"))
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(load())
+    _wait(lambda: _running(APP_NAME) == 1, 90, "the idle deployment to scale back to one replica")

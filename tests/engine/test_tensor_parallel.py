@@ -1,0 +1,102 @@
+"""Tensor parallelism on a CPU: two ranks over gloo (rank 0 in this process, rank 1 started by the engine) generate
+what one rank does, token for token, for Llama (a vocabulary the ranks split unevenly), Qwen2 (biases, GQA groups of
+7 over 4 KV heads split 2 ways) and Qwen3 (one KV head, replicated on both ranks); the profiler's and the engine
+bench's steps run on both ranks; and a rank that dies ends the engine with a RankError naming it, never a hang."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from tiny_models import build_tiny_checkpoint
+
+from appliance.bench.ceilings import Ceilings
+from appliance.bench.engine_bench import EngineBench
+from appliance.config import Config
+from appliance.engine.factory import build_engine
+from appliance.engine.request import SamplingParams
+from appliance.errors import RankError
+from appliance.profile.grid import Point
+from appliance.profile.timer import StepTimer
+
+SHAPES = {
+    "llama": dict(vocab_size=251),
+    "qwen2": dict(num_attention_heads=28, num_key_value_heads=4, head_dim=8),
+    "qwen3": dict(num_key_value_heads=1),
+}
+PREFIX = list(range(3, 23))  # a full page shared by two prompts: the second reuses its cached KV
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    for family, shape in SHAPES.items():
+        build_tiny_checkpoint(family, root / family, num_layers=2, **shape)
+    return root
+
+
+def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
+    settings = dict(max_model_len=64, max_num_batched_tokens=32, dist_timeout=60, **extra)
+    engine = build_engine(Config.flat(model=str(path), tensor_parallel_size=tp, policy=policy, **settings))
+    try:
+        prompts = [PREFIX + [40, 41, 42], PREFIX + [50, 51], [7, 8, 9, 10, 11, 12, 13]]
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, prompt_logprobs=1 if i == 2 else None)
+                  for i in range(len(prompts))]
+        done = engine.generate(prompts, params)
+        return [c.token_ids for c in done], engine.num_preemptions
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family,policy,extra", [
+    ("llama", "layerwise", {}),  # prefill split over steps: activations wait between layer ranges on every rank
+    ("qwen2", "chunked", {"chunk_budget": 8}),  # mixed steps: prompt chunks beside decode rows
+    ("qwen3", "serial", {"num_gpu_blocks_override": 5, "max_tokens": 24}),  # a pool so small that requests are
+    # preempted
+])
+def test_two_ranks_generate_what_one_does(checkpoints, family, policy, extra):
+    one, preempted_one = _generate(checkpoints / family, 1, policy, **extra)
+    two, preempted_two = _generate(checkpoints / family, 2, policy, **extra)
+    assert two == one
+    assert preempted_two == preempted_one
+    if "num_gpu_blocks_override" in extra:
+        assert preempted_one > 0  # the preempted requests were sent to rank 1 again, whole
+
+
+def test_the_profiler_and_the_engine_bench_time_steps_that_every_rank_runs(checkpoints, monkeypatch):
+    engine = build_engine(Config.flat(model=str(checkpoints / "qwen2"), tensor_parallel_size=2, max_model_len=64,
+                                      dist_timeout=60))
+    try:
+        timer = StepTimer(engine, reps=1, decode_steps=1)
+        sms = timer.sm_count
+        for point in (Point("prefill", sms, new=24), Point("decode", sms, batch=2, context=20),
+                      Point("mixed", sms, new=8, batch=2, context=20)):
+            assert timer.measure(point) > 0
+        monkeypatch.setattr("torch.cuda.synchronize", lambda: None)  # the bench's timing fence; nothing on a CPU
+        bench = EngineBench(engine, Ceilings("cpu", 1e9, 1e9), iters=2, warmup=1)
+        assert bench.decode(2, 20).ms > 0 and bench.prefill(16, 8).ms > 0
+        assert engine.pool.num_free_pages == engine.pool.num_pages  # every request they seated was released
+    finally:
+        engine.close()
+
+
+def test_a_rank_that_dies_ends_the_engine_with_its_error(checkpoints):
+    engine = build_engine(Config.flat(model=str(checkpoints / "llama"), tensor_parallel_size=2, policy="serial",
+                                      max_model_len=96, dist_timeout=60))
+    lost: list[BaseException] = []
+    called = threading.Event()
+    engine.on_fatal(lambda exc: (lost.append(exc), called.set()))
+    try:
+        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        engine.add_request(list(range(3, 30)), params)
+        engine.step()
+        os.kill(engine.executor.group.procs[0].pid, signal.SIGKILL)
+        with pytest.raises(RankError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+            while engine.has_unfinished():
+                engine.step()
+        assert called.wait(60) and isinstance(lost[0], RankError)
+        with pytest.raises(RankError):  # and so it stays
+            engine.step()
+    finally:
+        engine.close()
