@@ -150,7 +150,8 @@ class Engine:
         launched = self.executor.start(plan, self.scheduler.requests)
         previous, self._launched = self._launched, None
         if not plan.empty:
-            launched.load = decode_load(self.scheduler.requests, plan.decode)
+            if (plan.mixed and plan.prefill) or launched.beside:  # (what the planner learns from: see _observe)
+                launched.load = decode_load(self.scheduler.requests, plan.decode)
             self.scheduler.launched(plan, launched.completed, launched.row_of())
         if previous is not None:
             outputs += self._process(previous)
@@ -193,18 +194,20 @@ class Engine:
         and a mixed step, to the planner (online refinement of its contention models); `load`: the decode batch's
         as launched (default: as it is now)."""
         planner = self.scheduler.planner
-        if load is None:
-            load = decode_load(self.scheduler.requests, plan.decode)
+
+        def batch() -> DecodeLoad:
+            return load if load is not None else decode_load(self.scheduler.requests, plan.decode)
+
         finished, self._prefills_mark = self.executor.prefills_since(self._prefills_mark)
         for obs in finished:
             if obs.beside_decode:  # (on all SMs nothing runs beside it: the predictor keeps to partitions)
                 planner.observe_prefill(prefill_items(obs.works), obs.layers, obs.prefill_sms, obs.ms)
         mixed_ms = self.executor.last_mixed_ms
         if plan.mixed and plan.prefill and mixed_ms is not None:
-            planner.observe_mixed(prefill_items(plan.prefill), load, mixed_ms)
+            planner.observe_mixed(prefill_items(plan.prefill), batch(), mixed_ms)
         seen = self.executor.last_decode
         if seen is not None and seen.concurrent:
-            planner.observe_decode(load, seen.decode_sms, prefill_items(seen.concurrent), seen.ms)
+            planner.observe_decode(batch(), seen.decode_sms, prefill_items(seen.concurrent), seen.ms)
 
     def _merge(self, done: list) -> list[RequestOutput]:
         """Record prefill works whose layers have all run; a prompt's last chunk brings its first token."""

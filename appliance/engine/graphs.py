@@ -125,9 +125,9 @@ class DecodeGraphs:
             ids.zero_()
             slots.fill_(self.kv_cache.scratch_page * self.kv_cache.page_size)
             ctx = ForwardContext(backend, meta, self.kv_cache.data)
-            with forward_context(ctx):
-                with torch.cuda.stream(stream):
-                    self._forward(size)  # warm-up on the capture stream (library handles, workspaces)
+            # the plan's copies (queued when the context opens) on the capture stream, before its warm-up reads them
+            with torch.cuda.stream(stream), forward_context(ctx):
+                self._forward(size)  # warm-up on the capture stream (library handles, workspaces)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
