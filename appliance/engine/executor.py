@@ -26,7 +26,7 @@ import torch
 
 from appliance.attention import AttentionBackend, make_backend
 from appliance.engine.graphs import DecodeGraphs
-from appliance.engine.launched import DecodeObservation, LaunchedStep, PrefillLaunch, PrefillObservation
+from appliance.engine.launched import DecodeObservation, LaunchedStep, PrefillLaunch, PrefillObservation, mark
 from appliance.engine.partitions import Partition, PartitionSet
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -237,10 +237,10 @@ class Executor:
             if plan.decode:
                 step.ends = [requests[i].num_tokens for i in plan.decode]
                 with _on(part.decode_stream):
-                    step.marks = self._mark()
+                    step.marks = mark(self.runner.device)
                     ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
                     self._sampled(step, ids, logits, requests)
-                    self._mark(step.marks)
+                    mark(self.runner.device, step.marks)
                 self._split_decodes += part is not self.partitions.full
             launching = time.perf_counter()
             groups = _launches(plan)
@@ -312,18 +312,6 @@ class Executor:
             if stream != previous.stream:
                 stream.wait_event(previous.event)
 
-    def _mark(self, marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None):
-        """Timing events around a step's kernels on the current stream (none on a CPU): the first call records the
-        start and returns the pair, the second records the end."""
-        if self.runner.device.type != "cuda":
-            return None
-        if marks is None:
-            marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            marks[0].record()
-        else:
-            marks[1].record()
-        return marks
-
     def _sampled(self, step: LaunchedStep, ids: list[str], logits: torch.Tensor,
                  requests: dict[str, Request]) -> None:
         """Sample the rows `ids` into the token buffer after the step's rows so far."""
@@ -349,10 +337,10 @@ class Executor:
                     part.decode_stream.wait_event(l.event)
         step.ends = [requests[i].num_tokens for i in plan.decode]
         with _on(part.decode_stream):
-            step.marks = self._mark()
+            step.marks = mark(self.runner.device)
             ids, logits = self.runner.forward(plan, requests, graphs.padded if graphs else None, graphs)
             self._sampled(step, ids, logits, requests)
-            self._mark(step.marks)
+            mark(self.runner.device, step.marks)
         step.completed = list(plan.prefill)
 
     def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,

@@ -55,6 +55,19 @@ class TokenBuffer:
         return host, event
 
 
+def mark(device: torch.device, marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None):
+    """Timing events around a step's kernels on the current stream (none on a CPU): the first call records the start
+    and returns the pair, the second records the end."""
+    if device.type != "cuda":
+        return None
+    if marks is None:
+        marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks[0].record()
+    else:
+        marks[1].record()
+    return marks
+
+
 @dataclass(eq=False)
 class LaunchedStep:
     """What a plan launched and how to read its tokens: the rows it sampled (request ids and requests, in the token

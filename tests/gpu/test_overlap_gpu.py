@@ -164,6 +164,13 @@ def test_overlapped_equals_synchronous_on_sm_partitions(multiplexed):
             {i: v for i, v in sync.items() if i not in ABORTED}
 
 
+def test_overlapped_equals_synchronous_under_the_mux_policy(copy_model):
+    """The mux planner itself (the roofline prior, SM partitions by default), staggered arrivals, on and off."""
+    engine = build(copy_model, policy="mux", max_num_seqs=16)
+    sync, overlapped = compare(engine)
+    assert overlapped == sync
+
+
 def test_preemption_under_a_small_kv_cache(copy_model):
     """Twenty pages for sixteen requests: preemption, also of requests whose latest token is still on the device."""
     engine = build(copy_model, num_gpu_blocks_override=20, compile=False)
