@@ -45,6 +45,12 @@ def quiet_capture() -> Iterator[None]:
             gc.enable()
 
 
+def index_capacity(num_pages: int, size: int) -> int:
+    """Page indices a size-row decode graph holds: every page of the pool plus the scratch page, and one padding
+    page per row. Requests that share prefix pages may list more; such a batch runs eagerly."""
+    return num_pages + 1 + size
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to max_batch (which is always included)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch]

@@ -23,7 +23,7 @@ from appliance.attention import (
     resolve_backend_name,
 )
 from appliance.engine.batch import BatchBuilder, TokenBatch, resolve
-from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.graphs import DecodeGraphs, index_capacity
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.launched import TokenBuffer
 from appliance.engine.logits import process_logits
@@ -77,7 +77,7 @@ class ModelRunner:
 
         def backend_for(size: int):
             return make_backend(self.backend_name, self.model.config, self.dtype, self.device,
-                                graph_batch_size=size, max_pages=self.kv_cache.num_pages + 1,
+                                graph_batch_size=size, max_pages=index_capacity(self.kv_cache.num_pages, size),
                                 shared_workspace=workspace)
 
         return DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream, pool=pool, sizes=sizes,
@@ -202,7 +202,8 @@ class ModelRunner:
         size = graphs.padded_size(len(reqs)) if (graphs is not None and self.use_graphs) else None
         if size is not None:  # (the graph reads placeholders from the token buffer itself)
             host = self.batches.layout(reqs, spans, pad_rows=size - len(reqs), pad_page=self.kv_cache.scratch_page)
-            return ids, graphs.run(host, len(reqs))
+            if len(host.kv_indices) <= index_capacity(self.kv_cache.num_pages, size):
+                return ids, graphs.run(host, len(reqs))
         batch = self._resolved(self.batches.build(reqs, spans))
         hidden, residual = self._layers(batch, 0, self.num_layers, None, backend=backend)
         return ids, self.model.compute_logits(hidden, residual)
