@@ -236,10 +236,10 @@ class Simulator:
             duration = self.timer.mixed_ms(items, self._load(plan))
             if items:  # the measured step refines the planner's mixed-step model
                 self.planner.observe_mixed(items, self._load(plan), duration)
-            duration += self._host_step(rows)
         else:
-            duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None) + \
-                self._host_step(rows)
+            duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
+        if self.host is not None:  # the step's host time, after its tokens or hidden behind the device
+            duration = self.host.gap(rows, duration)
         self.clock.now = end = start + duration / 1e3
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)
         for work in plan.prefill:

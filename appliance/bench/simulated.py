@@ -41,6 +41,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     options, tp = serve.scheduler, serve.parallel.tensor_parallel_size
     model = ModelConfig.from_file(resolve_model_dir(model_dir(opts.model_or_default)) / "config.json").sharded(tp)
     predictor = load_predictor(opts.profile, model, gpu)
+    # the engine's loop: overlapped unless told otherwise (or rank 0 of a tensor-parallel engine)
+    predictor.host = predictor.host.with_loop(serve.runtime.async_scheduling and tp == 1)
     try:
         device = device_spec(gpu)
     except ConfigError:

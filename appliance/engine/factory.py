@@ -143,6 +143,8 @@ class _Builder:
             num_pages = self.rank.agree_min(num_pages)
         kv_cache = KVCache(mcfg, num_pages, cache_cfg.block_size, self.dtype, self.device)
         predictor = self._predictor()  # every rank: prefill graphs are captured at its GEMM buckets
+        if predictor is not None:  # rank 0 of a tensor-parallel engine reads each step's tokens at once
+            predictor.host = predictor.host.with_loop(rt.async_scheduling and self.group is None)
         # a step samples one token per running request at most: the token buffer holds them all
         max_rows = max(sched_cfg.max_num_seqs, self.max_graph_batch)
         if follower:

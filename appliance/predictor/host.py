@@ -2,15 +2,17 @@
 inter-token gap at the rates where it matters (planning, batch layout, flashinfer plans, launches, sampling
 read-back, detokenizing and streaming the outputs).
 
-A step's wall time, as the executor runs it (decode launched first, then the prefill layers, then the tokens read
-back): `max(decode on the GPU, prefill launches on the host) + step host time`. The step's host time grows with its
-decode rows; a prefill launch costs the host a fixed part and a part per layer launched. `muxd profile` fits the
+A step's wall time, as the synchronous loop runs it (decode launched first, then the prefill layers, then the tokens
+read back): `max(decode on the GPU, prefill launches on the host) + step host time`. The overlapped loop (the engine's
+default) plans and launches step N+1 while step N runs, so the host's work hides behind the device:
+`max(decode on the GPU, step host time + prefill launches)`. The step's host time grows with its decode rows; a
+prefill launch costs the host a fixed part and a part per layer launched. `muxd profile` fits the
 coefficients from a replay's step log (`fit_host`); without one, the prior below (measured on H100 and H200 hosts
 with Llama-3.1-8B shapes) applies.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
 import numpy as np
@@ -25,6 +27,7 @@ class HostModel:
     launch_ms: float = 0.3      # per prefill launch (a layer range of a batch)
     per_layer_ms: float = 0.4   # per prefill layer launched (eager layers; graph replays cost less)
     source: str = "prior"
+    overlapped: bool = False    # the engine's loop hides the host behind the device (not a profile field)
 
     def step(self, rows: int) -> float:
         """Host milliseconds of a step with `rows` decode rows, outside its launches."""
@@ -37,11 +40,29 @@ class HostModel:
     def gap(self, rows: int, decode_ms: float, layers: int = 0) -> float:
         """The inter-token gap of a decode step of `rows` rows whose kernels take `decode_ms`, with `layers`
         prefill layers launched beside it."""
+        if self.overlapped:
+            return max(decode_ms, self.step(rows) + self.prefill_launch(layers))
         return max(decode_ms, self.prefill_launch(layers)) + self.step(rows)
+
+    def launch_room(self, rows: int, decode_ms: float, target_ms: float) -> float:
+        """Host milliseconds left for launching prefill layers beside a decode step of `rows` rows taking
+        `decode_ms`, keeping its gap within `target_ms` (or within the decode step itself, when that is longer)."""
+        if self.overlapped:
+            return max(decode_ms, target_ms) - self.step(rows)
+        return max(decode_ms, target_ms - self.step(rows))
+
+    def device_room(self, rows: int, target_ms: float) -> float:
+        """The longest a step of `rows` decode rows may run on the device for its gap to stay within `target_ms`."""
+        return target_ms if self.overlapped and self.step(rows) <= target_ms else target_ms - self.step(rows)
+
+    def with_loop(self, overlapped: bool) -> "HostModel":
+        """This model for an engine loop that does (or does not) overlap the host with the device."""
+        return replace(self, overlapped=overlapped)
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, Any] = asdict(self)
         out.pop("source")
+        out.pop("overlapped")
         return out
 
     @classmethod

@@ -48,3 +48,12 @@ def test_the_diagnosis_script_replays_a_trace_slice_and_reports(llama_checkpoint
     out = done.stdout
     assert "mux: 6 requests at 20.0 req/s" in out and "plan_ms" in out and "'mixed': {'flat'" in out
     assert (tmp_path / "steps-mux.json").is_file() and (tmp_path / "requests-mux.json").is_file()
+
+
+def test_the_planner_charges_the_host_as_the_engines_loop_runs(llama_checkpoint):
+    """The overlapped loop hides the host behind the device; with --no-async-scheduling every gap carries it."""
+    path, _ = llama_checkpoint
+    overlapped = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux"))
+    assert overlapped.scheduler.planner.predictor.host.overlapped
+    sync = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux", async_scheduling=False))
+    assert not sync.scheduler.planner.predictor.host.overlapped

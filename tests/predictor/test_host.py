@@ -29,3 +29,19 @@ def test_fit_from_a_step_log_reads_the_upper_quartile():
     assert host.per_layer_ms == pytest.approx(0.5, rel=0.15)
     assert fit_host(steps[:10]) is None  # too few steps to say
     assert HostModel.from_dict(host.as_dict()).per_row_us == host.per_row_us
+
+
+def test_the_overlapped_loop_hides_the_host_behind_the_device():
+    sync = HostModel(step_ms=1.0, per_row_us=10.0, launch_ms=0.5, per_layer_ms=1.0)
+    over = sync.with_loop(True)
+    assert over.gap(rows=100, decode_ms=20.0) == pytest.approx(20.0)  # 2 ms of host work run during the kernels
+    assert over.gap(rows=100, decode_ms=20.0, layers=8) == pytest.approx(20.0)  # 2 + 8.5 ms: hidden too
+    assert over.gap(rows=100, decode_ms=5.0, layers=8) == pytest.approx(2.0 + 8.5)  # the host is the longer part
+    assert sync.gap(rows=100, decode_ms=20.0) == pytest.approx(22.0)
+    # host time left for prefill launches within a 30 ms target beside a 20 ms decode step
+    assert sync.launch_room(100, 20.0, 30.0) == pytest.approx(28.0)
+    assert over.launch_room(100, 20.0, 30.0) == pytest.approx(28.0)
+    assert sync.launch_room(100, 40.0, 30.0) == pytest.approx(40.0)  # a decode step already past the target
+    assert over.launch_room(100, 40.0, 30.0) == pytest.approx(38.0)
+    assert (sync.device_room(100, 30.0), over.device_room(100, 30.0)) == (pytest.approx(28.0), 30.0)
+    assert "overlapped" not in over.as_dict()  # a property of the engine's loop, not of the profiled host

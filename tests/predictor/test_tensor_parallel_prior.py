@@ -57,3 +57,12 @@ def test_the_simulator_runs_a_tensor_parallel_configuration():
     assert split.sim.num_pages > single.sim.num_pages == kv_pages(LLAMA_70B, DEVICES["h200"])
     load = DecodeLoad(32, 32 * 2048)
     assert split.predictor.decode_ms(load) < single.predictor.decode_ms(load)
+
+
+def test_the_simulator_plans_for_the_engines_loop():
+    """Overlapped by default; synchronous with --no-async-scheduling and on rank 0 of a tensor-parallel engine."""
+    opts = dict(model=str(MODELS / "llama-3.1-70b"))
+    assert simulated_bench(BenchOptions(**opts), "h200")[0].predictor.host.overlapped
+    assert not simulated_bench(BenchOptions(**opts, serve_args=["--no-async-scheduling"]),
+                               "h200")[0].predictor.host.overlapped
+    assert not simulated_bench(BenchOptions(**opts, serve_args=["-tp", "2"]), "h200")[0].predictor.host.overlapped

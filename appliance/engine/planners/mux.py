@@ -94,7 +94,7 @@ class MuxPlanner:
         if not decode:
             return self._prefill_all_sms(sched, batch, start, items, tbt)
         if start == 0 and not sched.has_inflight() and \
-                self.predictor.mixed_ms(items, load) + self.predictor.host.step(load.batch_size) <= tbt:
+                self.predictor.host.gap(load.batch_size, self.predictor.mixed_ms(items, load)) <= tbt:
             self.stats.aggregated_steps += 1
             self.stats.last_mode = "aggregated"
             return StepPlan(decode=decode, prefill=self._works(batch, 0, self.predictor.num_layers), mixed=True)
@@ -141,7 +141,7 @@ class MuxPlanner:
             k = math.ceil(t_decode * p.num_layers / t_prefill) if t_prefill > 0 else p.num_layers
             # the host launches these layers while decode runs: no more than the step can hide within the target
             host = p.host
-            room = max(t_decode, tbt - host.step(load.batch_size)) - host.launch_ms
+            room = host.launch_room(load.batch_size, t_decode, tbt) - host.launch_ms
             if host.per_layer_ms > 0:
                 k = min(k, int(room // host.per_layer_ms))
             works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
@@ -159,7 +159,7 @@ class MuxPlanner:
         if d is None:
             return None
         total = sum(i.new for i in items)
-        limit = self.options.chunk_tbt * tbt - p.host.step(load.batch_size)
+        limit = p.host.device_room(load.batch_size, self.options.chunk_tbt * tbt)
         queue = [(r, dl.item(r)) for r in sorted(batch + self._order(sched, sched.clock())[:PAUSE_CANDIDATES],
                                                  key=dl.deadline)]
 
@@ -204,11 +204,11 @@ class MuxPlanner:
         """The smallest decode partition whose worst-case step beside `items` meets `tbt`; when none does, None if
         decode alone on all SMs would, else the largest partition (the best that can be done)."""
         p = self.predictor
-        host = p.host.step(load.batch_size)  # every gap carries the step's host time too
+        host = p.host  # every gap carries the step's host time too (hidden behind the device when overlapped)
         for d in p.decode_partitions:
-            if p.decode_ms(load, d, items) + host <= tbt:
+            if host.gap(load.batch_size, p.decode_ms(load, d, items)) <= tbt:
                 return d
-        if p.decode_ms(load) + host <= tbt:
+        if host.gap(load.batch_size, p.decode_ms(load)) <= tbt:
             return None
         return p.decode_partitions[-1]
 

@@ -29,10 +29,11 @@ def tune_chunk_budget(timer: StepTimes, tbt_ms: float, decode: DecodeLoad = IDLE
                       lo: int = 16, hi: int = 65536, host: HostModel | None = None) -> int:
     """The largest token budget whose mixed step (a fresh prompt chunk beside `decode`, on `timer`'s clock, plus
     the step's `host` time) meets `tbt_ms`; `lo` when even that misses."""
-    host_ms = host.step(decode.batch_size) if host is not None else 0.0
+    host = host if host is not None else HostModel(0.0, 0.0, 0.0, 0.0)
 
     def fits(budget: int) -> bool:
-        return timer.mixed_ms([PrefillItem(budget - decode.batch_size, 0)], decode) + host_ms <= tbt_ms
+        return host.gap(decode.batch_size, timer.mixed_ms([PrefillItem(budget - decode.batch_size, 0)], decode)) \
+            <= tbt_ms
 
     if not fits(lo):
         return lo
