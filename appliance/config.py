@@ -1,7 +1,7 @@
 """The one configuration of muxd: frozen dataclasses grouped by concern (model, cache, scheduler, runtime, parallel,
 server).
 
-Every field is a `muxd serve` flag of the same name (vLLM's name where vLLM has the concept); `serve_flags()` makes
+Every field is a `muxd serve` flag of the same name (vLLM's name where vLLM has the concept); `config_flags.py` makes
 the typer parameters from the fields, so the flags, the config and `muxd bench --serve-args` never drift apart. Cheap
 checks run when a group is built; `Config.check()` does the ones that read files (model directory, SLO contract,
 latency profile, chat template) before anything slow. The contract and the profile are parsed once, here, and the
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -391,77 +390,3 @@ class Config:
         elif self.model.chat_template is not None:
             raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
         return cfg
-
-
-def serve_flags(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
-    """typer parameters of `muxd serve`, one per config field (a bool field is a --name/--no-name switch)."""
-    return [param for cls in GROUPS.values() for param in dataclass_flags(cls, skip)]
-
-
-def dataclass_flags(cls: type, skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
-    """typer parameters of one settings dataclass whose fields were made with `flag` (a bool is a switch)."""
-    import typer  # the CLI's library; the config itself does not need it
-
-    params = []
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        meta, dash = f.metadata, f.name.replace("_", "-")
-        names = (f"--{dash}/--no-{dash}",) if hints[f.name] in (bool, Optional[bool]) else (f"--{dash}",)
-        option = typer.Option(f.default, *names, *meta["names"], help=meta["help"], envvar=meta["envvar"],
-                              show_envvar=meta["envvar"] is not None, hidden=meta["hidden"])
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                        annotation=hints[f.name]))
-    return params
-
-
-def with_serve_flags(func: Callable[..., Any], skip: tuple[str, ...] = (),
-                     on_error: Callable[[ConfigError], Any] | None = None) -> Callable[..., Any]:
-    """`func(config: Config, **rest)` as a typer command taking every serve flag (plus func's own parameters);
-    `on_error` receives a flag's ConfigError (the CLI prints it and exits 2)."""
-    own = [p for name, p in inspect.signature(func).parameters.items() if name != "config"]
-    flags = serve_flags(skip)
-
-    @functools.wraps(func)
-    def command(**kw: Any) -> Any:
-        fields = {k: kw.pop(k) for k in list(kw) if k in _FIELD_GROUP}
-        try:
-            config = Config.flat(**fields)
-        except ConfigError as exc:
-            if on_error is None:
-                raise
-            return on_error(exc)
-        return func(config, **kw)
-
-    params = own + flags
-    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    del command.__wrapped__  # typer must read the generated signature, not func's
-    return command
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
-    import typing
-
-    return typing.get_type_hints(cls)
-
-
-def parse_serve_args(args: list[str], **overrides: Any) -> Config:
-    """The Config that `muxd serve <args>` would build (for `muxd bench --in-process` and `--serve-args`)."""
-    import typer
-
-    def serve(config: Config) -> Config:
-        return config
-
-    app = typer.Typer()
-    app.command()(with_serve_flags(serve))
-    command = typer.main.get_command(app)
-    try:
-        ctx = command.make_context("serve", list(args))
-    except Exception as exc:  # a usage error of click (or of the click that typer bundles)
-        if not hasattr(exc, "format_message"):
-            raise
-        raise ConfigError(f"--serve-args: {exc.format_message()}") from None
-    return Config.flat(**{**ctx.params, **overrides})

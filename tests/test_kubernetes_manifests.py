@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from appliance.cluster.settings import ClusterSettings
-from appliance.config import Config, parse_serve_args
+from appliance.config import Config
+from appliance.config_flags import parse_serve_args
 from appliance.slo.contract import parse_contract
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (test extra)")

@@ -13,7 +13,8 @@ from typing import Any, Callable
 from appliance.bench.client import HttpTarget, InProcessTarget, ReplayResult, probe_server, replay
 from appliance.bench.launcher import ServerProcess
 from appliance.bench.prompts import PromptSynth
-from appliance.config import EMBEDDED_MODEL_DIR, Config, parse_serve_args
+from appliance.config import EMBEDDED_MODEL_DIR, Config
+from appliance.config_flags import parse_serve_args
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
 from appliance.errors import ConfigError

@@ -14,7 +14,8 @@ from appliance.bench.capacity import PolicyRun, SimulatedBench, kv_pages
 from appliance.bench.run import BenchOptions, load_workload, model_dir, shape
 from appliance.bench.simulate import SimConfig
 from appliance.bench.sweep import SweepResult
-from appliance.config import POLICIES, parse_serve_args
+from appliance.config import POLICIES
+from appliance.config_flags import parse_serve_args
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir

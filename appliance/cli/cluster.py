@@ -10,7 +10,8 @@ import typer
 
 from appliance.cli.serve import fail, run_cluster
 from appliance.cluster.settings import ClusterSettings
-from appliance.config import Config, dataclass_flags, with_serve_flags
+from appliance.config import Config
+from appliance.config_flags import dataclass_flags, with_serve_flags
 
 
 def cluster(config: Config, model_tag: Optional[str] = None, **cluster_flags: Any) -> None:

@@ -14,7 +14,8 @@ import typer
 from appliance import __version__
 from appliance.cluster.deploy import require_ray, run
 from appliance.cluster.settings import ClusterSettings
-from appliance.config import Config, with_serve_flags
+from appliance.config import Config
+from appliance.config_flags import with_serve_flags
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError

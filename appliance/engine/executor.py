@@ -18,15 +18,21 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
-from itertools import groupby
 from typing import Callable
 
 import torch
 
 from appliance.attention import AttentionBackend, make_backend
 from appliance.engine.graphs import DecodeGraphs
-from appliance.engine.launched import DecodeObservation, LaunchedStep, PrefillLaunch, PrefillObservation, mark
+from appliance.engine.launched import (
+    Decisions,
+    DecodeObservation,
+    LaunchedStep,
+    PrefillLaunch,
+    PrefillObservation,
+    mark,
+    prefill_launches,
+)
 from appliance.engine.partitions import Partition, PartitionSet
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -34,22 +40,6 @@ from appliance.engine.request import Request
 from appliance.engine.runner import ModelRunner
 from appliance.engine.timeline import Timeline
 from appliance.predictor.gemm_table import GemmTable, bucket_sizes
-
-
-@dataclass(frozen=True)
-class Decisions:
-    """What a step runs on, fixed before any kernel is launched (under tensor parallelism rank 0 decides and every
-    rank follows, so that all run the same shapes): the partition, whether a mixed step may replay prefill graphs,
-    and the rows of each prefill launch (one per layer range, in plan order; None: its tokens)."""
-
-    partition: Partition
-    mixed_graphs: bool = False
-    prefill_rows: tuple[int | None, ...] = ()
-
-
-def _launches(plan: StepPlan) -> list[tuple[tuple[int, int], list[PrefillWork]]]:
-    """The plan's prefill launches: consecutive works over the same layer range run as one."""
-    return [(key, list(works)) for key, works in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end))]
 
 
 def _on(stream: torch.cuda.Stream | None):
@@ -163,7 +153,7 @@ class Executor:
         return sum(g.memory_bytes for g in (*self._graphs.values(), *self._prefill_graphs.values()) if g is not None)
 
     @property
-    def prefill_graph_launches(self) -> int:
+    def prefill_graphprefill_launches(self) -> int:
         """Prefill launches that ran as piecewise graph replays."""
         return sum(g.launches for g in self._prefill_graphs.values())
 
@@ -209,7 +199,7 @@ class Executor:
             l.partition == part.name and not l.done() for l in self._inflight)
         pad = None if plan.mixed else self.pad_rows(part.prefill_sms)
         rows = tuple(pad(sum(w.num_tokens for w in works)) if pad is not None else None
-                     for _, works in _launches(plan))
+                     for _, works in prefill_launches(plan))
         return Decisions(part, mixed_graphs, rows)
 
     @torch.inference_mode()
@@ -243,7 +233,7 @@ class Executor:
                     mark(self.runner.device, step.marks)
                 self._split_decodes += part is not self.partitions.full
             launching = time.perf_counter()
-            groups = _launches(plan)
+            groups = prefill_launches(plan)
             if len(groups) != len(decisions.prefill_rows):
                 raise RuntimeError(f"{len(groups)} prefill launches but rows decided for "
                                    f"{len(decisions.prefill_rows)}")

@@ -11,13 +11,30 @@ launched; on a CPU the copy is done when it returns and the same code path runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 import torch
 
+from appliance.engine.partitions import Partition
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request
 
+
+@dataclass(frozen=True)
+class Decisions:
+    """What a step runs on, fixed before any kernel is launched (under tensor parallelism rank 0 decides and every
+    rank follows, so that all run the same shapes): the partition, whether a mixed step may replay prefill graphs,
+    and the rows of each prefill launch (one per layer range, in plan order; None: its tokens)."""
+
+    partition: Partition
+    mixed_graphs: bool = False
+    prefill_rows: tuple[int | None, ...] = ()
+
+
+def prefill_launches(plan: StepPlan) -> list[tuple[tuple[int, int], list[PrefillWork]]]:
+    """The plan's prefill launches: consecutive works over the same layer range run as one."""
+    return [(key, list(works)) for key, works in groupby(plan.prefill, key=lambda w: (w.layer_start, w.layer_end))]
 
 class TokenBuffer:
     """The device buffer of the latest step's sampled token ids, and a ring of pinned host buffers they are read

@@ -1,5 +1,5 @@
 """What rank 0 of a tensor-parallel engine sends the other ranks: every step as one flat int64 array (no pickling on
-the hot path) holding the plan, the decisions it runs on (engine/executor.py `Decisions`), and what the other ranks do
+the hot path) holding the plan, the decisions it runs on (engine/launched.py `Decisions`), and what the other ranks do
 not know yet of its requests: new requests, the tokens sampled since, the pages added since. Requests that leave
 (finished, aborted, preempted) go in a release message; a preempted one that comes back is sent again as new.
 

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from appliance.engine.executor import Decisions, Executor
-from appliance.engine.launched import LaunchedStep
+from appliance.engine.executor import Executor
+from appliance.engine.launched import Decisions, LaunchedStep
 from appliance.engine.partitions import PartitionSet
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.ranks import SHUTDOWN, RankGroup
