@@ -85,6 +85,8 @@ def diagnose_command(bench_app: typer.Typer) -> None:
     def diagnose(
         trace: Optional[str] = typer.Option(None, help="The trace to replay (not needed with --from-steps or "
                                                        "--from-prefills)."),
+        workload: Optional[str] = typer.Option(None, help="A synthetic workload instead of a trace: chat-short "
+                                                          "(prompts lognormal, median 1,000 tokens; outputs 250)."),
         model: str = typer.Option("configs/models/llama-3.1-8b", help="Model directory (dummy weights)."),
         num_requests: int = typer.Option(80, "-n", "--num-requests", help="Requests of the trace to replay."),
         skip: int = typer.Option(0, help="Leave out the trace's first SKIP requests."),
@@ -104,11 +106,12 @@ def diagnose_command(bench_app: typer.Typer) -> None:
         from_prefills: Optional[List[str]] = typer.Option(None, help="Prefill launch logs to calibrate from (no "
                                                                      "replay)."),
     ) -> None:
-        """Where a policy's time goes: replay a trace slice in process and report every step's planning, launch and
-        host time, partitions, layers per launch, the predictor's error, and (with --profile) serving factors."""
+        """Where a policy's time goes: replay a trace slice (or --workload) in process and report every step's
+        planning, launch and host time, decode steps' wall against device time (CUDA), partitions, layers per
+        launch, the predictor's error, and (with --profile) serving factors."""
 
         try:
-            run(DiagnoseOptions(model=model, trace=trace, n=num_requests, skip=skip, max_idle=max_idle, rate=rate,
+            run(DiagnoseOptions(model=model, trace=trace, workload=workload, n=num_requests, skip=skip, max_idle=max_idle, rate=rate,
                                 policy=policy, slo=slo, profile=profile, chunk_budget=chunk_budget,
                                 mixed_chunks=mixed_chunks, max_model_len=max_model_len, out=out, device=device,
                                 write_serving=write_serving, from_steps=list(from_steps or []),

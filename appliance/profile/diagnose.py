@@ -1,5 +1,5 @@
-"""`muxd bench diagnose`: where a policy's time goes on the GPU. Replays a trace slice in process (token-id
-prompts, dummy weights) and records every engine step — planning time, launch time, the plan's mode, decode partition
+"""`muxd bench diagnose`: where a policy's time goes on the GPU. Replays a trace slice or a synthetic workload in
+process (token-id prompts, dummy weights) and records every engine step — planning time, launch time, the plan's mode, decode partition
 and prefill layers, the prefill launches in flight — every prefill launch's GPU time, and the executor's timeline;
 writes them as JSON and prints a summary. With a profile it prints the serving factors too (`write_serving` keeps
 them in a copy); from step and prefill logs alone it only calibrates.
@@ -32,6 +32,7 @@ from appliance.workload.traces import load_trace
 class DiagnoseOptions:
     model: str = "configs/models/llama-3.1-8b"
     trace: str | None = None
+    workload: str | None = None  # a named synthetic workload instead of a trace (workload/shaping.py PRESETS)
     n: int = 80
     skip: int = 0
     max_idle: float | None = None
@@ -55,13 +56,18 @@ def diagnose(args: DiagnoseOptions) -> None:
         calibrate(args, [s for path in args.from_steps for s in json.loads(Path(path).read_text())],
                   [p for path in args.from_prefills for p in json.loads(Path(path).read_text())])
         return
-    if not args.trace:
-        raise ConfigError("--trace is needed for a replay")
+    if bool(args.trace) == bool(args.workload):
+        raise ConfigError("a replay needs a trace (--trace) or a synthetic workload (--workload), not both")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    raw = load_trace(args.trace)
-    specs = wl.select(wl.spread_ties(raw) if "mooncake" in args.trace else raw, skip=args.skip, max_requests=args.n)
-    specs = wl.retime(specs, rate=args.rate)
+    if args.workload:
+        prompt_len, output_len = (wl.LengthDist.parse(d) for d in wl.preset(args.workload))
+        specs = wl.synthetic(args.n, args.rate, prompt_len, output_len)
+    else:
+        raw = load_trace(args.trace)
+        specs = wl.select(wl.spread_ties(raw) if "mooncake" in args.trace else raw, skip=args.skip,
+                          max_requests=args.n)
+        specs = wl.retime(specs, rate=args.rate)
     specs, _ = wl.clip_to_context(specs, args.max_model_len - 1)
     cuda = args.device.startswith("cuda")
     model = load_model(args.model, device=args.device, load_format="dummy", dtype=None if cuda else "float32")
@@ -101,6 +107,11 @@ def diagnose(args: DiagnoseOptions) -> None:
         if gaps:
             print(f"  host after {kind} steps: {len(gaps)}, median {statistics.median(gaps):.2f} ms, "
                   f"p90 {gaps[int(0.9 * len(gaps))]:.2f}, p99 {gaps[int(0.99 * len(gaps))]:.2f}")
+    timed = [s for s in steps if s.get("device_ms") and s["decode"] and not s["mixed"] and "launch_ms" in s]
+    if timed:  # (CUDA only) what the host adds to a decode step: none once the loop hides it behind the device
+        wall, dev = (statistics.fmean(s[k] for s in timed) for k in ("launch_ms", "device_ms"))
+        print(f"  decode steps: {len(timed)}, mean wall {wall:.2f} ms, mean device {dev:.2f} ms "
+              f"(wall / device {wall / dev:.3f}; overlapped {sum(bool(s.get('overlapped')) for s in timed)})")
     snapshot = engine.scheduler.planner.snapshot()
     if snapshot is not None:
         print("  planner", snapshot)

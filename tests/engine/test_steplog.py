@@ -57,3 +57,19 @@ def test_the_planner_charges_the_host_as_the_engines_loop_runs(llama_checkpoint)
     assert overlapped.scheduler.planner.predictor.host.overlapped
     sync = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux", async_scheduling=False))
     assert not sync.scheduler.planner.predictor.host.overlapped
+
+
+def test_diagnose_replays_a_synthetic_workload(llama_checkpoint, tmp_path):
+    path, _ = llama_checkpoint
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
+         "--workload", "chat-short", "-n", "3", "--rate", "50", "--policy", "serial", "--max-model-len", "4096",
+         "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "serial: 3 requests at 50.0 req/s" in done.stdout
+    both = subprocess.run(
+        [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
+         "--workload", "chat-short", "--trace", "x.csv", "--out", str(tmp_path)], capture_output=True, text=True,
+        env=env, timeout=300)
+    assert both.returncode == 2 and "not both" in both.stderr
