@@ -111,8 +111,9 @@ def diagnose_command(bench_app: typer.Typer) -> None:
         launch, the predictor's error, and (with --profile) serving factors."""
 
         try:
-            run(DiagnoseOptions(model=model, trace=trace, workload=workload, n=num_requests, skip=skip, max_idle=max_idle, rate=rate,
-                                policy=policy, slo=slo, profile=profile, chunk_budget=chunk_budget,
+            run(DiagnoseOptions(model=model, trace=trace, workload=workload, n=num_requests, skip=skip,
+                                max_idle=max_idle, rate=rate, policy=policy, slo=slo, profile=profile,
+                                chunk_budget=chunk_budget,
                                 mixed_chunks=mixed_chunks, max_model_len=max_model_len, out=out, device=device,
                                 write_serving=write_serving, from_steps=list(from_steps or []),
                                 from_prefills=list(from_prefills or [])))

@@ -1,7 +1,7 @@
 """`muxd bench diagnose`: where a policy's time goes on the GPU. Replays a trace slice or a synthetic workload in
-process (token-id prompts, dummy weights) and records every engine step — planning time, launch time, the plan's mode, decode partition
-and prefill layers, the prefill launches in flight — every prefill launch's GPU time, and the executor's timeline;
-writes them as JSON and prints a summary. With a profile it prints the serving factors too (`write_serving` keeps
+process (token-id prompts, dummy weights) and records every engine step — planning time, launch time, the plan's
+mode, decode partition and prefill layers, the prefill launches in flight — every prefill launch's GPU time, and the
+executor's timeline; writes them as JSON and prints a summary. With a profile it prints the serving factors too (`write_serving` keeps
 them in a copy); from step and prefill logs alone it only calibrates.
 """
 from __future__ import annotations
