@@ -2,9 +2,10 @@
 step's wall time: for a decode or mixed step, from its launch, or from the previous step's tokens when it waited
 behind them in the overlapped loop, to its tokens on the host; `host_launch_ms`, the host time the launch itself
 took), the device time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step was launched
-before its tokens were read (`overlapped`), the host time since the previous step's launch ended (`gap_ms`: the
-engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition and prefill layers,
-the prefill launches in flight, and, given a predictor, its figure for the step beside what the executor measured.
+before its tokens were read (`overlapped`), the host time since the previous step's launch ended less the time spent
+reading tokens (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode
+partition and prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside
+what the executor measured.
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
 executor; `detach` restores them.
@@ -26,6 +27,7 @@ class StepLog:
         self._originals: tuple | None = None
         self._seen = engine.executor.prefills_seen
         self._launch_end: float | None = None  # when the previous step's launch returned
+        self._waited = 0.0  # seconds spent reading tokens (waiting for the device) since then
         self._rows: dict[int, dict[str, Any]] = {}  # launched steps not collected yet -> their row
 
     def attach(self) -> "StepLog":
@@ -38,7 +40,7 @@ class StepLog:
             plan = schedule()
             self.steps.append({
                 "t": t0, "plan_ms": (time.perf_counter() - t0) * 1e3, "decode": len(plan.decode),
-                "gap_ms": None if self._launch_end is None else (t0 - self._launch_end) * 1e3,
+                "gap_ms": None if self._launch_end is None else (t0 - self._launch_end - self._waited) * 1e3,
                 "decode_sms": plan.decode_sms, "mixed": plan.mixed,
                 "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
                 "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
@@ -61,11 +63,13 @@ class StepLog:
                 else:  # nothing to read back: the launch was the step
                     row["launch_ms"] = row["host_launch_ms"]
             self._collect_prefills()
-            self._launch_end = time.perf_counter()
+            self._launch_end, self._waited = time.perf_counter(), 0.0
             return step
 
         def timed_collect(step):
+            t0 = time.perf_counter()
             tokens = collect(step)
+            self._waited += time.perf_counter() - t0  # the device's time, not the host's
             row = self._rows.pop(id(step), None)
             if row is not None:
                 row.update(launch_ms=step.wall_ms, device_ms=step.device_ms, overlapped=step.overlapped)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import appliance.engine.steplog as steplog
 from appliance.config import Config
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
@@ -73,3 +74,29 @@ def test_diagnose_replays_a_synthetic_workload(llama_checkpoint, tmp_path):
          "--workload", "chat-short", "--trace", "x.csv", "--out", str(tmp_path)], capture_output=True, text=True,
         env=env, timeout=300)
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_the_host_gap_leaves_out_the_wait_for_the_devices_tokens(llama_checkpoint, monkeypatch):
+    """Reading a step's tokens waits for the device (in either loop): that is not host time, and the host model
+    fitted from these gaps (predictor/host.py) must not see it. A clock that moves only while tokens are read."""
+    path, _ = llama_checkpoint
+    clock = [0.0]
+    monkeypatch.setattr(steplog.time, "perf_counter", lambda: clock[0])
+    for overlap in (True, False):
+        engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux",
+                                          async_scheduling=overlap))
+        read = engine.executor.collect
+
+        def slow_read(step, read=read):
+            clock[0] += 0.5  # the device's half second
+            return read(step)
+
+        engine.executor.collect = slow_read
+        log = StepLog(engine).attach()
+        for n in (12, 30):
+            engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        log.detach()
+        gaps = [s["gap_ms"] for s in log.steps if s["gap_ms"] is not None]
+        assert gaps and all(g == 0.0 for g in gaps), (overlap, gaps)
