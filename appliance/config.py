@@ -52,7 +52,8 @@ def flag(default: Any, help: str, *names: str, envvar: str | None = None, hidden
     return field(default=default, metadata={"help": help, "names": names, "envvar": envvar, "hidden": hidden})
 
 
-def _at_least(group: Any, minimum: float, *names: str) -> None:
+def at_least(group: Any, minimum: float, *names: str) -> None:
+    """Refuse any of the group's fields `names` below `minimum` (None passes), naming its flag."""
     for name in names:
         value = getattr(group, name)
         if value is not None and value < minimum:
@@ -86,7 +87,7 @@ class ModelSettings:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
-        _at_least(self, 2, "max_model_len")
+        at_least(self, 2, "max_model_len")
 
     @property
     def model_dir(self) -> Path:
@@ -126,7 +127,7 @@ class CacheSettings:
                                        "--prefix-caching/--no-prefix-caching")
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "block_size", "num_gpu_blocks_override")
+        at_least(self, 1, "block_size", "num_gpu_blocks_override")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
@@ -171,9 +172,9 @@ class SchedulerSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICY_CHOICES:
             raise ConfigError(f"--policy (--planner) must be one of {', '.join(POLICY_CHOICES)}, got {self.policy!r}")
-        _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_waiting", "chunk_budget",
+        at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_waiting", "chunk_budget",
                   "layers_per_step", "layerwise_decode_sms", "pdmux_bs_divisor", "pdmux_token_budget")
-        _at_least(self, 3, "pdmux_sm_groups")
+        at_least(self, 3, "pdmux_sm_groups")
         if len(self.pdmux_division_list) not in (0, self.pdmux_sm_groups - 2):
             raise ConfigError(f"--pdmux-divisions gives {len(self.pdmux_division_list)} divisions; --pdmux-sm-groups "
                               f"{self.pdmux_sm_groups} takes {self.pdmux_sm_groups - 2} (all-prefill and all-decode "
@@ -243,7 +244,7 @@ class RuntimeSettings:
         if self.prefill_graph_rows < 0:
             raise ConfigError(f"--prefill-graph-rows must be >= 0 (0: no prefill graphs), got "
                               f"{self.prefill_graph_rows}")
-        _at_least(self, 1, "max_graph_batch")
+        at_least(self, 1, "max_graph_batch")
         if self.partition_granularity < 8 or self.partition_granularity % 8:
             raise ConfigError(f"--partition-granularity must be a positive multiple of 8 SMs, got "
                               f"{self.partition_granularity}")
@@ -263,7 +264,7 @@ class ParallelSettings:
                                "rank that stopped answering); a rank that exits ends the server at once.")
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "tensor_parallel_size", "dist_timeout")
+        at_least(self, 1, "tensor_parallel_size", "dist_timeout")
 
 
 @dataclass(frozen=True)

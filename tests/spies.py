@@ -1,6 +1,8 @@
-"""Test instrumentation: observe every iteration an engine launches (its plan and the logits its forwards made)."""
+"""Test instrumentation: observe every iteration an engine launches (its plan and the logits its forwards made), and
+step an engine through scripted arrivals and aborts."""
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -42,3 +44,21 @@ def on_forward(engine, callback: Callable[[object, dict[str, torch.Tensor]], Non
         executor.__dict__.pop("start", None)
 
     return undo
+
+
+def step_through(engine, arrivals: dict, aborts: dict | None, record: Callable) -> dict[str, list]:
+    """Step the engine, submitting `arrivals[k]` and aborting `aborts[k]` before engine step k, until every request
+    ended; each request's outputs as `record(output)` made them, in order."""
+    aborts = aborts or {}
+    outs: dict[str, list] = defaultdict(list)
+    k, last = 0, max([*arrivals, *aborts, 0])
+    while k <= last or engine.has_unfinished():
+        for r in arrivals.get(k, []):
+            engine.submit(r)
+        for rid in aborts.get(k, []):
+            engine.abort(rid)
+        if engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id].append(record(o))
+        k += 1
+    return dict(outs)

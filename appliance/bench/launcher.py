@@ -42,18 +42,12 @@ def parse_policies(text: str) -> list[str]:
     if unknown:
         raise ConfigError(f"--policies: {', '.join(unknown)} not available in this muxd; it serves "
                           f"{', '.join(sorted(known))}")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--policies: {text!r} names a policy twice")
-    return names
+    return _once_each(names, "--policies", text, "policy")
 
 
 def parse_serve_args(text: str | None) -> list[str]:
     """Extra `muxd serve` flags for the launched servers; the ones bench sets itself are refused."""
-    args = shlex.split(text or "")
-    clash = [a for a in args if a.split("=")[0] in _RESERVED]
-    if clash:
-        raise ConfigError(f"--serve-args: {', '.join(clash)} is set by muxd bench (use --model and --policies)")
-    return args
+    return _extra_flags(text, "--serve-args", _RESERVED, "--model and --policies")
 
 
 def parse_routers(text: str) -> list[str]:
@@ -62,18 +56,26 @@ def parse_routers(text: str) -> list[str]:
     unknown = [n for n in names if n not in ROUTERS]
     if not names or unknown:
         raise ConfigError(f"--routers: give comma-separated routers among {', '.join(ROUTERS)}, got {text!r}")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--routers: {text!r} names a router twice")
-    return names
+    return _once_each(names, "--routers", text, "router")
 
 
 def parse_cluster_args(text: str | None) -> list[str]:
     """Extra `muxd cluster` flags (replicas, autoscaling, Ray) for the launched clusters."""
+    return _extra_flags(text, "--cluster-args", _CLUSTER_RESERVED, "--model, --policies and --routers")
+
+
+def _once_each(names: list[str], flag: str, text: str, what: str) -> list[str]:
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{flag}: {text!r} names a {what} twice")
+    return names
+
+
+def _extra_flags(text: str | None, flag: str, reserved, instead: str) -> list[str]:
+    """Split extra command-line flags, refusing the ones muxd bench sets itself."""
     args = shlex.split(text or "")
-    clash = [a for a in args if a.split("=")[0] in _CLUSTER_RESERVED]
+    clash = [a for a in args if a.split("=")[0] in reserved]
     if clash:
-        raise ConfigError(f"--cluster-args: {', '.join(clash)} is set by muxd bench (use --model, --policies and "
-                          "--routers)")
+        raise ConfigError(f"{flag}: {', '.join(clash)} is set by muxd bench (use {instead})")
     return args
 
 

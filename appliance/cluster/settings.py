@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from appliance.config import GROUPS, Config, flag
+from appliance.config import GROUPS, Config, at_least, flag
 from appliance.errors import ConfigError
 
 ROUTERS = ("slo", "pow2")  # SLO-aware (router.py) or Ray Serve's default power-of-two-choices
@@ -51,11 +51,8 @@ class ClusterSettings:
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
             raise ConfigError(f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
-        for name in ("replicas", "max_ongoing_requests"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.min_replicas is not None and self.min_replicas < 0:
-            raise ConfigError(f"--min-replicas must be >= 0, got {self.min_replicas}")
+        at_least(self, 1, "replicas", "max_ongoing_requests")
+        at_least(self, 0, "min_replicas", "upscale_delay", "downscale_delay", "replica_cpus", "replica_gpus", "retries")
         if not self.min_count <= self.replicas <= self.max_count:
             raise ConfigError(f"--replicas {self.replicas} must lie within --min-replicas {self.min_count} and "
                               f"--max-replicas {self.max_count}")
@@ -63,13 +60,6 @@ class ClusterSettings:
                      "stall_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("upscale_delay", "downscale_delay", "replica_cpus"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.replica_gpus is not None and self.replica_gpus < 0:
-            raise ConfigError(f"--replica-gpus must be >= 0, got {self.replica_gpus}")
-        if self.retries < 0:
-            raise ConfigError(f"--retries must be >= 0, got {self.retries}")
 
     @property
     def min_count(self) -> int:

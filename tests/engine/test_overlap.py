@@ -5,11 +5,11 @@ step, aborts at every step, preemption under a small KV cache, logprobs, seeds a
 (read at once) — and no page is left behind."""
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Callable
 
 import pytest
 import torch
+from spies import step_through
 
 from appliance.config import Config
 from appliance.engine.batch import placeholder, resolve, span_tokens
@@ -36,23 +36,15 @@ def drive(engine: Engine, arrivals: dict[int, list[Request]],
           aborts: dict[int, list[str]] | None = None) -> dict[str, list[tuple]]:
     """Step the engine, submitting `arrivals[k]` and aborting `aborts[k]` before engine step k; every request's
     outputs as (token ids, finished, reason, logprobs)."""
-    aborts = aborts or {}
-    outs: dict[str, list[tuple]] = defaultdict(list)
-    k, last = 0, max([*arrivals, *aborts, 0])
-    while k <= last or engine.has_unfinished():
-        for r in arrivals.get(k, []):
-            engine.submit(r)
-        for rid in aborts.get(k, []):
-            engine.abort(rid)
-        if engine.has_unfinished():
-            for o in engine.step():
-                # (log-probabilities to 5 decimals: a batch of another shape may round the last bit differently)
-                lps = tuple((lp.token_id, round(lp.logprob, 5), lp.rank, tuple((t, round(v, 5)) for t, v in lp.top))
-                            for lp in o.logprobs) if o.logprobs else None
-                outs[o.request_id].append((tuple(o.new_token_ids), o.finished, o.finish_reason, o.text, lps))
-        k += 1
+    def record(o) -> tuple:
+        # (log-probabilities to 5 decimals: a batch of another shape may round the last bit differently)
+        lps = tuple((lp.token_id, round(lp.logprob, 5), lp.rank, tuple((t, round(v, 5)) for t, v in lp.top))
+                    for lp in o.logprobs) if o.logprobs else None
+        return tuple(o.new_token_ids), o.finished, o.finish_reason, o.text, lps
+
+    outs = step_through(engine, arrivals, aborts, record)
     assert_clean(engine)
-    return dict(outs)
+    return outs
 
 
 def assert_clean(engine: Engine) -> None:

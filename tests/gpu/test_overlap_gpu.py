@@ -6,10 +6,10 @@ pinned buffers used in turn."""
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 
 import pytest
 from copy_model import PERIOD, periodic_prompt
+from spies import step_through
 
 from appliance.config import Config
 from appliance.engine.engine import Engine
@@ -87,23 +87,13 @@ def drive(engine: Engine, overlap: bool, arrivals: dict[int, list[Request]],
     """Step the engine with the loop overlapped or not, submitting `arrivals[k]` and aborting `aborts[k]` before step
     k; every request's outputs (token ids, finished, reason, log-probability token ids)."""
     engine.async_scheduling = overlap
-    aborts = aborts or {}
-    outs: dict[str, list[tuple]] = defaultdict(list)
-    k, last = 0, max([*arrivals, *aborts])
-    while k <= last or engine.has_unfinished():
-        for r in arrivals.get(k, []):
-            engine.submit(r)
-        for rid in aborts.get(k, []):
-            engine.abort(rid)
-        if engine.has_unfinished():
-            for o in engine.step():
-                lps = tuple(lp.token_id for lp in o.logprobs) if o.logprobs else None
-                outs[o.request_id].append((tuple(o.new_token_ids), o.finished, o.finish_reason, lps))
-        k += 1
+    outs = step_through(engine, arrivals, aborts, lambda o: (
+        tuple(o.new_token_ids), o.finished, o.finish_reason,
+        tuple(lp.token_id for lp in o.logprobs) if o.logprobs else None))
     assert not engine.scheduler.requests and engine._launched is None
     assert engine.pool.num_free_pages == engine.pool.num_pages
     assert not engine.runner.batches._mirrors and not engine.executor.has_inflight()
-    return dict(outs)
+    return outs
 
 
 def by_index(outs: dict[str, list[tuple]], engine_first: int) -> dict[int, list[tuple]]:
