@@ -29,11 +29,12 @@ def tune_chunk_budget(timer: StepTimes, tbt_ms: float, decode: DecodeLoad = IDLE
                       lo: int = 16, hi: int = 65536, host: HostModel | None = None) -> int:
     """The largest token budget whose mixed step (a fresh prompt chunk beside `decode`, on `timer`'s clock, plus
     the step's `host` time) meets `tbt_ms`; `lo` when even that misses."""
-    host = host if host is not None else HostModel(0.0, 0.0, 0.0, 0.0)
+    # the step's host time is charged on top in either loop: it is the margin that keeps the mixed steps of busier
+    # batches than `decode` within the target too
+    host_ms = host.step(decode.batch_size) if host is not None else 0.0
 
     def fits(budget: int) -> bool:
-        return host.gap(decode.batch_size, timer.mixed_ms([PrefillItem(budget - decode.batch_size, 0)], decode)) \
-            <= tbt_ms
+        return timer.mixed_ms([PrefillItem(budget - decode.batch_size, 0)], decode) + host_ms <= tbt_ms
 
     if not fits(lo):
         return lo
