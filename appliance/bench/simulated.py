@@ -16,9 +16,11 @@ from appliance.bench.simulate import SimConfig
 from appliance.bench.sweep import SweepResult
 from appliance.config import POLICIES
 from appliance.config_flags import parse_serve_args
+from appliance.engine.compile import cache_dir
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
+from appliance.predictor.catalog import find_profile
 from appliance.predictor.profile import load_predictor
 from appliance.predictor.roofline import DEVICES, device_spec
 from appliance.slo.contract import Contract, default_contract
@@ -41,7 +43,10 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     serve = parse_serve_args(list(opts.serve_args))
     options, tp = serve.scheduler, serve.parallel.tensor_parallel_size
     model = ModelConfig.from_file(resolve_model_dir(model_dir(opts.model_or_default)) / "config.json").sharded(tp)
-    predictor = load_predictor(opts.profile, model, gpu)
+    profile = opts.profile
+    if profile is None:  # as `muxd serve` does: the profile cached by `muxd profile`, or shipped, for this GPU
+        profile = find_profile(model, gpu, cache_dir(), by_kind=True)
+    predictor = load_predictor(profile, model, gpu)
     # the engine's loop: overlapped unless told otherwise (or rank 0 of a tensor-parallel engine)
     predictor.host = predictor.host.with_loop(serve.runtime.async_scheduling and tp == 1)
     try:

@@ -153,7 +153,7 @@ class Executor:
         return sum(g.memory_bytes for g in (*self._graphs.values(), *self._prefill_graphs.values()) if g is not None)
 
     @property
-    def prefill_graphprefill_launches(self) -> int:
+    def prefill_graph_launches(self) -> int:
         """Prefill launches that ran as piecewise graph replays."""
         return sum(g.launches for g in self._prefill_graphs.values())
 
@@ -231,7 +231,6 @@ class Executor:
                     ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
                     self._sampled(step, ids, logits, requests)
                     mark(self.runner.device, step.marks)
-                self._split_decodes += part is not self.partitions.full
             launching = time.perf_counter()
             groups = prefill_launches(plan)
             if len(groups) != len(decisions.prefill_rows):
@@ -240,6 +239,8 @@ class Executor:
             for ((start, end), works), rows in zip(groups, decisions.prefill_rows):
                 self._launch_prefill(works, requests, start, end, part, step, rows)
             step.launch_s = time.perf_counter() - launching
+            # counted after this step's prefill launches: they run beside this decode step too (on the other SMs)
+            self._split_decodes += bool(plan.decode) and part is not self.partitions.full
             self.last_launch_ms = step.launch_s * 1e3 if plan.prefill else None
             if part is not self.partitions.full:
                 step.beside = tuple(w for launch in self._inflight if not launch.done() for w in launch.works)

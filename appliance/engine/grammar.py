@@ -90,35 +90,54 @@ class GrammarCompiler:
 
 _batch_matcher: Any = None
 _apply_backend = "auto"
+_bitmasks: dict[tuple, torch.Tensor] = {}  # (device, bitmask words) -> the reused host bitmask
+_copies: dict[tuple, Any] = {}  # the same key -> the CUDA event after the buffer's latest copy to the device
 log = logging.getLogger("muxd.engine")
 
 
 def apply_masks(logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
-    """Keep each constrained row of `logits` [B, V] to the tokens its grammar allows next (in place)."""
+    """Keep each constrained row of `logits` [B, V] to the tokens its grammar allows next (in place): the matchers
+    fill their rows of a host bitmask reused from step to step (pinned on CUDA), copied to the device once, and
+    xgrammar's kernel masks those rows where they are (no gather and scatter of the logits)."""
     import xgrammar as xgr  # defers xgrammar (only constrained requests get here)
 
-    global _batch_matcher
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    global _batch_matcher, _apply_backend
+    bitmask = _host_bitmask(logits)
     if len(matchers) == 1:
-        matchers[0]._m.fill_next_token_bitmask(bitmask, 0)
+        matchers[0]._m.fill_next_token_bitmask(bitmask, rows[0])
     else:  # xgrammar's threads fill the rows at once
         if _batch_matcher is None:
             _batch_matcher = xgr.BatchGrammarMatcher()
-        _batch_matcher.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
-    sub = logits[torch.tensor(rows, device=logits.device)]
+        _batch_matcher.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, indices=list(rows))
     if logits.device.type == "cuda":
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    global _apply_backend
+        copied = bitmask.to(logits.device, non_blocking=True)
+        done = _copies[(logits.device, bitmask.shape[1])] = torch.cuda.Event()
+        done.record()  # the next fill waits for this copy (the buffer is reused)
+        bitmask = copied
+    indices = None if len(rows) == logits.shape[0] else list(rows)
     try:
-        xgr.apply_token_bitmask_inplace(sub, bitmask, backend=_apply_backend)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend=_apply_backend)
     except Exception:  # noqa: BLE001 - a kernel xgrammar cannot build here (no compiler, old triton): plain torch
         if _apply_backend == "torch_native":
             raise
         log.warning("xgrammar's %s mask kernel failed on %s; applying masks with torch", _apply_backend,
                     logits.device)
         _apply_backend = "torch_native"
-        xgr.apply_token_bitmask_inplace(sub, bitmask, backend=_apply_backend)
-    logits[torch.tensor(rows, device=logits.device)] = sub
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend=_apply_backend)
+
+
+def _host_bitmask(logits: torch.Tensor) -> torch.Tensor:
+    """The host bitmask for a batch of `logits` (only the rows the matchers fill are read): one buffer per (device,
+    vocabulary), grown to the largest batch seen, pinned for CUDA and reused once its last copy is done."""
+    rows, words = logits.shape[0], (logits.shape[-1] + 31) // 32
+    key = (logits.device, words)
+    buf = _bitmasks.get(key)
+    if buf is None or buf.shape[0] < rows:
+        buf = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=logits.device.type == "cuda")
+        _bitmasks[key] = buf
+    elif key in _copies:
+        _copies.pop(key).synchronize()
+    return buf[:rows]
 
 
 def schema_text(schema: Any, param: str) -> str:

@@ -137,7 +137,7 @@ class PrefillLaunch:
     launched_at: float
     began: torch.cuda.Event | None = None  # recorded on the stream just before the first layer's kernels
     prefill_sms: int = 0
-    decodes_before: int = 0  # the executor's split decode steps when it was launched
+    decodes_before: int = 0  # split decode steps before its own step's (counted after its launch)
     logprobs: dict = field(default_factory=dict)
 
     def done(self) -> bool:

@@ -11,8 +11,10 @@ import shutil
 from pathlib import Path
 
 from appliance import __version__
+from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.profile import FORMAT, model_shape
+from appliance.predictor.roofline import DeviceSpec, device_spec
 
 BUNDLED = Path(__file__).resolve().parent / "profiles"
 log = logging.getLogger("muxd.predictor")
@@ -27,23 +29,36 @@ def profile_key(model: ModelConfig, gpu_name: str) -> str:
     return f"{gpu}-{shape}-muxd{__version__}.json"
 
 
-def _describes(path: Path, model: ModelConfig, gpu_name: str) -> bool:
+def _describes(path: Path, model: ModelConfig, gpu_name: str, by_kind: bool = False) -> bool:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return False
-    return (isinstance(raw, dict) and raw.get("format") == FORMAT and raw.get("gpu", {}).get("name") == gpu_name
-            and raw.get("model", {}).get("shape") == model_shape(model)
-            and raw.get("tensor_parallel_size", 1) == model.tp_size)
+    if not (isinstance(raw, dict) and raw.get("format") == FORMAT and raw.get("model", {}).get("shape") ==
+            model_shape(model) and raw.get("tensor_parallel_size", 1) == model.tp_size):
+        return False
+    name = raw.get("gpu", {}).get("name")
+    return name == gpu_name or (by_kind and isinstance(name, str) and _kind(name) is not None
+                                and _kind(name) == _kind(gpu_name))
 
 
-def find_profile(model: ModelConfig, gpu_name: str, cache: Path) -> Path | None:
-    """The cached profile for this model and GPU written by this version, else a shipped one that describes them."""
+def _kind(gpu: str) -> DeviceSpec | None:
+    try:
+        return device_spec(gpu)
+    except ConfigError:
+        return None
+
+
+def find_profile(model: ModelConfig, gpu_name: str, cache: Path, by_kind: bool = False) -> Path | None:
+    """The cached profile for this model and GPU written by this version, else a shipped one that describes them.
+    `by_kind` (a simulation naming a GPU by its key, e.g. 'h200'): any cached, then shipped, profile of a GPU of
+    that kind."""
     cached = cache / "profiles" / profile_key(model, gpu_name)
     if cached.is_file():
         return cached
-    for path in sorted(BUNDLED.glob("*.json")):
-        if _describes(path, model, gpu_name):
+    pool = sorted((cache / "profiles").glob(f"*-muxd{__version__}.json")) if by_kind else []
+    for path in [*pool, *sorted(BUNDLED.glob("*.json"))]:
+        if _describes(path, model, gpu_name, by_kind):
             return path
     return None
 

@@ -70,19 +70,20 @@ def rig(tmp_path_factory):
     return model, gpu, predictor, contract, specs
 
 
-def replay(rig, error: float, control: bool):
+def replay(rig, error: float, control: bool, mixed_chunks: bool = False):
+    """One replay under mux (`--mixed-chunks` as asked: off, decode runs beside prefill on the SM split), judged."""
     model, gpu, predictor, contract, specs = rig
     bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, DEVICES["h100"])), truth=gpu,
-                           device_error=error, options=SchedulerSettings())
+                           device_error=error, options=SchedulerSettings(mixed_chunks=mixed_chunks))
     planner = bench.planner("mux")
     planner.options.control = control
     result = Simulator(planner, bench.timer, bench.sim, host=predictor.host).run(specs)
     return evaluate(contract, result.timelines, specs), planner
 
 
-@pytest.mark.parametrize("error", [0.2, -0.2])
-def test_mux_keeps_the_contract_when_the_gpu_is_not_what_the_profile_says(rig, error):
-    report, planner = replay(rig, error, control=True)
+@pytest.mark.parametrize("error,mixed_chunks", [(0.2, False), (-0.2, False), (0.2, True)])
+def test_mux_keeps_the_contract_when_the_gpu_is_not_what_the_profile_says(rig, error, mixed_chunks):
+    report, planner = replay(rig, error, control=True, mixed_chunks=mixed_chunks)
     assert report.met and report.tbt_ms <= 50.0, report.reasons
     state = planner.snapshot()["control"]["default"]["tbt"]
     assert state["samples"] > 10_000 and state["headroom"] != 0.85

@@ -162,8 +162,9 @@ def test_overlapped_equals_synchronous_under_the_mux_policy(copy_model):
 
 
 def test_preemption_under_a_small_kv_cache(copy_model):
-    """Twenty pages for sixteen requests: preemption, also of requests whose latest token is still on the device."""
-    engine = build(copy_model, num_gpu_blocks_override=20, compile=False)
+    """Twenty pages for sixteen requests: preemption, also of requests whose latest token is still on the device.
+    Under serial (mux, the default on CUDA, admits within the free pages and never preempts this workload)."""
+    engine = build(copy_model, policy="serial", num_gpu_blocks_override=20, compile=False)
     pending = []
     inner = engine.scheduler.preempt
     engine.scheduler.preempt = lambda r: (pending.append(r.num_pending), inner(r))[1]

@@ -397,3 +397,20 @@ def test_a_shipped_profile_is_found_by_what_it_describes():
     assert found is not None and found.parent == BUNDLED
     assert find_profile(model, "NVIDIA A100-SXM4-80GB", Path("/nonexistent")) is None
     assert load_predictor(found, model, "NVIDIA H200").source == f"profile {found}"
+    # a simulation names the GPU by its kind: the shipped profile of that kind, none for a kind without one; serving
+    # keeps to the exact name CUDA reports
+    assert find_profile(model, "h200", Path("/nonexistent"), by_kind=True) == found
+    assert find_profile(model, "h200", Path("/nonexistent")) is None
+    assert find_profile(model, "a100", Path("/nonexistent"), by_kind=True) is None
+
+
+def test_a_simulation_without_a_profile_plans_with_the_one_found_for_its_gpu(tmp_path, monkeypatch):
+    from appliance.bench.run import BenchOptions
+    from appliance.bench.simulated import simulated_bench
+
+    monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path))
+    model = str(REPO / "configs" / "models" / "llama-3.1-8b")
+    bench, _, _ = simulated_bench(BenchOptions(model=model), "h200")
+    assert bench.predictor.source.startswith("profile ") and "llama-3.1-8b-h200" in bench.predictor.source
+    bench, _, _ = simulated_bench(BenchOptions(model=model), "cpu")  # no profile of this model on a CPU
+    assert bench.predictor.source.startswith("roofline")
