@@ -232,8 +232,9 @@ class RuntimeSettings:
                                      "with CUDA for the mux and layerwise policies).")
     async_scheduling: bool = flag(True, "Overlap the engine's host work with the device: plan and launch each step "
                                   "while the previous one runs and read its tokens afterwards (as vLLM's async "
-                                  "scheduling); steps whose tokens steer the next (grammars, penalties) are still read "
-                                  "at once. Off: every step's tokens are read before the next is planned.")
+                                  "scheduling); a row whose next sample needs its latest token (a grammar, a penalty) "
+                                  "is sampled once that token is read, while its forward runs. Off: every step's "
+                                  "tokens are read before the next is planned.")
     partition_granularity: int = flag(16, "Decode partitions are multiples of this many SMs (a multiple of 8 on "
                                       "Hopper).")
 

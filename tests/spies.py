@@ -29,9 +29,9 @@ def on_forward(engine, callback: Callable[[object, dict[str, torch.Tensor]], Non
         watch(name)
     inner_start = executor.start
 
-    def start(plan, requests, partition=None):
+    def start(plan, requests, partition=None, **kw):
         seen.clear()
-        out = inner_start(plan, requests, partition)
+        out = inner_start(plan, requests, partition, **kw)
         if not plan.empty:
             callback(plan, dict(seen))
         return out

@@ -4,8 +4,9 @@ update -> detokenize -> outputs).
 The loop is overlapped (`--async-scheduling`, on by default): the host plans and launches step N+1 while the device
 runs step N, then reads step N's tokens, so the host's work between steps hides behind the device's. A request whose
 latest token is not read yet decodes from it on the device (engine/launched.py); one that finishes at step N had at
-most one more step launched, whose token is dropped; a step whose tokens the next plan needs (a grammar's matcher, a
-penalty over the output) is read at once. With it off, every step is read before the next is planned.
+most one more step launched, whose token is dropped. A row whose sample needs its latest token on the host (a
+grammar's next mask, a penalty over the output) has its step's forward launched first and is sampled once step N is
+read (Executor.finish_sampling). With it off, every step is read before the next is planned.
 
 Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server. The synchronous
 `generate` is the small Python API for scripts and tests. `engine/factory.py` builds one (`build_engine`); the
@@ -142,21 +143,25 @@ class Engine:
     # ---- steps ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: merge prefills that finished, plan and launch a step, then read the tokens of the step
-        launched before it (overlapped: while this one runs) and of this one when it must be read at once
-        (synchronous loop, or its tokens steer the next plan). With nothing to launch, wait for in-flight prefill."""
+        launched before it (overlapped: while this one runs) and of this one in the synchronous loop. A row whose
+        sampling needs the token before it on the host (a grammar's mask, a penalty) is sampled once that token is
+        read, while the step's forward runs. With nothing to launch, wait for in-flight prefill."""
         outputs = self._merge(self.executor.poll())
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
-        launched = self.executor.start(plan, self.scheduler.requests)
         previous, self._launched = self._launched, None
+        launched = self.executor.start(plan, self.scheduler.requests,
+                                       hold_sampling=previous is not None and self._needs_tokens(previous, plan))
         if not plan.empty:
             if (plan.mixed and plan.prefill) or launched.beside:  # (what the planner learns from: see _observe)
                 launched.load = decode_load(self.scheduler.requests, plan.decode)
             self.scheduler.launched(plan, launched.completed, launched.row_of())
         if previous is not None:
             outputs += self._process(previous)
+        if launched.held is not None:
+            self.executor.finish_sampling(launched)
         if not plan.empty:
-            if launched.rows and self.async_scheduling and self.executor.overlaps and not self._needs_tokens(launched):
+            if launched.rows and self.async_scheduling and self.executor.overlaps:
                 self._launched = launched
             else:
                 outputs += self._process(launched)
@@ -174,9 +179,13 @@ class Engine:
         self._release_if_idle()
         return outputs
 
-    def _needs_tokens(self, step: LaunchedStep) -> bool:
-        """The next plan's sampling needs this step's tokens on the host (a grammar's next mask, a penalty)."""
-        return bool(self._eager) and any(rid in self._eager for rid in step.rows)
+    def _needs_tokens(self, previous: LaunchedStep, plan: StepPlan) -> bool:
+        """The plan samples a row whose logits processing needs its token of the step before, still on the device
+        (a grammar's next mask, a penalty)."""
+        if not self._eager:
+            return False
+        rows = set(previous.rows)
+        return any(rid in self._eager and rid in rows for rid in plan.decode)
 
     def _process(self, step: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens and report them; the token of a request that left since it was launched

@@ -179,17 +179,19 @@ class Executor:
         return {rid: t for rid, t in zip(step.rows, tokens) if rid in decode}
 
     @torch.inference_mode()
-    def start(self, plan: StepPlan, requests: dict[str, Request],
-              partition: Partition | None = None) -> LaunchedStep:
+    def start(self, plan: StepPlan, requests: dict[str, Request], partition: Partition | None = None,
+              hold_sampling: bool = False) -> LaunchedStep:
         """Drop the state of the requests the plan released and launch the plan without waiting for it. Its
         sampled tokens stay on the device until `collect`; prefill layers launched on a partition's prefill stream
         complete through `poll()`, and those that run in stream order with the step (the null partition, a mixed
-        step) are complete once launched (`LaunchedStep.completed`)."""
+        step) are complete once launched (`LaunchedStep.completed`). `hold_sampling`: launch the decode (or mixed)
+        forward only; its rows are sampled by `finish_sampling`, once the host has read the step before (a
+        grammar's next mask or a penalty needs that token) while the forward runs."""
         self._forget(plan.released)
         self.last_launch_ms = None
         if plan.empty:
             return LaunchedStep(plan, time.perf_counter())
-        return self.run(plan, requests, self.decide(plan, partition))
+        return self.run(plan, requests, self.decide(plan, partition), hold_sampling)
 
     def decide(self, plan: StepPlan, partition: Partition | None = None) -> Decisions:
         """What the plan runs on: its partition, whether a mixed step may replay prefill graphs (not while a prefill
@@ -203,8 +205,10 @@ class Executor:
         return Decisions(part, mixed_graphs, rows)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions) -> LaunchedStep:
-        """Launch a (non-empty) plan as `decisions` say, without waiting for it."""
+    def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions,
+            hold_sampling: bool = False) -> LaunchedStep:
+        """Launch a (non-empty) plan as `decisions` say, without waiting for it (its decode or mixed rows unsampled
+        with `hold_sampling`)."""
         step = LaunchedStep(plan, time.perf_counter())
         previous = self._previous
         if previous is not None and previous.collected:
@@ -222,15 +226,14 @@ class Executor:
         streams += [part.prefill_stream] if plan.prefill and not plan.mixed else []
         self._after(previous, streams)
         if plan.mixed:
-            self._mixed(plan, requests, part, step, decisions.mixed_graphs)
+            self._mixed(plan, requests, part, step, decisions.mixed_graphs, hold_sampling)
         else:
             if plan.decode:
                 step.ends = [requests[i].num_tokens for i in plan.decode]
                 with _on(part.decode_stream):
                     step.marks = mark(self.runner.device)
                     ids, logits = self.runner.decode([requests[i] for i in plan.decode], self._graphs.get(part.name))
-                    self._sampled(step, ids, logits, requests)
-                    mark(self.runner.device, step.marks)
+                    self._sample_or_hold(step, ids, logits, requests, part, hold_sampling)
             launching = time.perf_counter()
             groups = prefill_launches(plan)
             if len(groups) != len(decisions.prefill_rows):
@@ -245,18 +248,52 @@ class Executor:
             if part is not self.partitions.full:
                 step.beside = tuple(w for launch in self._inflight if not launch.done() for w in launch.works)
         if step.rows:
-            with _on(part.decode_stream):  # after the decode rows (and, on the null partition, the prefill rows)
-                step.host, step.event = self.runner.tokens.read_back(len(step.rows))
-                step.stream = torch.cuda.current_stream() if step.event is not None else None
+            if step.held is None:
+                self._read_back(step, part)
             self._previous = step
         step.launched = time.perf_counter()
         return step
+
+    def _read_back(self, step: LaunchedStep, part: Partition) -> None:
+        with _on(part.decode_stream):  # after the decode rows (and, on the null partition, the prefill rows)
+            step.host, step.event = self.runner.tokens.read_back(len(step.rows))
+            step.stream = torch.cuda.current_stream() if step.event is not None else None
+
+    def _sample_or_hold(self, step: LaunchedStep, ids: list[str], logits: torch.Tensor,
+                        requests: dict[str, Request], part: Partition, hold: bool) -> None:
+        """Sample the forward's rows now (and close the step's device marks), or keep them for `finish_sampling`
+        with their place in the token buffer."""
+        if not hold or not ids:
+            self._sampled(step, ids, logits, requests)
+            mark(self.runner.device, step.marks)
+            return
+        # (each row's output count as it is now: the engine counts this step's rows as pending once it is launched)
+        step.held = (list(ids), logits, {i: requests[i] for i in ids}, [requests[i].num_output_tokens for i in ids],
+                     len(step.rows), part)
+        step.rows += ids
+        step.requests += [requests[i] for i in ids]
+        step.ends += [None] * (len(step.rows) - len(step.ends))
+
+    @torch.inference_mode()
+    def finish_sampling(self, step: LaunchedStep) -> None:
+        """Sample the rows a launch held (after its forward, on its stream) and start reading the step back. The
+        requests are those of the launch: one that finished since gets a token that is dropped."""
+        ids, logits, requests, counts, offset, part = step.held
+        step.held = None
+        with _on(part.decode_stream):
+            tokens, logprobs = self.runner.sample(ids, logits, requests, counts)
+            self.runner.tokens.write(offset, tokens)
+            step.logprobs.update(logprobs)
+            mark(self.runner.device, step.marks)
+        self._read_back(step, part)
 
     def collect(self, step: LaunchedStep) -> list[int]:
         """The step's sampled tokens on the host, in row order (waiting for them if they are not there yet); sets
         the observations of the step (`last_decode`, `last_mixed_ms`) for the planner's online refinement."""
         if step.collected:
             raise RuntimeError("a launched step's tokens are collected once")
+        if step.held is not None:
+            raise RuntimeError("a step whose sampling is held is sampled (finish_sampling) before it is read")
         step.collected = True
         self.last_decode = self.last_mixed_ms = None
         if not step.rows:
@@ -316,7 +353,7 @@ class Executor:
         step.logprobs.update(logprobs)
 
     def _mixed(self, plan: StepPlan, requests: dict[str, Request], part: Partition, step: LaunchedStep,
-               use_graphs: bool) -> None:
+               use_graphs: bool, hold_sampling: bool = False) -> None:
         """A mixed (chunked-prefill) step is one forward on all SMs, in stream order with the step. With
         `use_graphs` it replays the partition's prefill graphs where one holds its rows (padded to the smallest that
         does), after any prefill launch of this process still using their buffers (one that another rank decided
@@ -330,8 +367,7 @@ class Executor:
         with _on(part.decode_stream):
             step.marks = mark(self.runner.device)
             ids, logits = self.runner.forward(plan, requests, graphs.padded if graphs else None, graphs)
-            self._sampled(step, ids, logits, requests)
-            mark(self.runner.device, step.marks)
+            self._sample_or_hold(step, ids, logits, requests, part, hold_sampling)
         step.completed = list(plan.prefill)
 
     def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,

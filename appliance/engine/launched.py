@@ -113,6 +113,7 @@ class LaunchedStep:
     collected: bool = False
     wall_ms: float | None = None  # from launch (or the previous step's tokens, if later) to its tokens on the host
     device_ms: float | None = None  # its decode (or mixed) kernels on the device, from the marks
+    held: Any = None  # rows whose sampling waits for the step before to be read (Executor.finish_sampling)
 
     def row_of(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.rows)}

@@ -12,8 +12,10 @@ from appliance.engine.grammar import apply_masks
 from appliance.engine.request import Request
 
 
-def process_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Apply every request's logits processors to its row of `logits` [B, V] in place; returns `logits`."""
+def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] | None = None) -> torch.Tensor:
+    """Apply every request's logits processors to its row of `logits` [B, V] in place; returns `logits`. `counts`:
+    each row's output tokens before the one sampled now (default: the requests' own count)."""
+    counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
     penalised = [i for i, r in enumerate(reqs) if r.sampling.penalised]
     if penalised:
         _penalise(logits, [reqs[i] for i in penalised], penalised)
@@ -22,12 +24,13 @@ def process_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows, cols, values = zip(*biased)
         _index_add(logits, rows, cols, torch.tensor(values, dtype=logits.dtype))
     # (output tokens still on the device count: the token sampled now is the next one)
-    blocked = [(i, t) for i, r in enumerate(reqs) if r.num_output_tokens < r.sampling.min_tokens
+    blocked = [(i, t) for i, r in enumerate(reqs) if counts[i] < r.sampling.min_tokens
                for t in r.min_tokens_blocked]
     if blocked:
         rows, cols = zip(*blocked)
         _index_put(logits, rows, cols, float("-inf"))
-    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    # (a grammar that ended since the row was launched: the request finished, this row's token is dropped)
+    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.matcher.terminated]
     if constrained:
         apply_masks(logits, [reqs[i].matcher for i in constrained], constrained)
     return logits

@@ -49,9 +49,9 @@ class StepLog:
                 "headroom": {name: c["tbt"]["headroom"] for name, c in sched.planner.control_state().items()}})
             return plan
 
-        def timed_start(plan, requests, partition=None):
+        def timed_start(plan, requests, partition=None, **kw):
             t0 = time.perf_counter()
-            step = start(plan, requests, partition)
+            step = start(plan, requests, partition, **kw)
             if self.steps:
                 row = self.steps[-1]
                 row["host_launch_ms"] = (time.perf_counter() - t0) * 1e3

@@ -56,7 +56,10 @@ class LeaderExecutor(_Phases):
             self.group.send(payload)
         super()._forget(request_ids)
 
-    def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions) -> LaunchedStep:
+    def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions,
+            hold_sampling: bool = False) -> LaunchedStep:
+        if hold_sampling:  # (the engine never holds here: this executor does not overlap)
+            raise RuntimeError("a tensor-parallel step samples with its forward")
         self.group.send(self.wire.step(plan, requests, self.partitions.partitions.index(decisions.partition),
                                        decisions.mixed_graphs, self.runner.use_graphs, decisions.prefill_rows))
         with self.group.guard():

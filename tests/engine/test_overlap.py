@@ -195,16 +195,18 @@ def test_preemption_under_a_small_kv_cache(llama_checkpoint):
             solo.generate(prompt(10 + i, 18 + 3 * i), params[i])[0].token_ids
 
 
-def test_grammar_and_penalties_are_read_at_once(text_checkpoint):
-    """A grammar's matcher and a penalty need the latest token before the next sample: their steps are read before
-    the next plan, the others still overlap; outputs equal the synchronous loop's."""
+def test_grammar_and_penalties_sample_once_the_token_before_is_read(text_checkpoint):
+    """A grammar's matcher and a penalty need the latest token before the next sample: the next step's forward is
+    launched first and its rows sampled once that token is read (the loop still overlaps); outputs equal the
+    synchronous loop's."""
     pytest.importorskip("xgrammar")
-    read_at_once = []
+    read_at_once, held = [], []
 
     def make(engine):
-        collect = engine.executor.collect
+        collect, finish = engine.executor.collect, engine.executor.finish_sampling
         engine.executor.collect = lambda step: read_at_once.append(
             ("r-json" in step.rows or "r-pen" in step.rows, step.overlapped)) or collect(step)
+        engine.executor.finish_sampling = lambda step: held.append(tuple(step.held[0])) or finish(step)
         plain = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # (it runs on alone, overlapped)
         return {0: [engine.make_request("Hello, world", plain, "r-plain"),
                     engine.make_request("Tell me", SamplingParams(max_tokens=12, temperature=0,
@@ -216,7 +218,8 @@ def test_grammar_and_penalties_are_read_at_once(text_checkpoint):
     sync, overlapped = both(text_checkpoint, make, max_model_len=256)
     assert overlapped == sync
     overlapping = read_at_once[len(read_at_once) // 2:]  # (the second half: the overlapped engine's)
-    assert not any(constrained and over for constrained, over in overlapping)
+    assert any(constrained and over for constrained, over in overlapping)
+    assert any("r-json" in ids for ids in held) and any("r-pen" in ids for ids in held)
 
 
 def test_a_pending_token_is_a_placeholder_read_on_the_device():
