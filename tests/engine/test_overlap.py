@@ -5,6 +5,7 @@ step, aborts at every step, preemption under a small KV cache, logprobs, seeds a
 (read at once) — and no page is left behind."""
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import pytest
@@ -220,6 +221,41 @@ def test_grammar_and_penalties_sample_once_the_token_before_is_read(text_checkpo
     overlapping = read_at_once[len(read_at_once) // 2:]  # (the second half: the overlapped engine's)
     assert any(constrained and over for constrained, over in overlapping)
     assert any("r-json" in ids for ids in held) and any("r-pen" in ids for ids in held)
+
+
+def test_held_sampling_with_aborts_and_grammar_ends_at_every_step(text_checkpoint):
+    """A constrained and a penalised request aborted before each engine step in turn, and a short grammar ending at
+    a step whose next forward is already launched: the others are unchanged, the aborted ones got a prefix of their
+    output, and no page or state is left behind (drive checks)."""
+    pytest.importorskip("xgrammar")
+
+    def make(engine):
+        return {0: [engine.make_request("Tell me", SamplingParams(max_tokens=10, temperature=0,
+                                                                  grammar=GrammarSpec("json_object")), "r-json"),
+                    engine.make_request("Hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                        "r-plain"),
+                    engine.make_request("Say", SamplingParams(max_tokens=40, temperature=0,
+                                                              grammar=GrammarSpec("json_schema", json.dumps(
+                                                                  {"type": "boolean"}))), "r-bool")],
+                1: [engine.make_request("The quick", SamplingParams(max_tokens=9, temperature=0.9, seed=4,
+                                                                    presence_penalty=1.5, min_tokens=3), "r-pen")]}
+
+    engines = {overlap: engine_for(text_checkpoint, overlap, max_model_len=256) for overlap in (False, True)}
+    ended = []  # held rows whose grammar had ended by the time they were sampled
+    finish = engines[True].executor.finish_sampling
+    engines[True].executor.finish_sampling = lambda step: ended.append(any(
+        r.matcher is not None and r.matcher.terminated for r in step.held[2].values())) or finish(step)
+    full = drive(engines[False], make(engines[False]))
+    assert full["r-bool"][-1][2] == "stop" and sum(len(o[0]) for o in full["r-bool"]) < 40  # the grammar ended it
+    for k in range(12):
+        for overlap, engine in engines.items():
+            got = drive(engine, make(engine), {k: ["r-json", "r-pen"]})
+            assert {rid: v for rid, v in got.items() if rid in ("r-plain", "r-bool")} == \
+                {rid: v for rid, v in full.items() if rid in ("r-plain", "r-bool")}, (k, overlap)
+            for rid in ("r-json", "r-pen"):
+                tokens = [t for o in got.get(rid, []) for t in o[0]]
+                assert tokens == [t for o in full[rid] for t in o[0]][:len(tokens)], (k, overlap, rid)
+    assert any(ended) and not all(ended)
 
 
 def test_a_pending_token_is_a_placeholder_read_on_the_device():
