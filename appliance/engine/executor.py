@@ -27,6 +27,7 @@ from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.launched import (
     Decisions,
     DecodeObservation,
+    HeldRows,
     LaunchedStep,
     PrefillLaunch,
     PrefillObservation,
@@ -267,9 +268,8 @@ class Executor:
             self._sampled(step, ids, logits, requests)
             mark(self.runner.device, step.marks)
             return
-        # (each row's output count as it is now: the engine counts this step's rows as pending once it is launched)
-        step.held = (list(ids), logits, {i: requests[i] for i in ids}, [requests[i].num_output_tokens for i in ids],
-                     len(step.rows), part)
+        step.held = HeldRows(list(ids), logits, {i: requests[i] for i in ids},
+                             [requests[i].num_output_tokens for i in ids], len(step.rows), part)
         step.rows += ids
         step.requests += [requests[i] for i in ids]
         step.ends += [None] * (len(step.rows) - len(step.ends))
@@ -278,14 +278,13 @@ class Executor:
     def finish_sampling(self, step: LaunchedStep) -> None:
         """Sample the rows a launch held (after its forward, on its stream) and start reading the step back. The
         requests are those of the launch: one that finished since gets a token that is dropped."""
-        ids, logits, requests, counts, offset, part = step.held
-        step.held = None
-        with _on(part.decode_stream):
-            tokens, logprobs = self.runner.sample(ids, logits, requests, counts)
-            self.runner.tokens.write(offset, tokens)
+        held, step.held = step.held, None
+        with _on(held.partition.decode_stream):
+            tokens, logprobs = self.runner.sample(held.ids, held.logits, held.requests, held.counts)
+            self.runner.tokens.write(held.offset, tokens)
             step.logprobs.update(logprobs)
             mark(self.runner.device, step.marks)
-        self._read_back(step, part)
+        self._read_back(step, held.partition)
 
     def collect(self, step: LaunchedStep) -> list[int]:
         """The step's sampled tokens on the host, in row order (waiting for them if they are not there yet); sets

@@ -102,7 +102,7 @@ def apply_masks(logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) 
     import xgrammar as xgr  # defers xgrammar (only constrained requests get here)
 
     global _batch_matcher, _apply_backend
-    bitmask = _host_bitmask(logits)
+    key, bitmask = _host_bitmask(logits)
     if len(matchers) == 1:
         matchers[0]._m.fill_next_token_bitmask(bitmask, rows[0])
     else:  # xgrammar's threads fill the rows at once
@@ -111,7 +111,7 @@ def apply_masks(logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) 
         _batch_matcher.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, indices=list(rows))
     if logits.device.type == "cuda":
         copied = bitmask.to(logits.device, non_blocking=True)
-        done = _copies[(logits.device, bitmask.shape[1])] = torch.cuda.Event()
+        done = _copies[key] = torch.cuda.Event()
         done.record()  # the next fill waits for this copy (the buffer is reused)
         bitmask = copied
     indices = None if len(rows) == logits.shape[0] else list(rows)
@@ -126,9 +126,9 @@ def apply_masks(logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) 
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend=_apply_backend)
 
 
-def _host_bitmask(logits: torch.Tensor) -> torch.Tensor:
-    """The host bitmask for a batch of `logits` (only the rows the matchers fill are read): one buffer per (device,
-    vocabulary), grown to the largest batch seen, pinned for CUDA and reused once its last copy is done."""
+def _host_bitmask(logits: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """The key and host bitmask for a batch of `logits` (only the rows the matchers fill are read): one buffer per
+    (device, vocabulary), grown to the largest batch seen, pinned for CUDA and reused once its last copy is done."""
     rows, words = logits.shape[0], (logits.shape[-1] + 31) // 32
     key = (logits.device, words)
     buf = _bitmasks.get(key)
@@ -137,7 +137,7 @@ def _host_bitmask(logits: torch.Tensor) -> torch.Tensor:
         _bitmasks[key] = buf
     elif key in _copies:
         _copies.pop(key).synchronize()
-    return buf[:rows]
+    return key, buf[:rows]
 
 
 def schema_text(schema: Any, param: str) -> str:

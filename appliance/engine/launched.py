@@ -85,6 +85,20 @@ def mark(device: torch.device, marks: tuple[torch.cuda.Event, torch.cuda.Event] 
     return marks
 
 
+@dataclass
+class HeldRows:
+    """Rows of a launched forward not sampled yet (Executor.finish_sampling): their ids, logits and requests as
+    launched, each one's output count then (the engine counts the step's rows as pending once it is launched), where
+    they go in the token buffer, and the partition whose stream samples them."""
+
+    ids: list[str]
+    logits: torch.Tensor
+    requests: dict[str, Request]
+    counts: list[int]
+    offset: int
+    partition: Partition
+
+
 @dataclass(eq=False)
 class LaunchedStep:
     """What a plan launched and how to read its tokens: the rows it sampled (request ids and requests, in the token
@@ -113,7 +127,7 @@ class LaunchedStep:
     collected: bool = False
     wall_ms: float | None = None  # from launch (or the previous step's tokens, if later) to its tokens on the host
     device_ms: float | None = None  # its decode (or mixed) kernels on the device, from the marks
-    held: Any = None  # rows whose sampling waits for the step before to be read (Executor.finish_sampling)
+    held: HeldRows | None = None  # rows whose sampling waits for the step before to be read
 
     def row_of(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.rows)}

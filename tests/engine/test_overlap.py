@@ -207,7 +207,7 @@ def test_grammar_and_penalties_sample_once_the_token_before_is_read(text_checkpo
         collect, finish = engine.executor.collect, engine.executor.finish_sampling
         engine.executor.collect = lambda step: read_at_once.append(
             ("r-json" in step.rows or "r-pen" in step.rows, step.overlapped)) or collect(step)
-        engine.executor.finish_sampling = lambda step: held.append(tuple(step.held[0])) or finish(step)
+        engine.executor.finish_sampling = lambda step: held.append(tuple(step.held.ids)) or finish(step)
         plain = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # (it runs on alone, overlapped)
         return {0: [engine.make_request("Hello, world", plain, "r-plain"),
                     engine.make_request("Tell me", SamplingParams(max_tokens=12, temperature=0,
@@ -244,7 +244,7 @@ def test_held_sampling_with_aborts_and_grammar_ends_at_every_step(text_checkpoin
     ended = []  # held rows whose grammar had ended by the time they were sampled
     finish = engines[True].executor.finish_sampling
     engines[True].executor.finish_sampling = lambda step: ended.append(any(
-        r.matcher is not None and r.matcher.terminated for r in step.held[2].values())) or finish(step)
+        r.matcher is not None and r.matcher.terminated for r in step.held.requests.values())) or finish(step)
     full = drive(engines[False], make(engines[False]))
     assert full["r-bool"][-1][2] == "stop" and sum(len(o[0]) for o in full["r-bool"]) < 40  # the grammar ended it
     for k in range(12):
