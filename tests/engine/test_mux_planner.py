@@ -131,10 +131,31 @@ def test_inflight_layers_are_not_launched_twice():
     second = rig.plan()
     assert [(w.layer_start, w.layer_end) for w in second.prefill] == [(5, 10)]  # queued behind the first chunk
     third = rig.plan()
-    assert third.prefill == () and third.decode_sms == 32  # two chunks in flight: decode only, on its partition
-    for work in first.prefill + second.prefill:
+    assert [(w.layer_start, w.layer_end) for w in third.prefill] == [(10, 15)]
+    # 15 layers of 300 ms / 32 queued: 141 ms, three decode steps of 45 ms: decode only, on its partition
+    fourth = rig.plan()
+    assert fourth.prefill == () and fourth.decode_sms == 32
+    for work in first.prefill + second.prefill + third.prefill:
         rig.sched.complete_prefill(work, None)
-    assert r.prefill_layer == 10 and not rig.sched.has_inflight()
+    assert r.prefill_layer == 15 and not rig.sched.has_inflight()
+
+
+def test_chunks_cut_short_by_the_host_queue_deeper():
+    """The queue on the prefill stream is measured in predicted time, not in chunks: when the host can launch only
+    two layers beside a step, more (shorter) chunks queue, up to about the same three decode steps of prefill."""
+    rig = Rig()
+    rig.predictor.host = HostModel(0.0, 0.0, 0.0, 25.0)  # 50 ms of launch room a step: two layers of 25 ms
+    rig.decoding(2)
+    r = rig.request(10_000)
+    launched = []
+    for _ in range(20):
+        plan = rig.plan()
+        if not plan.prefill:
+            break
+        launched.append((plan.prefill[0].layer_start, plan.prefill[0].layer_end))
+    # 2 layers = 18.75 ms of prefill: chunks queue until 16 layers (150 ms) reach 3 x 45 ms
+    assert launched == [(i, i + 2) for i in range(0, 16, 2)]
+    assert rig.sched.launched_layer(r) == 16 and r.prefill_layer == 0
 
 
 def test_aggregated_when_one_mixed_step_meets_tbt():

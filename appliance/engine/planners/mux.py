@@ -34,7 +34,7 @@ class MuxOptions:
     control: bool = True            # closed-loop: plan to the controllers' headroom x the targets (control.py)
     prefill_pause: bool = True      # a short prompt may pause the running batch between layers (MuxWise)
     reorder: bool = True
-    max_inflight_chunks: int = 2    # prefill chunks queued on the prefill stream (one running, one waiting)
+    inflight_steps: float = 3.0     # prefill kept queued on its stream, in predicted decode steps
     growth_tokens: int = 1024       # KV kept free for each running request's next output tokens
     mixed_chunks: bool = False      # chunks of the prompt beside decode on all SMs when they prefill faster
     chunk_tbt: float = 0.8          # such a mixed step is planned to this fraction of the TBT target
@@ -133,11 +133,13 @@ class MuxPlanner:
         self.stats.last_mode = "spatial"
         self.stats.decode_sms[d] += 1
         self._prefill_sms = p.sm_count - d
-        queued = len(sched.inflight.get(batch[0].request_id, ()))
+        queued = sum(w.layer_end - w.layer_start for w in sched.inflight.get(batch[0].request_id, ()))
+        t_decode = p.decode_ms(load, d, items)
+        t_prefill = p.prefill_ms(items, p.sm_count - d)
         works: tuple[PrefillWork, ...] = ()
-        if queued < self.options.max_inflight_chunks:
-            t_decode = p.decode_ms(load, d, items)
-            t_prefill = p.prefill_ms(items, p.sm_count - d)
+        # keep the prefill stream fed for about `inflight_steps` decode steps: chunks cut short by the host's launch
+        # room queue deeper than chunks that fill a step, and none queues so deep that a pause waits long
+        if t_prefill * queued / p.num_layers < self.options.inflight_steps * t_decode:
             k = math.ceil(t_decode * p.num_layers / t_prefill) if t_prefill > 0 else p.num_layers
             # the host launches these layers while decode runs: no more than the step can hide within the target
             host = p.host
