@@ -5,6 +5,8 @@
 # $OUT/goodput.tgz (one directory per job) and the tables printed last.
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
+# TRACE `chat-short` replays the synthetic short-prompt chat workload instead (`--workload chat-short`; with
+# MAX_MODEL_LEN=8192 as docs/PERFORMANCE.md measures it).
 # PROFILE defaults to the committed H200 profile (another GPU falls back to the roofline prior, with a warning);
 # SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # MAX_IDLE=S cuts every wait with no request in flight to S seconds (`muxd bench --max-idle`): serial on Azure at its
@@ -32,9 +34,10 @@ run_job() {
     name="$(basename "${trace%.*}")-$policy-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
-    ties=""; case "$trace" in *mooncake*) ties="--spread-ties";; esac
+    replay="--trace $trace --max-requests $n"
+    case "$trace" in *mooncake*) replay="$replay --spread-ties";; chat-short) replay="--workload chat-short --num-prompts $n";; esac
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
-        --trace "$trace" $ties --max-requests "$n" --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
+        $replay --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
         --slo configs/slo/chat-queue.yaml --attainment 0.99 --serve-args "$serve" --save-detailed \
         ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
