@@ -238,8 +238,9 @@ class Simulator:
                 self.planner.observe_mixed(items, self._load(plan), duration)
         else:
             duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
-        if self.host is not None:  # the step's host time, after its tokens or hidden behind the device
-            duration = self.host.gap(rows, duration)
+        layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill and not plan.mixed else 0
+        if self.host is not None:  # the step's host time and its layer launches, after its tokens or hidden
+            duration = self.host.gap(rows, duration, layers)
         self.clock.now = end = start + duration / 1e3
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)
         for work in plan.prefill:

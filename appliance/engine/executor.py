@@ -57,6 +57,7 @@ class Executor:
         self._prefill_backends: dict[str, AttentionBackend] = {}
         self._inflight: list[PrefillLaunch] = []
         self._last: dict[str, PrefillLaunch] = {}  # each request's latest prefill launch
+        self._made_on: dict[str, torch.cuda.Stream | None] = {}  # the stream of each request's latest prefill layers
         self.current: Partition = self.partitions.full
         self.switches = 0
         self.layers_launched = 0
@@ -224,7 +225,7 @@ class Executor:
             self.current = part
         step.partition, step.decode_sms = part.name, part.decode_sms
         streams = [part.decode_stream] if plan.decode or plan.mixed else []
-        streams += [part.prefill_stream] if plan.prefill and not plan.mixed else []
+        streams += [part.prefill_stream] if plan.prefill and not plan.mixed and not plan.prefill_after_decode else []
         self._after(previous, streams)
         if plan.mixed:
             self._mixed(plan, requests, part, step, decisions.mixed_graphs, hold_sampling)
@@ -241,7 +242,7 @@ class Executor:
                 raise RuntimeError(f"{len(groups)} prefill launches but rows decided for "
                                    f"{len(decisions.prefill_rows)}")
             for ((start, end), works), rows in zip(groups, decisions.prefill_rows):
-                self._launch_prefill(works, requests, start, end, part, step, rows)
+                self._launch_prefill(works, requests, start, end, part, step, rows, plan.prefill_after_decode)
             step.launch_s = time.perf_counter() - launching
             # counted after this step's prefill launches: they run beside this decode step too (on the other SMs)
             self._split_decodes += bool(plan.decode) and part is not self.partitions.full
@@ -370,27 +371,26 @@ class Executor:
         step.completed = list(plan.prefill)
 
     def _launch_prefill(self, works: list[PrefillWork], requests: dict[str, Request], start: int, end: int,
-                        part: Partition, step: LaunchedStep, rows: int | None = None) -> None:
-        """Layers [start, end) of the works on the partition's prefill stream (on the null partition: in order with
-        the step), on `rows` rows (None: their tokens)."""
+                        part: Partition, step: LaunchedStep, rows: int | None = None,
+                        after_decode: bool = False) -> None:
+        """Layers [start, end) of the works on the partition's prefill stream (on the null partition, or
+        `after_decode`: in order with the step, after its decode rows), on `rows` rows (None: their tokens)."""
         pad = None if rows is None else lambda _: rows
         stream = part.prefill_stream
         started = time.perf_counter()
         self.layers_launched += end - start
-        if stream is None:  # the null partition: in stream order with the step, whose rows get the prompts it ends
-            ids, logits = self.runner.prefill(works, requests, start, end, None, pad,
-                                              self._prefill_graphs.get(part.name))
-            self._sampled(step, ids, logits, requests)
+        if stream is None or after_decode:  # in stream order with the step, whose rows get the prompts it ends
+            with _on(part.decode_stream):
+                self._continue_on(works, part.decode_stream)
+                ids, logits = self.runner.prefill(works, requests, start, end, None, pad,
+                                                  self._prefill_graphs.get(part.name))
+                self._sampled(step, ids, logits, requests)
             step.completed += works
             self.timeline.instant("prefill launch", f"{part.name} prefill", started, layers=f"{start}-{end}",
                                   tokens=sum(w.num_tokens for w in works))
             return
         with _on(stream):
-            for w in works:  # a continued chunk launched on another stream waits for its previous layers
-                last = self._last.get(w.request_id)
-                if last is not None and last.stream is not stream and last.event is not None:
-                    stream.wait_event(last.event)
-                    self.runner.use_partials_on(w.request_id, stream)
+            self._continue_on(works, stream)
             latest = self._inflight[-1] if self.serial_prefills and self._inflight else None
             if latest is not None and latest.stream not in (None, stream):
                 stream.wait_event(latest.event)  # one prefill communicator: its collectives in launch order
@@ -412,6 +412,17 @@ class Executor:
             self._last[w.request_id] = launch
         self.timeline.instant("prefill launch", f"{part.name} prefill", started, layers=f"{start}-{end}",
                               tokens=sum(w.num_tokens for w in works))
+
+    def _continue_on(self, works: list[PrefillWork], stream: torch.cuda.Stream | None) -> None:
+        """Continued chunks launched on `stream` wait for their previous layers launched on another stream, and
+        keep those layers' activations from reuse there until `stream` has read them."""
+        for w in works:
+            last = self._last.get(w.request_id)
+            if last is not None and last.event is not None and last.stream is not stream:
+                stream.wait_event(last.event)
+            if self._made_on.get(w.request_id, stream) is not stream:
+                self.runner.use_partials_on(w.request_id, stream)
+            self._made_on[w.request_id] = stream
 
     # ---- completion -------------------------------------------------------------------------------------------
     def poll(self) -> list[tuple[PrefillWork, int | None, tuple | None]]:
@@ -477,6 +488,7 @@ class Executor:
         flight by then, the engine `settle`s an aborted request's; a decode step not read yet needs none of it)."""
         for rid in request_ids:
             self._last.pop(rid, None)
+            self._made_on.pop(rid, None)
             self.runner.release(rid)
 
     # ---- lifetime ---------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ class StepPlan:
     prefill run as separate forwards.
 
     `decode_sms` / `prefill_sms` choose the SM partition of each phase (None: all SMs). With both set the phases run
-    concurrently on disjoint partitions; executors without partitions (the CPU runner) ignore them. `preempted` and
+    concurrently on disjoint partitions; executors without partitions (the CPU runner) ignore them. With
+    `prefill_after_decode` the prefill layers run on all SMs after the decode rows, in the step's own stream, and
+    complete with it (temporal multiplexing). `preempted` and
     `finished` name the requests that left, so the executor frees their state from the plan (a plan with nothing
     to run may still carry them).
     """
@@ -38,6 +40,7 @@ class StepPlan:
     mixed: bool = False
     decode_sms: int | None = None
     prefill_sms: int | None = None
+    prefill_after_decode: bool = False
     preempted: tuple[str, ...] = ()  # requests preempted (pages taken back) while this step was planned
     finished: tuple[str, ...] = ()   # requests finished or aborted since the previous plan
 

@@ -424,3 +424,41 @@ overload: {mode: queue}"""))
         (short.request_id, 0, 300), (long_.request_id, 1_500, 2_700)]
     rig.finish(plan)
     assert short.status is RequestStatus.DECODING and long_.num_computed_tokens == 2_700
+
+
+def test_temporal_when_layers_on_all_sms_go_faster_than_the_split():
+    """--temporal-prefill: decode on all SMs (20 ms), then as many layers on all SMs (10,000 tokens x 0.02 ms / 32
+    layers = 6.25 ms each) as the 50 ms target holds: 4 layers in a 45 ms gap, 0.089 layers/ms. The split (decode on
+    32 SMs, the batch on 100 in 300 ms: 0.107 layers/ms) is faster; with the batch at 0.06 ms a token beside decode
+    (600 ms: 0.053 layers/ms) the temporal step is."""
+    rig = Rig(temporal=True)
+    rig.decoding(2)
+    r = rig.request(10_000)
+    plan = rig.plan()
+    assert plan.decode_sms == 32 and rig.planner.stats.temporal_steps == 0  # the split is faster
+    rig = Rig(Table(per_token={132: 0.02, 116: 0.06, 100: 0.06, 84: 0.06}), temporal=True)
+    rig.decoding(2)
+    r = rig.request(10_000)
+    plan = rig.plan()
+    assert plan.decode_sms is None and plan.prefill_sms is None and not plan.mixed and len(plan.decode) == 2
+    assert [(w.request_id, w.layer_start, w.layer_end) for w in plan.prefill] == [(r.request_id, 0, 4)]
+    assert rig.planner.stats.temporal_steps == 1 and rig.planner.stats.last_mode == "temporal"
+    rig.finish(plan)
+    assert [(w.layer_start, w.layer_end) for w in rig.plan().prefill] == [(4, 8)]
+
+
+def test_temporal_waits_for_prefill_in_flight_on_a_partition():
+    """Layers still running on the prefill partition keep the split: temporal steps start once the stream drained."""
+    rig = Rig(Table(per_token={132: 0.02, 116: 0.06, 100: 0.06, 84: 0.06}), temporal=True)
+    rig.planner.options.temporal = False
+    rig.decoding(2)
+    rig.request(10_000)
+    first = rig.plan()  # on the split, not completed
+    assert first.decode_sms == 32 and first.prefill
+    rig.planner.options.temporal = True
+    second = rig.plan()
+    assert second.decode_sms is not None and rig.planner.stats.temporal_steps == 0
+    for work in first.prefill + second.prefill:
+        rig.sched.complete_prefill(work, None)
+    assert not rig.sched.has_inflight()
+    assert rig.plan().decode_sms is None and rig.planner.stats.temporal_steps == 1

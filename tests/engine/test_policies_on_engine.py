@@ -40,6 +40,13 @@ class ChunkTable(SlowTable):
         return 5.0 + 2.0 * sum(i.new for i in items)
 
 
+class TemporalTable(SlowTable):
+    """Prefill on all SMs 0.5 ms a token, beside decode 10 ms a token: decode then layers on all SMs go faster."""
+
+    def prefill_ms(self, items, sms):
+        return (0.5 if sms >= 132 else 10.0) * sum(i.new for i in items)
+
+
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 9, 33, 17, 25)]
@@ -67,17 +74,19 @@ def reference(llama_checkpoint):
 
 @pytest.mark.parametrize("policy, extra", [
     ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {}), ("mux-chunks", {}),
+    ("mux-temporal", {}),
     ("pdmux", {}), ("pdmux-split", {"pdmux_token_budget": 20, "max_num_batched_tokens": 16})])
 def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
     path, _ = llama_checkpoint
     engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy=policy.split("-")[0], **extra))
-    if policy in ("mux-spatial", "mux-chunks"):
+    if policy in ("mux-spatial", "mux-chunks", "mux-temporal"):
         planner = engine.scheduler.planner
         layers = engine.model.config.num_layers
-        table = SlowTable() if policy == "mux-spatial" else ChunkTable()
+        table = {"mux-spatial": SlowTable, "mux-chunks": ChunkTable, "mux-temporal": TemporalTable}[policy]()
         engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(table, ContentionGuard(default=1.0),
                                                                          layers, 132, (16, 32), host=NO_HOST),
-                                              MuxOptions(mixed_chunks=policy == "mux-chunks", control=False))
+                                              MuxOptions(mixed_chunks=policy == "mux-chunks",
+                                                         temporal=policy == "mux-temporal", control=False))
         assert isinstance(planner, MuxPlanner)
     seen, measured = [], []
     if policy == "mux-chunks":  # every mixed step's measured time is handed to the planner (online refinement)
@@ -105,6 +114,9 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
             assert tokens <= 16 and w.layer_end - w.layer_start in (max(1, 20 // tokens), n - w.layer_start)
         works = [w for p in seen for w in p.prefill]
         assert any(w.token_start > 0 for w in works) and any(w.layer_start > 0 for w in works)
+    if policy == "mux-temporal":  # decode rows, then prefill layers, in one step on all SMs
+        assert engine.scheduler.planner.stats.temporal_steps > 0
+        assert any(p.decode and p.prefill and not p.mixed and p.decode_sms is None for p in seen)
     if policy == "mux-chunks":  # prompts of 25-40 tokens run as 17-token chunks beside the decode rows
         assert engine.scheduler.planner.stats.chunk_steps > 0
         assert any(p.mixed and p.decode and w.token_end - w.token_start == 17 for p in seen for w in p.prefill)

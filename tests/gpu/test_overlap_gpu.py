@@ -2,7 +2,8 @@
 contexts, prefill layers beside decode, decode switching partitions), the overlapped loop's outputs equal the
 synchronous loop's token for token — greedy and seeded, stop tokens, max_tokens ending at every step, aborts at every
 step, preemption under a small KV cache — and no page is left behind; the next step's attention plan is staged in two
-pinned buffers used in turn."""
+pinned buffers used in turn; prefill layers run after the decode rows in the step's own stream (temporal steps)
+as correctly as beside them."""
 from __future__ import annotations
 
 import itertools
@@ -36,6 +37,27 @@ class AlternatingLayerwise(Planner):
                       for r, layer in sched.pending_prefills() if r.request_id not in sched.inflight)
         busy = bool(works) or sched.has_inflight()
         return StepPlan(decode=decode, prefill=works, decode_sms=next(self.sizes) if decode and busy else None)
+
+
+class AlternatingTemporal(AlternatingLayerwise):
+    """Test planner: each pending prompt advances one layer a step, alternately after the decode rows in the step's
+    own stream on all SMs (`prefill_after_decode`, mux's temporal steps) and beside them on a 32-SM split, so a
+    prompt's activations pass between streams both ways."""
+
+    name = "test-alternating-temporal"
+
+    def __init__(self) -> None:
+        self.turns = itertools.cycle((True, False))
+
+    def plan(self, sched: Scheduler) -> StepPlan:
+        decode = reserve_all(sched, list(sched.decoding))
+        admit_fcfs(sched, 100_000)
+        works = tuple(PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, 4096), layer, layer + 1)
+                      for r, layer in sched.pending_prefills() if r.request_id not in sched.inflight)
+        if next(self.turns):
+            return StepPlan(decode=decode, prefill=works, prefill_after_decode=True)
+        busy = bool(works) or sched.has_inflight()
+        return StepPlan(decode=decode, prefill=works, decode_sms=32 if decode and busy else None)
 
 
 def build(path, **kw) -> Engine:
@@ -152,6 +174,22 @@ def test_overlapped_equals_synchronous_on_sm_partitions(multiplexed):
         sync, overlapped = compare(multiplexed, aborts_at=k)
         assert {i: v for i, v in overlapped.items() if i not in ABORTED} == \
             {i: v for i, v in sync.items() if i not in ABORTED}
+
+
+def test_prefill_after_decode_alternating_with_the_split(copy_model):
+    """Prefill layers alternately after the decode rows in the step's stream and beside them on a split: the greedy
+    outputs continue their periodic prompts, overlapped or not, and equal each other."""
+    engine = build(copy_model, policy="layerwise", multiplex=True, max_num_seqs=16)
+    engine.scheduler.planner = AlternatingTemporal()
+    after = []
+    inner = engine.executor.run
+    engine.executor.run = lambda plan, *a, **k: (after.append(plan.prefill_after_decode and bool(plan.prefill)),
+                                                 inner(plan, *a, **k))[1]
+    sync, overlapped = compare(engine)
+    assert overlapped == sync and any(after) and engine.executor.layers_launched > 0
+    for s in range(1, 13):  # the greedy requests: s tokens after a periodic prompt of 30 + 3s
+        tokens = [t for o in sync[s - 1] for t in o[0]]
+        assert tokens == periodic_prompt(s, 30 + 4 * s)[30 + 3 * s:], s
 
 
 def test_overlapped_equals_synchronous_under_the_mux_policy(copy_model):

@@ -2,7 +2,9 @@
 share the GPU. Decode gets the smallest partition whose worst-case step meets the TBT target and prefill the rest,
 advancing ceil(T_decode * L / T_prefill) layers per step (MuxWise); a mixed batch on all SMs when that already meets
 TBT (DuetServe); with `mixed_chunks`, a chunk of prompt tokens sized to the TBT target beside the decode rows on all
-SMs, earliest deadline first, when that prefills faster than the split would (adaptive chunked prefill); waiting prompts reordered by predicted time
+SMs, earliest deadline first, when that prefills faster than the split would (adaptive chunked prefill); with
+`temporal`, the decode rows and then as many prefill layers as the target leaves room for, both on all SMs, when that
+prefills faster than the split would (temporal multiplexing); waiting prompts reordered by predicted time
 when no deadline breaks (Bullet); a short prompt pauses a long one at a layer or chunk boundary when the long one
 still makes its TTFT; shedding per the contract.
 
@@ -38,6 +40,7 @@ class MuxOptions:
     growth_tokens: int = 1024       # KV kept free for each running request's next output tokens
     mixed_chunks: bool = False      # chunks of the prompt beside decode on all SMs when they prefill faster
     chunk_tbt: float = 0.8          # such a mixed step is planned to this fraction of the TBT target
+    temporal: bool = False          # decode, then prefill layers, both on all SMs, when that prefills faster
 
 
 @dataclass
@@ -47,6 +50,7 @@ class MuxStats:
     spatial_steps: int = 0
     aggregated_steps: int = 0
     chunk_steps: int = 0
+    temporal_steps: int = 0
     decode_only_steps: int = 0
     prefill_only_steps: int = 0
     pauses: int = 0  # batches paused between layers for a more urgent prompt
@@ -102,6 +106,10 @@ class MuxPlanner:
             chunk = self._chunk(sched, decode, load, batch, items, tbt)
             if chunk is not None:
                 return chunk
+        if self.options.temporal and not sched.has_inflight():
+            temporal = self._temporal(decode, load, batch, start, items, tbt)
+            if temporal is not None:
+                return temporal
         return self._spatial(sched, decode, load, batch, start, items, tbt)
 
     def _decode_only(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, tbt: float) -> StepPlan:
@@ -148,6 +156,30 @@ class MuxPlanner:
                 k = min(k, int(room // host.per_layer_ms))
             works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
         return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
+
+    def _temporal(self, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
+                  items: list[PrefillItem], tbt: float) -> StepPlan | None:
+        """Temporal multiplexing: the decode rows on all SMs, then as many of the batch's next layers on all SMs as
+        the step's gap holds within the planning target, when that advances the batch faster (layers per ms of gap)
+        than the split would beside decode; None when the split is faster or no layer fits."""
+        p = self.predictor
+        t_decode = p.decode_ms(load)
+        per_layer = p.prefill_ms(items) / p.num_layers
+        if per_layer <= 0:
+            return None
+        k = min(p.num_layers - start, int((p.host.device_room(load.batch_size, tbt) - t_decode) // per_layer))
+        while k > 0 and p.host.gap(load.batch_size, t_decode + k * per_layer, k) > tbt:
+            k -= 1  # the host launches these layers too: their launches must hide within the target
+        if k < 1:
+            return None
+        rate = k / p.host.gap(load.batch_size, t_decode + k * per_layer, k)
+        d = self._decode_partition(load, items, tbt)
+        if d is not None and p.num_layers / p.prefill_ms(items, p.sm_count - d) >= rate:
+            return None
+        self.stats.temporal_steps += 1
+        self.stats.last_mode = "temporal"
+        self._prefill_sms = p.sm_count
+        return StepPlan(decode=decode, prefill=self._works(batch, start, start + k), prefill_after_decode=True)
 
     def _chunk(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request],
                items: list[PrefillItem], tbt: float) -> StepPlan | None:

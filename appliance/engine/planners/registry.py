@@ -79,4 +79,5 @@ def build_planner(settings: SchedulerSettings, contract: Contract | None = None,
         raise ConfigError("the mux policy needs an SLO contract and a latency predictor")
     return MuxPlanner(contract, predictor, MuxOptions(max_prefill_tokens=max_tokens,
                                                       prefill_pause=settings.prefill_pause,
-                                                      mixed_chunks=settings.mixed_chunks))
+                                                      mixed_chunks=settings.mixed_chunks,
+                                                      temporal=settings.temporal_prefill))
