@@ -271,6 +271,23 @@ default_class: bulk"""))
     assert rig.planner.stats.pauses == 0 and short.status is RequestStatus.WAITING
 
 
+def test_a_long_one_late_anyway_is_paused_for_a_short_one_that_makes_it():
+    """A batch member that misses its TTFT whether or not it pauses does not stand in the way: pausing it saves the
+    short prompt and costs nothing the contract counts."""
+    rig = Rig(contract=long_contract(1500).replace("overload: {mode: shed}", """\
+classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk"""))
+    long_ = start_long_prefill(rig, 60_000)  # 1.74 s of work left at 0.1 s, deadline 1.5 s: late either way
+    rig.now = 0.1
+    short = rig.request(1_000)
+    short.slo_class = "chat"
+    plan = rig.plan()
+    assert rig.planner.stats.pauses == 1 and [w.request_id for w in plan.prefill] == [short.request_id]
+    assert rig.planner.paused == [long_.request_id]
+
+
 def test_sheds_when_the_queue_makes_ttft_impossible():
     rig = Rig()
     rig.decoding(1)

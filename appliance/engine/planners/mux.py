@@ -5,8 +5,8 @@ TBT (DuetServe); with `mixed_chunks`, a chunk of prompt tokens sized to the TBT 
 SMs, earliest deadline first, when that prefills faster than the split would (adaptive chunked prefill); with
 `temporal`, the decode rows and then as many prefill layers as the target leaves room for, both on all SMs, when that
 prefills faster than the split would (temporal multiplexing); waiting prompts reordered by predicted time
-when no deadline breaks (Bullet); a short prompt pauses a long one at a layer or chunk boundary when the long one
-still makes its TTFT; shedding per the contract.
+when no deadline breaks (Bullet); a short prompt pauses a long one at a layer or chunk boundary when no member of the long
+one that would make its TTFT misses it; shedding per the contract.
 
 Prefill may be asynchronous: layers launched in one step can still run steps later. The planner reads what is in
 flight from the scheduler (`launched_layer`) and never relaunches it.
@@ -266,8 +266,8 @@ class MuxPlanner:
 
     def _maybe_pause(self, sched: Scheduler, now: float) -> None:
         """MuxWise: the most urgent waiting prompt pauses the running batch at its next layer boundary when it
-        would miss its TTFT behind the batch, makes it when run first, and every request of the batch still makes
-        its own. The pausing batch is never paused itself."""
+        would miss its TTFT behind the batch, makes it when run first, and no request of the batch that would make
+        its own misses it (one late either way does not count). The pausing batch is never paused itself."""
         if not sched.waiting:
             return
         # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
@@ -288,8 +288,8 @@ class MuxPlanner:
             deadline = dl.deadline(w)
             if not (own < remaining and now + remaining + own > deadline >= now + own):
                 continue  # long, or fine behind the batch, or late anyway
-            if any(now + own + remaining > dl.deadline(r) for r in batch):
-                return  # the batch cannot spare the time of the most urgent candidate
+            if any(now + remaining <= dl.deadline(r) < now + own + remaining for r in batch):
+                return  # the batch cannot spare the time of the most urgent candidate (its late members do)
             if self._admit(sched, w):
                 break
         else:
