@@ -38,8 +38,10 @@ def _describes(path: Path, model: ModelConfig, gpu_name: str, by_kind: bool = Fa
             model_shape(model) and raw.get("tensor_parallel_size", 1) == model.tp_size):
         return False
     name = raw.get("gpu", {}).get("name")
-    return name == gpu_name or (by_kind and isinstance(name, str) and _kind(name) is not None
-                                and _kind(name) == _kind(gpu_name))
+    if name == gpu_name:
+        return True
+    kind = _kind(name) if by_kind and isinstance(name, str) else None
+    return kind is not None and kind == _kind(gpu_name)
 
 
 def _kind(gpu: str) -> DeviceSpec | None:

@@ -167,12 +167,15 @@ class MuxPlanner:
         per_layer = p.prefill_ms(items) / p.num_layers
         if per_layer <= 0:
             return None
+        def gap(layers: int) -> float:  # the host launches the layers too: their launches hide within the gap
+            return p.host.gap(load.batch_size, t_decode + layers * per_layer, layers)
+
         k = min(p.num_layers - start, int((p.host.device_room(load.batch_size, tbt) - t_decode) // per_layer))
-        while k > 0 and p.host.gap(load.batch_size, t_decode + k * per_layer, k) > tbt:
-            k -= 1  # the host launches these layers too: their launches must hide within the target
+        while k > 0 and gap(k) > tbt:
+            k -= 1
         if k < 1:
             return None
-        rate = k / p.host.gap(load.batch_size, t_decode + k * per_layer, k)
+        rate = k / gap(k)
         d = self._decode_partition(load, items, tbt)
         if d is not None and p.num_layers / p.prefill_ms(items, p.sm_count - d) >= rate:
             return None
