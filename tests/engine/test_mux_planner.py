@@ -13,7 +13,7 @@ from appliance.engine.planners.mux import MuxOptions, MuxPlanner
 from appliance.engine.request import Request, RequestStatus, SamplingParams
 from appliance.engine.scheduler import Scheduler
 from appliance.predictor.contention import ContentionGuard
-from appliance.predictor.host import HostModel
+from appliance.predictor.host import MIN_LAUNCHES, HostModel
 from appliance.predictor.predictor import Predictor
 from appliance.slo.contract import parse_contract
 
@@ -158,6 +158,22 @@ def test_chunks_cut_short_by_the_host_queue_deeper():
     assert rig.sched.launched_layer(r) == 16 and r.prefill_layer == 0
 
 
+def test_launches_measured_slow_shorten_the_layer_ranges():
+    """The host's per-layer launch time is learned from the launches the engine measures: once they run at 25 ms a
+    layer (a busy host) instead of the profiled 1 ms, a step launches only the two layers its launch room holds."""
+    rig = Rig()
+    rig.predictor.host = HostModel(0.0, 0.0, 0.0, 1.0)
+    rig.decoding(2)
+    r = rig.request(10_000)
+    first = rig.plan().prefill[0]
+    assert first.layer_end - first.layer_start > 2  # as the device allows: the profiled host launches them in time
+    for _ in range(MIN_LAUNCHES):
+        rig.planner.observe_launch(1, 4, 4 * 25.0)
+    assert rig.predictor.host.per_layer_ms == 25.0 and rig.planner.snapshot()["host"]["launches"] == MIN_LAUNCHES
+    plan = rig.plan()
+    assert [(w.request_id, w.layer_end - w.layer_start) for w in plan.prefill] == [(r.request_id, 2)]
+
+
 def test_aggregated_when_one_mixed_step_meets_tbt():
     rig = Rig(table=Table(mixed=40.0))
     rig.decoding(3)
@@ -286,6 +302,25 @@ default_class: bulk"""))
     plan = rig.plan()
     assert rig.planner.stats.pauses == 1 and [w.request_id for w in plan.prefill] == [short.request_id]
     assert rig.planner.paused == [long_.request_id]
+
+
+def test_a_long_one_late_only_by_a_tight_plan_is_not_paused():
+    """Late by the plan is not late by the contract: with the TTFT controller planning at half the targets, a long
+    member that would make its own contract deadline is not given up to pause it (judged by the halved deadline, it
+    would be late either way)."""
+    rig = Rig(contract=long_contract(2500).replace("overload: {mode: shed}", """\
+classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk"""))
+    rig.planner.control("bulk").ttft.headroom = 0.5
+    long_ = start_long_prefill(rig, 60_000)  # done at about 1.84 s: within its 2.5 s, past the planned 1.25 s
+    rig.now = 0.1
+    short = rig.request(1_000)
+    short.slo_class = "chat"
+    plan = rig.plan()
+    assert rig.planner.stats.pauses == 0 and not rig.planner.paused
+    assert short.request_id not in [w.request_id for w in plan.prefill] and long_.prefill_layer < LAYERS
 
 
 def test_sheds_when_the_queue_makes_ttft_impossible():

@@ -39,15 +39,16 @@ class Deadlines:
         done = r.num_computed_tokens if r.page_table.pages else self._lookup(r)
         return PrefillItem(r.num_tokens - done, done)
 
-    def deadline(self, r: Request) -> float:
-        """When its first token is due; -inf for a request that already has output (a recomputation after a
-        preemption: it is late by nature and goes first)."""
+    def deadline(self, r: Request, planned: bool = True) -> float:
+        """When its first token is due: planned at the controller's headroom x the target, or (`planned=False`) the
+        contract's own deadline; -inf for a request that already has output (a recomputation after a preemption: it
+        is late by nature and goes first)."""
         if r.output_token_ids:
             return float("-inf")
         cached = r.num_cached_tokens if r.num_cached_tokens is not None else self._lookup(r)
         uncached = r.num_prompt_tokens - min(cached, r.num_prompt_tokens)
         slo = self.slo(r)
-        return r.arrival_time + self.headroom(slo.name) * slo.ttft_target_ms(uncached) / 1000.0
+        return r.arrival_time + (self.headroom(slo.name) if planned else 1.0) * slo.ttft_target_ms(uncached) / 1000.0
 
     def forget(self, live: set[str]) -> None:
         """Drop estimates of requests that left the engine."""

@@ -291,14 +291,24 @@ class MuxPlanner:
             deadline = dl.deadline(w)
             if not (own < remaining and now + remaining + own > deadline >= now + own):
                 continue  # long, or fine behind the batch, or late anyway
-            if any(now + remaining <= dl.deadline(r) < now + own + remaining for r in batch):
-                return  # the batch cannot spare the time of the most urgent candidate (its late members do)
+            if not self._spares(dl, batch, now, own, remaining):
+                return  # the batch cannot spare the time of the most urgent candidate
             if self._admit(sched, w):
                 break
         else:
             return
         self.paused, self.batch = self.batch, [w.request_id]
         self.stats.pauses += 1
+
+    @staticmethod
+    def _spares(dl: Deadlines, batch: list[Request], now: float, own: float, remaining: float) -> bool:
+        """Whether a batch with `remaining` seconds of prefill left can wait `own` seconds: no member that would meet
+        the contract's deadline without the wait misses its planned deadline with it. A member late by the contract
+        either way does not count; one late only by the controller's tighter plan does (judged by the plan alone, a
+        tight TTFT controller would count most long members late and let short prompts pause them again and
+        again)."""
+        return not any(now + remaining <= dl.deadline(r, planned=False) and now + own + remaining > dl.deadline(r)
+                       for r in batch)
 
     def _admit(self, sched: Scheduler, r: Request) -> bool:
         """Admit `r` only when the pool keeps room for every running request to grow by its remaining output (up
@@ -400,6 +410,10 @@ class MuxPlanner:
         """A mixed step measured on all SMs: online refinement of what mixed steps cost while serving."""
         self.predictor.observe_mixed(items, load, measured_ms)
 
+    def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
+        """Prefill launches timed on the host while serving: online refinement of the host's per-layer time."""
+        self.predictor.observe_launch(launches, layers, measured_ms)
+
     def observe_tokens(self, gaps: list[tuple[Request, float]], first: list[tuple[Request, float]]) -> None:
         """What clients see, per SLO class, as fractions of the class's targets: the controllers' input."""
         dl = self._deadlines
@@ -428,6 +442,7 @@ class MuxPlanner:
         stats["decode_sms"] = {str(k): v for k, v in sorted(self.stats.decode_sms.items())}
         return {"stats": stats, "contention_cells": len(p.guard.observations),
                 "control": self.control_state(),
+                "host": {"per_layer_ms": p.host.per_layer_ms, "launches": len(p.launches.window)},
                 **{
             name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
             for name, model in (("split", p.split), ("mixed", p.mixed))}}
@@ -455,7 +470,7 @@ class MuxPlanner:
                 started = done > 0 or any(r.request_id in sched.inflight for r in batch)
                 if (group is self.batch and self.options.prefill_pause and not self.paused and started
                         and own * 1e3 < remaining and now + remaining / 1e3 + own > deadline
-                        and all(now + own + remaining / 1e3 <= dl.deadline(r) for r in batch)):
+                        and self._spares(dl, batch, now, own, remaining / 1e3)):
                     remaining /= p.num_layers
                 wait += remaining
         # the prompts queued ahead of it (a higher priority, or its own with an earlier deadline when the planner
