@@ -68,6 +68,7 @@ class BenchOptions:
     profile: Path | None = None         # latency profile for --simulate (default: the roofline prior)
     gpu: str = "h100"                   # the GPU --simulate plans for
     device_error: float = 0.0           # --simulate: the simulated GPU is (1 + this) x slower than profiled
+    host_error: float = 0.0             # --simulate: the simulated host is (1 + this) x slower than modelled
 
     @property
     def model_or_default(self) -> str:

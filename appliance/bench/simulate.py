@@ -223,6 +223,11 @@ class Simulator:
     def _host_launch(self, layers: int) -> float:
         return self.host.prefill_launch(layers) if self.host is not None else 0.0
 
+    def _observe_launch(self, layers: int) -> None:
+        """The host time of a step's prefill launch, handed to the planner as the engine hands it the executor's."""
+        if layers > 0 and self.host is not None:
+            self.planner.observe_launch(1, layers, self._host_launch(layers))
+
     def _load(self, plan: StepPlan) -> DecodeLoad:
         return decode_load(self.sched.requests, plan.decode)
 
@@ -239,6 +244,7 @@ class Simulator:
         else:
             duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill and not plan.mixed else 0
+        self._observe_launch(layers)
         if self.host is not None:  # the step's host time and its layer launches, after its tokens or hidden
             duration = self.host.gap(rows, duration, layers)
         self.clock.now = end = start + duration / 1e3
@@ -256,6 +262,7 @@ class Simulator:
             items = prefill_items(plan.prefill)
             self.stream.append(_Launch(start, start + duration / 1e3, plan.prefill, items))
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill else 0
+        self._observe_launch(layers)
         if not plan.decode:
             self.clock.now += (self._host_step(0) + self._host_launch(layers)) / 1e3
             self._wait()

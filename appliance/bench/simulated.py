@@ -73,8 +73,13 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
             raise ConfigError(f"--device-error must be in (-0.9, 10), got {opts.device_error}")
         notes.append(f"model error injected: the simulated GPU takes {1 + opts.device_error:.2f}x the profile's "
                      "times (the planner is not told)")
-    return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)),
-                          options=options, device_error=opts.device_error), model, notes
+    if opts.host_error:
+        if not -0.9 < opts.host_error < 10:
+            raise ConfigError(f"--host-error must be in (-0.9, 10), got {opts.host_error}")
+        notes.append(f"host error injected: the simulated host takes {1 + opts.host_error:.2f}x the host model's "
+                     "times (the planner is not told)")
+    return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)), options=options,
+                          device_error=opts.device_error, host_error=opts.host_error), model, notes
 
 
 def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:

@@ -142,6 +142,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                         "(1 + this) x the profile's times (0.2: 20 % slower, -0.2: "
                                                         "20 % faster); the planner is not told.",
                                                    rich_help_panel=_T)], 0.0),
+    "host_error": (Annotated[float, typer.Option(help="--simulate: host error injected, the simulated host takes "
+                                                      "(1 + this) x the host model's times (step, launches); the "
+                                                      "planner is not told.", rich_help_panel=_T)], 0.0),
     "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
                                               rich_help_panel=_O)], True),
 }

@@ -24,7 +24,7 @@ from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.executor import Executor
 from appliance.engine.grammar import GrammarCompiler
 from appliance.engine.kv_cache import KVCache, PagePool
-from appliance.engine.launched import LaunchedStep
+from appliance.engine.launched import LaunchedStep, prefill_launches
 from appliance.engine.plan import StepPlan
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.scheduler import Scheduler
@@ -152,6 +152,10 @@ class Engine:
         previous, self._launched = self._launched, None
         launched = self.executor.start(plan, self.scheduler.requests,
                                        hold_sampling=previous is not None and self._needs_tokens(previous, plan))
+        if self.executor.last_launch_ms is not None:  # the host time of this step's prefill launches
+            groups = prefill_launches(plan)
+            self.scheduler.planner.observe_launch(len(groups), sum(end - start for (start, end), _ in groups),
+                                                  self.executor.last_launch_ms)
         if not plan.empty:
             if (plan.mixed and plan.prefill) or launched.beside:  # (what the planner learns from: see _observe)
                 launched.load = decode_load(self.scheduler.requests, plan.decode)

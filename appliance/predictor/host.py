@@ -12,12 +12,16 @@ with Llama-3.1-8B shapes) applies.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
 import numpy as np
 
 MAX_HOST_MS = 50.0  # a logged host time above this is an idle wait, not work
+LAUNCH_WINDOW = 256  # prefill launches the online per-layer figure is taken from
+LAUNCH_QUANTILE = 0.9  # planned at this quantile of them: one slow launch is one late token for every decode row
+MIN_LAUNCHES = 16  # launches measured before the figure replaces the profile's
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,11 @@ class HostModel:
     def device_room(self, rows: int, target_ms: float) -> float:
         """The longest a step of `rows` decode rows may run on the device for its gap to stay within `target_ms`."""
         return target_ms if self.overlapped and self.step(rows) <= target_ms else target_ms - self.step(rows)
+
+    def scaled(self, factor: float) -> "HostModel":
+        """This model with every time `factor` x longer (a simulated host slower or faster than modelled)."""
+        return replace(self, step_ms=self.step_ms * factor, per_row_us=self.per_row_us * factor,
+                       launch_ms=self.launch_ms * factor, per_layer_ms=self.per_layer_ms * factor)
 
     def with_loop(self, overlapped: bool) -> "HostModel":
         """This model for an engine loop that does (or does not) overlap the host with the device."""
@@ -104,3 +113,24 @@ def _line(x: list[int], y: list[float]) -> tuple[float, float]:
     residual = ys - (intercept + slope * xs)
     intercept += float(np.percentile(residual, 75))
     return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
+class LaunchCost:
+    """Online: the host time per prefill layer launched, as the serving engine measures it, so with whatever else
+    the host runs meanwhile (the HTTP server, streaming, other threads holding the interpreter). A profile measures
+    launches on an idle host; while serving they take longer, and a gap that the plan fits within the TBT target by
+    the idle figure overruns it. Kept as a high quantile of the recent launches' per-layer time (their fixed
+    per-launch part, as profiled, taken out)."""
+
+    def __init__(self) -> None:
+        self.window: deque[float] = deque(maxlen=LAUNCH_WINDOW)
+
+    def observe(self, model: HostModel, launches: int, layers: int, measured_ms: float) -> HostModel:
+        """`model` with its per-layer time learned from `launches` launches of `layers` layers in all, measured to
+        take `measured_ms` of host time (`model` itself until enough launches were measured)."""
+        if layers <= 0 or measured_ms < 0:
+            return model
+        self.window.append(max(0.0, measured_ms - model.launch_ms * launches) / layers)
+        if len(self.window) < MIN_LAUNCHES:
+            return model
+        return replace(model, per_layer_ms=float(np.quantile(np.fromiter(self.window, float), LAUNCH_QUANTILE)))

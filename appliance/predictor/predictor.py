@@ -14,7 +14,7 @@ from typing import Sequence
 
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.contention import ContentionGuard
-from appliance.predictor.host import HostModel
+from appliance.predictor.host import HostModel, LaunchCost
 from appliance.predictor.roofline import DeviceSpec, RooflineModel
 from appliance.predictor.shapes import DecodeLoad, LatencyModel, PrefillItem
 from appliance.predictor.split import SplitSlowdown
@@ -42,6 +42,7 @@ class Predictor:
     split: SplitSlowdown = field(default_factory=SplitSlowdown)  # prefill on a partition, beside decode
     mixed: SplitSlowdown = field(default_factory=SplitSlowdown)  # mixed steps while serving, against the profile
     host: HostModel = field(default_factory=HostModel)  # the host's share of every step (host.py)
+    launches: LaunchCost = field(default_factory=LaunchCost)  # prefill launches' host time while serving
 
     @classmethod
     def prior(cls, model: ModelConfig, device: DeviceSpec, granularity: int = DEFAULT_GRANULARITY) -> "Predictor":
@@ -91,6 +92,11 @@ class Predictor:
         decode ran on the others."""
         if items and 0 < sms < self.sm_count:
             self.split.observe(self.prefill_solo_ms(items, sms, layers), items, measured_ms)
+
+    def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
+        """Online refinement of the host model from `launches` prefill launches of `layers` layers in all that took
+        `measured_ms` of host time."""
+        self.host = self.launches.observe(self.host, launches, layers, measured_ms)
 
     def observe_mixed(self, items: Sequence[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
         """Online refinement from a measured mixed step (prompt chunks `items` beside the decode rows `load`)."""

@@ -1,5 +1,6 @@
 """Closed-loop tail control (engine/planners/control.py): the controller on its own, and the mux planner holding the
-contract's TBT percentile on the simulated executor when the GPU runs 20 % slower or faster than its profile says."""
+contract's TBT percentile on the simulated executor when the GPU runs 20 % slower or faster than its profile says,
+and when the host launches prefill layers slower than its model says."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import appliance.predictor.host as host_module
 from appliance.bench.capacity import SimulatedBench, kv_pages
 from appliance.bench.simulate import SimConfig, Simulator
 from appliance.config import SchedulerSettings
@@ -70,14 +72,17 @@ def rig(tmp_path_factory):
     return model, gpu, predictor, contract, specs
 
 
-def replay(rig, error: float, control: bool, mixed_chunks: bool = False):
-    """One replay under mux (`--mixed-chunks` as asked: off, decode runs beside prefill on the SM split), judged."""
+def replay(rig, error: float, control: bool, mixed_chunks: bool = False, host_error: float = 0.0):
+    """One replay under mux (`--mixed-chunks` as asked: off, decode runs beside prefill on the SM split), judged;
+    the simulated GPU `error` and the simulated host `host_error` slower than the planner's models say."""
     model, gpu, predictor, contract, specs = rig
     bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, DEVICES["h100"])), truth=gpu,
-                           device_error=error, options=SchedulerSettings(mixed_chunks=mixed_chunks))
+                           device_error=error, host_error=host_error,
+                           options=SchedulerSettings(mixed_chunks=mixed_chunks))
     planner = bench.planner("mux")
     planner.options.control = control
-    result = Simulator(planner, bench.timer, bench.sim, host=predictor.host).run(specs)
+    host = predictor.host.scaled(1.0 + host_error)
+    result = Simulator(planner, bench.timer, bench.sim, host=host).run(specs)
     return evaluate(contract, result.timelines, specs), planner
 
 
@@ -93,3 +98,14 @@ def test_without_the_loop_a_slower_gpu_breaks_the_tbt_target(rig):
     """The same replay open loop (planning to the target itself): the test above is not passing by luck."""
     report, _ = replay(rig, 0.2, control=False)
     assert report.tbt_ms > 50.0
+
+
+def test_mux_keeps_the_contract_when_the_host_launches_slower_than_modelled(rig, monkeypatch):
+    """A host 8x slower than its model (a busy serving process launching prefill layers): the planner learns the
+    launches' time from what it measures and keeps the TBT target; planning by the model alone, it does not."""
+    report, planner = replay(rig, 0.0, control=True, host_error=7.0)
+    assert report.met and report.tbt_ms <= 50.0, report.reasons
+    assert planner.snapshot()["host"]["per_layer_ms"] >= 8 * rig[2].host.per_layer_ms
+    monkeypatch.setattr(host_module, "MIN_LAUNCHES", 10**9)  # never learned
+    report, planner = replay(rig, 0.0, control=True, host_error=7.0)
+    assert report.tbt_ms > 50.0 and planner.snapshot()["host"]["per_layer_ms"] == rig[2].host.per_layer_ms

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from appliance.predictor.host import HostModel, fit_host
+from appliance.predictor.host import LAUNCH_WINDOW, MIN_LAUNCHES, HostModel, LaunchCost, fit_host
 
 
 def test_the_gap_hides_prefill_launches_behind_the_decode_kernels():
@@ -45,3 +45,23 @@ def test_the_overlapped_loop_hides_the_host_behind_the_device():
     assert over.launch_room(100, 40.0, 30.0) == pytest.approx(38.0)
     assert (sync.device_room(100, 30.0), over.device_room(100, 30.0)) == (pytest.approx(28.0), 30.0)
     assert "overlapped" not in over.as_dict()  # a property of the engine's loop, not of the profiled host
+
+
+def test_launches_measured_while_serving_replace_the_profiled_per_layer_time():
+    """The per-layer launch time is learned online as a high quantile of what the engine measures: the idle host's
+    figure holds until enough launches were seen, then a slower serving host's (one slow launch in ten is not planned
+    away; launches slower still are)."""
+    cost, model = LaunchCost(), HostModel(step_ms=1.0, per_row_us=0.0, launch_ms=0.5, per_layer_ms=1.0)
+    for _ in range(MIN_LAUNCHES - 1):
+        model = cost.observe(model, launches=1, layers=10, measured_ms=0.5 + 10 * 2.0)
+    assert model.per_layer_ms == 1.0  # too few to say
+    for i in range(LAUNCH_WINDOW):
+        slow = i % 20 == 0  # one launch in twenty took 5 ms a layer
+        model = cost.observe(model, launches=2, layers=8, measured_ms=2 * 0.5 + 8 * (5.0 if slow else 2.0))
+    assert model.per_layer_ms == pytest.approx(2.0)  # the 90th percentile: the rare slow launch is left out
+    for _ in range(LAUNCH_WINDOW // 5):
+        model = cost.observe(model, launches=1, layers=4, measured_ms=0.5 + 4 * 5.0)
+    assert model.per_layer_ms == pytest.approx(5.0)  # one in five: planned for
+    assert (model.step_ms, model.launch_ms) == (1.0, 0.5)  # the rest stays as profiled
+    assert cost.observe(model, launches=0, layers=0, measured_ms=3.0) is model  # nothing launched: nothing learned
+    assert HostModel(1.0, 10.0, 0.5, 2.0).scaled(1.5) == HostModel(1.5, 15.0, 0.75, 3.0)

@@ -37,6 +37,9 @@ class Planner:
     def observe_mixed(self, items: list[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
         """A mixed (chunked-prefill) step the executor timed on all SMs."""
 
+    def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
+        """Host time the executor spent launching a step's prefill layers (`launches` launches, `layers` in all)."""
+
     def observe_tokens(self, gaps: list[tuple[Request, float]], first: list[tuple[Request, float]]) -> None:
         """Tokens as the engine emitted them: each gap since the request's previous token, and each first token's
         time since arrival (seconds on the scheduler's clock)."""
