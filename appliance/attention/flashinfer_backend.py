@@ -5,8 +5,9 @@ One instance owns one workspace and its wrappers: the engine's eager instance pl
 decode batch size gets its own instance made with `graph_batch_size`, whose decode wrapper keeps its index buffers
 fixed (`use_cuda_graph=True`) so that only `run()` is captured and `plan()` refreshes the buffers before a replay.
 `plan()` writes its schedule into a pinned host buffer and copies it to the device without waiting: backends that
-share a workspace share two such buffers, used in turn (`PlanStaging`), so that the next step's plan, made while the
-current step runs, never rewrites a buffer whose copy has not run yet.
+share a workspace share a ring of such buffers, used in turn (`PlanStaging`: two, more while a plan's copy waits
+behind queued prefill), so that the next step's plan, made while the current step runs, never rewrites a buffer
+whose copy has not run yet, and never waits for a busy stream to reach it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from appliance.attention.kv_write import write_kv
 from appliance.attention.metadata import AttentionMetadata
-from appliance.attention.pinned import PinnedRing
+from appliance.attention.pinned import PinnedRing, Ring
 
 if TYPE_CHECKING:  # the package's __init__ imports this module lazily
     from appliance.attention import AttentionShape
@@ -27,17 +28,19 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # the CUDA-core decode kernel is built for group sizes 1, 2, 4, 8; from 4 up the tensor-core path (the prefill
 # kernels) reads the KV faster (measured: 1.5x at batch 64, context 1k, group 4), and it takes any group (Qwen2.5-7B's 7)
 CUDA_CORE_DECODE_GROUPS = (1, 2)
+MAX_PLAN_BUFFERS = 6  # pinned plan buffers of one workspace at most (8 MiB each)
 
 
 class PlanStaging:
-    """Two pinned host buffers that plan() writes a schedule into before its asynchronous copy to the device, used
-    in turn; a buffer is rewritten only once the copy from it has run (an event each). One plan ahead of the device
-    never waits: the copy two plans back ran before the step the device is on now."""
+    """Pinned host buffers that plan() writes a schedule into before its asynchronous copy to the device, used in
+    turn; a buffer is rewritten only once the copy from it has run (an event each). Two suffice while plans follow
+    the device closely; a prefill plan queued behind several steps of prefill on its stream adds a buffer (up to
+    `MAX_PLAN_BUFFERS`) rather than make the host wait for that stream (attention/pinned.py)."""
 
     def __init__(self, like: torch.Tensor) -> None:
+        self._like = like
         self.buffers = [torch.empty(like.shape, dtype=like.dtype, pin_memory=True) for _ in range(2)]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
+        self.ring = Ring(self.buffers, MAX_PLAN_BUFFERS)
         self._indices = PinnedRing(torch.int32, pinned=True)
 
     def indices_on(self, indices, device: torch.device) -> torch.Tensor:
@@ -49,19 +52,17 @@ class PlanStaging:
         self._indices.done()
         return out
 
-    def next(self) -> torch.Tensor:
-        """The buffer for the next plan (after the copy that last read it)."""
-        self._turn ^= 1
-        event = self._events[self._turn]
-        if event is not None:
-            event.synchronize()
-        return self.buffers[self._turn]
+    def next(self, grow: bool = True) -> torch.Tensor:
+        """The buffer for the next plan (one whose last copy has run). `grow` false: a plan that writes a buffer
+        of its own (not one of these) waits for the copy two plans back, as that buffer's only guard."""
+        slot = self.ring.acquire(grow)
+        if self.buffers[slot] is None:
+            self.buffers[slot] = torch.empty(self._like.shape, dtype=self._like.dtype, pin_memory=True)
+        return self.buffers[slot]
 
     def copied(self) -> None:
         """The plan's copy from the current buffer is queued on the current stream."""
-        event = self._events[self._turn] or torch.cuda.Event()
-        event.record()
-        self._events[self._turn] = event
+        self.ring.release()
 
     def fits(self, wrapper) -> bool:
         """The buffers hold what `wrapper`'s plan writes (its int workspace's size)."""
@@ -71,7 +72,7 @@ class PlanStaging:
 
 def _stages(wrapper) -> bool:
     """The wrapper plans through a pinned buffer it reads from an attribute at each plan() (flashinfer 0.5: where
-    it does not, the wrapper keeps its own buffer and the staging pair only orders the plans)."""
+    it does not, the wrapper keeps its own buffer and the staging ring only orders the plans, without growing)."""
     return hasattr(wrapper, "_pin_memory_int_workspace_buffer") and hasattr(wrapper, "_int_workspace_buffer")
 
 
@@ -145,7 +146,7 @@ class FlashInferAttention:
             for wrapper in (self.prefill, self.decode):
                 if wrapper is not None:
                     wrapper.reset_workspace_buffer(workspaces.float_buffer, workspaces.int_buffer)
-        # the wrappers' own pinned buffers give way to the staging pair (wrappers of one instance plan one at a time)
+        # the wrappers' own pinned buffers give way to the staging ring (wrappers of one instance plan one at a time)
         wrappers = [w for w in (self.prefill, self.decode) if w is not None and _stages(w)]
         if workspaces is not None:
             self.staging = workspaces.staging
@@ -168,10 +169,11 @@ class FlashInferAttention:
         self._plan_key = key
         # plan() writes its schedule into a pinned host buffer and copies it to the device asynchronously; when
         # launches queue up on a busy stream (the next step planned while this one runs, prefill beside decode), a
-        # copy may not have run yet: the staging pair rewrites a buffer only after its copy has
+        # copy may not have run yet: the staging ring rewrites a buffer only after its copy has
         wrapper = self.decode if m.decode_only else self.prefill
-        staged = self.staging.next()
-        if wrapper is not None and _stages(wrapper) and self.staging.fits(wrapper):
+        staged_here = wrapper is not None and _stages(wrapper) and self.staging.fits(wrapper)
+        staged = self.staging.next(grow=staged_here)
+        if staged_here:
             wrapper._pin_memory_int_workspace_buffer = staged
         # plain host tensors: staging them through pinned memory measured 25-35 us slower per plan (H200)
         qo_indptr, indptr, indices, last, seq_lens = (torch.from_numpy(a) for a in (
