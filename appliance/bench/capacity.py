@@ -52,6 +52,7 @@ class SimulatedBench:
     options: SchedulerSettings | None = None  # the serve flags the planners honour (policy set per replay)
     device_error: float = 0.0  # the simulated GPU runs (1 + this) x the clock's times: model error injected
     host_error: float = 0.0  # the simulated host takes (1 + this) x the host model's times: host error injected
+    host_spread: float = 0.0  # each simulated prefill launch takes a lognormal multiple (this sigma) of its time
     _prompts: dict = field(default_factory=dict, repr=False)  # shared by the replays of one trace
     _runs: dict = field(default_factory=dict, repr=False)
 
@@ -110,7 +111,8 @@ class SimulatedBench:
             specs = wl.retime(list(specs), rate=rate)
         planner = self.planner(policy)
         host = self.predictor.host.scaled(1.0 + self.host_error) if self.host_error else self.predictor.host
-        result = Simulator(planner, self.timer, self.sim, prompts=self._prompts, host=host).run(specs)
+        result = Simulator(planner, self.timer, self.sim, prompts=self._prompts, host=host,
+                           host_spread=self.host_spread).run(specs)
         uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0) for s, r in zip(specs, result.requests)}
         report = evaluate(self.contract, result.timelines, specs, lambda s: uncached[id(s)])
         report.summary.update(policy=policy, request_rate=rate, offered_rate=wl.offered_rate(list(specs)),

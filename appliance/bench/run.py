@@ -69,6 +69,7 @@ class BenchOptions:
     gpu: str = "h100"                   # the GPU --simulate plans for
     device_error: float = 0.0           # --simulate: the simulated GPU is (1 + this) x slower than profiled
     host_error: float = 0.0             # --simulate: the simulated host is (1 + this) x slower than modelled
+    host_spread: float = 0.0            # --simulate: sigma of the lognormal spread of prefill launches' host time
 
     @property
     def model_or_default(self) -> str:

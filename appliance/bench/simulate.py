@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Protocol, Sequence
 
+import numpy as np
+
 from appliance.engine.kv_cache import PagePool, PageTable
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.planners.base import Planner
@@ -101,6 +103,8 @@ class Simulator:
     config: SimConfig
     clock: _Clock = field(default_factory=_Clock)
     host: HostModel | None = None  # the host's share of each step (None: steps take their device time only)
+    host_spread: float = 0.0  # each prefill launch's host time: a lognormal multiple (this sigma) of the model's
+    seed: int = 0  # of the launch times' draws
     prompts: dict = field(default_factory=dict)  # (index, prompt_len, block, hash_ids) -> (tokens, hashes)
     _next_arrival: float | None = None
 
@@ -110,6 +114,7 @@ class Simulator:
                                        t.num_layers, self.planner, cfg.max_num_seqs)
         sched.clock = self.clock
         self.clock.now = 0.0
+        self._rng = np.random.default_rng(self.seed)
         self.stream: deque[_Launch] = deque()
         self.times: dict[str, list[float]] = {}
         timelines = [RequestTimeline(arrival=s.arrival, prompt_tokens=s.prompt_len, index=i)
@@ -220,13 +225,17 @@ class Simulator:
     def _host_step(self, rows: int) -> float:
         return self.host.step(rows) if self.host is not None else 0.0
 
-    def _host_launch(self, layers: int) -> float:
-        return self.host.prefill_launch(layers) if self.host is not None else 0.0
-
-    def _observe_launch(self, layers: int) -> None:
-        """The host time of a step's prefill launch, handed to the planner as the engine hands it the executor's."""
-        if layers > 0 and self.host is not None:
-            self.planner.observe_launch(1, layers, self._host_launch(layers))
+    def _launch(self, layers: int) -> HostModel | None:
+        """The host of a step that launches `layers` prefill layers: the model, its launch time drawn around the
+        model's with a spread; what the launch took is handed to the planner, as the engine hands it the
+        executor's."""
+        host = self.host
+        if host is None or layers <= 0:
+            return host
+        if self.host_spread > 0:
+            host = host.launch_scaled(float(self._rng.lognormal(0.0, self.host_spread)))
+        self.planner.observe_launch(1, layers, host.prefill_launch(layers))
+        return host
 
     def _load(self, plan: StepPlan) -> DecodeLoad:
         return decode_load(self.sched.requests, plan.decode)
@@ -244,9 +253,9 @@ class Simulator:
         else:
             duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill and not plan.mixed else 0
-        self._observe_launch(layers)
-        if self.host is not None:  # the step's host time and its layer launches, after its tokens or hidden
-            duration = self.host.gap(rows, duration, layers)
+        host = self._launch(layers)
+        if host is not None:  # the step's host time and its layer launches, after its tokens or hidden
+            duration = host.gap(rows, duration, layers)
         self.clock.now = end = start + duration / 1e3
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)
         for work in plan.prefill:
@@ -262,9 +271,9 @@ class Simulator:
             items = prefill_items(plan.prefill)
             self.stream.append(_Launch(start, start + duration / 1e3, plan.prefill, items))
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill else 0
-        self._observe_launch(layers)
+        host = self._launch(layers)
         if not plan.decode:
-            self.clock.now += (self._host_step(0) + self._host_launch(layers)) / 1e3
+            self.clock.now += (self._host_step(0) + (host.prefill_launch(layers) if host is not None else 0.0)) / 1e3
             self._wait()
             return
         busy = next((launch for launch in self.stream if launch.start <= now < launch.end), None)
@@ -273,8 +282,8 @@ class Simulator:
         duration = self.timer.decode_ms(load, plan.decode_sms, concurrent)
         if concurrent:  # the measured step refines the planner's contention guard
             self.planner.observe_decode(load, plan.decode_sms, concurrent, duration)
-        if self.host is not None:  # the host launches the prefill layers while the decode kernels run
-            duration = self.host.gap(len(plan.decode), duration, layers)
+        if host is not None:  # the host launches the prefill layers while the decode kernels run
+            duration = host.gap(len(plan.decode), duration, layers)
         self.clock.now = end = now + duration / 1e3
         self._complete_until(end)
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)

@@ -78,8 +78,14 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
             raise ConfigError(f"--host-error must be in (-0.9, 10), got {opts.host_error}")
         notes.append(f"host error injected: the simulated host takes {1 + opts.host_error:.2f}x the host model's "
                      "times (the planner is not told)")
+    if opts.host_spread:
+        if not 0 < opts.host_spread <= 2:
+            raise ConfigError(f"--host-spread must be in (0, 2], got {opts.host_spread}")
+        notes.append(f"host spread injected: each prefill launch takes a lognormal multiple (sigma "
+                     f"{opts.host_spread:g}) of the host model's time (the planner is not told)")
     return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)), options=options,
-                          device_error=opts.device_error, host_error=opts.host_error), model, notes
+                          device_error=opts.device_error, host_error=opts.host_error,
+                          host_spread=opts.host_spread), model, notes
 
 
 def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:

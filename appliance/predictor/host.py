@@ -64,6 +64,10 @@ class HostModel:
         return replace(self, step_ms=self.step_ms * factor, per_row_us=self.per_row_us * factor,
                        launch_ms=self.launch_ms * factor, per_layer_ms=self.per_layer_ms * factor)
 
+    def launch_scaled(self, factor: float) -> "HostModel":
+        """This model with its prefill launches `factor` x longer."""
+        return replace(self, launch_ms=self.launch_ms * factor, per_layer_ms=self.per_layer_ms * factor)
+
     def with_loop(self, overlapped: bool) -> "HostModel":
         """This model for an engine loop that does (or does not) overlap the host with the device."""
         return replace(self, overlapped=overlapped)

@@ -16,6 +16,7 @@ from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "models" / "llama-3.1-8b"
 TRACE = ROOT / "tests" / "data" / "mooncake_conversation_head200.jsonl"
+SLO = ROOT / "configs" / "slo" / "chat-queue.yaml"
 runner = CliRunner()
 
 
@@ -49,7 +50,10 @@ def test_simulate_refuses_what_it_cannot_do():
     base = ["bench", "--simulate", "--trace", str(TRACE), "--model", str(MODEL)]
     for extra, words in ((["--url", "http://127.0.0.1:1"], "--simulate replays"),
                          (["--goodput", "ttft:500"], "pass --slo FILE"),
-                         (["--policies", "fastest"], "fastest")):
+                         (["--policies", "fastest"], "fastest"),
+                         (["--slo", str(SLO), "--device-error", "-1"], "--device-error must be in"),
+                         (["--slo", str(SLO), "--host-error", "11"], "--host-error must be in"),
+                         (["--slo", str(SLO), "--host-spread", "3"], "--host-spread must be in")):
         result = runner.invoke(app, base + extra, env={"COLUMNS": "200"})
         assert result.exit_code != 0 and words in result.output, result.output
 
