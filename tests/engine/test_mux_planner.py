@@ -255,7 +255,7 @@ overload: {mode: queue}"""))
     plan = rig.plan()
     assert rig.planner.stats.pauses == 1
     assert [w.request_id for w in plan.prefill] == [short.request_id]
-    assert rig.planner.paused == [long_.request_id] and long_.prefill_layer == layer
+    assert rig.planner.batches.paused == [long_.request_id] and long_.prefill_layer == layer
     rig.finish(plan)
     assert short.status is RequestStatus.PREFILLING  # 16 of its 32 layers ran
     # no recursion: another urgent prompt does not preempt the preempting one
@@ -267,7 +267,7 @@ overload: {mode: queue}"""))
     # the short one done, the long one is the running batch again at its saved layer, and may be preempted anew
     plan = rig.plan()
     assert rig.planner.stats.pauses == 2 and [w.request_id for w in plan.prefill] == [other.request_id]
-    assert rig.planner.paused == [long_.request_id] and long_.prefill_layer == layer
+    assert rig.planner.batches.paused == [long_.request_id] and long_.prefill_layer == layer
     rig.finish(plan)
     plan = rig.plan()
     assert [(w.request_id, w.layer_start) for w in plan.prefill] == [(long_.request_id, layer)]
@@ -301,7 +301,7 @@ default_class: bulk"""))
     short.slo_class = "chat"
     plan = rig.plan()
     assert rig.planner.stats.pauses == 1 and [w.request_id for w in plan.prefill] == [short.request_id]
-    assert rig.planner.paused == [long_.request_id]
+    assert rig.planner.batches.paused == [long_.request_id]
 
 
 def test_a_long_one_late_only_by_a_tight_plan_is_not_paused():
@@ -319,7 +319,7 @@ default_class: bulk"""))
     short = rig.request(1_000)
     short.slo_class = "chat"
     plan = rig.plan()
-    assert rig.planner.stats.pauses == 0 and not rig.planner.paused
+    assert rig.planner.stats.pauses == 0 and not rig.planner.batches.paused
     assert short.request_id not in [w.request_id for w in plan.prefill] and long_.prefill_layer < LAYERS
 
 
@@ -352,7 +352,7 @@ def test_admission_counts_the_preemption_a_short_prompt_would_get():
     assert rig.planner.admission_check(rig.sched, short) is None and rig.planner.stats.shed == 0
     rig.sched.add(short)
     rig.plan()
-    assert rig.planner.stats.pauses == 1 and rig.planner.batch == ["s"]  # as admission expected
+    assert rig.planner.stats.pauses == 1 and rig.planner.batches.batch == ["s"]  # as admission expected
     # without preemption it would wait the whole 600 ms and miss: shed
     rig2 = Rig(contract=CONTRACT.replace("ttft: {ms: 1000}", "ttft: {ms: 500, per_1k_tokens_ms: 100}"),
                prefill_pause=False)
@@ -447,7 +447,7 @@ overload: {mode: queue}"""))
     short = rig.request(3_000)
     short.slo_class = "chat"  # 200 ms: behind the long one's 58,500 tokens (1.17 s on all SMs) it misses
     plan = rig.plan()
-    assert rig.planner.stats.pauses == 1 and rig.planner.paused == [long_.request_id]
+    assert rig.planner.stats.pauses == 1 and rig.planner.batches.paused == [long_.request_id]
     assert [w.request_id for w in plan.prefill] == [short.request_id]
     while short.status is not RequestStatus.DECODING:
         rig.finish(plan)

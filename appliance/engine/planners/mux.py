@@ -4,9 +4,8 @@ advancing ceil(T_decode * L / T_prefill) layers per step (MuxWise); a mixed batc
 TBT (DuetServe); with `mixed_chunks`, a chunk of prompt tokens sized to the TBT target beside the decode rows on all
 SMs, earliest deadline first, when that prefills faster than the split would (adaptive chunked prefill); with
 `temporal`, the decode rows and then as many prefill layers as the target leaves room for, both on all SMs, when that
-prefills faster than the split would (temporal multiplexing); waiting prompts reordered by predicted time
-when no deadline breaks (Bullet); a short prompt pauses a long one at a layer or chunk boundary when no member of the long
-one that would make its TTFT misses it; shedding per the contract.
+prefills faster than the split would (temporal multiplexing); shedding per the contract. Which prompts prefill
+together, in what order, and when a short one pauses a long one is mux_batches.py's.
 
 Prefill may be asynchronous: layers launched in one step can still run steps later. The planner reads what is in
 flight from the scheduler (`launched_layer`) and never relaunches it.
@@ -20,14 +19,13 @@ from dataclasses import asdict, dataclass, field
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.planners.base import reserve_all
 from appliance.engine.planners.control import ClassControl, class_control
-from appliance.engine.planners.deadlines import Deadlines, reorder
-from appliance.engine.request import Request, RequestStatus
+from appliance.engine.planners.deadlines import Deadlines
+from appliance.engine.planners.mux_batches import PAUSE_CANDIDATES, MuxBatches
+from appliance.engine.request import Request
 from appliance.engine.scheduler import Scheduler
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.shapes import DecodeLoad, PrefillItem, decode_load
 from appliance.slo.contract import Contract
-
-PAUSE_CANDIDATES = 8  # waiting prompts, most urgent first, considered for pausing the running batch
 
 
 @dataclass
@@ -66,14 +64,10 @@ class MuxPlanner:
         self.contract, self.predictor = contract, predictor
         self.options = options or MuxOptions()
         self.stats = MuxStats()
-        self.batch: list[str] = []   # prompts prefilled together, layer by layer, with layers still to launch
-        self.paused: list[str] = []  # a batch paused at a layer boundary; it resumes when the current one ends
         self._deadlines: Deadlines | None = None
-        self._prefill_sms = predictor.sm_count  # of the last step, for predictions outside a step
         self._steps = 0
-        self._pause_seen: tuple = ()
-        self._chunked: set[str] = set()  # prompts that ran a mixed chunk: started, pausable between chunks
         self.controls: dict[str, ClassControl] = {}  # per SLO class: the TBT and TTFT tail controllers
+        self.batches = MuxBatches(predictor, self.options, self.stats, self._dl)
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def plan(self, sched: Scheduler) -> StepPlan:
@@ -82,15 +76,16 @@ class MuxPlanner:
         if self._steps % 256 == 0:
             dl.forget(set(sched.requests))
         decode = reserve_all(sched, list(sched.decoding))
-        self._tidy(sched)
+        batches = self.batches
+        batches.tidy(sched)
         now = sched.clock()
-        if not self.batch:
-            self._start_batch(sched, now)
-        elif self.options.prefill_pause and not self.paused:
-            self._maybe_pause(sched, now)
+        if not batches.batch:
+            batches.start(sched, now)
+        elif self.options.prefill_pause and not batches.paused:
+            batches.maybe_pause(sched, now)
         load = self._load(sched, decode)
         tbt = self._tbt_ms(sched, decode)
-        batch = [sched.requests[rid] for rid in self.batch]
+        batch = [sched.requests[rid] for rid in batches.batch]
         if not batch:
             return self._decode_only(sched, decode, load, tbt)
         start = sched.launched_layer(batch[0])
@@ -128,7 +123,7 @@ class MuxPlanner:
         k = max(1, min(p.num_layers - start, int(tbt // per_layer) if per_layer > 0 else p.num_layers))
         self.stats.prefill_only_steps += 1
         self.stats.last_mode = "prefill"
-        self._prefill_sms = p.sm_count
+        self.batches.prefill_sms = p.sm_count
         return StepPlan(prefill=self._works(batch, start, start + k))
 
     def _spatial(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
@@ -140,7 +135,7 @@ class MuxPlanner:
         self.stats.spatial_steps += 1
         self.stats.last_mode = "spatial"
         self.stats.decode_sms[d] += 1
-        self._prefill_sms = p.sm_count - d
+        self.batches.prefill_sms = p.sm_count - d
         queued = sum(w.layer_end - w.layer_start for w in sched.inflight.get(batch[0].request_id, ()))
         t_decode = p.decode_ms(load, d, items)
         t_prefill = p.prefill_ms(items, p.sm_count - d)
@@ -181,7 +176,7 @@ class MuxPlanner:
             return None
         self.stats.temporal_steps += 1
         self.stats.last_mode = "temporal"
-        self._prefill_sms = p.sm_count
+        self.batches.prefill_sms = p.sm_count
         return StepPlan(decode=decode, prefill=self._works(batch, start, start + k), prefill_after_decode=True)
 
     def _chunk(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request],
@@ -197,7 +192,7 @@ class MuxPlanner:
             return None
         total = sum(i.new for i in items)
         limit = p.host.device_room(load.batch_size, self.options.chunk_tbt * tbt)
-        queue = [(r, dl.item(r)) for r in sorted(batch + self._order(sched, sched.clock())[:PAUSE_CANDIDATES],
+        queue = [(r, dl.item(r)) for r in sorted(batch + self.batches.order(sched, sched.clock())[:PAUSE_CANDIDATES],
                                                  key=dl.deadline)]
 
         def fill(budget: int) -> list[tuple[Request, PrefillItem]]:
@@ -225,14 +220,14 @@ class MuxPlanner:
         works = []
         for r, item in fill(lo):
             if r not in batch:
-                if not self._admit(sched, r):
+                if not self.batches.admit(sched, r):
                     continue  # (its tokens stay out of this chunk: the step only gets shorter)
-                self.batch.append(r.request_id)
+                self.batches.batch.append(r.request_id)
             start = r.num_computed_tokens
             works.append(PrefillWork(r.request_id, start, min(start + item.new, r.num_tokens), 0, p.num_layers))
         if not works:
             return None
-        self._chunked.update(w.request_id for w in works)
+        self.batches.chunked.update(w.request_id for w in works)
         self.stats.chunk_steps += 1
         self.stats.last_mode = "chunk"
         return StepPlan(decode=decode, prefill=tuple(works), mixed=True)
@@ -248,118 +243,6 @@ class MuxPlanner:
         if host.gap(load.batch_size, p.decode_ms(load)) <= tbt:
             return None
         return p.decode_partitions[-1]
-
-    # ---- batches ----------------------------------------------------------------------------------------------
-    def _start_batch(self, sched: Scheduler, now: float) -> None:
-        if self.paused:
-            self.batch, self.paused = self.paused, []
-            return
-        candidates = self._order(sched, now)
-        budget = self.options.max_prefill_tokens
-        for r in candidates:
-            if sched.num_running >= sched.max_num_seqs:
-                break
-            work = self._dl(sched).item(r).new
-            if self.batch and work > budget:
-                break
-            # a prompt the KV pool cannot hold yet does not block the ones behind it (it stays first in line)
-            if self._admit(sched, r):
-                self.batch.append(r.request_id)
-                budget -= work
-
-    def _maybe_pause(self, sched: Scheduler, now: float) -> None:
-        """MuxWise: the most urgent waiting prompt pauses the running batch at its next layer boundary when it
-        would miss its TTFT behind the batch, makes it when run first, and no request of the batch that would make
-        its own misses it (one late either way does not count). The pausing batch is never paused itself."""
-        if not sched.waiting:
-            return
-        # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
-        # remaining time alike)
-        seen = (len(sched.waiting), sched.waiting[-1].request_id, tuple(self.batch),
-                sum(sched.requests[rid].num_computed_tokens for rid in self.batch) if self._chunked else 0)
-        if seen == self._pause_seen:
-            return
-        self._pause_seen = seen
-        dl, p = self._dl(sched), self.predictor
-        batch = [sched.requests[rid] for rid in self.batch]
-        done = min(r.prefill_layer for r in batch)
-        if done == 0 and not any(r.request_id in sched.inflight or r.request_id in self._chunked for r in batch):
-            return  # not started: nothing to pause, it simply waits its turn
-        remaining = p.prefill_ms([dl.item(r) for r in batch], self._prefill_sms) * (1 - done / p.num_layers) / 1e3
-        for w in self._order(sched, now)[:PAUSE_CANDIDATES]:
-            own = p.prefill_ms([dl.item(w)], self._prefill_sms) / 1e3
-            deadline = dl.deadline(w)
-            if not (own < remaining and now + remaining + own > deadline >= now + own):
-                continue  # long, or fine behind the batch, or late anyway
-            if not self._spares(dl, batch, now, own, remaining):
-                return  # the batch cannot spare the time of the most urgent candidate
-            if self._admit(sched, w):
-                break
-        else:
-            return
-        self.paused, self.batch = self.batch, [w.request_id]
-        self.stats.pauses += 1
-
-    @staticmethod
-    def _spares(dl: Deadlines, batch: list[Request], now: float, own: float, remaining: float) -> bool:
-        """Whether a batch with `remaining` seconds of prefill left can wait `own` seconds: no member that would meet
-        the contract's deadline without the wait misses its planned deadline with it. A member late by the contract
-        either way does not count; one late only by the controller's tighter plan does (judged by the plan alone, a
-        tight TTFT controller would count most long members late and let short prompts pause them again and
-        again)."""
-        return not any(now + remaining <= dl.deadline(r, planned=False) and now + own + remaining > dl.deadline(r)
-                       for r in batch)
-
-    def _admit(self, sched: Scheduler, r: Request) -> bool:
-        """Admit `r` only when the pool keeps room for every running request to grow by its remaining output (up
-        to `growth_tokens`): a decode request preempted for pages would stall for a whole recomputation."""
-        pool, horizon = sched.pool, self.options.growth_tokens
-
-        def growth(q: Request) -> int:
-            more = min(q.sampling.max_tokens - len(q.output_token_ids), horizon)
-            return max(0, pool.pages_for(q.num_tokens + more) - len(q.page_table.pages))
-
-        reserve = sum(growth(q) for q in sched.prefilling) + sum(growth(q) for q in sched.decoding)
-        hit = self._dl(sched).item(r).reused // pool.page_size
-        need = pool.pages_for(r.num_tokens + min(r.sampling.max_tokens, horizon)) - hit
-        return pool.num_free_pages - need >= reserve and sched.admit(r)
-
-    def _order(self, sched: Scheduler, now: float) -> list[Request]:
-        dl = self._dl(sched)
-        waiting = list(sched.waiting)
-        if not self.options.reorder:
-            return sorted(waiting, key=lambda r: dl.slo(r).priority)
-        costs: dict[str, float] = {}
-        deadlines: dict[str, float] = {}
-
-        def cost(r: Request) -> float:
-            if r.request_id not in costs:
-                costs[r.request_id] = self.predictor.prefill_ms([dl.item(r)], self._prefill_sms) / 1e3
-            return costs[r.request_id]
-
-        def deadline(r: Request) -> float:
-            if r.request_id not in deadlines:
-                deadlines[r.request_id] = dl.deadline(r)
-            return deadlines[r.request_id]
-
-        return reorder(waiting, now, cost, deadline, lambda r: dl.slo(r).priority)
-
-    def _tidy(self, sched: Scheduler) -> None:
-        """Forget batch members that left prefill (finished, aborted, preempted for pages) or have every layer
-        launched (their last layers are in flight; the next batch may start behind them)."""
-        def live(rid: str) -> bool:
-            r = sched.requests.get(rid)
-            return r is not None and r.status is RequestStatus.PREFILLING
-
-        self.paused = [rid for rid in self.paused if live(rid)]
-        self._chunked = {rid for rid in self._chunked if live(rid)}
-        self.batch = [rid for rid in self.batch
-                      if live(rid) and sched.launched_layer(sched.requests[rid]) < self.predictor.num_layers]
-        if not self.batch and self.paused:
-            self.batch, self.paused = self.paused, []
-        if not self.batch:  # prefills admitted by someone else (another planner before this one): adopt them
-            pending = [(r, layer) for r, layer in sched.pending_prefills() if r.request_id not in self.paused]
-            self.batch = [r.request_id for r, layer in pending if layer == pending[0][1]] if pending else []
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _works(self, batch: list[Request], start: int, end: int) -> tuple[PrefillWork, ...]:
@@ -453,39 +336,10 @@ class MuxPlanner:
         and its predicted first token misses its TTFT deadline."""
         if self.contract.overload.mode != "shed":
             return None
-        dl, p = self._dl(sched), self.predictor
-        now = sched.clock()
-        prio = dl.slo(request).priority
-        sms = self._prefill_sms
-        own = p.prefill_ms([dl.item(request)], sms) / 1e3
+        dl, now = self._dl(sched), sched.clock()
+        own = self.predictor.prefill_ms([dl.item(request)], self.batches.prefill_sms) / 1e3
         deadline = dl.deadline(request)
-        wait = 0.0
-        for group in (self.batch, self.paused):  # what the running (and a paused) batch still has to compute
-            batch = [sched.requests[rid] for rid in group if rid in sched.requests]
-            if batch:
-                done = min(r.prefill_layer for r in batch) / p.num_layers
-                remaining = p.prefill_ms([dl.item(r) for r in batch], sms) * (1 - done)
-                # a short prompt that would miss its deadline behind the running batch pauses it when the batch
-                # keeps its own deadlines (as _maybe_pause decides): it then waits for no more than a layer of it
-                started = done > 0 or any(r.request_id in sched.inflight for r in batch)
-                if (group is self.batch and self.options.prefill_pause and not self.paused and started
-                        and own * 1e3 < remaining and now + remaining / 1e3 + own > deadline
-                        and self._spares(dl, batch, now, own, remaining / 1e3)):
-                    remaining /= p.num_layers
-                wait += remaining
-        # the prompts queued ahead of it (a higher priority, or its own with an earlier deadline when the planner
-        # reorders by deadline, else arrived earlier), prefilled together in batches as _start_batch forms them
-        ahead = [r for r in sched.waiting if dl.slo(r).priority < prio or (dl.slo(r).priority == prio and (
-            dl.deadline(r) <= deadline if self.options.reorder else True))]
-        batch, tokens = [], 0
-        for r in ahead:
-            item = dl.item(r)
-            if batch and tokens + item.new > self.options.max_prefill_tokens:
-                wait += p.prefill_ms(batch, sms)
-                batch, tokens = [], 0
-            batch.append(item)
-            tokens += item.new
-        wait = (wait + (p.prefill_ms(batch, sms) if batch else 0.0)) / 1e3
+        wait = self.batches.wait_before(sched, request, own)
         if now + wait + own <= deadline or now + own > deadline:
             return None  # on time, or late even on an idle GPU: refusing would not help it, it is served late
         self.stats.shed += 1
