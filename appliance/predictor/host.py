@@ -132,7 +132,7 @@ class LaunchCost:
     def observe(self, model: HostModel, launches: int, layers: int, measured_ms: float) -> HostModel:
         """`model` with its per-layer time learned from `launches` launches of `layers` layers in all, measured to
         take `measured_ms` of host time (`model` itself until enough launches were measured)."""
-        if layers <= 0 or measured_ms < 0:
+        if layers <= 0 or not 0 <= measured_ms < MAX_HOST_MS:  # (longer: a compile, or layers run on a CPU)
             return model
         self.window.append(max(0.0, measured_ms - model.launch_ms * launches) / layers)
         if len(self.window) < MIN_LAUNCHES:

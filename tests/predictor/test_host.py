@@ -64,4 +64,5 @@ def test_launches_measured_while_serving_replace_the_profiled_per_layer_time():
     assert model.per_layer_ms == pytest.approx(5.0)  # one in five: planned for
     assert (model.step_ms, model.launch_ms) == (1.0, 0.5)  # the rest stays as profiled
     assert cost.observe(model, launches=0, layers=0, measured_ms=3.0) is model  # nothing launched: nothing learned
+    assert cost.observe(model, launches=1, layers=10, measured_ms=80.0) is model  # a compile, or a CPU engine
     assert HostModel(1.0, 10.0, 0.5, 2.0).scaled(1.5) == HostModel(1.5, 15.0, 0.75, 3.0)
