@@ -61,8 +61,7 @@ class HostModel:
 
     def scaled(self, factor: float) -> "HostModel":
         """This model with every time `factor` x longer (a simulated host slower or faster than modelled)."""
-        return replace(self, step_ms=self.step_ms * factor, per_row_us=self.per_row_us * factor,
-                       launch_ms=self.launch_ms * factor, per_layer_ms=self.per_layer_ms * factor)
+        return replace(self.launch_scaled(factor), step_ms=self.step_ms * factor, per_row_us=self.per_row_us * factor)
 
     def launch_scaled(self, factor: float) -> "HostModel":
         """This model with its prefill launches `factor` x longer."""
