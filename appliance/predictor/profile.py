@@ -22,9 +22,9 @@ from appliance.predictor.gemm_table import GemmTable
 from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.prefill_plan import PrefillPlan
-from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
-from appliance.predictor.shapes import Sample
-from appliance.predictor.solo import SoloModel, fit_error, fit_solo
+from appliance.predictor.roofline import DEVICES, DeviceSpec, RooflineModel, device_spec
+from appliance.predictor.shapes import LatencyModel, Sample
+from appliance.predictor.solo import MeasuredRange, SoloModel, fit_error, fit_solo
 from appliance.predictor.split import FACTOR_RANGE, SLOPE_RANGE, SplitSlowdown
 
 log = logging.getLogger("muxd.predictor")
@@ -88,6 +88,19 @@ class ProfileFile(_Model):
     serving: dict[Literal["decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k"], float] = {}
     # the host's share of a step (host.py), fitted from a calibration replay; None: the prior
     host: dict[Literal["step_ms", "per_row_us", "launch_ms", "per_layer_ms"], float] | None = None
+    # the longest prompt measured: its new tokens, its new + reused tokens; past it the predictor
+    # scales the edge's time as the roofline prior does (solo.py); None: the fit extrapolates on its own
+    measured: dict[Literal["prefill_new", "prefill_kv"], int] | None = None
+
+    @field_validator("measured")
+    @classmethod
+    def _measured_range(cls, measured: dict[str, int] | None) -> dict[str, int] | None:
+        if measured is not None:
+            if set(measured) != {"prefill_new", "prefill_kv"}:
+                raise ValueError("needs prefill_new and prefill_kv")
+            if min(measured.values()) < 1:
+                raise ValueError(f"token counts must be >= 1, got {measured}")
+        return measured
 
     @field_validator("host")
     @classmethod
@@ -163,13 +176,17 @@ class ProfileFile(_Model):
             raise ValueError(f"{len(coefficients)} coefficients; expected 6")
         return coefficients
 
-    def predictor(self, num_layers: int, source: str) -> Predictor:
+    def predictor(self, num_layers: int, source: str, prior: LatencyModel | None = None) -> Predictor:
+        """The profile's predictor; `prior` (the roofline model of this model on this GPU) takes over the scaling of
+        prefills past the measured range."""
+        measured = MeasuredRange(self.measured["prefill_new"], self.measured["prefill_kv"]) if self.measured else None
         solo = SoloModel({int(k): tuple(v) for k, v in self.prefill.items()},
                          {int(k): tuple(v) for k, v in self.decode.items()},
                          tuple(self.mixed) if self.mixed else None,
                          DecodePlan.from_dict(self.decode_plan) if self.decode_plan else None,
                          GemmTable.from_dict(self.gemm) if self.gemm else None,
-                         PrefillPlan.from_dict(self.prefill_plan) if self.prefill_plan else None)
+                         PrefillPlan.from_dict(self.prefill_plan) if self.prefill_plan else None,
+                         measured, prior)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
@@ -211,6 +228,7 @@ def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelCon
         prefill_plan=prefill_plan.to_dict() if prefill_plan else None,
         contention_default=max(guard.cells.values(), default=1.0),
         contention=[CellEntry(cell=c, slowdown=v) for c, v in sorted(guard.cells.items())],
+        measured={"prefill_new": solo.measured.new, "prefill_kv": solo.measured.kv} if solo.measured else None,
         fit={"prefill_max_rel_error": err.prefill_max, "prefill_mean_rel_error": err.prefill_mean,
              "decode_max_rel_error": err.decode_max, "decode_mean_rel_error": err.decode_mean,
              **({"mixed_max_rel_error": err.mixed_max, "mixed_mean_rel_error": err.mixed_mean} if solo.mixed else {})})
@@ -287,7 +305,7 @@ def load_predictor(path: str | Path | None, model: ModelConfig, gpu_name: str,
         if profile.muxd_version != __version__:
             notes.append(f"profile {path} was written by muxd {profile.muxd_version}; this is {__version__} "
                          "(profile again if step times changed)")
-        predictor = profile.predictor(model.num_layers, f"profile {path}")
+        predictor = profile.predictor(model.num_layers, f"profile {path}", RooflineModel(model, device))
     else:
         predictor = Predictor.prior(model, device)
         notes.append(f"latency predictor: using the roofline prior for {device.name} ({reason})")

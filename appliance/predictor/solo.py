@@ -13,6 +13,10 @@ h is the host's floor: a short prefill runs its layers eagerly, and below some h
 kernels, not the GPU running them, sets its time (MuxWise's model, fitted through such points, bends its GPU terms
 to them and misses both regimes). The fit minimises relative error (latencies span three orders of magnitude) and
 keeps coefficients non-negative; the floor is chosen among candidates by the same error.
+
+A fit is good where it was measured. Past the largest prefill the profile measured (a short profile, or one made for
+a workload of shorter prompts), terms that shared the measured range diverge; there the model takes its time at the
+edge of that range and scales it as the roofline prior scales, and it never predicts a prefill slower on more SMs.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from appliance.errors import ConfigError
 from appliance.predictor.decode_plan import DecodePlan
 from appliance.predictor.gemm_table import GemmTable
 from appliance.predictor.prefill_plan import PrefillPlan
-from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample, prefill_features
+from appliance.predictor.shapes import DecodeLoad, LatencyModel, PrefillItem, Sample, prefill_features
 
 PREFILL_TERMS = ("sum_n2", "sum_nr", "sum_n", "const")
 PREFILL_GEMM_TERMS = (*PREFILL_TERMS, "gemm_ms")
@@ -37,9 +41,33 @@ MIXED_TERMS = ("sum_n2", "sum_nr", "sum_n+batch", "decode_sum_r", "const")
 
 
 @dataclass(frozen=True)
+class MeasuredRange:
+    """The longest prompt a profile's prefills measured: its new tokens, and its new plus reused tokens. (A batch of
+    such prompts stays in range: the terms in its total tokens are linear, the GEMM table's too past its rows; the
+    quadratic ones are per prompt.)"""
+
+    new: int
+    kv: int
+
+    def fraction(self, items: Sequence[PrefillItem]) -> float:
+        """1 for a batch within the range, else the factor that shrinks every prompt of it to the range's edge."""
+        new = max(i.new for i in items)
+        kv = max(i.new + i.reused for i in items)
+        return min(1.0, self.new / max(new, 1), self.kv / max(kv, 1))
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample]) -> "MeasuredRange | None":
+        items = [i for s in samples if s.kind == "prefill" for i in s.prefill]
+        if not items:
+            return None
+        return cls(max(i.new for i in items), max(i.new + i.reused for i in items))
+
+
+@dataclass(frozen=True)
 class SoloModel:
     """Coefficients per SM count. An SM count between profiled ones uses the next smaller profiled partition
-    (never optimistic); below the smallest, that one's latency scaled by the SM ratio."""
+    (never optimistic); below the smallest, that one's latency scaled by the SM ratio. With `measured` and `prior`,
+    a prefill past the measured range scales the range edge's time as the prior does."""
 
     prefill: dict[int, tuple[float, ...]]  # a, b, c, d[, h[, q[, w]]] (q: with a GEMM table, w: and a plan)
     decode: dict[int, tuple[float, ...]]   # e, f, g[, k] (k: with a decode plan)
@@ -47,6 +75,8 @@ class SoloModel:
     decode_plan: DecodePlan | None = None
     gemm: GemmTable | None = None
     prefill_plan: PrefillPlan | None = None
+    measured: MeasuredRange | None = None
+    prior: LatencyModel | None = None
     _keys: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,10 +107,31 @@ class SoloModel:
         return gemm + (w * self.prefill_plan.critical_tokens(items, sms) if w and self.prefill_plan else 0.0)
 
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int) -> float:
+        """A prefill batch alone on `sms` SMs. Past the measured range: the batch shrunk to the range's edge,
+        scaled by the prior's ratio between the two (a partition whose fit put the GEMMs' time on the quadratic
+        attention term predicted a 28k-token prompt three times slower on all SMs than on 100 of them)."""
         if not items:
             return 0.0
+        f = self.measured.fraction(items) if self.measured is not None and self.prior is not None else 1.0
+        if f >= 1.0:
+            return self._fitted(items, sms)
+        edge = tuple(PrefillItem(max(1, int(i.new * f)), int(i.reused * f)) for i in items)
+        return self._fitted(edge, sms) * self.prior.prefill_ms(items, sms) / self.prior.prefill_ms(edge, sms)
+
+    def _fitted(self, items: Sequence[PrefillItem], sms: int) -> float:
+        """The partition's fit, held to what every narrower profiled partition predicts (more SMs never run a
+        prefill slower)."""
+        features = prefill_features(items)
+        ms = self._prefill_on(items, features, sms)
+        for key in self._keys["prefill"]:
+            if key >= sms:
+                break
+            ms = min(ms, self._prefill_on(items, features, key))
+        return ms
+
+    def _prefill_on(self, items: Sequence[PrefillItem], features: tuple[float, float, float], sms: int) -> float:
         (a, b, c, d, h, q, w), scale, key = self._prefill(sms)
-        n2, nr, n = prefill_features(items)
+        n2, nr, n = features
         return scale * max(h, a * n2 + b * nr + c * n + d + self._kernels(q, w, items, int(n), key))
 
     def decode_ms(self, load: DecodeLoad, sms: int) -> float:
@@ -169,7 +220,8 @@ def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None,
             beta = (*beta[:4], beta[-1], *beta[4:-1])
         tables[kind][sms] = tuple(float(v) for v in beta)
     mixed = tables["mixed"][max(tables["mixed"])] if tables["mixed"] else None  # measured on all SMs only
-    return SoloModel(tables["prefill"], tables["decode"], mixed, decode_plan, gemm, prefill_plan)
+    return SoloModel(tables["prefill"], tables["decode"], mixed, decode_plan, gemm, prefill_plan,
+                     MeasuredRange.of(samples))
 
 
 def _fit_with_floor(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:

@@ -18,7 +18,7 @@ from appliance.predictor.predictor import Predictor, partition_choices
 from appliance.predictor.profile import build_profile, load_predictor, read_profile, save_profile
 from appliance.predictor.roofline import DEVICES, RooflineModel
 from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample
-from appliance.predictor.solo import fit_error, fit_solo
+from appliance.predictor.solo import MeasuredRange, fit_error, fit_solo
 from appliance.predictor.synthetic import SyntheticGPU, sample_grid, synthetic_profile
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -68,6 +68,60 @@ def test_solo_fit_with_noise_stays_close():
     noisy = [dataclasses.replace(s, ms=s.ms * (1 + rng.normal(0, 0.01))) for s in known_samples(rng, 60)]
     err = fit_error(fit_solo(noisy), known_samples(rng, 100))
     assert err.prefill_mean < 0.02 and err.decode_mean < 0.02
+
+
+def test_more_sms_never_predict_a_slower_prefill():
+    """A wide partition's fit that put its time on the quadratic term (as a short profile's did on an H100) is held,
+    past the range it was measured on, to what the narrower partitions predict."""
+    rng = np.random.default_rng(4)
+    model = fit_solo(known_samples(rng, 40))
+    quadratic = dataclasses.replace(model, prefill={**model.prefill, 132: (4e-6, 0.0, 0.0, 5.0, 0.0)})
+    short, long = [PrefillItem(1024, 0)], [PrefillItem(28000, 0)]
+    assert quadratic.prefill_ms(short, 132) == pytest.approx(4e-6 * 1024 ** 2 + 5.0)  # its own fit where it holds
+    assert quadratic.prefill_ms(short, 132) < quadratic.prefill_ms(short, 100)
+    assert quadratic.prefill_ms(long, 132) == quadratic.prefill_ms(long, 100) < 4e-6 * 28000 ** 2
+    for sms, (a, _, c, d) in TRUE_PREFILL.items():  # a consistent fit is left as it is
+        assert model.prefill_ms(long, sms) == pytest.approx(a * 28000 ** 2 + c * 28000 + d, rel=0.02)
+
+
+class LinearPrior:
+    """A prior whose prefill time is linear in new and reused tokens."""
+
+    def prefill_ms(self, items, sms):
+        return sum(i.new + 0.1 * i.reused for i in items) * 132 / sms
+
+
+def test_past_the_measured_range_the_prior_scales_the_edge(tmp_path):
+    """A profile measured prompts up to 4k tokens: a longer one takes the 4k edge's fitted time, scaled as the prior
+    scales; within the range, and without a prior, the fit answers alone. The range travels in the profile file."""
+    rng = np.random.default_rng(5)
+    samples = [s for s in known_samples(rng, 40) if s.kind != "prefill"]
+    for sms, (a, b, c, d) in TRUE_PREFILL.items():
+        for _ in range(20):
+            n, r = int(rng.integers(16, 3072)), int(rng.integers(0, 1024))
+            samples.append(Sample("prefill", sms, a * n * n + b * n * r + c * n + d, prefill=(PrefillItem(n, r),)))
+    fitted = fit_solo(samples)
+    assert fitted.measured is not None and fitted.measured.kv <= 4096
+    model = dataclasses.replace(fitted, measured=MeasuredRange(new=4096, kv=4096), prior=LinearPrior())
+    inside, past = [PrefillItem(3000, 1000)], [PrefillItem(12000, 4000)]
+    assert model.prefill_ms(inside, 132) == fitted.prefill_ms(inside, 132)
+    edge = [PrefillItem(3072, 1024)]  # every prompt shrunk by the same factor to the edge (kv 4096)
+    assert model.prefill_ms(past, 132) == pytest.approx(fitted.prefill_ms(edge, 132) * 12400 / 3174.4)
+    assert dataclasses.replace(fitted, measured=MeasuredRange(4096, 4096)).prefill_ms(past, 132) == \
+        fitted.prefill_ms(past, 132)
+    profile = build_profile(samples, model_name="m", model=LLAMA_8B, gpu_name="NVIDIA H200", sm_count=132,
+                            decode_partitions=[32])
+    assert profile.measured == {"prefill_new": fitted.measured.new, "prefill_kv": fitted.measured.kv}
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    predictor = load_predictor(path, LLAMA_8B, "NVIDIA H200")
+    assert isinstance(predictor.latency.prior, RooflineModel)
+    assert predictor.latency.measured == fitted.measured
+    raw = json.loads(path.read_text())
+    raw["measured"] = {"prefill_new": 0, "prefill_kv": 10}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="measured"):
+        read_profile(path)
 
 
 def test_solo_fit_finds_the_host_floor_and_the_mixed_step():
