@@ -99,6 +99,12 @@ def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, l
     max_len = min(model.max_position_embeddings, bench.sim.num_pages * bench.sim.page_size)
     specs, shaped_notes = shape(raw, opts, max_len)
     notes += shaped_notes
+    measured = getattr(bench.predictor.latency, "measured", None)
+    longer = sum(s.prompt_len > measured.kv for s in specs) if measured is not None else 0
+    if longer:
+        notes.append(f"{longer} of {len(specs)} prompts are longer than the profile measured ({measured.kv} tokens): "
+                     "their prefill times scale from that edge as the roofline prior does (profile longer prompts "
+                     "with `muxd profile --trace` of this workload)")
     if "pdmux" in policies:
         groups = "; ".join(g.describe() for g in bench.planner("pdmux").groups)
         notes.append(f"pdmux stream groups (SGLang's prefill/decode SMs -> muxd's): {groups}")

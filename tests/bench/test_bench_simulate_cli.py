@@ -74,3 +74,20 @@ def test_simulate_honours_mux_mixed_chunks(tmp_path):
                            ([], False)):
         bench, _, _ = simulated_bench(BenchOptions(model=str(MODEL), profile=profile, serve_args=serve_args), "h100")
         assert bench.planner("mux").options.mixed_chunks is on
+
+
+def test_simulate_notes_prompts_longer_than_the_profile_measured(tmp_path):
+    profile = synthetic_profile_file(tmp_path)
+    raw = json.loads(profile.read_text())
+    raw["measured"] = {"prefill_new": 1000, "prefill_kv": 1000}
+    profile.write_text(json.dumps(raw))
+    args = ["bench", "--simulate", "--policies", "mux", "--trace", str(TRACE), "--max-requests", "10", "--spread-ties",
+            "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100", "--slo", str(SLO),
+            "--result-dir", str(tmp_path / "out")]
+    result = runner.invoke(app, args, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    notes = json.loads((tmp_path / "out" / "simulated.json").read_text())["notes"]
+    longer = [n for n in notes if "longer than the profile measured (1000 tokens)" in n]
+    assert len(longer) == 1 and longer[0].endswith("(profile longer prompts with `muxd profile --trace` of this "
+                                                   "workload)")
+    assert int(longer[0].split()[0]) >= 1
