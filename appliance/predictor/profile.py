@@ -179,7 +179,7 @@ class ProfileFile(_Model):
     def predictor(self, num_layers: int, source: str, prior: LatencyModel | None = None) -> Predictor:
         """The profile's predictor; `prior` (the roofline model of this model on this GPU) takes over the scaling of
         prefills past the measured range."""
-        measured = MeasuredRange(self.measured["prefill_new"], self.measured["prefill_kv"]) if self.measured else None
+        measured = MeasuredRange.from_dict(self.measured) if self.measured else None
         solo = SoloModel({int(k): tuple(v) for k, v in self.prefill.items()},
                          {int(k): tuple(v) for k, v in self.decode.items()},
                          tuple(self.mixed) if self.mixed else None,
@@ -228,7 +228,7 @@ def build_profile(samples: Sequence[Sample], *, model_name: str, model: ModelCon
         prefill_plan=prefill_plan.to_dict() if prefill_plan else None,
         contention_default=max(guard.cells.values(), default=1.0),
         contention=[CellEntry(cell=c, slowdown=v) for c, v in sorted(guard.cells.items())],
-        measured={"prefill_new": solo.measured.new, "prefill_kv": solo.measured.kv} if solo.measured else None,
+        measured=solo.measured.to_dict() if solo.measured else None,
         fit={"prefill_max_rel_error": err.prefill_max, "prefill_mean_rel_error": err.prefill_mean,
              "decode_max_rel_error": err.decode_max, "decode_mean_rel_error": err.decode_mean,
              **({"mixed_max_rel_error": err.mixed_max, "mixed_mean_rel_error": err.mixed_mean} if solo.mixed else {})})

@@ -55,6 +55,13 @@ class MeasuredRange:
         kv = max(i.new + i.reused for i in items)
         return min(1.0, self.new / max(new, 1), self.kv / max(kv, 1))
 
+    def to_dict(self) -> dict[str, int]:
+        return {"prefill_new": self.new, "prefill_kv": self.kv}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, int]) -> "MeasuredRange":
+        return cls(int(raw["prefill_new"]), int(raw["prefill_kv"]))
+
     @classmethod
     def of(cls, samples: Sequence[Sample]) -> "MeasuredRange | None":
         items = [i for s in samples if s.kind == "prefill" for i in s.prefill]
@@ -123,8 +130,9 @@ class SoloModel:
         prefill slower)."""
         features = prefill_features(items)
         ms = self._prefill_on(items, features, sms)
+        own = self._partition("prefill", sms)[2]
         for key in self._keys["prefill"]:
-            if key >= sms:
+            if key >= own:
                 break
             ms = min(ms, self._prefill_on(items, features, key))
         return ms
