@@ -16,7 +16,9 @@ import torch
 
 from appliance.bench.client import replay_in_process
 from appliance.bench.prompts import PromptSynth
+from appliance.bench.launcher import parse_serve_args as serve_flags
 from appliance.config import Config
+from appliance.config_flags import parse_serve_args
 from appliance.engine.factory import build_engine
 from appliance.engine.steplog import StepLog
 from appliance.errors import ConfigError
@@ -48,6 +50,7 @@ class DiagnoseOptions:
     write_serving: str | None = None
     from_steps: list[str] = field(default_factory=list)
     from_prefills: list[str] = field(default_factory=list)
+    serve_args: str | None = None  # more `muxd serve` flags for the engine (e.g. "--prefill-graph-rows 2048")
 
 
 def diagnose(args: DiagnoseOptions) -> None:
@@ -73,9 +76,11 @@ def diagnose(args: DiagnoseOptions) -> None:
     model = load_model(args.model, device=args.device, load_format="dummy", dtype=None if cuda else "float32")
     synth = PromptSynth(vocab_size=model.config.vocab_size)
     prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
-    engine = build_engine(Config.flat(policy=args.policy, slo=args.slo, profile=args.profile,
-                                      max_model_len=args.max_model_len, chunk_budget=args.chunk_budget,
-                                      mixed_chunks=args.mixed_chunks), model)
+    settings = dict(policy=args.policy, slo=args.slo, profile=args.profile, max_model_len=args.max_model_len,
+                    chunk_budget=args.chunk_budget, mixed_chunks=args.mixed_chunks)
+    config = (parse_serve_args(serve_flags(args.serve_args), **settings) if args.serve_args
+              else Config.flat(**settings))
+    engine = build_engine(config, model)
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
     log = StepLog(engine, predictor).attach()

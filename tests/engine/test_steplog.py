@@ -66,9 +66,15 @@ def test_diagnose_replays_a_synthetic_workload(llama_checkpoint, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
          "--workload", "chat-short", "-n", "3", "--rate", "50", "--policy", "serial", "--max-model-len", "4096",
-         "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+         "--serve-args", "--max-num-seqs 2", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+        timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "serial: 3 requests at 50.0 req/s" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
+         "--workload", "chat-short", "--serve-args", "--no-such-flag 1", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
     both = subprocess.run(
         [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
          "--workload", "chat-short", "--trace", "x.csv", "--out", str(tmp_path)], capture_output=True, text=True,

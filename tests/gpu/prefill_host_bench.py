@@ -1,0 +1,107 @@
+"""Where the host's time goes when the engine launches prefill layers on a partition's prefill stream: each launch's
+host time (the call that queues its kernels, not waiting for them) for whole prompts of several sizes, eager
+(per-layer compiled code) and replaying piecewise graphs, and the functions that time is spent in (cProfile).
+
+    PYTHONPATH=. python tests/gpu/prefill_host_bench.py [--tokens 256,1024,2048] [--sms 100] [--graph-rows 2048]
+        [--reps 20] [--profile-tokens 1024] [--json OUT]
+
+Dummy weights, Llama-3.1-8B shapes by default. The device is synchronised before every launch, so a launch never
+waits for a full launch queue: what is measured is the host's own work.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+
+from appliance.config import Config
+from appliance.engine.factory import build_engine
+from appliance.engine.plan import PrefillWork, StepPlan
+from appliance.profile.grid import Point
+from appliance.profile.timer import StepTimer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="configs/models/llama-3.1-8b")
+    ap.add_argument("--tokens", default="256,1024,2048")
+    ap.add_argument("--sms", type=int, default=100, help="the prefill partition nearest this many SMs")
+    ap.add_argument("--graph-rows", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile-tokens", type=int, default=1024)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cfg = Config.flat(model=args.model, load_format="dummy", max_num_seqs=64, max_model_len=32768,
+                      enable_prefix_caching=False, multiplex=True, prefill_graph_rows=args.graph_rows)
+    cfg.check()
+    engine = build_engine(cfg)
+    timer, executor = StepTimer(engine), engine.executor
+    parts = executor.partitions
+    part = min(parts.splits, key=lambda p: abs(p.prefill_sms - args.sms)) if parts.splits else parts.full
+    layers = engine.model.config.num_layers
+    requests = engine.scheduler.requests
+    print(f"{torch.cuda.get_device_name()}: prefill on {part.prefill_sms} SMs, graphs up to {args.graph_rows} rows "
+          f"(capture {engine.startup.get('prefill_graph_capture_s', 0):.1f} s)")
+
+    def launch_ms(tokens: int, ranges: list[tuple[int, int]], profile: cProfile.Profile | None = None) -> list[float]:
+        reqs, works = timer._prefill_works(Point("prefill", part.prefill_sms, new=tokens))
+        rid = works[0].request_id
+        out = []
+        try:
+            for start, end in ranges:
+                plan = StepPlan(prefill=(PrefillWork(rid, 0, tokens, start, end),))
+                torch.cuda.synchronize()
+                if profile is not None:
+                    profile.enable()
+                began = time.perf_counter()
+                executor.start(plan, requests, partition=part)
+                out.append((time.perf_counter() - began) * 1e3)
+                if profile is not None:
+                    profile.disable()
+                timer._drain()
+        finally:
+            timer._clear(reqs)
+        return out
+
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for mode in ("graphs", "eager"):
+            engine.runner.use_graphs = mode == "graphs"
+            launch_ms(tokens, [(0, layers)])  # warm: plans, compiles this size
+            whole, halves = [], []
+            for _ in range(args.reps):
+                whole += launch_ms(tokens, [(0, layers)])
+                halves += launch_ms(tokens, [(0, layers // 2), (layers // 2, layers)])
+            w, h = statistics.median(whole), statistics.median(halves)
+            per_layer = (w - h) / (layers - layers // 2)  # a launch of L layers: fixed + L x per layer
+            rows.append({"tokens": tokens, "mode": mode, "launch_ms": w, "half_launch_ms": h,
+                         "per_layer_ms": per_layer, "fixed_ms": w - layers * per_layer,
+                         "p90_launch_ms": sorted(whole)[int(0.9 * len(whole))]})
+            r = rows[-1]
+            print(f"{tokens:6d} tokens {mode:6s}: {layers} layers {w:6.2f} ms (p90 {r['p90_launch_ms']:.2f}), "
+                  f"{layers // 2} layers {h:6.2f} ms -> {per_layer:.3f} ms a layer + {r['fixed_ms']:.2f} ms")
+    profiles = {}
+    for mode in ("graphs", "eager"):
+        engine.runner.use_graphs = mode == "graphs"
+        prof = cProfile.Profile()
+        for _ in range(5):
+            launch_ms(args.profile_tokens, [(0, layers)], prof)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        profiles[mode] = text.getvalue()
+        print(f"\n== cProfile, {args.profile_tokens} tokens, {mode}, 5 launches of {layers} layers (tottime)")
+        print("\n".join(text.getvalue().splitlines()[:45]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "prefill_sms": part.prefill_sms,
+                       "graph_rows": args.graph_rows, "rows": rows, "profiles": profiles}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
