@@ -107,6 +107,8 @@ def diagnose_command(bench_app: typer.Typer) -> None:
                                                                      "replay)."),
         serve_args: Optional[str] = typer.Option(None, help="More `muxd serve` flags for the engine, quoted (e.g. "
                                                             "\"--prefill-graph-rows 2048\")."),
+        host_profile: bool = typer.Option(False, "--host-profile", help="cProfile the engine thread's steps: "
+                                                                         "where the host's time goes (shares)."),
     ) -> None:
         """Where a policy's time goes: replay a trace slice (or --workload) in process and report every step's
         planning, launch and host time, decode steps' wall against device time (CUDA), partitions, layers per
@@ -118,7 +120,8 @@ def diagnose_command(bench_app: typer.Typer) -> None:
                                 chunk_budget=chunk_budget,
                                 mixed_chunks=mixed_chunks, max_model_len=max_model_len, out=out, device=device,
                                 write_serving=write_serving, from_steps=list(from_steps or []),
-                                from_prefills=list(from_prefills or []), serve_args=serve_args))
+                                from_prefills=list(from_prefills or []), serve_args=serve_args,
+                                host_profile=host_profile))
         except ApplianceError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2) from None

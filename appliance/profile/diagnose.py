@@ -6,12 +6,16 @@ them in a copy); from step and prefill logs alone it only calibrates.
 """
 from __future__ import annotations
 
+import cProfile
+import io
 import json
+import pstats
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from appliance.bench.client import replay_in_process
@@ -51,6 +55,7 @@ class DiagnoseOptions:
     from_steps: list[str] = field(default_factory=list)
     from_prefills: list[str] = field(default_factory=list)
     serve_args: str | None = None  # more `muxd serve` flags for the engine (e.g. "--prefill-graph-rows 2048")
+    host_profile: bool = False  # cProfile the engine thread's steps (slows the host: read it for shares, not times)
 
 
 def diagnose(args: DiagnoseOptions) -> None:
@@ -86,6 +91,7 @@ def diagnose(args: DiagnoseOptions) -> None:
     log = StepLog(engine, predictor).attach()
     steps = log.steps
 
+    profiler = _profile_steps(engine) if args.host_profile else None
     result = replay_in_process(engine, specs, prompts, max_idle=args.max_idle)
     summary = summarize(result.timelines, result.duration)
     engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
@@ -123,6 +129,7 @@ def diagnose(args: DiagnoseOptions) -> None:
     elif stats is not None:
         print("  planner", {k: v for k, v in vars(stats).items() if k != "decode_sms"})
     print(f"  switches {engine.executor.switches}, layers launched {engine.executor.layers_launched}")
+    _launch_host(steps)
     for kind, key in (("mixed", "mixed"), ("decode beside prefill", "beside"), ("decode alone", None)):
         rows = [s for s in steps if "pred_ms" in s and (s["mixed"] if key == "mixed" else
                                                          (not s["mixed"] and bool(s.get("beside")) == (key is not None)))]
@@ -139,6 +146,50 @@ def diagnose(args: DiagnoseOptions) -> None:
                   f"median {statistics.median(ratio):.2f}, p90 {ratio[int(0.9 * len(ratio))]:.2f}, total {total:.2f}")
     if args.profile:
         calibrate(args, steps, log.prefills, result.timelines if args.policy == "serial" else ())
+    if profiler is not None:
+        _report_profile(profiler, out / f"host-profile-{args.policy}.pstats")
+
+
+def _launch_host(steps: list[dict]) -> None:
+    """Print the host time of the steps' prefill launches, and a line through it: a fixed part per step's launches
+    and a part per layer launched (what the host model's `launch_ms` and `per_layer_ms` stand for)."""
+    rows = [(s["layers"], s["prefill_launch_ms"]) for s in steps if s.get("prefill_launch_ms") is not None
+            and s.get("layers")]
+    if len(rows) < 2:
+        return
+    layers, ms = (np.array(v, dtype=float) for v in zip(*rows))
+    p10, p50, p90, p99 = np.percentile(ms, [10, 50, 90, 99])
+    line = ""
+    if np.ptp(layers) > 0:
+        slope, fixed = np.polyfit(layers, ms, 1)
+        line = f"; least squares {fixed:.2f} ms + {slope:.3f} ms a layer"
+    print(f"  prefill launches' host time: {len(rows)} steps, p10 {p10:.2f} ms, median {p50:.2f}, p90 {p90:.2f}, "
+          f"p99 {p99:.2f}{line}")
+
+
+def _profile_steps(engine) -> cProfile.Profile:
+    """Profile every `engine.step()` (in the thread that runs it: cProfile follows the enabling thread)."""
+    profiler, step = cProfile.Profile(), engine.step
+
+    def profiled_step():
+        profiler.enable()
+        try:
+            return step()
+        finally:
+            profiler.disable()
+
+    engine.step = profiled_step
+    return profiler
+
+
+def _report_profile(profiler: cProfile.Profile, path: Path) -> None:
+    profiler.dump_stats(str(path))
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(30)
+    print(f"  engine thread's host profile ({path}; cProfile slows the host, so read shares, not times):")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 
 
 

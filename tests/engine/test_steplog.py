@@ -4,6 +4,7 @@ trace slice and prints where the time went."""
 from __future__ import annotations
 
 import os
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +45,15 @@ def test_the_diagnosis_script_replays_a_trace_slice_and_reports(llama_checkpoint
         [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
          "--trace", str(ROOT / "tests" / "data" / "azure_code_2023_head200.csv"), "-n", "6", "--rate", "20",
          "--policy", "mux", "--mixed-chunks", "--slo", str(ROOT / "configs" / "slo" / "chat-queue.yaml"),
-         "--max-model-len", "256", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+         "--max-model-len", "256", "--host-profile", "--out", str(tmp_path)], capture_output=True, text=True,
+        env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "mux: 6 requests at 20.0 req/s" in out and "plan_ms" in out and "'mixed': {'flat'" in out
     assert (tmp_path / "steps-mux.json").is_file() and (tmp_path / "requests-mux.json").is_file()
+    # the engine thread's profile: the executor's prefill launches are in it, and the stats file reads back
+    assert "host profile" in out and "_launch_prefill" in out
+    assert pstats.Stats(str(tmp_path / "host-profile-mux.pstats")).total_calls > 0
 
 
 def test_the_planner_charges_the_host_as_the_engines_loop_runs(llama_checkpoint):
