@@ -501,7 +501,9 @@ def test_temporal_when_layers_on_all_sms_go_faster_than_the_split():
 
 
 def test_temporal_waits_for_prefill_in_flight_on_a_partition():
-    """Layers still running on the prefill partition keep the split: temporal steps start once the stream drained."""
+    """Layers still running on the prefill partition keep decode on the split, and the split's queue is not topped
+    up while temporal steps would advance the batch faster (topped up, it would never drain): decode runs alone
+    beside it, and temporal steps start once the stream drained."""
     rig = Rig(Table(per_token={132: 0.02, 116: 0.06, 100: 0.06, 84: 0.06}), temporal=True)
     rig.planner.options.temporal = False
     rig.decoding(2)
@@ -510,8 +512,21 @@ def test_temporal_waits_for_prefill_in_flight_on_a_partition():
     assert first.decode_sms == 32 and first.prefill
     rig.planner.options.temporal = True
     second = rig.plan()
-    assert second.decode_sms is not None and rig.planner.stats.temporal_steps == 0
-    for work in first.prefill + second.prefill:
+    assert second.decode_sms == 32 and not second.prefill and len(second.decode) == 2
+    assert rig.planner.stats.temporal_steps == 0 and rig.planner.stats.drain_steps == 1
+    for work in first.prefill:
         rig.sched.complete_prefill(work, None)
     assert not rig.sched.has_inflight()
     assert rig.plan().decode_sms is None and rig.planner.stats.temporal_steps == 1
+
+
+def test_temporal_tops_up_the_split_where_the_split_is_faster():
+    """Where the split advances the batch faster than temporal steps would, prefill in flight is topped up as
+    without --temporal-prefill."""
+    rig = Rig(temporal=True)
+    rig.decoding(2)
+    rig.request(10_000)
+    first = rig.plan()
+    assert first.decode_sms == 32 and first.prefill
+    second = rig.plan()
+    assert second.decode_sms == 32 and second.prefill and rig.planner.stats.drain_steps == 0

@@ -52,6 +52,7 @@ class MuxStats:
     decode_only_steps: int = 0
     prefill_only_steps: int = 0
     pauses: int = 0  # batches paused between layers for a more urgent prompt
+    drain_steps: int = 0  # temporal: decode alone while the split's queued prefill drains
     shed: int = 0
     last_mode: str = ""
     decode_sms: Counter = field(default_factory=Counter)  # spatial steps per decode partition
@@ -101,10 +102,16 @@ class MuxPlanner:
             chunk = self._chunk(sched, decode, load, batch, items, tbt)
             if chunk is not None:
                 return chunk
-        if self.options.temporal and not sched.has_inflight():
-            temporal = self._temporal(decode, load, batch, start, items, tbt)
-            if temporal is not None:
-                return temporal
+        if self.options.temporal:
+            if not sched.has_inflight():
+                temporal = self._temporal(decode, load, batch, start, items, tbt)
+                if temporal is not None:
+                    return temporal
+            elif self._temporal_layers(load, start, items, tbt):
+                # the split's queue drains first (it runs meanwhile): topped up, it would keep every later step on
+                # the split, which this batch would advance slower on
+                self.stats.drain_steps += 1
+                return self._decode_only(sched, decode, load, tbt)
         return self._spatial(sched, decode, load, batch, start, items, tbt)
 
     def _decode_only(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, tbt: float) -> StepPlan:
@@ -152,16 +159,15 @@ class MuxPlanner:
             works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
         return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
 
-    def _temporal(self, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
-                  items: list[PrefillItem], tbt: float) -> StepPlan | None:
-        """Temporal multiplexing: the decode rows on all SMs, then as many of the batch's next layers on all SMs as
-        the step's gap holds within the planning target, when that advances the batch faster (layers per ms of gap)
-        than the split would beside decode; None when the split is faster or no layer fits."""
+    def _temporal_layers(self, load: DecodeLoad, start: int, items: list[PrefillItem], tbt: float) -> int:
+        """How many of the batch's next layers a temporal step runs: as many as the step's gap (the decode rows on
+        all SMs, then the layers on all SMs) holds within the planning target, when that advances the batch faster
+        (layers per ms of gap) than the split would beside decode; 0 when the split is faster or no layer fits."""
         p = self.predictor
         t_decode = p.decode_ms(load)
         per_layer = p.prefill_ms(items) / p.num_layers
         if per_layer <= 0:
-            return None
+            return 0
         def gap(layers: int) -> float:  # the host launches the layers too: their launches hide within the gap
             return p.host.gap(load.batch_size, t_decode + layers * per_layer, layers)
 
@@ -169,11 +175,19 @@ class MuxPlanner:
         while k > 0 and gap(k) > tbt:
             k -= 1
         if k < 1:
-            return None
-        rate = k / gap(k)
+            return 0
         d = self._decode_partition(load, items, tbt)
-        if d is not None and p.num_layers / p.prefill_ms(items, p.sm_count - d) >= rate:
+        if d is not None and p.num_layers / p.prefill_ms(items, p.sm_count - d) >= k / gap(k):
+            return 0
+        return k
+
+    def _temporal(self, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
+                  items: list[PrefillItem], tbt: float) -> StepPlan | None:
+        """Temporal multiplexing (`_temporal_layers`); None when the split is faster or no layer fits."""
+        k = self._temporal_layers(load, start, items, tbt)
+        if k < 1:
             return None
+        p = self.predictor
         self.stats.temporal_steps += 1
         self.stats.last_mode = "temporal"
         self.batches.prefill_sms = p.sm_count
