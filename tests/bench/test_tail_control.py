@@ -114,11 +114,13 @@ def test_mux_keeps_the_contract_when_the_host_launches_slower_than_modelled(rig,
 
 def test_launch_times_spread_around_the_model_are_drawn_reproducibly_and_learned(rig):
     """A host whose launches vary (lognormal around 4x the model): the planner sees each launch's own time, plans
-    with their 90th percentile, and keeps the contract; the same seed replays the same run."""
+    with a line above nine in ten of them, and keeps the contract; the same seed replays the same run."""
     (report, planner), (again, _) = (replay(rig, 0.0, control=True, host_error=3.0, host_spread=0.5)
                                      for _ in range(2))
     assert report.met and report.tbt_ms <= 50.0, report.reasons
     assert report.tbt_ms == again.tbt_ms and report.summary == again.summary
-    seen = np.array(planner.predictor.launches.window)
-    assert seen.max() > 3 * seen.min()  # a spread, not one figure
-    assert planner.predictor.host.per_layer_ms == pytest.approx(np.quantile(seen, 0.9))
+    layers, ms = np.array(planner.predictor.launches.window).T
+    per_layer = ms / layers
+    assert per_layer.max() > 3 * per_layer.min()  # a spread, not one figure
+    host = planner.predictor.host
+    assert np.mean(ms <= host.launch_ms + host.per_layer_ms * layers + 1e-9) == pytest.approx(0.9, abs=0.02)

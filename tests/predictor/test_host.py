@@ -47,22 +47,29 @@ def test_the_overlapped_loop_hides_the_host_behind_the_device():
     assert "overlapped" not in over.as_dict()  # a property of the engine's loop, not of the profiled host
 
 
-def test_launches_measured_while_serving_replace_the_profiled_per_layer_time():
-    """The per-layer launch time is learned online as a high quantile of what the engine measures: the idle host's
-    figure holds until enough launches were seen, then a slower serving host's (one slow launch in ten is not planned
-    away; launches slower still are)."""
+def test_launches_measured_while_serving_replace_the_profiled_launch_times():
+    """The launch time is learned online as a line through what the engine measures (a fixed part per launch, a part
+    per layer), raised to the 90th percentile of its residuals: the idle host's figures hold until enough launches
+    were seen, then a serving host's (one slow launch in twenty is not planned for; one in five is). Launches that
+    all hold as many layers give the per-layer part alone."""
     cost, model = LaunchCost(), HostModel(step_ms=1.0, per_row_us=0.0, launch_ms=0.5, per_layer_ms=1.0)
-    for _ in range(MIN_LAUNCHES - 1):
-        model = cost.observe(model, launches=1, layers=10, measured_ms=0.5 + 10 * 2.0)
-    assert model.per_layer_ms == 1.0  # too few to say
-    for i in range(LAUNCH_WINDOW):
-        slow = i % 20 == 0  # one launch in twenty took 5 ms a layer
-        model = cost.observe(model, launches=2, layers=8, measured_ms=2 * 0.5 + 8 * (5.0 if slow else 2.0))
-    assert model.per_layer_ms == pytest.approx(2.0)  # the 90th percentile: the rare slow launch is left out
-    for _ in range(LAUNCH_WINDOW // 5):
-        model = cost.observe(model, launches=1, layers=4, measured_ms=0.5 + 4 * 5.0)
-    assert model.per_layer_ms == pytest.approx(5.0)  # one in five: planned for
-    assert (model.step_ms, model.launch_ms) == (1.0, 0.5)  # the rest stays as profiled
+    for i in range(MIN_LAUNCHES - 1):
+        model = cost.observe(model, launches=1, layers=4 + i % 8, measured_ms=5.0 + 0.1 * (4 + i % 8))
+    assert (model.launch_ms, model.per_layer_ms) == (0.5, 1.0)  # too few to say
+    for i in range(LAUNCH_WINDOW):  # two launches a step, 2 to 15 layers each; one step in twenty 8 ms slower
+        layers = 2 + i % 14
+        model = cost.observe(model, launches=2, layers=2 * layers,
+                             measured_ms=2 * (5.0 + 0.1 * layers) + (16.0 if i % 20 == 0 else 0.0))
+    assert 5.0 <= model.launch_ms < 5.5 and model.per_layer_ms == pytest.approx(0.1, abs=0.02)
+    for i in range(LAUNCH_WINDOW // 5):  # now one launch in five takes 6 ms more
+        layers = 2 + i % 14
+        model = cost.observe(model, launches=1, layers=layers, measured_ms=5.0 + 0.1 * layers + 6.0)
+    assert model.launch_ms > 10.0  # planned for
+    assert model.step_ms == 1.0  # the rest stays as profiled
+    same = LaunchCost()
+    for _ in range(MIN_LAUNCHES):  # every launch of 10 layers: no slope to fit
+        flat = same.observe(HostModel(launch_ms=0.5, per_layer_ms=1.0), launches=1, layers=10, measured_ms=20.5)
+    assert (flat.launch_ms, flat.per_layer_ms) == (0.5, pytest.approx(2.0))
     assert cost.observe(model, launches=0, layers=0, measured_ms=3.0) is model  # nothing launched: nothing learned
     assert cost.observe(model, launches=1, layers=10, measured_ms=80.0) is model  # a compile, or a CPU engine
     assert HostModel(1.0, 10.0, 0.5, 2.0).scaled(1.5) == HostModel(1.5, 15.0, 0.75, 3.0)

@@ -339,7 +339,8 @@ class MuxPlanner:
         stats["decode_sms"] = {str(k): v for k, v in sorted(self.stats.decode_sms.items())}
         return {"stats": stats, "contention_cells": len(p.guard.observations),
                 "control": self.control_state(),
-                "host": {"per_layer_ms": p.host.per_layer_ms, "launches": len(p.launches.window)},
+                "host": {"launch_ms": p.host.launch_ms, "per_layer_ms": p.host.per_layer_ms,
+                         "launches": len(p.launches.window)},
                 **{
             name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
             for name, model in (("split", p.split), ("mixed", p.mixed))}}
