@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from typing import Callable
 
 import torch
 
 from appliance.attention import AttentionBackend, make_backend
 from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.inflight import Done, PrefillsInFlight
 from appliance.engine.launched import (
     Decisions,
     DecodeObservation,
@@ -55,9 +55,7 @@ class Executor:
         self.timeline = timeline or Timeline()
         self._graphs: dict[str, DecodeGraphs | None] = {}
         self._prefill_backends: dict[str, AttentionBackend] = {}
-        self._inflight: list[PrefillLaunch] = []
-        self._last: dict[str, PrefillLaunch] = {}  # each request's latest prefill launch
-        self._made_on: dict[str, torch.cuda.Stream | None] = {}  # the stream of each request's latest prefill layers
+        self.inflight = PrefillsInFlight(self.timeline)  # prefill launched on partitions, not reported yet
         self.current: Partition = self.partitions.full
         self.switches = 0
         self.layers_launched = 0
@@ -66,8 +64,6 @@ class Executor:
         self._previous: LaunchedStep | None = None  # the latest step with tokens to read back
         self._tokens_at = 0.0  # when the latest collected step's tokens reached the host
         self.last_launch_ms: float | None = None  # host time the latest step spent launching prefill layers
-        self.prefills: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
-        self.prefills_seen = 0  # how many were ever appended (a reader keeps its own mark)
         self._split_decodes = 0  # decode steps run on a split partition
         self._gemm: GemmTable | None = None
         self._max_rows = 0
@@ -147,7 +143,7 @@ class Executor:
         self._graphs.clear()
         self._prefill_graphs.clear()
         self._prefill_backends.clear()
-        self._inflight = []
+        self.inflight.drop()
         self._previous = None
         self.runner.graphs = None
 
@@ -165,7 +161,7 @@ class Executor:
         full = self.partitions.full
         if not self.multiplexed or not plan.decode or plan.decode_sms is None:
             return full
-        if not plan.prefill and not self._inflight:
+        if not plan.prefill and not self.inflight.launches:
             return full
         return self.partitions.for_decode(plan.decode_sms)
 
@@ -199,8 +195,7 @@ class Executor:
         """What the plan runs on: its partition, whether a mixed step may replay prefill graphs (not while a prefill
         launch still running there may be using their buffers) and the rows of each prefill launch."""
         part = partition or self.partition_for(plan)
-        mixed_graphs = plan.mixed and part.name in self._prefill_graphs and not any(
-            l.partition == part.name and not l.done() for l in self._inflight)
+        mixed_graphs = plan.mixed and part.name in self._prefill_graphs and not self.inflight.running_on(part.name)
         pad = None if plan.mixed else self.pad_rows(part.prefill_sms)
         rows = tuple(pad(sum(w.num_tokens for w in works)) if pad is not None else None
                      for _, works in prefill_launches(plan))
@@ -248,7 +243,7 @@ class Executor:
             self._split_decodes += bool(plan.decode) and part is not self.partitions.full
             self.last_launch_ms = step.launch_s * 1e3 if plan.prefill else None
             if part is not self.partitions.full:
-                step.beside = tuple(w for launch in self._inflight if not launch.done() for w in launch.works)
+                step.beside = self.inflight.running_works()
         if step.rows:
             if step.held is None:
                 self._read_back(step, part)
@@ -360,8 +355,8 @@ class Executor:
         for)."""
         graphs = self._prefill_graphs.get(part.name) if use_graphs else None
         if graphs is not None and part.decode_stream is not None:
-            for l in self._inflight:
-                if l.partition == part.name and l.event is not None and not l.done():
+            for l in self.inflight.running_on(part.name):
+                if l.event is not None:
                     part.decode_stream.wait_event(l.event)
         step.ends = [requests[i].num_tokens for i in plan.decode]
         with _on(part.decode_stream):
@@ -381,7 +376,7 @@ class Executor:
         self.layers_launched += end - start
         if stream is None or after_decode:  # in stream order with the step, whose rows get the prompts it ends
             with _on(part.decode_stream):
-                self._continue_on(works, part.decode_stream)
+                self.inflight.continue_on(works, part.decode_stream, self.runner.use_partials_on)
                 ids, logits = self.runner.prefill(works, requests, start, end, None, pad,
                                                   self._prefill_graphs.get(part.name))
                 self._sampled(step, ids, logits, requests)
@@ -390,8 +385,8 @@ class Executor:
                                   tokens=sum(w.num_tokens for w in works))
             return
         with _on(stream):
-            self._continue_on(works, stream)
-            latest = self._inflight[-1] if self.serial_prefills and self._inflight else None
+            self.inflight.continue_on(works, stream, self.runner.use_partials_on)
+            latest = self.inflight.latest if self.serial_prefills else None
             if latest is not None and latest.stream not in (None, stream):
                 stream.wait_event(latest.event)  # one prefill communicator: its collectives in launch order
             began = torch.cuda.Event(enable_timing=True)
@@ -407,77 +402,46 @@ class Executor:
             event.record(stream)
         launch = PrefillLaunch(works, ids, host, event, stream, part.name, started, began, part.prefill_sms,
                          self._split_decodes, logprobs)
-        self._inflight.append(launch)
-        for w in works:
-            self._last[w.request_id] = launch
+        self.inflight.add(launch)
         self.timeline.instant("prefill launch", f"{part.name} prefill", started, layers=f"{start}-{end}",
                               tokens=sum(w.num_tokens for w in works))
 
-    def _continue_on(self, works: list[PrefillWork], stream: torch.cuda.Stream | None) -> None:
-        """Continued chunks launched on `stream` wait for their previous layers launched on another stream, and
-        keep those layers' activations from reuse there until `stream` has read them."""
-        for w in works:
-            last = self._last.get(w.request_id)
-            if last is not None and last.event is not None and last.stream is not stream:
-                stream.wait_event(last.event)
-            if self._made_on.get(w.request_id, stream) is not stream:
-                self.runner.use_partials_on(w.request_id, stream)
-            self._made_on[w.request_id] = stream
-
     # ---- completion -------------------------------------------------------------------------------------------
-    def poll(self) -> list[tuple[PrefillWork, int | None, tuple | None]]:
+    def poll(self) -> list[Done]:
         """Prefill works launched on a partition whose layers have all run since the last call, in launch order, with
         the sampled token of each chunk that ends its prompt and its log-probability entry (None for the others)."""
-        done: list[tuple[PrefillWork, int | None, tuple | None]] = []
-        pending = []
-        for launch in self._inflight:
-            if not launch.done():
-                pending.append(launch)
-                continue
-            tokens = dict(zip(launch.ids, launch.tokens.tolist())) if launch.tokens is not None else {}
-            done += [(w, tokens.get(w.request_id), launch.logprobs.get(w.request_id)) for w in launch.works]
-            for w in launch.works:
-                if self._last.get(w.request_id) is launch:
-                    del self._last[w.request_id]
-            if launch.event is not None:
-                now = time.perf_counter()
-                if launch.began is not None:
-                    self.prefills.append(PrefillObservation(
-                        launch.prefill_sms, tuple(launch.works), launch.began.elapsed_time(launch.event),
-                        self._split_decodes > launch.decodes_before))
-                    self.prefills_seen += 1
-                self.timeline.span("prefill", f"{launch.partition} prefill", launch.launched_at, now,
-                                   works=len(launch.works),
-                                   layers=f"{launch.works[0].layer_start}-{launch.works[0].layer_end}")
-                if launch.ids:  # these prompts are done: their requests join the decode batch
-                    self.timeline.instant("merge", f"{launch.partition} prefill", now, requests=len(launch.ids))
-        self._inflight = pending
-        return done
+        return self.inflight.poll(self._split_decodes)
+
+    @property
+    def prefills(self):
+        """The latest finished prefill launches (PrefillObservation), oldest first."""
+        return self.inflight.finished
+
+    @property
+    def prefills_seen(self) -> int:
+        """How many prefill launches ever finished (a reader of `prefills_since` keeps its own mark)."""
+        return self.inflight.finished_seen
 
     def prefills_since(self, mark: int) -> tuple[list[PrefillObservation], int]:
         """The prefill launches finished since a reader's `mark` (at most the latest the log keeps) and its next
         mark."""
-        new = min(self.prefills_seen - mark, len(self.prefills))
-        return (list(self.prefills)[len(self.prefills) - new:] if new > 0 else []), self.prefills_seen
+        return self.inflight.since(mark)
 
     def has_inflight(self) -> bool:
-        return bool(self._inflight)
+        return bool(self.inflight.launches)
 
     @property
     def num_inflight(self) -> int:
         """Prefill launches not reported by `poll()` yet."""
-        return len(self._inflight)
+        return len(self.inflight.launches)
 
     def wait(self) -> None:
         """Block until the oldest in-flight prefill launch has finished (the engine has nothing else to run)."""
-        if self._inflight and self._inflight[0].event is not None:
-            self._inflight[0].event.synchronize()
+        self.inflight.wait()
 
     def settle(self, request_id: str) -> None:
         """Block until every launched kernel of the request has run: its pages may then go to another request."""
-        for launch in self._inflight:
-            if launch.event is not None and any(w.request_id == request_id for w in launch.works):
-                launch.event.synchronize()
+        self.inflight.settle(request_id)
 
     def release(self, plan: StepPlan) -> None:
         """Forget the executor state of the requests the plan names as preempted or finished."""
@@ -487,8 +451,7 @@ class Executor:
         """Forget the requests' executor state (finished, preempted or aborted: none of their prefill kernels is in
         flight by then, the engine `settle`s an aborted request's; a decode step not read yet needs none of it)."""
         for rid in request_ids:
-            self._last.pop(rid, None)
-            self._made_on.pop(rid, None)
+            self.inflight.forget(rid)
             self.runner.release(rid)
 
     # ---- lifetime ---------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_a_decode_step_beside_prefill_refines_the_mux_planners_guard(llama_check
 
 
 def test_prefill_layers_timed_beside_decode_refine_the_mux_planners_split_slowdown(llama_checkpoint):
-    from appliance.engine.executor import PrefillObservation
+    from appliance.engine.launched import PrefillObservation
     from appliance.engine.plan import PrefillWork, StepPlan
 
     path, _ = llama_checkpoint
@@ -79,12 +79,12 @@ def test_prefill_layers_timed_beside_decode_refine_the_mux_planners_split_slowdo
     split, sms = engine.predictor.split, engine.predictor.sm_count
     part = sms - engine.predictor.decode_partitions[0]  # a split's prefill SMs
     works = (PrefillWork("other", 0, 3000, 0, 4),)
-    executor = engine.executor
+    inflight = engine.executor.inflight
     for obs in (PrefillObservation(part, works, 30.0, True),    # on a partition, decode beside: learned
                 PrefillObservation(part, works, 30.0, False),   # nothing ran beside it
                 PrefillObservation(sms, works, 30.0, True)):    # on all SMs
-        executor.prefills.append(obs)
-        executor.prefills_seen += 1
+        inflight.finished.append(obs)
+        inflight.finished_seen += 1
     engine._observe(StepPlan())
     assert len(split.window) == 1 and split.window[0][2] == 30.0
     engine._observe(StepPlan())  # each launch is handed over once
