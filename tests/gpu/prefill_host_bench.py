@@ -3,10 +3,12 @@ host time (the call that queues its kernels, not waiting for them) for whole pro
 (per-layer compiled code) and replaying piecewise graphs, and the functions that time is spent in (cProfile).
 
     PYTHONPATH=. python tests/gpu/prefill_host_bench.py [--tokens 256,1024,2048] [--sms 100] [--graph-rows 2048]
-        [--reps 20] [--profile-tokens 1024] [--json OUT]
+        [--reps 20] [--profile-tokens 1024] [--busy 0.5] [--json OUT]
 
 Dummy weights, Llama-3.1-8B shapes by default. The device is synchronised before every launch, so a launch never
-waits for a full launch queue: what is measured is the host's own work.
+waits for a full launch queue: what is measured is the host's own work. `--busy F` runs another Python thread that
+holds the interpreter for a fraction F of the time in 1 ms slices (as a serving process's event loop streaming tokens
+does): launches that slow down with it are paying for the interpreter lock, not for the device.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import io
 import json
 import pstats
 import statistics
+import threading
 import time
 
 import torch
@@ -35,8 +38,11 @@ def main() -> None:
     ap.add_argument("--graph-rows", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile-tokens", type=int, default=1024)
+    ap.add_argument("--busy", type=float, default=0.0, help="another thread holds the interpreter this share of time")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.busy > 0:
+        threading.Thread(target=_busy, args=(args.busy,), daemon=True).start()
     cfg = Config.flat(model=args.model, load_format="dummy", max_num_seqs=64, max_model_len=32768,
                       enable_prefix_caching=False, multiplex=True, prefill_graph_rows=args.graph_rows)
     cfg.check()
@@ -100,7 +106,18 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "prefill_sms": part.prefill_sms,
-                       "graph_rows": args.graph_rows, "rows": rows, "profiles": profiles}, f, indent=1)
+                       "graph_rows": args.graph_rows, "busy": args.busy, "rows": rows, "profiles": profiles}, f,
+                  indent=1)
+
+
+def _busy(share: float) -> None:
+    """Hold the interpreter `share` of the time: pure-Python work in 1 ms slices, then sleep (which releases it)."""
+    while True:
+        end = time.perf_counter() + 1e-3
+        n = 0
+        while time.perf_counter() < end:
+            n += 1
+        time.sleep(max(0.0, 1e-3 * (1 - share) / share))
 
 
 if __name__ == "__main__":
