@@ -106,15 +106,15 @@ def fit_host(steps: Iterable[dict[str, Any]]) -> HostModel | None:
     return HostModel(step_ms, per_row * 1e3, launch_ms, per_layer, "fitted")
 
 
-def _line(x: list[int], y: list[float]) -> tuple[float, float]:
-    """A non-negative intercept and slope through the upper half of the host times per x (the tail is what gaps
-    see; a mean would plan to the middle)."""
+def _line(x, y, quantile: float = 0.75) -> tuple[float, float]:
+    """A non-negative intercept and slope through the host times per x, least squares raised to the `quantile` of
+    the residuals (the tail is what gaps see; a mean would plan to the middle)."""
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if np.ptp(xs) == 0:
-        return float(np.percentile(ys, 75)), 0.0
+        return float(np.quantile(ys, quantile)), 0.0
     slope, intercept = np.polyfit(xs, ys, 1)
     residual = ys - (intercept + slope * xs)
-    intercept += float(np.percentile(residual, 75))
+    intercept += float(np.quantile(residual, quantile))
     return max(0.0, float(intercept)), max(0.0, float(slope))
 
 
@@ -140,9 +140,8 @@ class LaunchCost:
             return model
         x, y = (np.fromiter(v, float) for v in zip(*self.window))
         if np.ptp(x) > 0:
-            slope, intercept = np.polyfit(x, y, 1)
+            fixed, slope = _line(x, y, LAUNCH_QUANTILE)
             if slope > 0:
-                fixed = intercept + float(np.quantile(y - (intercept + slope * x), LAUNCH_QUANTILE))
-                return replace(model, launch_ms=max(0.0, fixed), per_layer_ms=float(slope))
+                return replace(model, launch_ms=fixed, per_layer_ms=slope)
         per_layer = np.quantile(np.maximum(0.0, y - model.launch_ms) / x, LAUNCH_QUANTILE)
         return replace(model, per_layer_ms=float(per_layer))
