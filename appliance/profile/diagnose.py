@@ -21,7 +21,6 @@ import torch
 from appliance.bench.client import replay_in_process
 from appliance.bench.prompts import PromptSynth
 from appliance.bench.launcher import parse_serve_args as serve_flags
-from appliance.config import Config
 from appliance.config_flags import parse_serve_args
 from appliance.engine.factory import build_engine
 from appliance.engine.steplog import StepLog
@@ -83,9 +82,7 @@ def diagnose(args: DiagnoseOptions) -> None:
     prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
     settings = dict(policy=args.policy, slo=args.slo, profile=args.profile, max_model_len=args.max_model_len,
                     chunk_budget=args.chunk_budget, mixed_chunks=args.mixed_chunks)
-    config = (parse_serve_args(serve_flags(args.serve_args), **settings) if args.serve_args
-              else Config.flat(**settings))
-    engine = build_engine(config, model)
+    engine = build_engine(parse_serve_args(serve_flags(args.serve_args), **settings), model)
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
     log = StepLog(engine, predictor).attach()
