@@ -46,7 +46,7 @@ class StepLog:
                 "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
                 "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
                 "inflight": executor.num_inflight, "waiting": len(sched.waiting),
-                "headroom": {name: c["tbt"]["headroom"] for name, c in sched.planner.control_state().items()}})
+                "headroom": sched.planner.headrooms()})
             return plan
 
         def timed_start(plan, requests, partition=None, **kw):

@@ -48,10 +48,10 @@ class PrefillPlan:
         return cls(int(raw["total_sms"]), int(raw["qo_heads"]), int(raw.get("tile_q", TILE_Q)))
 
 
-@functools.lru_cache(maxsize=16384)  # the planner asks for the same batches step after step
-def _critical_cost(work: tuple[tuple[int, int], ...], sms: int, grid: int, heads: int, tile: int) -> float:
-    """`work`: (new, kv) per request, longest kv first (the plan's order). Tiles go to the least loaded of `grid`
-    CTAs, per head, each request's last tile first; the CTAs then run in order on `sms` SMs, one at a time each."""
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same batches step after step, on several partitions
+def _cta_loads(work: tuple[tuple[int, int], ...], grid: int, heads: int, tile: int) -> tuple[int, ...]:
+    """Each of the `grid` CTAs' load, in CTA order. `work`: (new, kv) per request, longest kv first (the plan's
+    order). Tiles go to the least loaded CTA, per head, each request's last tile first."""
     tiles = []  # one head's tiles in plan order: each attends its causal end of the keys
     for new, kv in work:
         count = math.ceil(new / tile)
@@ -59,13 +59,23 @@ def _critical_cost(work: tuple[tuple[int, int], ...], sms: int, grid: int, heads
             end = kv if t + 1 == count else max(min(kv - new + (t + 1) * tile, kv), 0)
             tiles.append(2 * tile + end)
     if not tiles:
-        return 0.0
-    loads = [(0.0, cta) for cta in range(grid)]
+        return ()
+    # a CTA is one integer, load x grid + index: the heap's least is the least loaded, ties to the lowest index,
+    # and one heapreplace moves it
+    loads = list(range(grid))
     for _ in range(heads):
         for cost in tiles:
-            load, cta = heapq.heappop(loads)
-            heapq.heappush(loads, (load + cost, cta))
-    free = [0.0] * min(sms, grid)  # when each SM is next free, CTAs dispatched in index order
-    for load, _ in sorted(loads, key=lambda x: x[1]):
-        heapq.heappush(free, heapq.heappop(free) + load)
-    return max(free)
+            heapq.heapreplace(loads, loads[0] + cost * grid)
+    return tuple(key // grid for key in sorted(loads, key=lambda k: k % grid))
+
+
+@functools.lru_cache(maxsize=16384)
+def _critical_cost(work: tuple[tuple[int, int], ...], sms: int, grid: int, heads: int, tile: int) -> float:
+    """The CTAs (`_cta_loads`) run in index order on `sms` SMs, one at a time each: the last SM to finish."""
+    loads = _cta_loads(work, grid, heads, tile)
+    if not loads:
+        return 0.0
+    free = [0] * min(sms, grid)  # when each SM is next free
+    for load in loads:
+        heapq.heapreplace(free, free[0] + load)
+    return float(max(free))

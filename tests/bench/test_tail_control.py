@@ -106,7 +106,7 @@ def test_mux_keeps_the_contract_when_the_host_launches_slower_than_modelled(rig,
     launches' time from what it measures and keeps the TBT target; planning by the model alone, it does not."""
     report, planner = replay(rig, 0.0, control=True, host_error=7.0)
     assert report.met and report.tbt_ms <= 50.0, report.reasons
-    assert planner.snapshot()["host"]["per_layer_ms"] >= 8 * rig[2].host.per_layer_ms
+    assert planner.snapshot()["host"]["per_layer_ms"] >= 8 * rig[2].host.per_layer_ms - 1e-9
     monkeypatch.setattr(host_module, "MIN_LAUNCHES", 10**9)  # never learned
     report, planner = replay(rig, 0.0, control=True, host_error=7.0)
     assert report.tbt_ms > 50.0 and planner.snapshot()["host"]["per_layer_ms"] == rig[2].host.per_layer_ms
@@ -114,7 +114,7 @@ def test_mux_keeps_the_contract_when_the_host_launches_slower_than_modelled(rig,
 
 def test_launch_times_spread_around_the_model_are_drawn_reproducibly_and_learned(rig):
     """A host whose launches vary (lognormal around 4x the model): the planner sees each launch's own time, plans
-    with a line above nine in ten of them, and keeps the contract; the same seed replays the same run."""
+    with a line above 98 in a hundred of them, and keeps the contract; the same seed replays the same run."""
     (report, planner), (again, _) = (replay(rig, 0.0, control=True, host_error=3.0, host_spread=0.5)
                                      for _ in range(2))
     assert report.met and report.tbt_ms <= 50.0, report.reasons
@@ -123,4 +123,4 @@ def test_launch_times_spread_around_the_model_are_drawn_reproducibly_and_learned
     per_layer = ms / layers
     assert per_layer.max() > 3 * per_layer.min()  # a spread, not one figure
     host = planner.predictor.host
-    assert np.mean(ms <= host.launch_ms + host.per_layer_ms * layers + 1e-9) == pytest.approx(0.9, abs=0.02)
+    assert np.mean(ms <= host.launch_ms + host.per_layer_ms * layers + 1e-9) == pytest.approx(host_module.LAUNCH_QUANTILE, abs=0.02)

@@ -48,6 +48,10 @@ class Planner:
         """Closed-loop state per SLO class and metric (headroom, observed tail), for /metrics; empty: none."""
         return {}
 
+    def headrooms(self) -> dict[str, float]:
+        """The TBT headroom each SLO class plans with now (the step log's figure, read every step); empty: none."""
+        return {}
+
     def snapshot(self) -> dict[str, Any] | None:
         """What the planner decided and learned so far, for result JSONs and metrics (None: nothing to report)."""
         return None

@@ -331,6 +331,9 @@ class MuxPlanner:
     def control_state(self) -> dict[str, dict[str, dict]]:
         return {name: {"tbt": c.tbt.state(), "ttft": c.ttft.state()} for name, c in self.controls.items()}
 
+    def headrooms(self) -> dict[str, float]:
+        return {name: round(c.tbt.headroom, 4) for name, c in self.controls.items()}
+
     def snapshot(self) -> dict:
         """What the planner decided and learned online so far (a replay's result JSON keeps it): its step counts,
         and the split and mixed-step slowdowns it plans with, with how many measured launches or steps they hold."""
