@@ -158,9 +158,10 @@ class SchedulerSettings:
                                "first.", "--preemption/--no-preemption")
     mixed_chunks: bool = flag(False, "mux: run a chunk of the prompt beside the decode rows on all SMs, sized to "
                               "the TBT target, whenever the profile predicts it prefills faster than the SM split.")
-    temporal_prefill: bool = flag(False, "mux: run decode on all SMs and then as many prefill layers on all SMs as "
+    temporal_prefill: bool = flag(True, "mux: run decode on all SMs and then as many prefill layers on all SMs as "
                                   "the TBT target leaves room for, whenever the profile predicts that prefills "
-                                  "faster than the SM split (no split penalty, no contention between the phases).")
+                                  "faster than the SM split (no split penalty, no contention between the phases); "
+                                  "--no-temporal-prefill keeps prefill on the split.")
     layers_per_step: int = flag(1, "layerwise: prefill layers advanced per step.")
     layerwise_decode_sms: int = flag(64, "layerwise: SMs decode gets while prefill runs.")
     pdmux_sm_groups: int = flag(8, "pdmux: stream groups fixed at start-up (SGLang's sm_group_num): all-prefill, "

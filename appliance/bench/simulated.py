@@ -65,9 +65,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
         notes.append(f"chunked budget {options.chunk_budget} tokens (--chunk-budget)")
     if options.mixed_chunks:
         notes.append("mux takes TBT-sized mixed chunks where they prefill faster than the split (--mixed-chunks)")
-    if options.temporal_prefill:
-        notes.append("mux runs decode, then prefill layers, on all SMs where that prefills faster than the split "
-                     "(--temporal-prefill)")
+    if not options.temporal_prefill:
+        notes.append("mux keeps prefill on the SM split (--no-temporal-prefill)")
     if opts.device_error:
         if not -0.9 < opts.device_error < 10:
             raise ConfigError(f"--device-error must be in (-0.9, 10), got {opts.device_error}")

@@ -56,8 +56,10 @@ class Rig:
         self.table = table or Table()
         self.predictor = Predictor(self.table, guard or ContentionGuard(default=1.0), LAYERS, SMS, (16, 32, 48),
                                    host=NO_HOST)
-        # open loop unless a test asks for control: these tests check the plan rules against the stated target
+        # open loop unless a test asks for control: these tests check the plan rules against the stated target;
+        # the split's rules alone unless a test asks for temporal steps
         options.setdefault("control", False)
+        options.setdefault("temporal", False)
         self.planner = MuxPlanner(parse_contract(contract), self.predictor, MuxOptions(**options))
         self.sched = Scheduler(PagePool(4096, 16), LAYERS, self.planner, max_num_seqs=64)
         self.now = 0.0

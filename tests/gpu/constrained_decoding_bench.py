@@ -3,11 +3,13 @@ requests stepped with and without a JSON grammar on each, on a model of real sha
 parts the grammar adds (the host filling the token bitmasks, the device applying them) timed alone.
 
     PYTHONPATH=. python tests/gpu/constrained_decoding_bench.py [--model configs/models/llama-3.1-8b] [--batch 64]
-        [--steps 64] [--context 1024] [--json OUT]
+        [--steps 64] [--context 1024] [--json OUT] [--trace DIR]
 
 A dummy checkpoint has no tokenizer: the benchmark writes one with the model's vocabulary size (the embedded model's
 byte-level pieces and concatenations of them), so the grammar compiler sees a vocabulary of the real size.
 Only steps where the whole batch decodes are counted. Prints a markdown table; the target is < 5 % of the step.
+`--trace DIR` also records 16 constrained and 16 plain steps with torch.profiler: a Chrome trace of each in DIR and the
+operators that took the most host and device time, printed.
 """
 from __future__ import annotations
 
@@ -93,6 +95,32 @@ def mask_parts(engine, batch: int, vocab: int, rounds: int = 50) -> tuple[float,
     return fill, max(0.0, both - fill)
 
 
+def profile_steps(engine, batch: int, context: int, grammar: GrammarSpec | None, out: Path) -> None:
+    """16 decode steps of a full batch under torch.profiler (prefill left out): a Chrome trace at OUT.json.gz and the
+    top operators printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = [(7 * i + 11) % 1000 + 10 for i in range(context)]
+    for _ in range(batch):
+        engine.submit(engine.make_request(prompt, SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True,
+                                                                 grammar=grammar)))
+    while len(engine.scheduler.decoding) < batch:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(16):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    prof.export_chrome_trace(str(out) + ".json.gz")
+    for key in ("self_cpu_time_total", "self_device_time_total"):
+        print(f"== {out.name}: top operators by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="configs/models/llama-3.1-8b")
@@ -100,6 +128,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", default=None, help="directory for torch.profiler traces of both kinds of step")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = model_with_tokenizer(args.model, Path(tmp) / "model")
@@ -116,6 +145,10 @@ def main() -> None:
         engine.async_scheduling = False  # a grammar's steps are read at once: the plain step without the overlap
         plain_sync = step_times(engine, args.batch, args.steps, args.context, None)
         fill, apply = mask_parts(engine, args.batch, vocab)
+        if args.trace:
+            engine.async_scheduling = True
+            profile_steps(engine, args.batch, args.context, long, Path(args.trace) / "constrained")
+            profile_steps(engine, args.batch, args.context, None, Path(args.trace) / "plain")
     result = {"device": torch.cuda.get_device_name(0), "model": args.model, "vocab": vocab, "batch": args.batch,
               "context": args.context, "plain_step_ms": statistics.median(plain),
               "constrained_step_ms": statistics.median(constrained),

@@ -3,11 +3,12 @@
 # (`muxd bench sweep --in-process --rates`), Llama-3.1-8B shapes with dummy weights, judged by
 # configs/slo/chat-queue.yaml. Jobs naming the same GPU run in turn, GPUs run in parallel; results are packed into
 # $OUT/goodput.tgz (one directory per job) and the tables printed last.
-#   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET] ...
+#   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET[:FLAGS]] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
+# FLAGS adds `muxd serve` flags to one job, '+' between them (0:chat-short:mux:19:500::--temporal-prefill).
 # TRACE `chat-short` replays the synthetic short-prompt chat workload instead (`--workload chat-short`; with
 # MAX_MODEL_LEN=8192 as docs/PERFORMANCE.md measures it).
-# PROFILE defaults to the committed H200 profile (another GPU falls back to the roofline prior, with a warning);
+# PROFILE defaults to the shipped H200 profile (another GPU falls back to the roofline prior, with a warning);
 # SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # MAX_IDLE=S cuts every wait with no request in flight to S seconds (`muxd bench --max-idle`): serial on Azure at its
 # capacity (0.09 req/s) spreads 500 requests over 5,540 s, and with MAX_IDLE=0.2 they replay in 136 s.
@@ -23,14 +24,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
-profile=${PROFILE:-docs/data/profile-llama-3.1-8b-h200-graphs-seed1-calibrated-2026-11-22.json}
+profile=${PROFILE:-appliance/predictor/profiles/llama-3.1-8b-h200.json}
 model=${MODEL:-configs/models/llama-3.1-8b}
 maxlen=${MAX_MODEL_LEN:-32768}
 work=$(mktemp -d)
 mkdir -p "$out" && rm -f "$out/done"
 run_job() {
-    IFS=: read -r gpu trace policy rates n budget <<< "$1"
-    extra=${SERVE_ARGS:-}
+    IFS=: read -r gpu trace policy rates n budget flags <<< "$1"
+    extra="${SERVE_ARGS:-} ${flags//+/ }"
+    extra=$(echo $extra)  # trimmed
     name="$(basename "${trace%.*}")-$policy-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"

@@ -54,7 +54,8 @@ def test_aiperf_goodput(server, tmp_path):
     out_dir = tmp_path / "aiperf"
     _run([_tool("aiperf"), "profile", "--model", "muxd-embedded", "--url", server.url, "--endpoint-type", "chat",
           "--streaming", "--tokenizer", str(EMBEDDED_MODEL_DIR), "--isl", "32", "--osl", "8", "--request-count", "8",
-          "--request-rate", "4", "--random-seed", "1", "--goodput",
+          "--request-rate", "4", "--random-seed", "1", "--extra-inputs", "ignore_eos:true",  # exactly --osl tokens
+          "--goodput",
           "time_to_first_token:60000 inter_token_latency:60000", "--output-artifact-dir", str(out_dir),
           "--no-auto-plot"], tmp_path)
     result = json.loads((out_dir / "profile_export_aiperf.json").read_text())

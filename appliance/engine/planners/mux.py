@@ -3,9 +3,9 @@ share the GPU. Decode gets the smallest partition whose worst-case step meets th
 advancing ceil(T_decode * L / T_prefill) layers per step (MuxWise); a mixed batch on all SMs when that already meets
 TBT (DuetServe); with `mixed_chunks`, a chunk of prompt tokens sized to the TBT target beside the decode rows on all
 SMs, earliest deadline first, when that prefills faster than the split would (adaptive chunked prefill); with
-`temporal`, the decode rows and then as many prefill layers as the target leaves room for, both on all SMs, when that
-prefills faster than the split would (temporal multiplexing); shedding per the contract. Which prompts prefill
-together, in what order, and when a short one pauses a long one is mux_batches.py's.
+`temporal` (on by default), the decode rows and then as many prefill layers as the target leaves room for, both on
+all SMs, when that prefills faster than the split would (temporal multiplexing); shedding per the contract. Which
+prompts prefill together, in what order, and when a short one pauses a long one is mux_batches.py's.
 
 Prefill may be asynchronous: layers launched in one step can still run steps later. The planner reads what is in
 flight from the scheduler (`launched_layer`) and never relaunches it.
@@ -38,7 +38,7 @@ class MuxOptions:
     growth_tokens: int = 1024       # KV kept free for each running request's next output tokens
     mixed_chunks: bool = False      # chunks of the prompt beside decode on all SMs when they prefill faster
     chunk_tbt: float = 0.8          # such a mixed step is planned to this fraction of the TBT target
-    temporal: bool = False          # decode, then prefill layers, both on all SMs, when that prefills faster
+    temporal: bool = True           # decode, then prefill layers, both on all SMs, when that prefills faster
 
 
 @dataclass
