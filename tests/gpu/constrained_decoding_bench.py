@@ -9,7 +9,8 @@ A dummy checkpoint has no tokenizer: the benchmark writes one with the model's v
 byte-level pieces and concatenations of them), so the grammar compiler sees a vocabulary of the real size.
 Only steps where the whole batch decodes are counted. Prints a markdown table; the target is < 5 % of the step.
 `--trace DIR` also records 16 constrained and 16 plain steps with torch.profiler: a Chrome trace of each in DIR and the
-operators that took the most host and device time, printed.
+operators that took the most host and device time, printed. It needs xgrammar (a dependency of muxd), which a bare GPU
+machine may lack: bring its wheel along.
 """
 from __future__ import annotations
 

@@ -5,9 +5,10 @@
 # $OUT/goodput.tgz (one directory per job) and the tables printed last.
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET[:FLAGS]] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
-# FLAGS adds `muxd serve` flags to one job, '+' between them (0:chat-short:mux:19:500::--temporal-prefill).
-# TRACE `chat-short` replays the synthetic short-prompt chat workload instead (`--workload chat-short`; with
-# MAX_MODEL_LEN=8192 as docs/PERFORMANCE.md measures it).
+# FLAGS adds `muxd serve` flags to one job, '+' between them (0:chat-short:mux:19:500::--no-temporal-prefill).
+# TRACE `chat-short` replays the synthetic short-prompt chat workload instead (`--workload chat-short`). The served
+# context is MAX_MODEL_LEN where set, else 8192 for chat-short and 32768 for a trace (as docs/PERFORMANCE.md
+# measures them), so one call can mix both.
 # PROFILE defaults to the shipped H200 profile (another GPU falls back to the roofline prior, with a warning);
 # SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # MAX_IDLE=S cuts every wait with no request in flight to S seconds (`muxd bench --max-idle`): serial on Azure at its
@@ -26,13 +27,14 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
 profile=${PROFILE:-appliance/predictor/profiles/llama-3.1-8b-h200.json}
 model=${MODEL:-configs/models/llama-3.1-8b}
-maxlen=${MAX_MODEL_LEN:-32768}
 work=$(mktemp -d)
 mkdir -p "$out" && rm -f "$out/done"
 run_job() {
     IFS=: read -r gpu trace policy rates n budget flags <<< "$1"
     extra="${SERVE_ARGS:-} ${flags//+/ }"
     extra=$(echo $extra)  # trimmed
+    maxlen=${MAX_MODEL_LEN:-32768}
+    [ "$trace" = chat-short ] && maxlen=${MAX_MODEL_LEN:-8192}
     name="$(basename "${trace%.*}")-$policy-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
