@@ -41,15 +41,14 @@ class TailController:
     def q(self) -> float:
         return 1.0 - self.percentile / 100.0
 
-    def observe(self, ratios: list[float], relax: float = 1.0) -> None:
-        """Measurements as fractions of their targets (a gap of 60 ms against 50 is 1.2); `relax` scales the upward
-        steps (another controller asking this one to give ground sooner)."""
+    def observe(self, ratios: list[float]) -> None:
+        """Measurements as fractions of their targets (a gap of 60 ms against 50 is 1.2)."""
         values = np.asarray(ratios, dtype=float)
         n = len(values)
         if not n:
             return
         over = int((values > self.setpoint).sum())
-        step = self.rate * (relax * self.q * (n - over) - (1.0 - self.q) * over)
+        step = self.rate * (self.q * (n - over) - (1.0 - self.q) * over)
         self.headroom = min(self.max_headroom, max(self.min_headroom, self.headroom * math.exp(step)))
         tail = values[-SHOWN:]
         self._recent[(self.samples + np.arange(len(tail))) % SHOWN] = tail
@@ -65,14 +64,6 @@ class TailController:
         if self._observed is None:  # a sort of up to SHOWN values: once per batch of measurements, when asked
             self._observed = float(np.percentile(self._recent[:min(self.samples, SHOWN)], self.percentile))
         return self._observed
-
-    def pressed(self) -> bool:
-        """The recent tail is at or over the setpoint: more than a share q of the recent measurements reach it (a
-        count, not a sort: asked every step)."""
-        if not self.samples:
-            return False
-        recent = self._recent[:min(self.samples, SHOWN)]
-        return int(np.count_nonzero(recent >= self.setpoint)) > self.q * len(recent)
 
     def state(self) -> dict[str, float | int | None]:
         observed = self.observed
@@ -91,8 +82,9 @@ class ClassControl:
     def observe(self, gaps: list[float], ttfts: list[float]) -> None:
         if ttfts:
             self.ttft.observe(ttfts)
-        if gaps:  # first tokens running late: decode gives prefill SMs back three times sooner while it has room
-            self.tbt.observe(gaps, relax=3.0 if self.ttft.pressed() else 1.0)
+        if gaps:  # held at its setpoint whatever first tokens do: giving prefill ground when they run late would
+            # hold a lower percentile than the contract's, and past capacity TBT would miss as well as TTFT
+            self.tbt.observe(gaps)
 
 
 def class_control(tbt_percentile: float, ttft_percentile: float) -> ClassControl:
