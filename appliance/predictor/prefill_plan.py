@@ -37,7 +37,7 @@ class PrefillPlan:
         """The cost on the critical path of one prefill attention launch of `items` on `sms` SMs."""
         if not items:
             return 0.0
-        work = tuple(sorted(((i.new, i.new + i.reused) for i in items), key=lambda w: -w[1]))
+        work = tuple(sorted(((int(i.new), int(i.new + i.reused)) for i in items), key=lambda w: -w[1]))
         return _critical_cost(work, max(1, sms), self.total_sms, self.qo_heads, self.tile_q)
 
     def to_dict(self) -> dict[str, int]:
