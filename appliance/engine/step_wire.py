@@ -21,7 +21,7 @@ from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, SamplingParams
 
 STEP, RELEASE = 1, 2
-MIXED, MIXED_GRAPHS, USE_GRAPHS = 1, 2, 4
+MIXED, MIXED_GRAPHS, USE_GRAPHS, PREFILL_AFTER_DECODE = 1, 2, 4, 8
 HEADER = 10  # kind, flags, partition, released, new, token counts, page updates, decode rows, prefill works, launches
 
 
@@ -89,7 +89,8 @@ class WireEncoder:
         sent_ = self._sent
         works = [x for w in plan.prefill for x in (sent_[w.request_id].number, w.token_start, w.token_end,
                                                    w.layer_start, w.layer_end)]
-        flags = MIXED * plan.mixed | MIXED_GRAPHS * mixed_graphs | USE_GRAPHS * use_graphs
+        flags = (MIXED * plan.mixed | MIXED_GRAPHS * mixed_graphs | USE_GRAPHS * use_graphs
+                 | PREFILL_AFTER_DECODE * plan.prefill_after_decode)
         header = [STEP, flags, partition, 0, len(new) // 3, len(counts) // 2, len(pages) // 3, len(plan.decode),
                   len(plan.prefill), len(prefill_rows)]
         rows = [-1 if r is None else r for r in prefill_rows]
@@ -138,5 +139,6 @@ class WireDecoder:
             else:
                 table.pages += chunk
         prefill = tuple(PrefillWork(str(works[i]), *works[i + 1:i + 5]) for i in range(0, len(works), 5))
-        plan = StepPlan(decode=decode, prefill=prefill, mixed=bool(flags & MIXED), finished=gone)
+        plan = StepPlan(decode=decode, prefill=prefill, mixed=bool(flags & MIXED), finished=gone,
+                        prefill_after_decode=bool(flags & PREFILL_AFTER_DECODE))
         return Step(kind, plan, partition, bool(flags & MIXED_GRAPHS), bool(flags & USE_GRAPHS), rows)

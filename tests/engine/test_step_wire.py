@@ -41,8 +41,12 @@ def test_the_other_ranks_rebuild_every_request_from_the_messages():
     b.page_table.pages = [1, 2, 5]
     plan = StepPlan(decode=("a",), prefill=(PrefillWork("b", 16, 40, 0, 4),), mixed=True)
     step = dec.read(enc.step(plan, requests, 0, True, False, ()))
-    assert step.plan.mixed and step.mixed_graphs and not step.use_graphs
+    assert step.plan.mixed and step.mixed_graphs and not step.use_graphs and not step.plan.prefill_after_decode
     assert step.plan.decode == (number["a"],)
+    # a temporal step: the prefill layers run after the decode rows, in the same order on every rank
+    plan = StepPlan(decode=("a",), prefill=(PrefillWork("b", 16, 40, 4, 6),), prefill_after_decode=True)
+    step = dec.read(enc.step(plan, requests, 0, False, True, (None,)))
+    assert step.plan.prefill_after_decode and not step.plan.mixed
     for rid in "ab":
         _same(dec.requests[number[rid]], requests[rid])
 
