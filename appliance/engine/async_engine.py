@@ -24,6 +24,7 @@ from appliance.errors import RequestError, UnavailableError
 
 log = logging.getLogger("muxd.engine")
 RESTARTING = "engine_restarting"  # the 503 code while a new engine is built
+CONTROL_EVERY_S = 0.5  # the closed loop's state is published this often while steps run
 
 
 class EngineDeadError(RuntimeError):
@@ -55,6 +56,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._closed: BaseException | None = None
         self.stats: dict[str, float] = {}
+        self._control: dict = {}
+        self._control_at = 0.0
         self._publish_stats()
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
@@ -161,7 +164,7 @@ class AsyncEngine:
         self._drain_inbox()
         if self.engine.has_unfinished():
             outputs = self.engine.step()
-            self._publish_stats()
+            self._publish_stats(fresh_control=False)
             if outputs:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
         else:
@@ -256,8 +259,13 @@ class AsyncEngine:
             else:
                 self.engine.abort(item)
 
-    def _publish_stats(self) -> None:
+    def _publish_stats(self, fresh_control: bool = True) -> None:
+        """The figures /metrics reads. The closed loop's state (percentiles of recent gaps) is taken at most every
+        CONTROL_EVERY_S while steps run, and afresh whenever the engine goes idle."""
         sched, pool = self.engine.scheduler, self.engine.pool
+        now = time.monotonic()
+        if fresh_control or now - self._control_at >= CONTROL_EVERY_S:
+            self._control, self._control_at = sched.planner.control_state(), now
         executor = self.engine.executor
         planner_stats = getattr(sched.planner, "stats", None)
         self.stats = {"num_waiting": len(sched.waiting), "num_running": sched.num_running,
@@ -266,7 +274,7 @@ class AsyncEngine:
                       "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
                       "prefill_layers_launched": executor.layers_launched,
                       "prefill_pauses": getattr(planner_stats, "pauses", 0),
-                      "control": sched.planner.control_state()}
+                      "control": self._control}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
