@@ -189,7 +189,6 @@ def _report_profile(profiler: cProfile.Profile, path: Path) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 
 
-
 def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], serial_timelines=()) -> None:
     """Print the serving factors of `steps` (and prefill launches; a serial replay's first tokens) against the
     profile; with --write-serving, keep them in a copy of it."""

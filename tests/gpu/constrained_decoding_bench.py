@@ -59,11 +59,16 @@ def model_with_tokenizer(model: str, out: Path) -> Path:
     return out
 
 
-def step_times(engine, batch: int, steps: int, context: int, grammar: GrammarSpec | None) -> list[float]:
+def submit(engine, batch: int, context: int, max_tokens: int, grammar: GrammarSpec | None) -> None:
+    """`batch` requests of a `context`-token prompt, sampled, each to exactly `max_tokens` tokens."""
     prompt = [(7 * i + 11) % 1000 + 10 for i in range(context)]
     for _ in range(batch):
-        engine.submit(engine.make_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=1.0,
+        engine.submit(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0,
                                                                  ignore_eos=True, grammar=grammar)))
+
+
+def step_times(engine, batch: int, steps: int, context: int, grammar: GrammarSpec | None) -> list[float]:
+    submit(engine, batch, context, steps + 8, grammar)
     times = []
     while engine.has_unfinished():
         full = len(engine.scheduler.decoding) == batch
@@ -101,10 +106,7 @@ def profile_steps(engine, batch: int, context: int, grammar: GrammarSpec | None,
     top operators printed."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompt = [(7 * i + 11) % 1000 + 10 for i in range(context)]
-    for _ in range(batch):
-        engine.submit(engine.make_request(prompt, SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True,
-                                                                 grammar=grammar)))
+    submit(engine, batch, context, 40, grammar)
     while len(engine.scheduler.decoding) < batch:
         engine.step()
     for _ in range(2):

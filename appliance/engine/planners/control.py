@@ -35,7 +35,6 @@ class TailController:
     samples: int = 0
     exceeded: int = 0
     _recent: np.ndarray = field(default_factory=lambda: np.zeros(SHOWN), repr=False)
-    _observed: float | None = field(default=None, repr=False)  # the recent tail, until the next measurement
 
     @property
     def q(self) -> float:
@@ -54,16 +53,13 @@ class TailController:
         self._recent[(self.samples + np.arange(len(tail))) % SHOWN] = tail
         self.samples += n
         self.exceeded += over
-        self._observed = None
 
     @property
     def observed(self) -> float:
         """The percentile of the recent measurements (NaN before any)."""
         if not self.samples:
             return float("nan")
-        if self._observed is None:  # a sort of up to SHOWN values: once per batch of measurements, when asked
-            self._observed = float(np.percentile(self._recent[:min(self.samples, SHOWN)], self.percentile))
-        return self._observed
+        return float(np.percentile(self._recent[:min(self.samples, SHOWN)], self.percentile))
 
     def state(self) -> dict[str, float | int | None]:
         observed = self.observed
