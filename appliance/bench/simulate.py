@@ -251,7 +251,11 @@ class Simulator:
             if items:  # the measured step refines the planner's mixed-step model
                 self.planner.observe_mixed(items, self._load(plan), duration)
         else:
-            duration = self.timer.decode_ms(self._load(plan)) + self._prefill_ms(plan.prefill, None)
+            after = self._prefill_ms(plan.prefill, None)
+            if plan.prefill_after_decode and plan.decode and plan.prefill:  # as the engine hands the executor's
+                first = plan.prefill[0]
+                self.planner.observe_full(prefill_items(plan.prefill), first.layer_end - first.layer_start, after)
+            duration = self.timer.decode_ms(self._load(plan)) + after
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill and not plan.mixed else 0
         host = self._launch(layers)
         if host is not None:  # the step's host time and its layer launches, after its tokens or hidden

@@ -203,9 +203,9 @@ class Engine:
         return [self._output(r, token, step.logprobs.get(r.request_id)) for r, token, _ in rows]
 
     def _observe(self, plan: StepPlan, load: DecodeLoad | None = None) -> None:
-        """Hand a decode step that ran beside prefill layers, prefill layers that ran on a partition beside decode,
-        and a mixed step, to the planner (online refinement of its contention models); `load`: the decode batch's
-        as launched (default: as it is now)."""
+        """Hand a decode step that ran beside prefill layers, prefill layers that ran on a partition beside decode or
+        on all SMs after it, and a mixed step, to the planner (online refinement of its contention models); `load`:
+        the decode batch's as launched (default: as it is now)."""
         planner = self.scheduler.planner
 
         def batch() -> DecodeLoad:
@@ -218,6 +218,10 @@ class Engine:
         mixed_ms = self.executor.last_mixed_ms
         if plan.mixed and plan.prefill and mixed_ms is not None:
             planner.observe_mixed(prefill_items(plan.prefill), batch(), mixed_ms)
+        after_ms = self.executor.last_after_ms
+        if plan.prefill_after_decode and plan.prefill and after_ms is not None:
+            first = plan.prefill[0]
+            planner.observe_full(prefill_items(plan.prefill), first.layer_end - first.layer_start, after_ms)
         seen = self.executor.last_decode
         if seen is not None and seen.concurrent:
             planner.observe_decode(batch(), seen.decode_sms, prefill_items(seen.concurrent), seen.ms)

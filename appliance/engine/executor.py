@@ -61,6 +61,7 @@ class Executor:
         self.layers_launched = 0
         self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
         self.last_mixed_ms: float | None = None  # the latest step's time when it was a mixed step (online refinement)
+        self.last_after_ms: float | None = None  # its prefill layers after decode on all SMs, on the device (the same)
         self._previous: LaunchedStep | None = None  # the latest step with tokens to read back
         self._tokens_at = 0.0  # when the latest collected step's tokens reached the host
         self.last_launch_ms: float | None = None  # host time the latest step spent launching prefill layers
@@ -236,8 +237,15 @@ class Executor:
             if len(groups) != len(decisions.prefill_rows):
                 raise RuntimeError(f"{len(groups)} prefill launches but rows decided for "
                                    f"{len(decisions.prefill_rows)}")
+            timed = plan.prefill_after_decode and bool(plan.decode) and len(groups) == 1
+            if timed:  # prefill layers on all SMs after the decode rows: timed on their own (temporal steps)
+                with _on(part.decode_stream):
+                    step.after_marks = mark(self.runner.device)
             for ((start, end), works), rows in zip(groups, decisions.prefill_rows):
                 self._launch_prefill(works, requests, start, end, part, step, rows, plan.prefill_after_decode)
+            if timed and step.after_marks is not None:
+                with _on(part.decode_stream):
+                    mark(self.runner.device, step.after_marks)
             step.launch_s = time.perf_counter() - launching
             # counted after this step's prefill launches: they run beside this decode step too (on the other SMs)
             self._split_decodes += bool(plan.decode) and part is not self.partitions.full
@@ -284,13 +292,14 @@ class Executor:
 
     def collect(self, step: LaunchedStep) -> list[int]:
         """The step's sampled tokens on the host, in row order (waiting for them if they are not there yet); sets
-        the observations of the step (`last_decode`, `last_mixed_ms`) for the planner's online refinement."""
+        the observations of the step (`last_decode`, `last_mixed_ms`, `last_after_ms`) for the planner's online
+        refinement."""
         if step.collected:
             raise RuntimeError("a launched step's tokens are collected once")
         if step.held is not None:
             raise RuntimeError("a step whose sampling is held is sampled (finish_sampling) before it is read")
         step.collected = True
-        self.last_decode = self.last_mixed_ms = None
+        self.last_decode = self.last_mixed_ms = self.last_after_ms = None
         if not step.rows:
             return []
         if step.event is not None:
@@ -301,6 +310,8 @@ class Executor:
         ended = time.perf_counter()
         if step.marks is not None:
             step.device_ms = step.marks[0].elapsed_time(step.marks[1])
+        if step.after_marks is not None:
+            self.last_after_ms = step.after_marks[0].elapsed_time(step.after_marks[1])
         ready = ended if step.event is not None else step.launched  # (without an event: complete when launched)
         step.wall_ms = (ready - max(step.started, self._tokens_at)) * 1e3
         self._tokens_at = ready

@@ -117,6 +117,7 @@ class LaunchedStep:
     event: torch.cuda.Event | None = None
     stream: torch.cuda.Stream | None = None  # where the read-back was queued (what a later launch orders after)
     marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # around the decode (or mixed) kernels
+    after_marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # around prefill layers after decode
     partition: str = ""
     decode_sms: int = 0
     beside: tuple[PrefillWork, ...] = ()  # prefill works still running on another partition when it launched

@@ -1,7 +1,8 @@
 """The Predictor the dispatcher and the simulator ask: solo latency from one LatencyModel (the roofline prior or a
 fitted solo-run model), times the contention guard's worst case when prefill and decode share the GPU: decode beside
-prefill (`ContentionGuard`), prefill on a partition beside decode (`SplitSlowdown`); both are refined online, as is
-how much longer mixed steps (prompt chunks beside the decode rows, on all SMs) run while serving. Its `host` model
+prefill (`ContentionGuard`), prefill on a partition beside decode (`SplitSlowdown`); both are refined online, as are
+how much longer mixed steps (prompt chunks beside the decode rows, on all SMs) and prefill layers on all SMs after a
+decode step (temporal steps) run while serving than profiled. Its `host` model
 gives the CPU's share of a step, which every inter-token gap carries.
 
 It also knows the partitions the executor offers: decode SM counts (multiples of the granularity), prefill gets
@@ -17,7 +18,7 @@ from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.host import HostModel, LaunchCost
 from appliance.predictor.roofline import DeviceSpec, RooflineModel
 from appliance.predictor.shapes import DecodeLoad, LatencyModel, PrefillItem
-from appliance.predictor.split import SplitSlowdown
+from appliance.predictor.split import FACTOR_RANGE, SplitSlowdown
 
 DEFAULT_GRANULARITY = 16  # decode partitions of 16, 32, ... SMs (the multiplex executor's default)
 
@@ -41,6 +42,8 @@ class Predictor:
     serving: dict[str, float] = field(default_factory=dict)
     split: SplitSlowdown = field(default_factory=SplitSlowdown)  # prefill on a partition, beside decode
     mixed: SplitSlowdown = field(default_factory=SplitSlowdown)  # mixed steps while serving, against the profile
+    # prefill layers on all SMs after decode (temporal steps) while serving, against the profile: may be below 1
+    full: SplitSlowdown = field(default_factory=lambda: SplitSlowdown(floor=FACTOR_RANGE[0]))
     host: HostModel = field(default_factory=HostModel)  # the host's share of every step (host.py)
     launches: LaunchCost = field(default_factory=LaunchCost)  # prefill launches' host time while serving
 
@@ -60,9 +63,9 @@ class Predictor:
 
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
         """All layers of a prefill batch on `sms` SMs (None: all); on a partition, decode runs on the other SMs and
-        slows it (the split slowdown)."""
+        slows it (the split slowdown); on all SMs, as learned while serving (1 until measured)."""
         solo = self.prefill_solo_ms(items, sms)
-        return solo * self.split.factor(items) if sms is not None and sms < self.sm_count else solo
+        return solo * (self.split.factor(items) if sms is not None and sms < self.sm_count else self.full.factor(items))
 
     def prefill_solo_ms(self, items: Sequence[PrefillItem], sms: int | None = None, layers: int | None = None) -> float:
         """All layers (or `layers` of them) of a prefill batch alone on `sms` SMs, as profiled."""
@@ -92,6 +95,11 @@ class Predictor:
         decode ran on the others."""
         if items and 0 < sms < self.sm_count:
             self.split.observe(self.prefill_solo_ms(items, sms, layers), items, measured_ms)
+
+    def observe_full(self, items: Sequence[PrefillItem], layers: int, measured_ms: float) -> None:
+        """Online refinement from `layers` layers of a prefill batch measured on all SMs after a decode step."""
+        if items and layers > 0:
+            self.full.observe(self.prefill_solo_ms(items, None, layers), items, measured_ms)
 
     def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
         """Online refinement of the host model from `launches` prefill launches of `layers` layers in all that took

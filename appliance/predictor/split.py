@@ -5,8 +5,10 @@ Decode on the other SMs competes for memory bandwidth, the more so the longer th
 modelled as `flat + per_1k * span`, span being the batch's longest attention span (new + reused tokens of a chunk)
 in thousands of tokens. `fit` estimates it by least squares from (solo, span, measured) triples; `SplitSlowdown` is
 what the predictor applies, starting from the profile's calibration and refined online from the prefill launches
-the executor measures. The predictor keeps a second one for mixed steps (a prompt chunk beside the decode rows on all
-SMs): how much longer they run while serving than the profile's mixed-step fit, learned from the steps measured.
+the executor measures. The predictor keeps two more, learned the same way from the steps measured: one for mixed
+steps (a prompt chunk beside the decode rows on all SMs), how much longer they run while serving than the profile's
+mixed-step fit; one for prefill layers on all SMs after a decode step (temporal steps), whose factor may also fall
+below 1 (the profile measured them on a cold GPU with more launch gaps than a serving step has).
 """
 from __future__ import annotations
 
@@ -48,13 +50,14 @@ def fit(solo: Sequence[float], span: Sequence[float], measured: Sequence[float])
 class SplitSlowdown:
     flat: float = 1.0
     per_1k: float = 0.0
+    floor: float = 1.0  # the least factor applied (1: what runs beside the work never speeds it up)
     window: deque = field(default_factory=lambda: deque(maxlen=ONLINE_WINDOW), repr=False)
     _since_fit: int = field(default=0, repr=False)
 
     def factor(self, items: Sequence[PrefillItem]) -> float:
-        """Never below 1: decode beside a prefill does not speed it up (a launch measured faster than its solo
-        figure is the fit's host floor, which launches queued back to back hide)."""
-        return max(1.0, self.flat + self.per_1k * span_k(items))
+        """Never below `floor`; beside decode that is 1: decode beside a prefill does not speed it up (a launch
+        measured faster than its solo figure is the fit's host floor, which launches queued back to back hide)."""
+        return max(self.floor, self.flat + self.per_1k * span_k(items))
 
     def observe(self, solo_ms: float, items: Sequence[PrefillItem], measured_ms: float) -> None:
         """A measured launch (its solo prediction and GPU time); every REFIT_EVERY launches the latest window is

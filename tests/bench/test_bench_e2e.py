@@ -138,7 +138,7 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     steps = planner["stats"]
     assert sum(steps[k] for k in ("spatial_steps", "aggregated_steps", "chunk_steps", "decode_only_steps",
                                   "prefill_only_steps")) > 0
-    assert set(planner) == {"stats", "contention_cells", "split", "mixed", "control", "host"}
+    assert set(planner) == {"stats", "contention_cells", "split", "mixed", "full", "control", "host"}
     control = planner["control"]["default"]  # the closed loop's state: headroom and the tail it saw, per class
     assert 0 < control["tbt"]["headroom"] <= 1 and control["tbt"]["samples"] >= 4 * 4  # 4 gaps of each of 4 requests (and a warm-up)
     assert control["ttft"]["samples"] >= 4

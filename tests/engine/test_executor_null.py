@@ -107,6 +107,22 @@ def test_a_mixed_step_refines_the_mux_planners_mixed_step_model(llama_checkpoint
     assert len(mixed.window) == 1 and mixed.window[0][2] == expected
 
 
+def test_prefill_layers_after_decode_refine_the_mux_planners_all_sm_prefill(llama_checkpoint):
+    from appliance.engine.plan import PrefillWork, StepPlan
+
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux"))
+    rid = engine.add_request([5, 6, 7, 8], GREEDY)
+    full = engine.predictor.full
+    works = (PrefillWork("other", 0, 1500, 4, 8),)
+    engine.executor.last_after_ms = 7.5  # (the executor times them on a GPU only)
+    engine._observe(StepPlan(decode=(rid,), prefill=works))  # on the split: not these layers
+    assert not full.window
+    engine._observe(StepPlan(decode=(rid,), prefill=works, prefill_after_decode=True))
+    expected = engine.predictor.prefill_solo_ms([PrefillItem(1500, 0)], None, 4)
+    assert len(full.window) == 1 and full.window[0][0] == pytest.approx(expected) and full.window[0][2] == 7.5
+
+
 def test_prefill_padded_to_gemm_buckets_computes_the_same_tokens(llama_checkpoint, monkeypatch):
     from appliance.predictor.gemm_table import GemmTable
 

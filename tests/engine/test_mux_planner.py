@@ -502,6 +502,21 @@ def test_temporal_when_layers_on_all_sms_go_faster_than_the_split():
     assert [(w.layer_start, w.layer_end) for w in rig.plan().prefill] == [(4, 8)]
 
 
+def test_temporal_runs_the_last_layers_the_split_would_spend_a_whole_decode_step_on():
+    """The split runs the whole batch at 0.107 layers/ms (10,000 tokens on 100 SMs in 300 ms) where temporal steps
+    run 0.089 (4 layers of 6.25 ms after a 20-ms decode step): the split is faster. With 2 layers left, though, the
+    split's step still lasts its 45-ms decode step on 32 SMs (0.044 layers/ms, the next batch waiting for the next
+    step), where a temporal step runs them in a 32.5-ms gap (0.062 layers/ms)."""
+    rig = Rig(temporal=True)
+    rig.decoding(2)
+    r = rig.request(10_000)
+    load = rig.planner._load(rig.sched, tuple(x.request_id for x in rig.sched.decoding))
+    items = [rig.planner._dl(rig.sched).item(r)]
+    assert rig.planner._temporal_layers(load, 0, items, 50.0) == 0
+    assert rig.planner._temporal_layers(load, 28, items, 50.0) == 0  # 4 left: 4 layers in 45 ms either way
+    assert rig.planner._temporal_layers(load, 30, items, 50.0) == 2
+
+
 def test_temporal_waits_for_prefill_in_flight_on_a_partition():
     """Layers still running on the prefill partition keep decode on the split, and the split's queue is not topped
     up while temporal steps would advance the batch faster (topped up, it would never drain): decode runs alone

@@ -1,6 +1,7 @@
 """Prefill on a partition beside decode: the slowdown is fitted as flat + per 1k tokens of span, refined online from
 measured launches, and the simulator hands the planner its launches as the engine hands it the executor's. Mixed
-steps (prompt chunks beside decode on all SMs) are refined online the same way."""
+steps (prompt chunks beside decode on all SMs) and prefill layers on all SMs after decode are refined online the
+same way."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,7 @@ from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.predictor import partition_choices
 from appliance.predictor.roofline import DEVICES
 from appliance.predictor.shapes import DecodeLoad, PrefillItem
-from appliance.predictor.split import MIN_OBSERVATIONS, SplitSlowdown, fit, span_k
+from appliance.predictor.split import MIN_OBSERVATIONS, ONLINE_WINDOW, SplitSlowdown, fit, span_k
 from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
 from appliance.slo.contract import load_contract
 from appliance.workload.shaping import spread_ties
@@ -129,3 +130,46 @@ def test_mux_sizes_its_mixed_chunks_to_the_mixed_steps_it_measured():
     # the replay learned on its own copy: the next one starts from the profile, as a fresh server does
     assert not predictor.mixed.window and not predictor.split.window
     assert bench.run("mux", specs, 2.0).planner.predictor is not run.planner.predictor
+
+
+def test_the_predictor_learns_prefill_on_all_sms_faster_or_slower_than_profiled():
+    predictor = synthetic_profile(SyntheticGPU(MODEL, DEVICES["h100"]), partition_choices(132),
+                                  "llama-3.1-8b").predictor(MODEL.num_layers, "profile")
+    items = [PrefillItem(1024, 0)]
+    full, split = predictor.prefill_ms(items), predictor.prefill_ms(items, 64)
+    per_layer = predictor.prefill_solo_ms(items, None, 4)
+    for _ in range(32):  # four layers at a time, as temporal steps run them
+        predictor.observe_full(items, 4, per_layer * 0.85)
+    # unlike a slowdown beside decode, prefill on all SMs may run faster than the profile measured it
+    assert predictor.prefill_ms(items) == pytest.approx(full * 0.85)
+    assert predictor.prefill_ms(items, 64) == split  # the split has its own factor
+    for _ in range(ONLINE_WINDOW):  # the latest steps only
+        predictor.observe_full(items, 4, per_layer * 1.3)
+    assert predictor.prefill_ms(items) == pytest.approx(full * 1.3)
+    predictor.observe_full(items, 0, 5.0)  # nothing launched: nothing learned
+    predictor.observe_full([], 4, 5.0)
+    assert len(predictor.full.window) == ONLINE_WINDOW and predictor.full._since_fit == 0
+
+
+class FastFullGPU(SyntheticGPU):
+    """A GPU whose prefill on all SMs runs at 0.8x the profile's time while serving."""
+
+    def prefill_ms(self, items, sms=None):
+        solo = super().prefill_ms(items, sms)
+        return solo * 0.8 if sms is None or sms >= self.sm_count else solo
+
+
+def test_the_simulated_planner_learns_prefill_on_all_sms_from_its_temporal_steps():
+    gpu = FastFullGPU(MODEL, DEVICES["h100"])
+    predictor = synthetic_profile(SyntheticGPU(MODEL, DEVICES["h100"]), partition_choices(132),
+                                  "llama-3.1-8b").predictor(MODEL.num_layers, "profile")
+    contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
+    bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(MODEL, DEVICES["h100"])), truth=gpu)
+    specs = load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")[:150]
+    run = bench.run("mux", specs, 3.0)
+    assert run.planner.stats.temporal_steps >= MIN_OBSERVATIONS
+    learned = run.planner.predictor.full
+    assert len(learned.window) >= MIN_OBSERVATIONS
+    assert 0.7 < learned.factor([PrefillItem(2048, 0)]) < 0.9  # (the profile is a fit: not exactly 0.8)
+    assert run.report.summary["planner"]["full"]["observations"] == len(learned.window)
+    assert not predictor.full.window  # the replay learned on its own copy

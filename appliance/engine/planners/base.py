@@ -37,6 +37,9 @@ class Planner:
     def observe_mixed(self, items: list[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
         """A mixed (chunked-prefill) step the executor timed on all SMs."""
 
+    def observe_full(self, items: list[PrefillItem], layers: int, measured_ms: float) -> None:
+        """Prefill layers the executor timed on all SMs after a decode step (a temporal step)."""
+
     def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
         """Host time the executor spent launching a step's prefill layers (`launches` launches, `layers` in all)."""
 

@@ -162,7 +162,10 @@ class MuxPlanner:
     def _temporal_layers(self, load: DecodeLoad, start: int, items: list[PrefillItem], tbt: float) -> int:
         """How many of the batch's next layers a temporal step runs: as many as the step's gap (the decode rows on
         all SMs, then the layers on all SMs) holds within the planning target, when that advances the batch faster
-        (layers per ms of gap) than the split would beside decode; 0 when the split is faster or no layer fits."""
+        (layers per ms of gap) than the split would beside decode; 0 when the split is faster or no layer fits.
+        The split advances the batch by what its prefill SMs compute during the decode step, but never past the
+        batch's last layer: the step lasts as long as its decode rows on their partition, however few layers are
+        left (the next batch starts at the next step), where a temporal step's gap shrinks with its layers."""
         p = self.predictor
         t_decode = p.decode_ms(load)
         per_layer = p.prefill_ms(items) / p.num_layers
@@ -177,8 +180,11 @@ class MuxPlanner:
         if k < 1:
             return 0
         d = self._decode_partition(load, items, tbt)
-        if d is not None and p.num_layers / p.prefill_ms(items, p.sm_count - d) >= k / gap(k):
-            return 0
+        if d is not None:
+            step = p.host.gap(load.batch_size, p.decode_ms(load, d, items))
+            split = min(p.num_layers - start, step * p.num_layers / p.prefill_ms(items, p.sm_count - d))
+            if split / step >= k / gap(k):
+                return 0
         return k
 
     def _temporal(self, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
@@ -307,6 +313,10 @@ class MuxPlanner:
         """A mixed step measured on all SMs: online refinement of what mixed steps cost while serving."""
         self.predictor.observe_mixed(items, load, measured_ms)
 
+    def observe_full(self, items: list[PrefillItem], layers: int, measured_ms: float) -> None:
+        """Prefill layers measured on all SMs after decode: online refinement of what they cost while serving."""
+        self.predictor.observe_full(items, layers, measured_ms)
+
     def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
         """Prefill launches timed on the host while serving: online refinement of the host's per-layer time."""
         self.predictor.observe_launch(launches, layers, measured_ms)
@@ -336,7 +346,8 @@ class MuxPlanner:
 
     def snapshot(self) -> dict:
         """What the planner decided and learned online so far (a replay's result JSON keeps it): its step counts,
-        and the split and mixed-step slowdowns it plans with, with how many measured launches or steps they hold."""
+        and the split, mixed-step and all-SM prefill factors it plans with, with how many measured launches or steps
+        they hold."""
         p = self.predictor
         stats = asdict(self.stats)
         stats["decode_sms"] = {str(k): v for k, v in sorted(self.stats.decode_sms.items())}
@@ -346,7 +357,7 @@ class MuxPlanner:
                          "launches": len(p.launches.window)},
                 **{
             name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
-            for name, model in (("split", p.split), ("mixed", p.mixed))}}
+            for name, model in (("split", p.split), ("mixed", p.mixed), ("full", p.full))}}
 
     # ---- admission --------------------------------------------------------------------------------------------
     def admission_check(self, sched: Scheduler, request: Request) -> float | None:
