@@ -61,7 +61,7 @@ class Executor:
         self.layers_launched = 0
         self.last_decode: DecodeObservation | None = None  # the latest decode step, for online refinement
         self.last_mixed_ms: float | None = None  # the latest step's time when it was a mixed step (online refinement)
-        self.last_after_ms: float | None = None  # its prefill layers after decode on all SMs, on the device (the same)
+        self.last_after_ms: float | None = None  # device time of its prefill layers after decode (online refinement)
         self._previous: LaunchedStep | None = None  # the latest step with tokens to read back
         self._tokens_at = 0.0  # when the latest collected step's tokens reached the host
         self.last_launch_ms: float | None = None  # host time the latest step spent launching prefill layers
