@@ -36,6 +36,8 @@ run_job() {
     maxlen=${MAX_MODEL_LEN:-32768}
     [ "$trace" = chat-short ] && maxlen=${MAX_MODEL_LEN:-8192}
     name="$(basename "${trace%.*}")-$policy-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
+    # the same job on two GPUs (a repeat) keeps both results
+    [ "$(printf '%s\n' "${jobs[@]}" | grep -c "^[0-9]*:${1#*:}$")" -gt 1 ] && name="$name-gpu$gpu"
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
     replay="--trace $trace --max-requests $n"
@@ -48,6 +50,7 @@ run_job() {
     echo "job $1: exit $?" >> "$work/$name.log"
 }
 declare -A queues
+jobs=("$@")
 for job in "$@"; do queues[${job%%:*}]+="$job "; done
 delay=0
 for gpu in "${!queues[@]}"; do  # staggered: two interpreters starting at once once failed to import their packages
