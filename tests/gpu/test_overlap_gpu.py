@@ -178,15 +178,25 @@ def test_overlapped_equals_synchronous_on_sm_partitions(multiplexed):
 
 def test_prefill_after_decode_alternating_with_the_split(copy_model):
     """Prefill layers alternately after the decode rows in the step's stream and beside them on a split: the greedy
-    outputs continue their periodic prompts, overlapped or not, and equal each other."""
+    outputs continue their periodic prompts, overlapped or not, and equal each other; the layers after the decode
+    rows are timed on the device."""
     engine = build(copy_model, policy="layerwise", multiplex=True, max_num_seqs=16)
     engine.scheduler.planner = AlternatingTemporal()
     after = []
     inner = engine.executor.run
     engine.executor.run = lambda plan, *a, **k: (after.append(plan.prefill_after_decode and bool(plan.prefill)),
                                                  inner(plan, *a, **k))[1]
+    timed, collect = [], engine.executor.collect
+
+    def collecting(step):  # the device time of the layers run after the decode rows, as the planner is handed it
+        tokens = collect(step)
+        timed.append(engine.executor.last_after_ms)
+        return tokens
+
+    engine.executor.collect = collecting
     sync, overlapped = compare(engine)
     assert overlapped == sync and any(after) and engine.executor.layers_launched > 0
+    assert any(ms is not None and ms > 0 for ms in timed)
     for s in range(1, 13):  # the greedy requests: s tokens after a periodic prompt of 30 + 3s
         tokens = [t for o in sync[s - 1] for t in o[0]]
         assert tokens == periodic_prompt(s, 30 + 4 * s)[30 + 3 * s:], s
