@@ -245,6 +245,7 @@ class Simulator:
         start = max(self.clock.now, self.stream[-1].end if self.stream else 0.0)
         self._complete_until(start)
         rows = len(plan.decode)
+        layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill and not plan.mixed else 0
         if plan.mixed:
             items = prefill_items(plan.prefill)
             duration = self.timer.mixed_ms(items, self._load(plan))
@@ -252,11 +253,9 @@ class Simulator:
                 self.planner.observe_mixed(items, self._load(plan), duration)
         else:
             after = self._prefill_ms(plan.prefill, None)
-            if plan.prefill_after_decode and plan.decode and plan.prefill:  # as the engine hands the executor's
-                first = plan.prefill[0]
-                self.planner.observe_full(prefill_items(plan.prefill), first.layer_end - first.layer_start, after)
+            if plan.prefill_after_decode and plan.decode and layers:  # as the engine hands the executor's
+                self.planner.observe_full(prefill_items(plan.prefill), layers, after)
             duration = self.timer.decode_ms(self._load(plan)) + after
-        layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill and not plan.mixed else 0
         host = self._launch(layers)
         if host is not None:  # the step's host time and its layer launches, after its tokens or hidden
             duration = host.gap(rows, duration, layers)
