@@ -306,8 +306,9 @@ class ServingClock:
         self.full_factor = predictor.serving.get("prefill_full", self.prefill_factor)
 
     def prefill_ms(self, items: Sequence[PrefillItem], sms: int | None = None) -> float:
-        split = sms is not None and sms < self.sm_count
-        return self.predictor.prefill_ms(items, sms) * (1.0 if split else self.full_factor)
+        if sms is not None and sms < self.sm_count:
+            return self.predictor.prefill_ms(items, sms)
+        return self.predictor.prefill_solo_ms(items) * self.full_factor
 
     def decode_ms(self, load: DecodeLoad, sms: int | None = None, concurrent: Sequence[PrefillItem] = ()) -> float:
         return self.predictor.decode_ms(load, sms, concurrent) * self.decode_factor

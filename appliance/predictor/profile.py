@@ -189,8 +189,9 @@ class ProfileFile(_Model):
                          measured, prior)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
+        full = SplitSlowdown(self.serving.get("prefill_full", 1.0), floor=FACTOR_RANGE[0])
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
-                         serving=dict(self.serving), split=split,
+                         serving=dict(self.serving), split=split, full=full,
                          host=HostModel.from_dict(self.host) if self.host else HostModel())
 
 

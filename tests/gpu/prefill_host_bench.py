@@ -3,12 +3,13 @@ host time (the call that queues its kernels, not waiting for them) for whole pro
 (per-layer compiled code) and replaying piecewise graphs, and the functions that time is spent in (cProfile).
 
     PYTHONPATH=. python tests/gpu/prefill_host_bench.py [--tokens 256,1024,2048] [--sms 100] [--graph-rows 2048]
-        [--reps 20] [--profile-tokens 1024] [--busy 0.5] [--json OUT]
+        [--reps 20] [--profile-tokens 1024] [--busy 0.5] [--switch-interval-ms 0.5] [--json OUT]
 
 Dummy weights, Llama-3.1-8B shapes by default. The device is synchronised before every launch, so a launch never
 waits for a full launch queue: what is measured is the host's own work. `--busy F` runs another Python thread that
 holds the interpreter for a fraction F of the time in 1 ms slices (as a serving process's event loop streaming tokens
 does): launches that slow down with it are paying for the interpreter lock, not for the device.
+`--switch-interval-ms` sets the interpreter's switch interval (Python's default: 5 ms).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import threading
 import time
 
@@ -39,8 +41,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile-tokens", type=int, default=1024)
     ap.add_argument("--busy", type=float, default=0.0, help="another thread holds the interpreter this share of time")
+    ap.add_argument("--switch-interval-ms", type=float, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.busy > 0:
         threading.Thread(target=_busy, args=(args.busy,), daemon=True).start()
     cfg = Config.flat(model=args.model, load_format="dummy", max_num_seqs=64, max_model_len=32768,
@@ -106,7 +111,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "prefill_sms": part.prefill_sms,
-                       "graph_rows": args.graph_rows, "busy": args.busy, "rows": rows, "profiles": profiles}, f,
+                       "graph_rows": args.graph_rows, "busy": args.busy,
+                       "switch_interval_ms": sys.getswitchinterval() * 1e3, "rows": rows, "profiles": profiles}, f,
                   indent=1)
 
 

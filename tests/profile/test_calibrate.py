@@ -96,8 +96,10 @@ def test_the_clock_applies_the_host_factors_and_the_planner_does_not(profile, tm
     # a whole prompt on all SMs takes prefill_full where the profile has it; mixed steps keep the prefill factor
     save_profile(profile.model_copy(update={"serving": {"decode": 1.1, "prefill": 1.2, "prefill_full": 0.9}}), path)
     full = ServingClock(read_profile(path).predictor(MODEL.num_layers, "profile"))
-    assert full.prefill_ms(items) == pytest.approx(0.9 * predictor.prefill_ms(items))
-    assert full.prefill_ms(items, predictor.sm_count) == pytest.approx(0.9 * predictor.prefill_ms(items))
+    assert full.prefill_ms(items) == pytest.approx(0.9 * predictor.prefill_solo_ms(items))
+    assert full.prefill_ms(items, predictor.sm_count) == pytest.approx(0.9 * predictor.prefill_solo_ms(items))
+    # the planner starts from the same factor and refines it online
+    assert full.predictor.prefill_ms(items) == pytest.approx(0.9 * predictor.prefill_solo_ms(items))
     assert full.mixed_ms(items, load) == pytest.approx(1.2 * predictor.mixed_ms(items, load))
     # a profile without factors: the predictor is its own clock
     plain = SimulatedBench(default_contract(), profile.predictor(MODEL.num_layers, "p"), SimConfig(num_pages=4096))
