@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from appliance.config import Config
@@ -75,6 +76,8 @@ class Engine:
         self.async_scheduling = config.runtime.async_scheduling  # plan step N+1 while step N runs
         self._launched: LaunchedStep | None = None  # the step whose tokens the next step() reads
         self._eager: set[str] = set()  # requests whose next sample needs their latest token on the host
+        self._deferred: list = []  # finished prefill works merged by the next step (see _defer)
+        self._step_s = 0.0  # the host time of the latest step() call
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -146,7 +149,9 @@ class Engine:
         launched before it (overlapped: while this one runs) and of this one in the synchronous loop. A row whose
         sampling needs the token before it on the host (a grammar's mask, a penalty) is sampled once that token is
         read, while the step's forward runs. With nothing to launch, wait for in-flight prefill."""
-        outputs = self._merge(self.executor.poll())
+        began = time.monotonic()
+        done, self._deferred = self._deferred + self.executor.poll(), []
+        outputs = self._merge(done)
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         previous, self._launched = self._launched, None
@@ -179,9 +184,34 @@ class Engine:
                 raise RuntimeError(f"planner {self.scheduler.planner.name!r} planned nothing with "
                                    f"{len(self.scheduler.requests)} requests pending")
             return outputs
-        outputs += self._merge(self.executor.poll())
+        outputs += self._merge(self._defer(self.executor.poll()))
         self._release_if_idle()
+        self._step_s = time.monotonic() - began
         return outputs
+
+    def _defer(self, done: list) -> list:
+        """Prefill works found finished after this step was launched, less those left to the next step. With a step
+        in flight (the overlapped loop) a prompt's first token reported now would be followed by its second two steps
+        later (its row can join the step after the one just launched only), which the contract counts as one long
+        gap between tokens. Such a work is merged by the next step instead: its first token goes out with that
+        step's outputs, one step before its second, unless waiting that step would make its first token late."""
+        if self._launched is None or not done:
+            return done
+        now, merge = self.scheduler.clock(), []
+        for entry in done:
+            work, token = entry[0], entry[1]
+            r = self.scheduler.requests.get(work.request_id)
+            first = token is not None and r is not None and not r.output_token_ids
+            if first and now + self._step_s <= self._ttft_due(r):
+                self._deferred.append(entry)
+            else:
+                merge.append(entry)
+        return merge
+
+    def _ttft_due(self, r: Request) -> float:
+        """When the contract wants the request's first token (on the scheduler's clock)."""
+        cached = min(r.num_cached_tokens or 0, r.num_prompt_tokens)
+        return r.arrival_time + self.contract.slo_for(r.slo_class).ttft_target_ms(r.num_prompt_tokens - cached) / 1e3
 
     def _needs_tokens(self, previous: LaunchedStep, plan: StepPlan) -> bool:
         """The plan samples a row whose logits processing needs its token of the step before, still on the device

@@ -17,6 +17,7 @@ from appliance.engine.batch import placeholder, resolve, span_tokens
 from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
 from appliance.engine.grammar import GrammarSpec
+from appliance.engine.plan import PrefillWork
 from appliance.engine.request import Request, SamplingParams
 from appliance.engine.steplog import StepLog
 
@@ -283,4 +284,34 @@ def test_the_step_log_records_wall_and_device_time(llama_checkpoint):
     decode = [s for s in log.steps if s["decode"]]
     assert decode and all(s["launch_ms"] > 0 and s["device_ms"] is None for s in decode)  # (no device on a CPU)
     assert any(s["overlapped"] for s in decode)
+    assert_clean(engine)
+
+
+def test_a_first_token_found_after_the_launch_waits_a_step_where_its_ttft_allows(llama_checkpoint):
+    """A prompt whose last layers are found finished after the step was launched (a partition's prefill stream)
+    could only join the step after next: with a step in flight its first token is left to the next step, which
+    reports it one step before its second, unless that would make it late; without one, or for a chunk that does not
+    end the prompt, or a recomputation after preemption, nothing waits."""
+    path, _ = llama_checkpoint
+    engine = engine_for(path, True, policy="serial")
+    r = engine.make_request(prompt(1, 20), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.submit(r)
+    layers = engine.model.config.num_layers
+    last = [(PrefillWork(r.request_id, 0, 20, 0, layers), 7, None)]
+    assert engine._defer(last) == last and not engine._deferred  # no step in flight
+    engine._launched = in_flight = object()
+    assert engine._defer(last) == [] and engine._deferred == last
+    engine._deferred = []
+    middle = [(PrefillWork(r.request_id, 0, 20, 0, layers // 2), None, None)]
+    assert engine._defer(middle) == middle and not engine._deferred
+    engine._step_s = 1e6  # waiting a step would miss the first token's TTFT target
+    assert engine._defer(last) == last and not engine._deferred
+    engine._step_s = 0.0
+    r.output_token_ids = [5]  # a recomputation: its first token went out long ago
+    assert engine._defer(last) == last and not engine._deferred
+    r.output_token_ids = []
+    assert engine._launched is in_flight
+    engine._launched = None
+    while engine.has_unfinished():
+        engine.step()
     assert_clean(engine)
