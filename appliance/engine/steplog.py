@@ -5,7 +5,8 @@ took), the device time of its decode or mixed kernels (`device_ms`, on CUDA), wh
 before its tokens were read (`overlapped`), the host time since the previous step's launch ended less the time spent
 reading tokens (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode
 partition and prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside
-what the executor measured.
+what the executor measured; a temporal step also has the device time of its prefill layers after decode
+(`after_ms`, `after_items`).
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
 executor; `detach` restores them.
@@ -76,6 +77,9 @@ class StepLog:
                 obs = executor.last_decode
                 if obs is not None and "pred_ms" in row and not step.plan.mixed:
                     row.update(obs_ms=obs.ms, beside=len(obs.concurrent))
+                if executor.last_after_ms is not None and step.plan.prefill:  # a temporal step's prefill layers
+                    row.update(after_ms=executor.last_after_ms,
+                               after_items=[[i.new, i.reused] for i in prefill_items(step.plan.prefill)])
             return tokens
 
         sched.schedule, executor.start, executor.collect = timed_schedule, timed_start, timed_collect

@@ -80,11 +80,12 @@ class ProfileFile(_Model):
     contention_default: float = Field(ge=1.0)
     contention: list[CellEntry] = []
     fit: dict[str, float] = {}        # relative errors of the fit on its samples
-    # measured in a calibration replay: decode, prefill (mixed steps) and prefill_full (a whole prompt alone on all
-    # SMs, from serial's time to first token), serving / profiled time, which only the simulator's clock applies
-    # (the host's and the GPU clock's share of serving); prefill_split (+ prefill_split_per_1k per 1,000 tokens of
-    # attention span), layer-wise prefill on a partition beside decode over its solo time, which is contention: the
-    # predictor plans with it and refines it online (split.py)
+    # measured in a calibration replay: decode and prefill (mixed steps), serving / profiled time, which only the
+    # simulator's clock applies (the host's and the GPU clock's share of serving); prefill_full, prefill on all SMs
+    # (mux's temporal steps, after decode; else a whole prompt alone, from serial's time to first token) and
+    # prefill_split (+ prefill_split_per_1k per 1,000 tokens of attention span), layer-wise prefill on a partition
+    # beside decode over its solo time: the clock applies them and the predictor plans with them, refining both
+    # online (split.py)
     serving: dict[Literal["decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k"], float] = {}
     # the host's share of a step (host.py), fitted from a calibration replay; None: the prior
     host: dict[Literal["step_ms", "per_row_us", "launch_ms", "per_layer_ms"], float] | None = None

@@ -3,7 +3,7 @@ profiler times each step with nothing else in the process; a server's front-end 
 shares the host with the engine, and the steps the host launches slow down. A replay on the GPU logs every step with
 its measured time (`muxd bench diagnose`, `muxd profile --calibrate-rate`); `serving_factors` reduces such a log
 to one factor per phase, which the profile file keeps and the simulator's clock applies (`ServingClock`); plans never
-apply these. The same replay under mux also measures prefill on a partition beside decode: that slowdown is
+apply these (the planner starts its online figures for prefill on a partition and on all SMs from them). The same replay under mux also measures prefill on a partition beside decode: that slowdown is
 contention, not the host, so the predictor plans with it (`split.py`) and refines it online.
 """
 from __future__ import annotations
@@ -59,7 +59,26 @@ def serving_factors(steps: Iterable[dict[str, Any]], predictor: Predictor,
             acc[1] += predicted
             acc[2] += 1
     factors = {phase: measured / predicted for phase, (measured, predicted, n) in sums.items() if n >= MIN_STEPS}
-    return {**factors, **split_factors(prefills, predictor)}
+    return {**factors, **split_factors(prefills, predictor), **temporal_prefill_factor(steps, predictor)}
+
+
+def temporal_prefill_factor(steps: Iterable[dict[str, Any]], predictor: Predictor) -> dict[str, float]:
+    """Prefill layers on all SMs after a decode step while serving (mux's temporal steps: a step log's `after_ms`,
+    `after_items` and `layers`) over the profile's all-SM figure for them ("prefill_full"). Measured from the device's
+    mark after decode to the last layer, it holds what the steps pay in serving, a host that queues the layers more
+    slowly than the device runs them included; the planner learns the same figure online."""
+    measured = predicted = 0.0
+    n = 0
+    for s in steps:
+        if s.get("after_ms") is None or not s.get("after_items") or not s.get("layers"):
+            continue
+        items = [PrefillItem(int(new), int(reused)) for new, reused in s["after_items"]]
+        ms = predictor.prefill_solo_ms(items, None, int(s["layers"]))
+        if ms > 0:
+            measured += float(s["after_ms"])
+            predicted += ms
+            n += 1
+    return {"prefill_full": measured / predicted} if n >= MIN_STEPS else {}
 
 
 def full_prefill_factor(timelines: Sequence[RequestTimeline], predictor: Predictor) -> dict[str, float]:
@@ -75,7 +94,7 @@ def full_prefill_factor(timelines: Sequence[RequestTimeline], predictor: Predict
         first = t.token_times[0]
         alone = t.arrival > busy_until and (i + 1 == len(done) or done[i + 1].arrival > first)
         busy_until = max(busy_until, t.token_times[-1])
-        ms = predictor.prefill_ms([PrefillItem(t.prompt_tokens, 0)]) if alone and t.prompt_tokens else 0.0
+        ms = predictor.prefill_solo_ms([PrefillItem(t.prompt_tokens, 0)]) if alone and t.prompt_tokens else 0.0
         if ms > 0:
             measured += (first - t.arrival) * 1e3
             predicted += ms
@@ -159,7 +178,8 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
     if failed:
         raise ConfigError(f"the serial calibration replay lost {len(failed)} of {len(specs)} requests "
                           f"(first: {failed[0]})")
-    factors.update(full_prefill_factor(result.timelines, predictor))
+    for phase, factor in full_prefill_factor(result.timelines, predictor).items():
+        factors.setdefault(phase, factor)  # where mux's temporal steps measured prefill on all SMs, they tell
     for phase, factor in list(factors.items()):
         lo, hi = serving_range(phase)
         if not lo <= factor <= hi:

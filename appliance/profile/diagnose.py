@@ -196,7 +196,7 @@ def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], se
         raise ConfigError("serving factors are measured against a profile: pass --profile")
     profile = read_profile(args.profile)
     predictor = profile.predictor(profile.model.shape["num_layers"], "profile")
-    factors = {**serving_factors(steps, predictor, prefills), **full_prefill_factor(serial_timelines, predictor)}
+    factors = {**full_prefill_factor(serial_timelines, predictor), **serving_factors(steps, predictor, prefills)}
     print("  serving factors (measured / profiled, total time):",
           ", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps")
     if args.write_serving:

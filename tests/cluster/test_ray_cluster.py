@@ -87,6 +87,13 @@ def test_routing_and_streaming(cluster):
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            # the router ranks the replicas it has reports from: wait until it has both (on a busy machine the
+            # second one's first report can come after the deployment says RUNNING)
+            assert (await client.post("/v1/completions", json={"prompt": "warm", "max_tokens": 1})).status_code == 200
+            for _ in range(480):
+                if (await client.get("/metrics")).text.count("muxd:cluster_replica_num_running{") == 2:
+                    break
+                await asyncio.sleep(0.25)
             bodies = [{"prompt": f"{i} " + "story " * (40 + 30 * i), "max_tokens": 24, "ignore_eos": True}
                       for i in range(8)]
             answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))

@@ -53,13 +53,28 @@ def test_factors_are_measured_over_predicted_time_per_phase(profile):
     launches.append({"ms": 1e6, "prefill_sms": p.sm_count, "layers": 4, "items": [[512, 0]], "beside": False})
     factors = serving_factors(steps, p, launches)
     assert factors["prefill_split"] == pytest.approx(1.4) and factors["prefill"] == pytest.approx(1.25)
+    assert "prefill_full" not in factors
+
+
+def test_prefill_on_all_sms_is_measured_from_temporal_steps_after_decode(profile):
+    """mux's temporal steps time their prefill layers after decode (`after_ms`): prefill_full is their total over the
+    profile's all-SM figure for those layers; it wins over the serial replay's where both are measured."""
+    p = profile.predictor(MODEL.num_layers, "profile")
+    steps = [{"launch_ms": 30.0, "mixed": False, "decode": 8, "ctx": 8000, "layers": 4 + i % 8,
+              "after_items": [[700 + 50 * i, 0], [300, 128]],
+              "after_ms": 2.1 * p.prefill_solo_ms([PrefillItem(700 + 50 * i, 0), PrefillItem(300, 128)], None,
+                                                  4 + i % 8)} for i in range(MIN_STEPS)]
+    assert serving_factors(steps, p)["prefill_full"] == pytest.approx(2.1)
+    assert "prefill_full" not in serving_factors(steps[:MIN_STEPS - 1], p)  # too few
+    untimed = [{**s, "after_ms": None} for s in steps]  # a temporal step that was not timed does not count
+    assert "prefill_full" not in serving_factors(untimed, p)
 
 
 def test_whole_prompt_prefill_is_measured_from_the_first_tokens_of_requests_served_alone(profile):
     p = profile.predictor(MODEL.num_layers, "profile")
 
     def served(arrival: float, prompt: int, factor: float, outputs: int = 4) -> RequestTimeline:
-        first = arrival + factor * p.prefill_ms([PrefillItem(prompt, 0)]) / 1e3
+        first = arrival + factor * p.prefill_solo_ms([PrefillItem(prompt, 0)]) / 1e3
         return RequestTimeline(arrival=arrival, prompt_tokens=prompt, token_times=[first + 0.01 * k
                                                                                    for k in range(outputs)])
 
