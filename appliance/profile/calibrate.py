@@ -2,9 +2,9 @@
 profiler times each step with nothing else in the process; a server's front-end (its event loop, token streaming)
 shares the host with the engine, and the steps the host launches slow down. A replay on the GPU logs every step with
 its measured time (`muxd bench diagnose`, `muxd profile --calibrate-rate`); `serving_factors` reduces such a log
-to one factor per phase, which the profile file keeps and the simulator's clock applies (`ServingClock`); plans never
-apply these (the planner starts its online figures for prefill on a partition and on all SMs from them). The same replay under mux also measures prefill on a partition beside decode: that slowdown is
-contention, not the host, so the predictor plans with it (`split.py`) and refines it online.
+to one factor per phase, which the profile file keeps and the simulator's clock applies (`ServingClock`). Plans
+apply only two of them, as the starting points of what the planner refines online (`split.py`): prefill on a
+partition beside decode (contention, not the host) and prefill on all SMs after decode (mux's temporal steps).
 """
 from __future__ import annotations
 
