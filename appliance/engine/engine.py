@@ -210,8 +210,7 @@ class Engine:
 
     def _ttft_due(self, r: Request) -> float:
         """When the contract wants the request's first token (on the scheduler's clock)."""
-        cached = min(r.num_cached_tokens or 0, r.num_prompt_tokens)
-        return r.arrival_time + self.contract.slo_for(r.slo_class).ttft_target_ms(r.num_prompt_tokens - cached) / 1e3
+        return r.arrival_time + self.contract.slo_for(r.slo_class).ttft_target_ms(r.num_uncached_prompt_tokens) / 1e3
 
     def _needs_tokens(self, previous: LaunchedStep, plan: StepPlan) -> bool:
         """The plan samples a row whose logits processing needs its token of the step before, still on the device

@@ -187,6 +187,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_uncached_prompt_tokens(self) -> int:
+        """Prompt tokens not served from the prefix cache at admission (what its TTFT target grows with)."""
+        return self.num_prompt_tokens - min(self.num_cached_tokens or 0, self.num_prompt_tokens)
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt's log-probabilities are still to compute: its first prefill runs every prompt token (no
         prefix-cache reuse)."""

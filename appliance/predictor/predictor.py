@@ -18,7 +18,7 @@ from appliance.predictor.contention import ContentionGuard
 from appliance.predictor.host import HostModel, LaunchCost
 from appliance.predictor.roofline import DeviceSpec, RooflineModel
 from appliance.predictor.shapes import DecodeLoad, LatencyModel, PrefillItem
-from appliance.predictor.split import FACTOR_RANGE, SplitSlowdown
+from appliance.predictor.split import SplitSlowdown, all_sms
 
 DEFAULT_GRANULARITY = 16  # decode partitions of 16, 32, ... SMs (the multiplex executor's default)
 
@@ -43,7 +43,7 @@ class Predictor:
     split: SplitSlowdown = field(default_factory=SplitSlowdown)  # prefill on a partition, beside decode
     mixed: SplitSlowdown = field(default_factory=SplitSlowdown)  # mixed steps while serving, against the profile
     # prefill layers on all SMs after decode (temporal steps) while serving, against the profile: may be below 1
-    full: SplitSlowdown = field(default_factory=lambda: SplitSlowdown(floor=FACTOR_RANGE[0]))
+    full: SplitSlowdown = field(default_factory=all_sms)
     host: HostModel = field(default_factory=HostModel)  # the host's share of every step (host.py)
     launches: LaunchCost = field(default_factory=LaunchCost)  # prefill launches' host time while serving
 

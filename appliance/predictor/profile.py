@@ -25,7 +25,7 @@ from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.roofline import DEVICES, DeviceSpec, RooflineModel, device_spec
 from appliance.predictor.shapes import LatencyModel, Sample
 from appliance.predictor.solo import MeasuredRange, SoloModel, fit_error, fit_solo
-from appliance.predictor.split import FACTOR_RANGE, SLOPE_RANGE, SplitSlowdown
+from appliance.predictor.split import FACTOR_RANGE, SLOPE_RANGE, SplitSlowdown, all_sms
 
 log = logging.getLogger("muxd.predictor")
 FORMAT, VERSION = "muxd-profile", 1
@@ -190,7 +190,7 @@ class ProfileFile(_Model):
                          measured, prior)
         guard = ContentionGuard({tuple(c.cell): c.slowdown for c in self.contention}, self.contention_default)
         split = SplitSlowdown(self.serving.get("prefill_split", 1.0), self.serving.get("prefill_split_per_1k", 0.0))
-        full = SplitSlowdown(self.serving.get("prefill_full", 1.0), floor=FACTOR_RANGE[0])
+        full = all_sms(self.serving.get("prefill_full", 1.0))
         return Predictor(solo, guard, num_layers, self.gpu.sm_count, tuple(sorted(self.decode_partitions)), source,
                          serving=dict(self.serving), split=split, full=full,
                          host=HostModel.from_dict(self.host) if self.host else HostModel())

@@ -71,3 +71,9 @@ class SplitSlowdown:
             fitted = fit(*zip(*self.window))
             if fitted is not None:
                 self.flat, self.per_1k = fitted
+
+
+def all_sms(flat: float = 1.0) -> SplitSlowdown:
+    """The factor of prefill layers on all SMs after a decode step while serving, starting at `flat`: nothing runs
+    beside them, so it may fall below 1 (down to the least factor a fit may hold)."""
+    return SplitSlowdown(flat, floor=FACTOR_RANGE[0])

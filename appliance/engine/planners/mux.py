@@ -332,8 +332,7 @@ class MuxPlanner:
             by_class.setdefault(slo.name, ([], []))[0].append(seconds * 1e3 / slo.tbt_ms)
         for r, seconds in first:
             slo = dl.slo(r)
-            cached = r.num_cached_tokens or 0
-            target = slo.ttft_target_ms(r.num_prompt_tokens - min(cached, r.num_prompt_tokens))
+            target = slo.ttft_target_ms(r.num_uncached_prompt_tokens)
             by_class.setdefault(slo.name, ([], []))[1].append(seconds * 1e3 / target)
         for name, (g, f) in by_class.items():
             self.control(name).observe(g, f)
