@@ -7,7 +7,8 @@ Where the profile measured the GEMMs per partition (gemm_table.py), prefill adds
 for the padded rows the executor runs: kernel choices make it a staircase with spikes no term in n can follow.
 Where the prefill attention kernel's plan is known too (prefill_plan.py), prefill adds w*v, v the cost on the
 critical path of its persistent CTAs on the partition: the kernel's grid is the whole GPU's, and query tiles come
-in waves.
+in waves. A partition keeps those two terms only where fits that leave one of its samples out predict it better with
+them than without (a partition profiled at a few sizes otherwise threads them and misses the sizes between).
 
 h is the host's floor: a short prefill runs its layers eagerly, and below some hundreds of tokens the host launching
 kernels, not the GPU running them, sets its time (MuxWise's model, fitted through such points, bends its GPU terms
@@ -204,7 +205,7 @@ def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None,
     partition needs at least as many distinct samples as terms. Mixed samples are optional. With `decode_plan`,
     decode also fits the critical path of the attention kernel's waves, with `gemm` prefill the measured GEMM
     time, and with both `gemm` and `prefill_plan` the critical path of the prefill attention kernel (each where a
-    partition has the samples for it)."""
+    partition has the samples for it and it predicts a sample left out of the fit better, `_prefill_form`)."""
     tables: dict[str, dict[int, tuple[float, ...]]] = {"prefill": {}, "decode": {}, "mixed": {}}
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in samples:
@@ -223,13 +224,37 @@ def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None,
         waves = prefill_plan if table is not None and len(group) >= len(PREFILL_PLAN_TERMS) else None
         x = np.array([features(s, plan, table, waves) for s in group])
         y = np.array([s.ms for s in group])
+        if kind == "prefill":
+            x = x[:, :_prefill_form(x, y)]
         beta = _fit_with_floor(x, y) if kind != "decode" else tuple(_nonnegative_relative_lstsq(x, y))
-        if table is not None:  # (a, b, c, d, q[, w], h) -> (a, b, c, d, h, q[, w])
+        if kind == "prefill":  # (a, b, c, d[, q[, w]], h) -> (a, b, c, d, h[, q[, w]])
             beta = (*beta[:4], beta[-1], *beta[4:-1])
         tables[kind][sms] = tuple(float(v) for v in beta)
     mixed = tables["mixed"][max(tables["mixed"])] if tables["mixed"] else None  # measured on all SMs only
     return SoloModel(tables["prefill"], tables["decode"], mixed, decode_plan, gemm, prefill_plan,
                      MeasuredRange.of(samples))
+
+
+def _prefill_form(x: np.ndarray, y: np.ndarray) -> int:
+    """How many of a partition's prefill terms to fit (its columns, in order: the four of PREFILL_TERMS, then the
+    GEMM table's and the attention plan's where it has them): the form whose fits, each leaving one sample out, best
+    predict the sample left out. A partition profiled at a few sizes has about as many samples as the fullest form
+    has terms, and that form then threads every sample and predicts the sizes between them worst (an H100 profile's
+    all-SM prefill put its whole time on the attention term and a constant: 29.7 % off a held-out prompt, 14 % with
+    the GEMM term and no attention term)."""
+    forms = [k for k in range(x.shape[1], len(PREFILL_TERMS) - 1, -1) if len(y) - 1 >= k]
+    if len(forms) < 2:
+        return x.shape[1]
+
+    def left_out_error(k: int) -> float:
+        errs = []
+        for i in range(len(y)):
+            keep = np.arange(len(y)) != i
+            *beta, h = _fit_with_floor(x[keep, :k], y[keep])
+            errs.append((max(float(x[i, :k] @ np.array(beta)), h) - y[i]) / y[i])
+        return float(np.mean(np.square(errs)))
+
+    return min(forms, key=left_out_error)
 
 
 def _fit_with_floor(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:

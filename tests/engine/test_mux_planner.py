@@ -513,8 +513,29 @@ def test_temporal_runs_the_last_layers_the_split_would_spend_a_whole_decode_step
     load = rig.planner._load(rig.sched, tuple(x.request_id for x in rig.sched.decoding))
     items = [rig.planner._dl(rig.sched).item(r)]
     assert rig.planner._temporal_layers(load, 0, items, 50.0) == 0
-    assert rig.planner._temporal_layers(load, 28, items, 50.0) == 0  # 4 left: 4 layers in 45 ms either way
+    assert rig.planner._temporal_layers(load, 26, items, 50.0) == 0  # 6 left: 4.8 layers in 45 ms on the split
+    assert rig.planner._temporal_layers(load, 28, items, 50.0) == 4  # 4 left: 4 layers in 45 ms either way (a tie)
     assert rig.planner._temporal_layers(load, 30, items, 50.0) == 2
+
+
+def test_the_split_s_step_includes_the_host_launching_its_layers():
+    """A 1,000-token prompt beside 2 decode rows. On the device the split is faster: its 32 layers on 100 SMs
+    (21 ms) run within one 25-ms decode step on 32 SMs (1.28 layers/ms), where a temporal step takes 40 ms (20 ms of
+    decode, 20 ms of layers: 0.8 layers/ms). With the host launching a layer in 1.5 ms (overlapped loop), the split's
+    step lasts the 48 ms the host takes to launch its 32 layers, as long as the temporal step's gap: the two advance
+    alike, and the tie goes to the temporal step."""
+    table = Table(per_token={132: 0.02, 116: 0.021, 100: 0.021, 84: 0.021}, decode={16: 80.0, 32: 25.0, 48: 22.0,
+                                                                                        132: 20.0})
+    rig = Rig(table, temporal=True)
+    rig.decoding(2)
+    r = rig.request(1_000)
+    load = rig.planner._load(rig.sched, tuple(x.request_id for x in rig.sched.decoding))
+    items = [rig.planner._dl(rig.sched).item(r)]
+    assert rig.planner._temporal_layers(load, 0, items, 50.0) == 0  # no host: the split
+    rig.predictor.host = HostModel(0.0, 0.0, 0.0, 1.5, overlapped=True)
+    assert rig.planner._temporal_layers(load, 0, items, 50.0) == 32
+    rig.predictor.host = HostModel(0.0, 0.0, 0.0, 0.5, overlapped=True)  # the host keeps up with the split: 16 ms
+    assert rig.planner._temporal_layers(load, 0, items, 50.0) == 0
 
 
 def test_temporal_waits_for_prefill_in_flight_on_a_partition():

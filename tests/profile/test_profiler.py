@@ -2,6 +2,7 @@
 and loaded by the server's predictor, held-out errors, resuming an interrupted run, and clear errors."""
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import time
@@ -341,13 +342,32 @@ def test_refit_of_a_gpu_log_with_gemm_buckets_adds_the_prefill_kernels_waves(tmp
     logged = json.loads(log.read_text().splitlines()[0])["gemm"]
     assert GemmTable.from_dict(new["gemm"]) == GemmTable.from_dict(logged) == GemmTable.from_dict(old["gemm"])
     assert new["prefill_plan"] == {"total_sms": 132, "qo_heads": 32, "tile_q": 128} and old.get("prefill_plan") is None
-    assert all(len(c) == 7 for c in new["prefill"].values()) and all(len(c) == 6 for c in old["prefill"].values())
+    assert all(len(c) == 6 for c in old["prefill"].values())
+    # the plan's term where it predicts samples left out of the fit better (all partitions but 100 SMs')
+    assert sum(len(c) == 7 for c in new["prefill"].values()) == 7 and all(len(c) >= 6 for c in new["prefill"].values())
     assert new["fit"]["holdout_prefill_mean"] < old["fit"]["holdout_prefill_mean"]
     # the point a model linear in new x cached tokens missed by a quarter: two waves of query tiles on 52 SMs
     point = Point("prefill", 52, 159, 19679, holdout=True)
     measured = read_samples(log, json.loads(log.read_text().splitlines()[0]))[point.key][1]
     predicted = again.profile.predictor(32, "profile").prefill_solo_ms(point.items, 52)
     assert abs(predicted - measured) / measured < 0.05
+
+
+def test_refit_of_a_partition_profiled_at_a_few_sizes_keeps_the_terms_that_predict_between_them(tmp_path):
+    """The H100 profile measured each partition's prefill at six sizes; with all seven terms its all-SM fit put the
+    time on the attention plan's term and a constant, 29.7 % off a held-out 1,962-token prompt (51.1 ms measured).
+    Choosing each partition's terms by how well fits that leave one sample out predict it keeps the GEMM term and
+    halves the held-out error."""
+    log = tmp_path / "h100.json.samples.jsonl"
+    with gzip.open(REPO / "docs/data/profile-llama-3.1-8b-h100-2026-11-25.samples.jsonl.gz", "rt") as f:
+        log.write_text(f.read())
+    again = refit_profile(log, tmp_path / "refit.json", ModelConfig.from_file(
+        REPO / "configs/models/llama-3.1-8b/config.json"))
+    a, b, c, d, h, q = again.profile.prefill["132"]  # no attention plan term on all SMs
+    assert q > 0 and again.errors["prefill_max"] < 0.15
+    point = Point("prefill", 132, 1962, 0, holdout=True)
+    predicted = again.profile.predictor(32, "profile").prefill_solo_ms(point.items, 132)
+    assert abs(predicted - 51.15) / 51.15 < 0.1
 
 
 def test_serving_with_a_bucket_profile_pads_prefills_and_answers_as_serial(timer, llama_checkpoint, tmp_path):

@@ -165,7 +165,8 @@ class MuxPlanner:
         (layers per ms of gap) than the split would beside decode; 0 when the split is faster or no layer fits.
         The split advances the batch by what its prefill SMs compute during the decode step, but never past the
         batch's last layer: the step lasts as long as its decode rows on their partition, however few layers are
-        left (the next batch starts at the next step), where a temporal step's gap shrinks with its layers."""
+        left (the next batch starts at the next step), where a temporal step's gap shrinks with its layers. Both
+        steps' gaps include the host launching their layers."""
         p = self.predictor
         t_decode = p.decode_ms(load)
         per_layer = p.prefill_ms(items) / p.num_layers
@@ -181,9 +182,13 @@ class MuxPlanner:
             return 0
         d = self._decode_partition(load, items, tbt)
         if d is not None:
-            step = p.host.gap(load.batch_size, p.decode_ms(load, d, items))
-            split = min(p.num_layers - start, step * p.num_layers / p.prefill_ms(items, p.sm_count - d))
-            if split / step >= k / gap(k):
+            t_split = p.decode_ms(load, d, items)
+            split = min(p.num_layers - start,
+                        p.host.gap(load.batch_size, t_split) * p.num_layers / p.prefill_ms(items, p.sm_count - d))
+            step = p.host.gap(load.batch_size, t_split, split)  # the host launches the split's layers within it too
+            # where the host's launches set both steps' length the two advance alike: a tie (to rounding) goes to
+            # decode on all SMs, none of it beside prefill
+            if split / step > (1 + 1e-9) * k / gap(k):
                 return 0
         return k
 
