@@ -249,4 +249,5 @@ def contract_verdict(slo: SLO | None, timelines: list[RequestTimeline], specs: l
         return {}
     report = evaluate(slo, timelines, specs)
     return {"contract_met": report.met, "contract_tbt_ms": report.tbt_ms, "contract_ttft_ok": report.ttft_ok,
-            "contract_misses": report.reasons}
+            "contract_misses": report.reasons, "contract_tbt_first_gap_ms": report.tbt_first_gap_ms,
+            "contract_tbt_later_gaps_ms": report.tbt_later_gaps_ms}

@@ -38,6 +38,10 @@ class ContractReport:
     tbt_ms: float              # the TBT percentile of the contract over every gap of every request
     summary: dict[str, Any]    # the bench summary (vLLM keys: p99_ttft_ms, p99_itl_ms, request_goodput, ...)
     misses: dict[str, str] = field(default_factory=dict)  # "attainment" / "tbt" / "ttft" -> why it was missed
+    # the same percentile over the gaps after each request's first token, and over the others: where a TBT miss
+    # comes from (a prompt's second token waits for its row to join the decode batch)
+    tbt_first_gap_ms: float = 0.0
+    tbt_later_gaps_ms: float = 0.0
 
     @property
     def reasons(self) -> list[str]:
@@ -49,12 +53,17 @@ def evaluate(contract: Contract, timelines: Sequence[RequestTimeline], specs: Se
     slo = ContractSLO(contract, uncached)
     s = slo.slo
     summary = summarize(timelines, slo=slo, specs=specs)
-    gaps = [g for t in timelines if t.success for g in request_metrics(t).itls]
-    tbt = float(np.percentile(np.asarray(gaps) * 1e3, s.tbt_percentile)) if gaps else 0.0
+    itls = [request_metrics(t).itls for t in timelines if t.success]
+
+    def tail(gaps: list[float]) -> float:
+        return float(np.percentile(np.asarray(gaps) * 1e3, s.tbt_percentile)) if gaps else 0.0
+
+    tbt = tail([g for gaps in itls for g in gaps])
     ttft_ok = np.mean(good_flags(timelines, _OnlyTTFT(slo), specs)) if timelines else 0.0
     attainment = summary["slo_attainment"] or 0.0
     misses = contract_misses(contract, attainment, float(ttft_ok), tbt)
-    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses)
+    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses,
+                          tail([gaps[0] for gaps in itls if gaps]), tail([g for gaps in itls for g in gaps[1:]]))
 
 
 def contract_misses(contract: Contract, attainment: float, ttft_ok: float, tbt_ms: float,

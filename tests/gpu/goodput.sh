@@ -20,6 +20,7 @@
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
 #   call 2, 3, ...: for i in $(seq 55); do [ -e /tmp/gp/done ] && break; sleep 10; done;
 #                   cp /tmp/gp/goodput.tgz $OUT/ 2>/dev/null; tail -n 5 /tmp/gp.log
+# Each job's directory holds gpu.txt, the name of the GPU it ran on.
 # ($out/done appears once the results are packed and the tables printed; `pgrep -f goodput.sh` would match the polling command itself.)
 # Each call must follow the last within the machine's idle release (30 s), or the machine and the replay are gone.
 set -uo pipefail
@@ -48,6 +49,8 @@ run_job() {
         ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
     echo "job $1: exit $?" >> "$work/$name.log"
+    # which GPU it ran on (the job's name does not say), beside its results
+    mkdir -p "$work/$name" && nvidia-smi --query-gpu=name --format=csv,noheader -i "$gpu" > "$work/$name/gpu.txt" 2>/dev/null || true
 }
 declare -A queues
 jobs=("$@")
