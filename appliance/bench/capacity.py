@@ -116,8 +116,8 @@ class SimulatedBench:
         uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0) for s, r in zip(specs, result.requests)}
         report = evaluate(self.contract, result.timelines, specs, lambda s: uncached[id(s)])
         report.summary.update(policy=policy, request_rate=rate, offered_rate=wl.offered_rate(list(specs)),
-                              contract_met=report.met, contract_tbt_ms=report.tbt_ms, contract_ttft_ok=report.ttft_ok,
-                              shed=result.shed, steps=result.steps, spatial_steps=result.spatial_steps)
+                              **report.verdict(), shed=result.shed, steps=result.steps,
+                              spatial_steps=result.spatial_steps)
         snapshot = planner.snapshot()
         if snapshot is not None:
             report.summary["planner"] = snapshot

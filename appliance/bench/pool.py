@@ -36,6 +36,8 @@ class Pooled:
     ttft_ms: dict[str, float]    # p50 / p90 / p99 over the completed requests
     misses: dict[str, str] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
+    tbt_first_gap_ms: float = 0.0  # the same percentile over the gaps after first tokens, and over the others
+    tbt_later_gaps_ms: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -44,7 +46,9 @@ class Pooled:
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "request_rate": self.rate, "requests": self.requests,
                 "good_requests": self.good, "slo_attainment": self.attainment, "contract_ttft_ok": self.ttft_ok,
-                "contract_tbt_ms": self.tbt_ms, **{f"{k}_ttft_ms": v for k, v in self.ttft_ms.items()},
+                "contract_tbt_ms": self.tbt_ms, "contract_tbt_first_gap_ms": self.tbt_first_gap_ms,
+                "contract_tbt_later_gaps_ms": self.tbt_later_gaps_ms,
+                **{f"{k}_ttft_ms": v for k, v in self.ttft_ms.items()},
                 "passed": self.passed, "misses": list(self.misses.values()), "sources": self.sources}
 
 
@@ -87,8 +91,13 @@ def pool(points: Sequence[dict[str, Any]], contract: Contract, attainment: float
     good = sum(int(p["good_requests"]) for p in points)
     ttft_ok = sum(float(p["contract_ttft_ok"]) * len(p["ttfts"]) for p in points) / n
     ttfts = [t for p in points for t, e in zip(p["ttfts"], p["errors"]) if not e]
-    gaps = [g for p in points for itl, e in zip(p["itls"], p["errors"]) if not e for g in itl]
-    tbt = float(np.percentile(np.asarray(gaps) * 1e3, cls.tbt_percentile)) if gaps else 0.0
+    itls = [itl for p in points for itl, e in zip(p["itls"], p["errors"]) if not e]
+
+    def tail(gaps: list[float]) -> float:
+        return float(np.percentile(np.asarray(gaps) * 1e3, cls.tbt_percentile)) if gaps else 0.0
+
+    tbt = tail([g for itl in itls for g in itl])
     ttft_ms = {f"p{q}": float(np.percentile(np.asarray(ttfts) * 1e3, q)) if ttfts else 0.0 for q in (50, 90, 99)}
     misses = contract_misses(contract, good / n, ttft_ok, tbt, max(attainment, contract.attainment))
-    return Pooled(str(policies.pop()), rates[0], n, good, good / n, ttft_ok, tbt, ttft_ms, misses, list(sources))
+    return Pooled(str(policies.pop()), rates[0], n, good, good / n, ttft_ok, tbt, ttft_ms, misses, list(sources),
+                  tail([itl[0] for itl in itls if itl]), tail([g for itl in itls for g in itl[1:]]))

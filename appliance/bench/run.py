@@ -247,7 +247,4 @@ def contract_verdict(slo: SLO | None, timelines: list[RequestTimeline], specs: l
     TBT percentile over every gap) and why not; nothing for other SLOs."""
     if not isinstance(slo, Contract):
         return {}
-    report = evaluate(slo, timelines, specs)
-    return {"contract_met": report.met, "contract_tbt_ms": report.tbt_ms, "contract_ttft_ok": report.ttft_ok,
-            "contract_misses": report.reasons, "contract_tbt_first_gap_ms": report.tbt_first_gap_ms,
-            "contract_tbt_later_gaps_ms": report.tbt_later_gaps_ms}
+    return evaluate(slo, timelines, specs).verdict()

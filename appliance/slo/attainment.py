@@ -47,6 +47,12 @@ class ContractReport:
     def reasons(self) -> list[str]:
         return list(self.misses.values())
 
+    def verdict(self) -> dict[str, Any]:
+        """The contract's keys of a bench result JSON."""
+        return {"contract_met": self.met, "contract_tbt_ms": self.tbt_ms, "contract_ttft_ok": self.ttft_ok,
+                "contract_misses": self.reasons, "contract_tbt_first_gap_ms": self.tbt_first_gap_ms,
+                "contract_tbt_later_gaps_ms": self.tbt_later_gaps_ms}
+
 
 def evaluate(contract: Contract, timelines: Sequence[RequestTimeline], specs: Sequence[RequestSpec],
              uncached: Callable[[RequestSpec], int] | None = None) -> ContractReport:

@@ -46,6 +46,8 @@ def test_slices_of_a_simulated_replay_pool_to_all_their_requests(tmp_path):
     assert alone.requests == 30 and alone.attainment == pytest.approx(a["slo_attainment"])
     assert alone.ttft_ok == pytest.approx(a["contract_ttft_ok"]) and alone.tbt_ms == pytest.approx(a["contract_tbt_ms"])
     assert alone.ttft_ms["p99"] == pytest.approx(a["p99_ttft_ms"]) and alone.passed == a["contract_met"]
+    assert alone.tbt_first_gap_ms == pytest.approx(a["contract_tbt_first_gap_ms"])
+    assert alone.tbt_later_gaps_ms == pytest.approx(a["contract_tbt_later_gaps_ms"])
     both = pool([a, b], contract)
     assert both.requests == 60 and both.good == a["good_requests"] + b["good_requests"]
     gaps = np.concatenate([np.concatenate([np.asarray(x) for x in p["itls"] if x]) for p in (a, b)]) * 1e3
@@ -75,6 +77,8 @@ def test_the_pooled_arithmetic_and_verdict():
     assert p.ttft_ok == pytest.approx(199 / 200)
     # 1,990 gaps, 100 of them 200 ms (5 %): the p99 gap is one of them; the failed request's TTFT is left out
     assert p.tbt_ms == pytest.approx(200.0) and p.ttft_ms["p50"] == pytest.approx(200.0)
+    # the slow gaps are the last ones, none a first token's
+    assert p.tbt_first_gap_ms == pytest.approx(10.0) and p.tbt_later_gaps_ms == pytest.approx(200.0)
     assert not p.passed and set(p.misses) == {"tbt"}
     assert pool([fast], contract).passed  # 99 of 100 good, the failed one counted: exactly the 99 % the contract asks
     assert pool([fast, slow], contract, attainment=0.999).misses.keys() == {"tbt", "attainment"}
