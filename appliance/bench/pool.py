@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from appliance.errors import ConfigError
-from appliance.slo.attainment import contract_misses
+from appliance.slo.attainment import contract_misses, gap_tails
 from appliance.slo.contract import Contract
 
 DETAILED = ("ttfts", "itls", "errors")
@@ -91,13 +91,9 @@ def pool(points: Sequence[dict[str, Any]], contract: Contract, attainment: float
     good = sum(int(p["good_requests"]) for p in points)
     ttft_ok = sum(float(p["contract_ttft_ok"]) * len(p["ttfts"]) for p in points) / n
     ttfts = [t for p in points for t, e in zip(p["ttfts"], p["errors"]) if not e]
-    itls = [itl for p in points for itl, e in zip(p["itls"], p["errors"]) if not e]
-
-    def tail(gaps: list[float]) -> float:
-        return float(np.percentile(np.asarray(gaps) * 1e3, cls.tbt_percentile)) if gaps else 0.0
-
-    tbt = tail([g for itl in itls for g in itl])
+    tbt, first, later = gap_tails([itl for p in points for itl, e in zip(p["itls"], p["errors"]) if not e],
+                                  cls.tbt_percentile)
     ttft_ms = {f"p{q}": float(np.percentile(np.asarray(ttfts) * 1e3, q)) if ttfts else 0.0 for q in (50, 90, 99)}
     misses = contract_misses(contract, good / n, ttft_ok, tbt, max(attainment, contract.attainment))
     return Pooled(str(policies.pop()), rates[0], n, good, good / n, ttft_ok, tbt, ttft_ms, misses, list(sources),
-                  tail([itl[0] for itl in itls if itl]), tail([g for itl in itls for g in itl[1:]]))
+                  first, later)

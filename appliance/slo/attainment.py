@@ -59,17 +59,21 @@ def evaluate(contract: Contract, timelines: Sequence[RequestTimeline], specs: Se
     slo = ContractSLO(contract, uncached)
     s = slo.slo
     summary = summarize(timelines, slo=slo, specs=specs)
-    itls = [request_metrics(t).itls for t in timelines if t.success]
-
-    def tail(gaps: list[float]) -> float:
-        return float(np.percentile(np.asarray(gaps) * 1e3, s.tbt_percentile)) if gaps else 0.0
-
-    tbt = tail([g for gaps in itls for g in gaps])
+    tbt, first, later = gap_tails([request_metrics(t).itls for t in timelines if t.success], s.tbt_percentile)
     ttft_ok = np.mean(good_flags(timelines, _OnlyTTFT(slo), specs)) if timelines else 0.0
     attainment = summary["slo_attainment"] or 0.0
     misses = contract_misses(contract, attainment, float(ttft_ok), tbt)
-    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses,
-                          tail([gaps[0] for gaps in itls if gaps]), tail([g for gaps in itls for g in gaps[1:]]))
+    return ContractReport(not misses, attainment, float(ttft_ok), tbt, summary, misses, first, later)
+
+
+def gap_tails(itls: Sequence[Sequence[float]], percentile: float) -> tuple[float, float, float]:
+    """The `percentile` (ms) of the requests' gaps between tokens (seconds, one list per request): over every gap,
+    over the gaps after first tokens, and over the others (0 where there is none)."""
+    def tail(gaps: list[float]) -> float:
+        return float(np.percentile(np.asarray(gaps) * 1e3, percentile)) if gaps else 0.0
+
+    return (tail([g for gaps in itls for g in gaps]), tail([gaps[0] for gaps in itls if len(gaps)]),
+            tail([g for gaps in itls for g in gaps[1:]]))
 
 
 def contract_misses(contract: Contract, attainment: float, ttft_ok: float, tbt_ms: float,
