@@ -20,6 +20,7 @@
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
 #   call 2, 3, ...: for i in $(seq 55); do [ -e /tmp/gp/done ] && break; sleep 10; done;
 #                   cp /tmp/gp/goodput.tgz $OUT/ 2>/dev/null; tail -n 5 /tmp/gp.log
+# goodput.tgz is packed again after every job, so each poll brings back every job finished so far.
 # Each job's directory holds gpu.txt, the name of the GPU it ran on.
 # ($out/done appears once the results are packed and the tables printed; `pgrep -f goodput.sh` would match the polling command itself.)
 # Each call must follow the last within the machine's idle release (30 s), or the machine and the replay are gone.
@@ -52,15 +53,20 @@ run_job() {
     # which GPU it ran on (the job's name does not say), beside its results
     mkdir -p "$work/$name" && nvidia-smi --query-gpu=name --format=csv,noheader -i "$gpu" > "$work/$name/gpu.txt" 2>/dev/null || true
 }
+# the results so far, packed after every job: a machine taken back mid-run keeps what finished (a poll copies it)
+pack() {
+    local tmp="$out/.goodput.$BASHPID.tgz"
+    tar czf "$tmp" -C "$work" . 2>/dev/null && mv -f "$tmp" "$out/goodput.tgz"
+}
 declare -A queues
 jobs=("$@")
 for job in "$@"; do queues[${job%%:*}]+="$job "; done
 delay=0
 for gpu in "${!queues[@]}"; do  # staggered: two interpreters starting at once once failed to import their packages
-    ( sleep "$delay"; for job in ${queues[$gpu]}; do run_job "$job"; done ) &
+    ( sleep "$delay"; for job in ${queues[$gpu]}; do run_job "$job"; pack; done ) &
     delay=$((delay + 20))
 done
 wait
-tar czf "$out/goodput.tgz" -C "$work" .
+pack
 for log in "$work"/*.log; do echo "== $(basename "$log")"; grep -E "│|capacity|exit|rror" "$log" | tail -8; done
 touch "$out/done"
