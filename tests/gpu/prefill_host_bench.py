@@ -3,10 +3,14 @@ host time (the call that queues its kernels, not waiting for them) for whole pro
 (per-layer compiled code) and replaying piecewise graphs, and the functions that time is spent in (cProfile).
 
     PYTHONPATH=. python tests/gpu/prefill_host_bench.py [--tokens 256,1024,2048] [--sms 100] [--graph-rows 2048]
-        [--reps 20] [--profile-tokens 1024] [--busy 0.5] [--switch-interval-ms 0.5] [--json OUT]
+        [--reps 20] [--profile-tokens 1024] [--busy 0.5] [--switch-interval-ms 0.5] [--queued-ms 20] [--json OUT]
 
 Dummy weights, Llama-3.1-8B shapes by default. The device is synchronised before every launch, so a launch never
-waits for a full launch queue: what is measured is the host's own work. `--busy F` runs another Python thread that
+waits for a full launch queue: what is measured is the host's own work. `--queued-ms 20` then measures launches
+again with 20 ms of device work (a spin kernel) queued first on the prefill stream, on the decode stream and on the
+default stream, in turn: a launch whose host time grows with that work waits for the device somewhere (a
+synchronising copy, a legacy-stream dependency), which a serving engine, whose streams are always busy, pays at every
+launch; a torch.profiler table of the CUDA runtime calls of those launches says which call waits. `--busy F` runs another Python thread that
 holds the interpreter for a fraction F of the time in 1 ms slices (as a serving process's event loop streaming tokens
 does): launches that slow down with it are paying for the interpreter lock, not for the device.
 `--switch-interval-ms` sets the interpreter's switch interval (Python's default: 5 ms).
@@ -42,6 +46,8 @@ def main() -> None:
     ap.add_argument("--profile-tokens", type=int, default=1024)
     ap.add_argument("--busy", type=float, default=0.0, help="another thread holds the interpreter this share of time")
     ap.add_argument("--switch-interval-ms", type=float, default=None)
+    ap.add_argument("--queued-ms", type=float, default=0.0,
+                    help="also launch with this much device work queued first on each stream (0: not)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.switch_interval_ms:
@@ -60,7 +66,12 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: prefill on {part.prefill_sms} SMs, graphs up to {args.graph_rows} rows "
           f"(capture {engine.startup.get('prefill_graph_capture_s', 0):.1f} s)")
 
-    def launch_ms(tokens: int, ranges: list[tuple[int, int]], profile: cProfile.Profile | None = None) -> list[float]:
+    cycles_per_ms = _spin_rate() if args.queued_ms > 0 else 0.0
+    streams = {"prefill": part.prefill_stream, "decode": part.decode_stream,
+               "default": torch.cuda.default_stream()}
+
+    def launch_ms(tokens: int, ranges: list[tuple[int, int]], profile: cProfile.Profile | None = None,
+                  queued_on: str | None = None) -> list[float]:
         reqs, works = timer._prefill_works(Point("prefill", part.prefill_sms, new=tokens))
         rid = works[0].request_id
         out = []
@@ -68,6 +79,9 @@ def main() -> None:
             for start, end in ranges:
                 plan = StepPlan(prefill=(PrefillWork(rid, 0, tokens, start, end),))
                 torch.cuda.synchronize()
+                if queued_on is not None:  # the device busy for args.queued_ms on that stream when the launch starts
+                    with torch.cuda.stream(streams[queued_on] or torch.cuda.current_stream()):
+                        torch.cuda._sleep(int(args.queued_ms * cycles_per_ms))
                 if profile is not None:
                     profile.enable()
                 began = time.perf_counter()
@@ -97,6 +111,28 @@ def main() -> None:
             r = rows[-1]
             print(f"{tokens:6d} tokens {mode:6s}: {layers} layers {w:6.2f} ms (p90 {r['p90_launch_ms']:.2f}), "
                   f"{layers // 2} layers {h:6.2f} ms -> {per_layer:.3f} ms a layer + {r['fixed_ms']:.2f} ms")
+    queued = []
+    if args.queued_ms > 0:
+        tokens = args.profile_tokens
+        for mode in ("graphs", "eager"):
+            engine.runner.use_graphs = mode == "graphs"
+            launch_ms(tokens, [(0, layers)])
+            for on in ("none", *streams):
+                times = []
+                for _ in range(args.reps):
+                    times += launch_ms(tokens, [(0, layers)], queued_on=None if on == "none" else on)
+                queued.append({"tokens": tokens, "mode": mode, "queued_on": on, "queued_ms": args.queued_ms,
+                               "launch_ms": statistics.median(times), "max_launch_ms": max(times)})
+                print(f"{tokens:6d} tokens {mode:6s}: {args.queued_ms:g} ms queued on {on:8s} stream: launch "
+                      f"{queued[-1]['launch_ms']:6.2f} ms (max {queued[-1]['max_launch_ms']:.2f})")
+            # which CUDA runtime calls the host spends those launches in, device busy on the decode stream
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    launch_ms(tokens, [(0, layers)], queued_on="decode")
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+            queued.append({"tokens": tokens, "mode": mode, "api_table": table})
+            print(f"\n== torch.profiler, {tokens} tokens, {mode}, 5 launches, device busy on the decode stream")
+            print(table)
     profiles = {}
     for mode in ("graphs", "eager"):
         engine.runner.use_graphs = mode == "graphs"
@@ -112,8 +148,20 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "prefill_sms": part.prefill_sms,
                        "graph_rows": args.graph_rows, "busy": args.busy,
-                       "switch_interval_ms": sys.getswitchinterval() * 1e3, "rows": rows, "profiles": profiles}, f,
+                       "switch_interval_ms": sys.getswitchinterval() * 1e3, "rows": rows, "queued": queued,
+                       "profiles": profiles}, f,
                   indent=1)
+
+
+def _spin_rate() -> float:
+    """Cycles of torch.cuda._sleep per millisecond on this device, measured."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
 
 
 def _busy(share: float) -> None:
