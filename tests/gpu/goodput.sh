@@ -56,7 +56,8 @@ run_job() {
 # the results so far, packed after every job: a machine taken back mid-run keeps what finished (a poll copies it)
 pack() {
     local tmp="$out/.goodput.$BASHPID.tgz"
-    tar czf "$tmp" -C "$work" . 2>/dev/null && mv -f "$tmp" "$out/goodput.tgz"
+    tar czf "$tmp" -C "$work" . 2>/dev/null  # exit 1 (a file changed while read: another GPU's job) still packs
+    if [ -s "$tmp" ]; then mv -f "$tmp" "$out/goodput.tgz"; else rm -f "$tmp"; fi
 }
 declare -A queues
 jobs=("$@")
