@@ -126,7 +126,9 @@ def main() -> None:
                 print(f"{tokens:6d} tokens {mode:6s}: {args.queued_ms:g} ms queued on {on:8s} stream: launch "
                       f"{queued[-1]['launch_ms']:6.2f} ms (max {queued[-1]['max_launch_ms']:.2f})")
             # which CUDA runtime calls the host spends those launches in, device busy on the decode stream
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            # the CUDA activity records the runtime calls (cudaLaunchKernel, cudaMemcpyAsync, ...) with their host time
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(5):
                     launch_ms(tokens, [(0, layers)], queued_on="decode")
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
