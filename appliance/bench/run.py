@@ -15,6 +15,7 @@ from appliance.bench.launcher import ServerProcess
 from appliance.bench.prompts import PromptSynth
 from appliance.config import EMBEDDED_MODEL_DIR, Config
 from appliance.config_flags import parse_serve_args
+from appliance.engine import gc_pauses
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
 from appliance.errors import ConfigError
@@ -135,6 +136,7 @@ class Session:
         self.loop = asyncio.new_event_loop()
         self.server: ServerProcess | None = None
         self.engine: Any = None
+        self._gc_before: dict[str, Any] | None = None
         self.target: HttpTarget | InProcessTarget | None = None
         self.model_id = ""
         self.max_model_len: int | None = None
@@ -184,6 +186,7 @@ class Session:
                on_done: Callable[[RequestTimeline], None] | None = None) -> ReplayResult:
         assert self.target is not None, "use the session as a context manager"
         self.loop.run_until_complete(self._check(prompts[0]))
+        self._gc_before = gc_pauses.recorder().snapshot() if self.engine is not None else None
         return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
                                                    self.opts.request_timeout, on_done, max_idle=self.opts.max_idle))
 
@@ -223,6 +226,8 @@ class Session:
             snapshot = self.engine.engine.scheduler.planner.snapshot()
             if snapshot is not None:
                 out["planner"] = snapshot
+            if self._gc_before is not None:  # the engine's process's garbage collections during this replay
+                out["gc"] = gc_pauses.since(self._gc_before, gc_pauses.recorder().snapshot())
         return out
 
 

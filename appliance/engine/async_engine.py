@@ -17,6 +17,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from appliance.engine import gc_pauses
 from appliance.engine.engine import Engine
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.supervisor import RestartBudget
@@ -62,7 +63,9 @@ class AsyncEngine:
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from inside the event loop that will consume the streams."""
+        """Start the engine thread; call from inside the event loop that will consume the streams. Everything alive
+        now (the model, compiled code, graphs) leaves the garbage collector's reach (engine/gc_pauses.py)."""
+        gc_pauses.freeze()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="muxd-engine", daemon=True)
         self._thread.start()
@@ -72,6 +75,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        gc_pauses.unfreeze()
 
     @property
     def alive(self) -> bool:
@@ -190,6 +194,8 @@ class AsyncEngine:
             started = time.monotonic()
             try:
                 self.engine = self.rebuild(old)
+                del old
+                gc_pauses.freeze()
             except BaseException as rebuild_exc:  # noqa: BLE001 - a rebuild that fails is the end
                 log.error("rebuilding the engine failed: %s: %s", type(rebuild_exc).__name__, rebuild_exc,
                           exc_info=rebuild_exc)
@@ -274,7 +280,7 @@ class AsyncEngine:
                       "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
                       "prefill_layers_launched": executor.layers_launched,
                       "prefill_pauses": getattr(planner_stats, "pauses", 0),
-                      "control": self._control}
+                      "control": self._control, "gc": gc_pauses.recorder().snapshot()}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

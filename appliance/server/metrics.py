@@ -98,7 +98,13 @@ class Metrics:
                               control, registry=self.registry)
         self.observed = Gauge("muxd:slo_observed_tail", "The contract's percentile of recent gaps or first tokens, "
                               "as a fraction of the target.", control, registry=self.registry)
-        self._seen: dict[str, int] = {}
+        # the interpreter's garbage collector (engine/gc_pauses.py): a full collection stalls every stream
+        gen = [*mx.labels, "generation"]
+        self.gc_collections = Counter("muxd:gc_collections", "Garbage collections of the server process, by "
+                                      "generation (2: full).", gen, registry=self.registry)
+        self.gc_seconds = Counter("muxd:gc_pause_seconds", "Time the server process spent in garbage "
+                                  "collections, by generation.", gen, registry=self.registry)
+        self._seen: dict[str, float] = {}
         self._success = (mx.by_reason("request_success", "Finished requests by finish reason."),
                          vl.by_reason("request_success", "Count of successfully processed requests."))
 
@@ -136,6 +142,12 @@ class Metrics:
                 self.headroom.labels(slo_class=name, metric=metric, **self._mx_labels).set(state["headroom"])
                 if state.get("observed_tail") is not None:
                     self.observed.labels(slo_class=name, metric=metric, **self._mx_labels).set(state["observed_tail"])
+        pauses = stats.get("gc") or {}
+        for counter, key in ((self.gc_collections, "collections"), (self.gc_seconds, "seconds")):
+            for gen, total in enumerate(pauses.get(key, ())):
+                seen = f"gc_{key}_{gen}"
+                counter.labels(generation=str(gen), **self._mx_labels).inc(max(0.0, total - self._seen.get(seen, 0)))
+                self._seen[seen] = max(total, self._seen.get(seen, 0))
         return generate_latest(self.registry)
 
 

@@ -143,6 +143,9 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     assert 0 < control["tbt"]["headroom"] <= 1 and control["tbt"]["samples"] >= 4 * 4  # 4 gaps of each of 4 requests (and a warm-up)
     assert control["ttft"]["samples"] >= 4
     assert planner["mixed"]["observations"] <= steps["aggregated_steps"] + steps["chunk_steps"]
+    # in process: the engine's garbage collections during the replay, after its start-up objects were frozen
+    pauses = json.loads((tmp_path / "mux" / "result.json").read_text())["gc"]
+    assert len(pauses["collections"]) == 3 and min(pauses["collections"]) >= 0 and pauses["frozen"] > 1000
 
 
 @pytest.mark.parametrize("args, message", [

@@ -16,6 +16,9 @@ def test_timeline_endpoint_and_mux_metrics(serve):
     assert metrics["muxd:decode_sms"] == 0  # CPU: the null partition
     assert metrics["muxd:prefill_layers_launched_total"] >= 4  # layerwise: a layer a step, 4 layers
     assert "muxd:partition_switches_total" in metrics
+    # garbage collections of the server process, by generation (start-up objects are frozen: full ones stay rare)
+    assert all(f'muxd:gc_collections_total{{generation="{g}"}}' in metrics for g in "012")
+    assert metrics['muxd:gc_pause_seconds_total{generation="0"}'] >= 0
 
 
 def test_trace_dir_receives_the_timeline_at_shutdown(request, tmp_path):
