@@ -68,9 +68,9 @@ def freeze() -> int:
     """Collect once (objects frozen before included: an engine rebuilt leaves the old one's cycles), then keep
     every object alive now out of later collections; returns how many are frozen. Objects frozen and later dropped
     are still freed by their reference counts; only cycles among them wait for `unfreeze`."""
-    rec = recorder()
     gc.unfreeze()
     gc.collect()
+    rec = recorder()  # (installed after that collection: start-up's is not serving's)
     gc.freeze()
     rec.frozen = gc.get_freeze_count()
     return rec.frozen
