@@ -59,6 +59,7 @@ class AsyncEngine:
         self.stats: dict[str, float] = {}
         self._control: dict = {}
         self._control_at = 0.0
+        self._gc: dict = {}
         self._publish_stats()
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
@@ -266,12 +267,14 @@ class AsyncEngine:
                 self.engine.abort(item)
 
     def _publish_stats(self, fresh_control: bool = True) -> None:
-        """The figures /metrics reads. The closed loop's state (percentiles of recent gaps) is taken at most every
-        CONTROL_EVERY_S while steps run, and afresh whenever the engine goes idle."""
+        """The figures /metrics reads. The closed loop's state (percentiles of recent gaps) and the garbage
+        collector's counts are taken at most every CONTROL_EVERY_S while steps run, and afresh whenever the engine
+        goes idle."""
         sched, pool = self.engine.scheduler, self.engine.pool
         now = time.monotonic()
         if fresh_control or now - self._control_at >= CONTROL_EVERY_S:
             self._control, self._control_at = sched.planner.control_state(), now
+            self._gc = gc_pauses.recorder().snapshot()
         executor = self.engine.executor
         planner_stats = getattr(sched.planner, "stats", None)
         self.stats = {"num_waiting": len(sched.waiting), "num_running": sched.num_running,
@@ -280,7 +283,7 @@ class AsyncEngine:
                       "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
                       "prefill_layers_launched": executor.layers_launched,
                       "prefill_pauses": getattr(planner_stats, "pauses", 0),
-                      "control": self._control, "gc": gc_pauses.recorder().snapshot()}
+                      "control": self._control, "gc": self._gc}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

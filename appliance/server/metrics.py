@@ -133,10 +133,7 @@ class Metrics:
             for gauge in gauges:
                 gauge.set(stats.get(key, 0))
         for key, counters in self._engine_counters.items():
-            total = int(stats.get(key, 0))
-            for counter in counters:  # the engine counts; the counters follow it
-                counter.inc(max(0, total - self._seen.get(key, 0)))
-            self._seen[key] = max(total, self._seen.get(key, 0))
+            self._follow(key, int(stats.get(key, 0)), counters)
         for name, metrics in stats.get("control", {}).items():
             for metric, state in metrics.items():
                 self.headroom.labels(slo_class=name, metric=metric, **self._mx_labels).set(state["headroom"])
@@ -145,10 +142,14 @@ class Metrics:
         pauses = stats.get("gc") or {}
         for counter, key in ((self.gc_collections, "collections"), (self.gc_seconds, "seconds")):
             for gen, total in enumerate(pauses.get(key, ())):
-                seen = f"gc_{key}_{gen}"
-                counter.labels(generation=str(gen), **self._mx_labels).inc(max(0.0, total - self._seen.get(seen, 0)))
-                self._seen[seen] = max(total, self._seen.get(seen, 0))
+                self._follow(f"gc_{key}_{gen}", total, (counter.labels(generation=str(gen), **self._mx_labels),))
         return generate_latest(self.registry)
+
+    def _follow(self, key: str, total: float, counters) -> None:
+        """The engine counts; its counters follow it (by what it counted since the last scrape)."""
+        for counter in counters:
+            counter.inc(max(0, total - self._seen.get(key, 0)))
+        self._seen[key] = max(total, self._seen.get(key, 0))
 
 
 class TokenTimer:

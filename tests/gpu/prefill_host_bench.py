@@ -125,8 +125,8 @@ def main() -> None:
                                "launch_ms": statistics.median(times), "max_launch_ms": max(times)})
                 print(f"{tokens:6d} tokens {mode:6s}: {args.queued_ms:g} ms queued on {on:8s} stream: launch "
                       f"{queued[-1]['launch_ms']:6.2f} ms (max {queued[-1]['max_launch_ms']:.2f})")
-            # which CUDA runtime calls the host spends those launches in, device busy on the decode stream
-            # the CUDA activity records the runtime calls (cudaLaunchKernel, cudaMemcpyAsync, ...) with their host time
+            # which CUDA runtime calls (cudaLaunchKernel, cudaMemcpyAsync, ...: recorded by the CUDA activity, with
+            # their host time) those launches spend the host in, the device busy on the decode stream
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(5):
