@@ -105,6 +105,9 @@ def diagnose_command(bench_app: typer.Typer) -> None:
         from_steps: Optional[List[str]] = typer.Option(None, help="Step logs to calibrate from (no replay)."),
         from_prefills: Optional[List[str]] = typer.Option(None, help="Prefill launch logs to calibrate from (no "
                                                                      "replay)."),
+        from_results: Optional[List[str]] = typer.Option(None, help="Result JSONs of replays served under mux with "
+                                                                    "--profile (no replay): keep the split's "
+                                                                    "slowdown their planners learned online."),
         serve_args: Optional[str] = typer.Option(None, help="More `muxd serve` flags for the engine, quoted (e.g. "
                                                             "\"--prefill-graph-rows 2048\")."),
         host_profile: bool = typer.Option(False, "--host-profile", help="cProfile the engine thread's steps: "
@@ -120,7 +123,8 @@ def diagnose_command(bench_app: typer.Typer) -> None:
                                 chunk_budget=chunk_budget,
                                 mixed_chunks=mixed_chunks, max_model_len=max_model_len, out=out, device=device,
                                 write_serving=write_serving, from_steps=list(from_steps or []),
-                                from_prefills=list(from_prefills or []), serve_args=serve_args,
+                                from_prefills=list(from_prefills or []), from_results=list(from_results or []),
+                                serve_args=serve_args,
                                 host_profile=host_profile))
         except ApplianceError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

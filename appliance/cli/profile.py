@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -33,6 +33,26 @@ def trace_ranges(path: str, fmt: str) -> Ranges:
     if not specs:
         raise ConfigError(f"--trace {path}: no requests in it")
     return Ranges.from_lengths([s.prompt_len for s in specs], [s.output_len for s in specs], reused_tokens(specs))
+
+
+def _calibration(traces: List[str], rates: List[float], requests: List[int]) -> list[tuple[str, float, int]]:
+    """(trace, rate, requests) of each calibration replay: --calibrate-rate and --calibrate-requests given once
+    apply to every --calibrate-trace, else once per trace, in order."""
+    if not traces:
+        raise ConfigError("--calibrate-rate replays --calibrate-trace or --trace: pass one")
+    for name, values in (("--calibrate-rate", rates), ("--calibrate-requests", requests)):
+        if len(values) not in (1, len(traces)):
+            raise ConfigError(f"{name} is given {len(values)} times for {len(traces)} calibration traces: give it "
+                              "once, or once per --calibrate-trace")
+    for path in traces:
+        if not Path(path).is_file():  # found out now, not after the grid
+            raise ConfigError(f"--calibrate-trace {path}: no such file")
+    runs = [(path, rates[i % len(rates)], requests[i % len(requests)]) for i, path in enumerate(traces)]
+    bad = [(rate, n) for _, rate, n in runs if rate <= 0 or n < 1]
+    if bad:
+        raise ConfigError(f"--calibrate-rate must be > 0 and --calibrate-requests >= 1, got {bad[0][0]:g} and "
+                          f"{bad[0][1]}")
+    return runs
 
 
 def profile_command(app: typer.Typer) -> None:
@@ -68,13 +88,19 @@ def profile_command(app: typer.Typer) -> None:
         holdout: int = typer.Option(4, help="Held-out random points per partition and phase (never fitted; they "
                                     "measure the predictor's error)."),
         seed: int = typer.Option(0, help="Seed of the held-out points' draw (another seed, other points)."),
-        calibrate_rate: Optional[float] = typer.Option(None, help="After the grid, replay a trace at this many "
-                                                       "requests/s in process (chunked prefill, then mux on a GPU) "
-                                                       "and keep how much slower steps ran while serving than "
-                                                       "profiled; `muxd bench --simulate` applies it (the "
-                                                       "replays' time comes out of the budget)."),
-        calibrate_requests: int = typer.Option(200, help="Requests in the calibration replay (the trace's first)."),
-        calibrate_trace: Optional[str] = typer.Option(None, help="Trace the calibration replays (default: --trace)."),
+        calibrate_rate: Optional[List[float]] = typer.Option(None, help="After the grid, replay a trace at this "
+                                                             "many requests/s in process (chunked prefill, then mux "
+                                                             "on a GPU) and keep how much slower steps ran while "
+                                                             "serving than profiled; `muxd bench --simulate` applies "
+                                                             "it (the replays' time comes out of the budget). Once "
+                                                             "per --calibrate-trace, or once for all."),
+        calibrate_requests: Optional[List[int]] = typer.Option(None, help="Requests in the calibration replay (the "
+                                                               "trace's first; default 200). Once per "
+                                                               "--calibrate-trace, or once for all."),
+        calibrate_trace: Optional[List[str]] = typer.Option(None, help="Trace the calibration replays (default: "
+                                                            "--trace). Repeat it to calibrate on several workloads "
+                                                            "(short and long prompts: the split's slowdown is "
+                                                            "fitted over the spans they reach)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
         refit: Optional[Path] = typer.Option(None, help="Measure nothing: fit --out again from this samples log "
                                              "(OUT.samples.jsonl of an earlier run, after the model's form "
@@ -101,21 +127,15 @@ def profile_command(app: typer.Typer) -> None:
                 result = refit_profile(refit, out, config, max_graph_batch=min(max_num_seqs, 256))
                 _report(result, budget_minutes=None)
                 return
-            reserve = 0.0
-            if calibrate_rate is not None:
-                calibrate_trace = calibrate_trace or trace
-                if not calibrate_trace:
-                    raise ConfigError("--calibrate-rate replays --calibrate-trace or --trace: pass one")
-                if not Path(calibrate_trace).is_file():  # found out now, not after the grid
-                    raise ConfigError(f"--calibrate-trace {calibrate_trace}: no such file")
-                if calibrate_rate <= 0 or calibrate_requests < 1:
-                    raise ConfigError(f"--calibrate-rate must be > 0 and --calibrate-requests >= 1, got "
-                                      f"{calibrate_rate} and {calibrate_requests}")
-                reserve = calibration_seconds(calibrate_requests, calibrate_rate)
-                if reserve >= budget_minutes * 60:
-                    raise ConfigError(f"the calibration replay ({calibrate_requests} requests at {calibrate_rate:g}/s, "
-                                      f"about {reserve / 60:.1f} minutes) leaves nothing of --budget-minutes "
-                                      f"{budget_minutes:g} for the grid")
+            calibration = _calibration(calibrate_trace or ([trace] if trace else []), calibrate_rate or [],
+                                       calibrate_requests or [200]) if calibrate_rate else []
+            if (calibrate_trace or calibrate_requests) and not calibrate_rate:
+                raise ConfigError("--calibrate-trace and --calibrate-requests shape the calibration replay: pass "
+                                  "--calibrate-rate too")
+            reserve = calibration_seconds([(n, rate) for _, rate, n in calibration]) if calibration else 0.0
+            if reserve >= budget_minutes * 60:
+                raise ConfigError(f"the calibration replays (about {reserve / 60:.1f} minutes) leave nothing of "
+                                  f"--budget-minutes {budget_minutes:g} for the grid")
             ranges = (trace_ranges(trace, trace_format) if trace else Ranges()).clipped(
                 max_num_batched_tokens, max_num_seqs, max_model_len)
             cfg = Config.flat(model=model, dtype=dtype, device=device, load_format=load_format,
@@ -147,13 +167,14 @@ def profile_command(app: typer.Typer) -> None:
                 result = run_profile(timer, points, out, model_name=cfg.model.model_name,
                                      budget_s=budget_minutes * 60 - reserve, started=started, resume=resume,
                                      kv_tokens=kv_tokens, on_point=on_point)
-            if calibrate_rate is not None:
-                console.print(f"calibrating: {calibrate_requests} requests of {calibrate_trace} at "
-                              f"{calibrate_rate:g}/s ...")
-                specs = wl.select(load_trace(calibrate_trace, trace_format if calibrate_trace == trace else "auto"),
-                                  max_requests=calibrate_requests)
+            if calibration:
+                workloads = []
+                for path, rate, n in calibration:
+                    console.print(f"calibrating: {n} requests of {path} at {rate:g}/s ...")
+                    workloads.append((wl.select(load_trace(path, trace_format if path == trace else "auto"),
+                                                max_requests=n), rate))
                 predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
-                factors, steps = calibrate_serving(engine, specs, calibrate_rate, predictor)
+                factors, steps = calibrate_serving(engine, workloads, predictor)
                 result.profile.serving = factors
                 host = fit_host(steps)
                 if host is not None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from typing import Any
 
 GENERATIONS = 3
+RECENT = 4096  # the latest pauses kept, for the largest pause between two snapshots
 
 
 class GCPauses:
@@ -25,10 +27,14 @@ class GCPauses:
         self.seconds = [0.0] * GENERATIONS
         self.max_seconds = [0.0] * GENERATIONS
         self.frozen = 0  # objects out of the collector's reach, as of the latest freeze (counting them walks them all)
+        self.recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT)  # (sequence number, generation, seconds)
+        self.ignoring = False  # while freeze() collects: start-up's collection is not serving's
         self._began = 0.0
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         # collections never overlap (they hold the interpreter), so one start time serves every thread
+        if self.ignoring:
+            return
         if phase == "start":
             self._began = time.perf_counter()
             return
@@ -37,6 +43,18 @@ class GCPauses:
         self.collections[gen] += 1
         self.seconds[gen] += took
         self.max_seconds[gen] = max(self.max_seconds[gen], took)
+        self.recent.append((sum(self.collections), gen, took))
+
+    def largest(self, after: int, upto: int) -> list[float]:
+        """The largest pause per generation (seconds) among collections number `after` + 1 to `upto`; those older
+        than the RECENT kept count as their generation's running maximum."""
+        out = [0.0] * GENERATIONS
+        if after < upto and (not self.recent or self.recent[0][0] > after + 1):
+            out = [m if c else 0.0 for m, c in zip(self.max_seconds, self.collections)]
+        for seq, gen, took in self.recent:
+            if after < seq <= upto:
+                out[gen] = max(out[gen], took)
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """{"collections", "seconds", "max_ms"}: one entry per generation, youngest first; "frozen": objects out
@@ -46,10 +64,12 @@ class GCPauses:
 
 
 def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """What happened between two snapshots (the largest pause: of the later snapshot, as a running maximum)."""
+    """What happened between two snapshots of the process's recorder: collections, their time and the largest
+    pause, per generation."""
+    largest = recorder().largest(sum(before["collections"]), sum(after["collections"]))
     return {"collections": [a - b for a, b in zip(after["collections"], before["collections"])],
             "seconds": [round(a - b, 6) for a, b in zip(after["seconds"], before["seconds"])],
-            "max_ms": after["max_ms"], "frozen": after["frozen"]}
+            "max_ms": [round(s * 1e3, 3) for s in largest], "frozen": after["frozen"]}
 
 
 _recorder: GCPauses | None = None
@@ -68,9 +88,13 @@ def freeze() -> int:
     """Collect once (objects frozen before included: an engine rebuilt leaves the old one's cycles), then keep
     every object alive now out of later collections; returns how many are frozen. Objects frozen and later dropped
     are still freed by their reference counts; only cycles among them wait for `unfreeze`."""
+    rec = recorder()
     gc.unfreeze()
-    gc.collect()
-    rec = recorder()  # (installed after that collection: start-up's is not serving's)
+    rec.ignoring = True  # start-up's collection is not serving's
+    try:
+        gc.collect()
+    finally:
+        rec.ignoring = False
     gc.freeze()
     rec.frozen = gc.get_freeze_count()
     return rec.frozen

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from typing import Any, Iterable, Sequence
 
-from appliance.bench.client import replay_in_process
+from appliance.bench.client import ReplayResult, replay_in_process
 from appliance.bench.prompts import PromptSynth
 from appliance.config import SchedulerSettings
 from appliance.engine.engine import Engine
@@ -122,64 +122,48 @@ def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> d
 SERIAL_IDLE_S = 0.2  # the serial calibration replay idles this long between requests
 
 
-def calibration_seconds(requests: int, rate: float) -> float:
-    """What the calibration takes: two replays (chunked, then mux on a multiplexed engine), each its arrivals plus a
-    margin for the last requests to finish, and the serial replay (each request alone, then a short idle)."""
-    return 2 * (requests / rate + 30.0) + requests * SERIAL_IDLE_S + requests / rate + 30.0
+def calibration_seconds(workloads: Sequence[tuple[int, float]]) -> float:
+    """What the calibration of `workloads` ((requests, rate) each) takes at most: two replays of each (chunked, then
+    mux on a multiplexed engine), its arrivals plus a margin for the last requests to finish, and the serial replay
+    of the first (each request alone, then a short idle), which runs only where the mux replays left too few
+    temporal steps to measure prefill on all SMs."""
+    total = sum(2 * (requests / rate + 30.0) for requests, rate in workloads)
+    requests, rate = workloads[0]
+    return total + requests * SERIAL_IDLE_S + requests / rate + 30.0
 
 
-def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
+def calibrate_serving(engine: Engine, workloads: Sequence[tuple[Sequence, float]],
                       predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
-    """Replay `specs` re-timed to `rate` in process on `engine` under chunked prefill (its budget tuned from
-    `predictor` as `muxd serve --policy chunked` would), then, on a multiplexed engine, under mux; log every step
-    and prefill launch, each replay with prompts of its own (none hits the previous one's prefix cache); then replay
-    the same requests, sharing no prefix, one at a time under serial, each followed by SERIAL_IDLE_S of idle time.
+    """Replay each of `workloads` (its requests and the rate they are re-timed to) in process on `engine` under
+    chunked prefill (its budget tuned from `predictor` as `muxd serve --policy chunked` would), then, on a
+    multiplexed engine, under mux, with the prefix cache on as the server runs it; log every step and prefill launch,
+    each replay with prompts of its own (none hits an earlier one's prefix cache). The factors are fitted over all
+    replays together: workloads of short and long prompts let the split's slowdown be fitted over the spans both
+    reach. Where the mux replays measured no prefill
+    on all SMs, the first workload's requests are replayed once more, sharing no prefix, one at a time under serial,
+    each followed by SERIAL_IDLE_S of idle time.
     Return the serving factors (predictor/calibrate.py: how much slower decode, mixed steps, layer-wise prefill on a
     partition and a whole prompt's prefill on all SMs ran while serving than `predictor` says) and the step log of
-    the first two."""
-    max_len = engine.pool.num_pages * engine.pool.page_size - 1
-    specs, _ = wl.clip_to_context(wl.retime(list(specs), rate=rate), min(max_len, engine.max_model_len - 1))
-    if not specs:
-        raise ConfigError("the calibration replay has no request that fits the KV pool")
+    the chunked and mux replays."""
+    if not workloads:
+        raise ConfigError("the calibration has no workload to replay")
+    max_len = min(engine.pool.num_pages * engine.pool.page_size - 1, engine.max_model_len - 1)
+    timed = []
+    for specs, rate in workloads:
+        specs, _ = wl.clip_to_context(wl.retime(list(specs), rate=rate), max_len)
+        if not specs:
+            raise ConfigError("a calibration replay has no request that fits the KV pool")
+        timed.append(specs)
     synth = PromptSynth(vocab_size=engine.model.config.vocab_size)
-    sched = engine.scheduler
-    planner = sched.planner
-    steps: list[dict] = []
-    prefills: list[dict] = []
-    # each replay draws its own prompts (salt), so that none finds the previous one's prompts in the prefix cache;
-    # prompts that share hash ids still share their prefix within a replay, as in the trace
-    for policy, salt in (("chunked", 0), ("mux", 2)) if engine.executor.multiplexed else (("chunked", 0),):
-        prompts = [synth.token_ids(s, i, salt=salt) for i, s in enumerate(specs)]
-        # the mux planner refines its predictor online: a copy, so the factors are measured against the profile
-        sched.planner = build_planner(SchedulerSettings(policy=policy), default_contract(), copy.deepcopy(predictor))
-        log_ = StepLog(engine, predictor).attach()
-        try:
-            result = replay_in_process(engine, specs, prompts)
-        finally:
-            log_.detach()
-            sched.planner = planner
-        failed = [t.error for t in result.timelines if t.error]
-        if failed:
-            raise ConfigError(f"the {policy} calibration replay lost {len(failed)} of {len(specs)} requests "
-                              f"(first: {failed[0]})")
-        steps += log_.steps
-        prefills += log_.prefills
-    factors = serving_factors(steps, predictor, prefills)
-    # serial: every request alone (arrivals far apart, the idle time between them cut), fresh prompts
-    alone = [dataclasses.replace(s, arrival=1000.0 * i, hash_ids=(), block_size=0) for i, s in enumerate(specs)]
-    sched.planner = build_planner(SchedulerSettings(policy="serial"), default_contract(),
-                                  copy.deepcopy(predictor))
+    policies = ("chunked", "mux") if engine.executor.multiplexed else ("chunked",)
+    # as `muxd serve` runs them: prompts that share a prefix in the trace find it cached (the profiler's own engine
+    # caches nothing, so that its grid's prompts run whole); a model whose rope depends on the length never caches
+    pool, caching = engine.pool, engine.pool.enable_prefix_caching
+    pool.enable_prefix_caching = not engine.model.config.rope.length_dependent
     try:
-        result = replay_in_process(engine, alone, [synth.token_ids(s, i, salt=1) for i, s in enumerate(alone)],
-                                   max_idle=SERIAL_IDLE_S)
+        factors, steps = _replays(engine, timed, policies, synth, predictor)
     finally:
-        sched.planner = planner
-    failed = [t.error for t in result.timelines if t.error]
-    if failed:
-        raise ConfigError(f"the serial calibration replay lost {len(failed)} of {len(specs)} requests "
-                          f"(first: {failed[0]})")
-    for phase, factor in full_prefill_factor(result.timelines, predictor).items():
-        factors.setdefault(phase, factor)  # where mux's temporal steps measured prefill on all SMs, they tell
+        pool.enable_prefix_caching = caching
     for phase, factor in list(factors.items()):
         lo, hi = serving_range(phase)
         if not lo <= factor <= hi:
@@ -188,3 +172,46 @@ def calibrate_serving(engine: Engine, specs: Sequence, rate: float,
             del factors[phase]
     return factors, steps
 
+
+def _replays(engine: Engine, timed: Sequence[Sequence], policies: Sequence[str], synth: PromptSynth,
+             predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
+    """calibrate_serving's replays and the factors fitted over them."""
+    steps: list[dict] = []
+    prefills: list[dict] = []
+    # each replay draws its own prompts (salt), so that none finds an earlier one's prompts in the prefix cache;
+    # prompts that share hash ids still share their prefix within a replay, as in the trace
+    for w, specs in enumerate(timed):
+        for p, policy in enumerate(policies):
+            prompts = [synth.token_ids(s, i, salt=2 + 2 * (len(policies) * w + p)) for i, s in enumerate(specs)]
+            _, log_ = _replay(engine, policy, predictor, specs, prompts)
+            steps += log_.steps
+            prefills += log_.prefills
+    factors = serving_factors(steps, predictor, prefills)
+    if "prefill_full" not in factors:  # no mux replay, or too few temporal steps: every request alone
+        alone = [dataclasses.replace(s, arrival=1000.0 * i, hash_ids=(), block_size=0)
+                 for i, s in enumerate(timed[0])]
+        result, _ = _replay(engine, "serial", predictor, alone,
+                            [synth.token_ids(s, i, salt=1) for i, s in enumerate(alone)], max_idle=SERIAL_IDLE_S)
+        factors.update(full_prefill_factor(result.timelines, predictor))
+    return factors, steps
+
+
+def _replay(engine: Engine, policy: str, predictor: Predictor, specs: Sequence, prompts: Sequence,
+            max_idle: float | None = None) -> tuple[ReplayResult, StepLog]:
+    """One calibration replay under `policy` (a planner of its own; the engine's is put back after): its result and
+    its step log. A lost request fails the calibration."""
+    sched = engine.scheduler
+    planner = sched.planner
+    # the mux planner refines its predictor online: a copy, so the factors are measured against the profile
+    sched.planner = build_planner(SchedulerSettings(policy=policy), default_contract(), copy.deepcopy(predictor))
+    log_ = StepLog(engine, predictor).attach()
+    try:
+        result = replay_in_process(engine, specs, prompts, max_idle=max_idle)
+    finally:
+        log_.detach()
+        sched.planner = planner
+    failed = [t.error for t in result.timelines if t.error]
+    if failed:
+        raise ConfigError(f"the {policy} calibration replay lost {len(failed)} of {len(specs)} requests "
+                          f"(first: {failed[0]})")
+    return result, log_

@@ -26,7 +26,8 @@ from appliance.engine.factory import build_engine
 from appliance.engine.steplog import StepLog
 from appliance.errors import ConfigError
 from appliance.model_zoo.loader import load_model
-from appliance.predictor.profile import load_predictor, read_profile, save_profile
+from appliance.predictor.profile import ProfileFile, load_predictor, read_profile, save_profile
+from appliance.predictor.split import MIN_OBSERVATIONS
 from appliance.profile.calibrate import full_prefill_factor, serving_factors
 from appliance.workload import shaping as wl
 from appliance.workload.metrics import summarize
@@ -53,12 +54,18 @@ class DiagnoseOptions:
     write_serving: str | None = None
     from_steps: list[str] = field(default_factory=list)
     from_prefills: list[str] = field(default_factory=list)
+    from_results: list[str] = field(default_factory=list)
     serve_args: str | None = None  # more `muxd serve` flags for the engine (e.g. "--prefill-graph-rows 2048")
     host_profile: bool = False  # cProfile the engine thread's steps (slows the host: read it for shares, not times)
 
 
 def diagnose(args: DiagnoseOptions) -> None:
-    """Replay and report (or, with step/prefill logs, only calibrate)."""
+    """Replay and report (or, with step/prefill logs or served replays' results, only calibrate)."""
+    if args.from_results:
+        if args.from_steps or args.from_prefills:
+            raise ConfigError("calibrate from step and prefill logs or from results (--from-results), not both")
+        calibrate_from_results(args, args.from_results)
+        return
     if args.from_steps or args.from_prefills:
         calibrate(args, [s for path in args.from_steps for s in json.loads(Path(path).read_text())],
                   [p for path in args.from_prefills for p in json.loads(Path(path).read_text())])
@@ -197,8 +204,45 @@ def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], se
     profile = read_profile(args.profile)
     predictor = profile.predictor(profile.model.shape["num_layers"], "profile")
     factors = {**full_prefill_factor(serial_timelines, predictor), **serving_factors(steps, predictor, prefills)}
+    _keep(args, profile, factors)
+
+
+def split_from_results(paths: list[str]) -> dict[str, float]:
+    """The split's slowdown that the mux planner learned online while serving (its `split` fit over the latest
+    prefill launches, against the profile's solo figures), from replays' result JSONs (a point of `muxd bench
+    sweep --in-process`, or the `planner` object of one): the observation-weighted mean of their flat parts and
+    slopes, as prefill_split and prefill_split_per_1k. Replays shorter than MIN_OBSERVATIONS launches are left out."""
+    flat = slope = weight = 0.0
+    for path in paths:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--from-results {path}: cannot read it as JSON ({exc})") from None
+        split = (raw.get("planner", raw) if isinstance(raw, dict) else {}).get("split")
+        if not isinstance(split, dict) or not {"flat", "per_1k", "observations"} <= set(split):
+            raise ConfigError(f"--from-results {path}: no mux planner's split fit in it (a result of a replay "
+                              "served under --policy mux, with its `planner` object)")
+        n = float(split["observations"])
+        if n >= MIN_OBSERVATIONS:
+            flat, slope, weight = flat + n * float(split["flat"]), slope + n * float(split["per_1k"]), weight + n
+    if not weight:
+        raise ConfigError(f"--from-results: no replay measured {MIN_OBSERVATIONS} or more split prefill launches")
+    return {"prefill_split": flat / weight, "prefill_split_per_1k": slope / weight}
+
+
+def calibrate_from_results(args: DiagnoseOptions, paths: list[str]) -> None:
+    """Print (with --write-serving, keep in a copy of --profile) the split's slowdown learned while serving; the
+    replays must have been served with that profile (their fits are against its solo figures)."""
+    if not args.profile:
+        raise ConfigError("serving factors are kept in a copy of a profile: pass --profile (the one the replays "
+                          "were served with)")
+    _keep(args, read_profile(args.profile), split_from_results(paths))
+
+
+def _keep(args: DiagnoseOptions, profile: ProfileFile, factors: dict[str, float]) -> None:
+    """Print `factors`; with --write-serving, write `profile` with them in its serving block."""
     print("  serving factors (measured / profiled, total time):",
-          ", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps")
+          ", ".join(f"{k} {v:.4g}" for k, v in factors.items()) or "too few steps")
     if args.write_serving:
         save_profile(profile.model_copy(update={"serving": {**profile.serving, **factors}}), args.write_serving)
         print(f"  wrote {args.write_serving}")

@@ -157,3 +157,42 @@ def test_a_bad_factor_is_refused_by_name(profile, tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="prefill_split_per_1k factor 0.5 is outside 0..0.1"):
         read_profile(path)
+
+
+def test_the_split_learned_while_serving_is_kept_from_replay_results(profile, tmp_path):
+    """`muxd bench diagnose --from-results`: the mux planner's online split fits of served replays (a point JSON's
+    `planner`, or that object alone), weighted by their launches, into a copy of the profile they were served with."""
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+
+    src = tmp_path / "p.json"
+    save_profile(profile.model_copy(update={"serving": {"decode": 1.05}}), src)
+    point = tmp_path / "point.json"
+    point.write_text(json.dumps({"policy": "mux", "planner": {"split": {"flat": 1.2, "per_1k": 0.004,
+                                                                         "observations": 256}}}))
+    planner = tmp_path / "planner.json"
+    planner.write_text(json.dumps({"split": {"flat": 1.0, "per_1k": 0.0, "observations": 128}}))
+    short = tmp_path / "short.json"  # too few launches to say anything: left out
+    short.write_text(json.dumps({"split": {"flat": 3.0, "per_1k": 0.05, "observations": 10}}))
+    out = tmp_path / "served.json"
+    base = ["bench", "diagnose", "--profile", str(src)]
+    result = CliRunner().invoke(app, base + ["--write-serving", str(out)] + [
+        a for path in (point, planner, short) for a in ("--from-results", str(path))])
+    assert result.exit_code == 0, result.output
+    serving = read_profile(out).serving
+    assert serving["decode"] == 1.05  # the rest of the serving block is kept
+    assert serving["prefill_split"] == pytest.approx((256 * 1.2 + 128 * 1.0) / 384)
+    assert serving["prefill_split_per_1k"] == pytest.approx(256 * 0.004 / 384)
+    split = read_profile(out).predictor(MODEL.num_layers, "profile").split
+    assert (split.flat, split.per_1k) == pytest.approx((serving["prefill_split"], serving["prefill_split_per_1k"]))
+    # bad input is named
+    chunked = tmp_path / "chunked.json"
+    chunked.write_text(json.dumps({"policy": "chunked", "request_rate": 1.0}))
+    for args, message in ((["--from-results", str(chunked)], "no mux planner's split fit"),
+                          (["--from-results", str(short)], "no replay measured 20 or more"),
+                          (["--from-results", str(tmp_path / "none.json")], "cannot read it as JSON")):
+        result = CliRunner().invoke(app, base + args)
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = CliRunner().invoke(app, ["bench", "diagnose", "--from-results", str(point)])
+    assert result.exit_code == 2 and "pass --profile" in result.output

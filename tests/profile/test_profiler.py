@@ -147,12 +147,19 @@ def test_calibration_replays_under_chunked_and_measures_serving_against_the_prof
     planner = engine.scheduler.planner
     predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
     specs = [RequestSpec(arrival=i * 0.05, prompt_len=24 + 8 * (i % 5), output_len=40) for i in range(24)]
+    # a second workload: longer prompts, sharing a prefix of two 64-token blocks as a conversation's turns do
+    longer = [RequestSpec(arrival=0.2 * i, prompt_len=160 + 16 * i, output_len=8, hash_ids=(7, 8, 9 + i),
+                          block_size=64) for i in range(4)]
     schedule = engine.scheduler.schedule
-    factors, steps = calibrate_serving(engine, specs, 400.0, predictor)
+    factors, steps = calibrate_serving(engine, [(specs, 400.0), (longer, 100.0)], predictor)
     assert engine.scheduler.planner is planner and engine.scheduler.schedule == schedule  # all put back
     assert not engine.scheduler.requests and engine.pool.num_free_pages == engine.pool.num_pages
     assert set(factors) <= {"decode", "prefill", "prefill_full"} and "decode" in factors  # over MIN_STEPS steps
     assert any(s.get("mixed") and "pred_ms" in s for s in steps)  # it ran chunked prefill, predicted step by step
+    assert max(n + r for s in steps for n, r in s.get("items", ())) > 100  # both workloads' steps are in the fit
+    # the replays ran with the prefix cache on, as the server does (their computed pages were cached), and the
+    # profiler's engine caches nothing again after them
+    assert engine.pool.num_cached_pages > 0 and not engine.pool.enable_prefix_caching
     chunked = {k: v for k, v in factors.items() if k != "prefill_full"}
     assert chunked == pytest.approx({k: v for k, v in serving_factors(steps, predictor).items() if 0.5 <= v <= 5.0})
 
@@ -195,7 +202,14 @@ def test_samples_of_another_gpu_are_not_resumed(timer, tmp_path):
     (["--calibrate-rate", "1"], "--calibrate-rate replays --calibrate-trace or --trace"),
     (["--calibrate-rate", "1", "--calibrate-trace", "/nonexistent.csv"], "/nonexistent.csv: no such file"),
     (["--calibrate-rate", "0.01", "--trace", str(DATA / "azure_code_2023_head200.csv"), "--budget-minutes", "1"],
-     "leaves nothing of --budget-minutes"),
+     "leave nothing of --budget-minutes"),
+    (["--calibrate-trace", str(DATA / "azure_code_2023_head200.csv")], "pass --calibrate-rate too"),
+    (["--calibrate-rate", "1", "--calibrate-rate", "2", "--calibrate-rate", "3",
+      "--calibrate-trace", str(DATA / "azure_code_2023_head200.csv"),
+      "--calibrate-trace", str(DATA / "mooncake_conversation_head200.jsonl")],
+     "--calibrate-rate is given 3 times for 2 calibration traces"),
+    (["--calibrate-rate", "1", "--calibrate-requests", "0", "--trace", str(DATA / "azure_code_2023_head200.csv")],
+     "--calibrate-requests >= 1"),
 ])
 def test_profile_command_rejects_bad_flags(args, message, tmp_path):
     base = ["profile", "--out", str(tmp_path / "p.json"), "--device", "cpu"]
