@@ -2,6 +2,7 @@
 engine it measures, a progress bar, and the summary it prints (samples, held-out errors, what the budget left out)."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -174,7 +175,10 @@ def profile_command(app: typer.Typer) -> None:
                     workloads.append((wl.select(load_trace(path, trace_format if path == trace else "auto"),
                                                 max_requests=n), rate))
                 predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
-                factors, steps = calibrate_serving(engine, workloads, predictor)
+                factors, steps, prefills = calibrate_serving(engine, workloads, predictor)
+                logs = [out.with_name(f"{out.name}.calibration-{kind}.json") for kind in ("steps", "prefills")]
+                for path, rows in zip(logs, (steps, prefills)):
+                    path.write_text(json.dumps(rows))
                 result.profile.serving = factors
                 host = fit_host(steps)
                 if host is not None:
@@ -186,6 +190,8 @@ def profile_command(app: typer.Typer) -> None:
                 result.elapsed_s = time.perf_counter() - started  # the whole run, the replay included
                 console.print("serving factors (serving time / profiled time): "
                               + (", ".join(f"{k} {v:.3f}" for k, v in factors.items()) or "too few steps"))
+                console.print(f"the calibration's logs: {logs[0]}, {logs[1]} (`muxd bench diagnose --profile "
+                              "PROFILE --from-steps STEPS --from-prefills PREFILLS` fits them again)")
         except ApplianceError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)

@@ -23,7 +23,7 @@ from appliance.errors import ConfigError
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import serving_range
 from appliance.predictor.shapes import DecodeLoad, PrefillItem
-from appliance.predictor.split import fit, span_k
+from appliance.predictor.split import FACTOR_RANGE, fit, span_k
 from appliance.slo.contract import default_contract
 from appliance.workload import shaping as wl
 from appliance.workload.metrics import RequestTimeline
@@ -111,7 +111,9 @@ def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> d
             continue
         items = [PrefillItem(int(n), int(r)) for n, r in row["items"]]
         ms = predictor.prefill_solo_ms(items, int(row["prefill_sms"]), int(row["layers"]))
-        if ms > 0:
+        # as the planner's online fit does: a launch far off its solo figure (a first launch compiling its kernels)
+        # says nothing about the slowdown
+        if ms > 0 and FACTOR_RANGE[0] <= float(row["ms"]) / ms <= FACTOR_RANGE[1]:
             solo.append(ms)
             span.append(span_k(items))
             measured.append(float(row["ms"]))
@@ -133,7 +135,7 @@ def calibration_seconds(workloads: Sequence[tuple[int, float]]) -> float:
 
 
 def calibrate_serving(engine: Engine, workloads: Sequence[tuple[Sequence, float]],
-                      predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
+                      predictor: Predictor) -> tuple[dict[str, float], list[dict], list[dict]]:
     """Replay each of `workloads` (its requests and the rate they are re-timed to) in process on `engine` under
     chunked prefill (its budget tuned from `predictor` as `muxd serve --policy chunked` would), then, on a
     multiplexed engine, under mux, with the prefix cache on as the server runs it; log every step and prefill launch,
@@ -143,8 +145,9 @@ def calibrate_serving(engine: Engine, workloads: Sequence[tuple[Sequence, float]
     on all SMs, the first workload's requests are replayed once more, sharing no prefix, one at a time under serial,
     each followed by SERIAL_IDLE_S of idle time.
     Return the serving factors (predictor/calibrate.py: how much slower decode, mixed steps, layer-wise prefill on a
-    partition and a whole prompt's prefill on all SMs ran while serving than `predictor` says) and the step log of
-    the chunked and mux replays."""
+    partition and a whole prompt's prefill on all SMs ran while serving than `predictor` says), and the step and
+    prefill-launch logs of the chunked and mux replays (`muxd bench diagnose --from-steps --from-prefills` fits the
+    same factors from them again)."""
     if not workloads:
         raise ConfigError("the calibration has no workload to replay")
     max_len = min(engine.pool.num_pages * engine.pool.page_size - 1, engine.max_model_len - 1)
@@ -161,7 +164,7 @@ def calibrate_serving(engine: Engine, workloads: Sequence[tuple[Sequence, float]
     pool, caching = engine.pool, engine.pool.enable_prefix_caching
     pool.enable_prefix_caching = not engine.model.config.rope.length_dependent
     try:
-        factors, steps = _replays(engine, timed, policies, synth, predictor)
+        factors, steps, prefills = _replays(engine, timed, policies, synth, predictor)
     finally:
         pool.enable_prefix_caching = caching
     for phase, factor in list(factors.items()):
@@ -170,11 +173,11 @@ def calibrate_serving(engine: Engine, workloads: Sequence[tuple[Sequence, float]
             log.warning("calibration: %s came out %.3g while serving; not kept (outside %g..%g: the profile does "
                         "not describe this engine)", phase, factor, lo, hi)
             del factors[phase]
-    return factors, steps
+    return factors, steps, prefills
 
 
 def _replays(engine: Engine, timed: Sequence[Sequence], policies: Sequence[str], synth: PromptSynth,
-             predictor: Predictor) -> tuple[dict[str, float], list[dict]]:
+             predictor: Predictor) -> tuple[dict[str, float], list[dict], list[dict]]:
     """calibrate_serving's replays and the factors fitted over them."""
     steps: list[dict] = []
     prefills: list[dict] = []
@@ -193,7 +196,7 @@ def _replays(engine: Engine, timed: Sequence[Sequence], policies: Sequence[str],
         result, _ = _replay(engine, "serial", predictor, alone,
                             [synth.token_ids(s, i, salt=1) for i, s in enumerate(alone)], max_idle=SERIAL_IDLE_S)
         factors.update(full_prefill_factor(result.timelines, predictor))
-    return factors, steps
+    return factors, steps, prefills
 
 
 def _replay(engine: Engine, policy: str, predictor: Predictor, specs: Sequence, prompts: Sequence,

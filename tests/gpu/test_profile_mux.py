@@ -67,11 +67,12 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     # the serving calibration replays on the multiplexed engine under chunked prefill, then mux, and puts
     # everything back
     specs = [RequestSpec(arrival=i * 0.02, prompt_len=64 + 32 * (i % 4), output_len=48) for i in range(24)]
-    factors, steps = calibrate_serving(prof_engine, [(specs, 200.0)], profile.predictor(prof_engine.model.config.num_layers, "profile"))
+    factors, steps, prefills = calibrate_serving(prof_engine, [(specs, 200.0)], profile.predictor(prof_engine.model.config.num_layers, "profile"))
     assert "decode" in factors and any(s.get("mixed") for s in steps)
     assert any(s.get("mode") == "decode" for s in steps)  # the mux planner's steps (chunked leaves no mode)
     assert set(factors) <= {"decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k"}
     assert "prefill_full" in factors  # mux's temporal steps or, too few of them, the serial replay
+    assert all(r.get("ms") is not None and r["items"] for r in prefills)  # the launches the split factors come from
     assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
     del prof_engine, timer
 

@@ -151,7 +151,7 @@ def test_calibration_replays_under_chunked_and_measures_serving_against_the_prof
     longer = [RequestSpec(arrival=0.2 * i, prompt_len=160 + 16 * i, output_len=8, hash_ids=(7, 8, 9 + i),
                           block_size=64) for i in range(4)]
     schedule = engine.scheduler.schedule
-    factors, steps = calibrate_serving(engine, [(specs, 400.0), (longer, 100.0)], predictor)
+    factors, steps, prefills = calibrate_serving(engine, [(specs, 400.0), (longer, 100.0)], predictor)
     assert engine.scheduler.planner is planner and engine.scheduler.schedule == schedule  # all put back
     assert not engine.scheduler.requests and engine.pool.num_free_pages == engine.pool.num_pages
     assert set(factors) <= {"decode", "prefill", "prefill_full"} and "decode" in factors  # over MIN_STEPS steps
@@ -236,6 +236,14 @@ def test_profile_command_calibrates_on_another_trace(tmp_path):
         assert "repeated points: none (no short point to repeat, or the budget left no time to)" in result.output
     assert set(saved["serving"]) <= {"decode", "prefill"}
     assert load_predictor(out, ModelConfig.from_file(EMBEDDED / "config.json"), "cpu").serving == saved["serving"]
+    # the calibration's logs are kept beside the profile, and fit the same factors again offline
+    steps, prefills = (out.with_name(f"p.json.calibration-{kind}.json") for kind in ("steps", "prefills"))
+    assert f"the calibration's logs: {steps}" in result.output.replace("\n", "")
+    again = tmp_path / "again.json"
+    refit = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(out), "--from-steps", str(steps),
+                                     "--from-prefills", str(prefills), "--write-serving", str(again)])
+    assert refit.exit_code == 0, refit.output
+    assert json.loads(again.read_text())["serving"] == pytest.approx(saved["serving"])
 
 
 def test_a_profile_whose_repeated_runs_disagree_is_called_noisy(tmp_path):
