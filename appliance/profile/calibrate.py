@@ -141,9 +141,8 @@ def calibrate_serving(engine: Engine, workloads: Sequence[tuple[Sequence, float]
     multiplexed engine, under mux, with the prefix cache on as the server runs it; log every step and prefill launch,
     each replay with prompts of its own (none hits an earlier one's prefix cache). The factors are fitted over all
     replays together: workloads of short and long prompts let the split's slowdown be fitted over the spans both
-    reach. Where the mux replays measured no prefill
-    on all SMs, the first workload's requests are replayed once more, sharing no prefix, one at a time under serial,
-    each followed by SERIAL_IDLE_S of idle time.
+    reach. Where the mux replays measured no prefill on all SMs, the first workload's requests are replayed once
+    more, sharing no prefix, one at a time under serial, each followed by SERIAL_IDLE_S of idle time.
     Return the serving factors (predictor/calibrate.py: how much slower decode, mixed steps, layer-wise prefill on a
     partition and a whole prompt's prefill on all SMs ran while serving than `predictor` says), and the step and
     prefill-launch logs of the chunked and mux replays (`muxd bench diagnose --from-steps --from-prefills` fits the
