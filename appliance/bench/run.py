@@ -18,6 +18,7 @@ from appliance.config_flags import parse_serve_args
 from appliance.engine import gc_pauses
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
+from appliance.engine.steplog import StepLog
 from appliance.errors import ConfigError
 from appliance.slo.attainment import evaluate
 from appliance.slo.contract import Contract
@@ -64,6 +65,7 @@ class BenchOptions:
     result_dir: Path | None = None
     result_filename: str | None = None  # the result JSON's name for a single run (default result.json)
     save_detailed: bool = False
+    save_steps: bool = False            # --in-process: the replay's step and prefill-launch logs in its JSON
     spread_ties: bool = False           # spread requests sharing a timestamp over the gap to the next one
     simulate: bool = False              # replay on the simulated executor (no server, no GPU)
     profile: Path | None = None         # latency profile for --simulate (default: the roofline prior)
@@ -137,6 +139,7 @@ class Session:
         self.server: ServerProcess | None = None
         self.engine: Any = None
         self._gc_before: dict[str, Any] | None = None
+        self._steps: StepLog | None = None  # the latest replay's step log (--save-steps)
         self.target: HttpTarget | InProcessTarget | None = None
         self.model_id = ""
         self.max_model_len: int | None = None
@@ -187,8 +190,17 @@ class Session:
         assert self.target is not None, "use the session as a context manager"
         self.loop.run_until_complete(self._check(prompts[0]))
         self._gc_before = gc_pauses.recorder().snapshot() if self.engine is not None else None
-        return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
-                                                   self.opts.request_timeout, on_done, max_idle=self.opts.max_idle))
+        self._steps = None
+        if self.opts.save_steps and self.engine is not None:  # (the engine is idle between replays)
+            engine = self.engine.engine
+            self._steps = StepLog(engine, getattr(engine, "predictor", None)).attach()
+        try:
+            return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
+                                                       self.opts.request_timeout, on_done,
+                                                       max_idle=self.opts.max_idle))
+        finally:
+            if self._steps is not None:
+                self._steps.detach()
 
     async def _check(self, prompt: str | list[int]) -> None:
         """One short request before the replay, so a wrong model name or endpoint fails clearly and at once."""
@@ -228,6 +240,8 @@ class Session:
                 out["planner"] = snapshot
             if self._gc_before is not None:  # the engine's process's garbage collections during this replay
                 out["gc"] = gc_pauses.since(self._gc_before, gc_pauses.recorder().snapshot())
+            if self._steps is not None:
+                out["steps"], out["prefills"] = self._steps.steps, self._steps.prefills
         return out
 
 

@@ -125,6 +125,12 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "save_detailed": (Annotated[bool, typer.Option("--save-detailed", help="Add per-request arrays to the JSON "
                                                                            "(ttfts, itls, input/output lens).",
                                                    rich_help_panel=_O)], False),
+    "save_steps": (Annotated[bool, typer.Option("--save-steps", help="--in-process: add every engine step and "
+                                                                     "prefill launch of the replay to the JSON "
+                                                                     "(`steps`, `prefills`; `muxd bench diagnose "
+                                                                     "--from-steps/--from-prefills` reads them). The "
+                                                                     "logging takes host time from the engine.",
+                                                rich_help_panel=_O)], False),
     "spread_ties": (Annotated[bool, typer.Option("--spread-ties", help="Spread requests that share a timestamp "
                                                                        "(traces recorded in coarse steps, e.g. "
                                                                        "Mooncake's 3 s) over the gap to the next.",
@@ -210,6 +216,8 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
     if kw["max_idle"] is not None and kw["max_idle"] < 0:
         raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
+    if kw["save_steps"] and not kw["in_process"]:
+        raise ConfigError("--save-steps logs the engine's steps in this process: give --in-process")
     if kw["in_process"] and kw["endpoint"] == "chat":
         raise ConfigError("--in-process sends prompts straight to the engine; --endpoint chat needs a server")
     preset = kw.pop("workload")

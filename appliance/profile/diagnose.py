@@ -67,8 +67,8 @@ def diagnose(args: DiagnoseOptions) -> None:
         calibrate_from_results(args, args.from_results)
         return
     if args.from_steps or args.from_prefills:
-        calibrate(args, [s for path in args.from_steps for s in json.loads(Path(path).read_text())],
-                  [p for path in args.from_prefills for p in json.loads(Path(path).read_text())])
+        calibrate(args, [s for path in args.from_steps for s in _log(path, "steps")],
+                  [p for path in args.from_prefills for p in _log(path, "prefills")])
         return
     if bool(args.trace) == bool(args.workload):
         raise ConfigError("a replay needs a trace (--trace) or a synthetic workload (--workload), not both")
@@ -205,6 +205,20 @@ def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], se
     predictor = profile.predictor(profile.model.shape["num_layers"], "profile")
     factors = {**full_prefill_factor(serial_timelines, predictor), **serving_factors(steps, predictor, prefills)}
     _keep(args, profile, factors)
+
+
+def _log(path: str, kind: str) -> list[dict]:
+    """A step or prefill-launch log: a JSON list (`muxd bench diagnose`'s, `muxd profile`'s calibration logs), or a
+    result JSON of `muxd bench --in-process --save-steps` holding it under `kind`."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--from-{kind} {path}: cannot read it as JSON ({exc})") from None
+    rows = raw.get(kind) if isinstance(raw, dict) else raw
+    if not isinstance(rows, list):
+        raise ConfigError(f"--from-{kind} {path}: neither a list of {kind} nor a result JSON with `{kind}` (a replay "
+                          "of `muxd bench --in-process --save-steps`)")
+    return rows
 
 
 def split_from_results(paths: list[str]) -> dict[str, float]:

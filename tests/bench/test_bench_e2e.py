@@ -133,7 +133,7 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     assert "Contract kept" in result.output and "planner" not in r  # serial: nothing planned online
     # mux: the result keeps what the planner decided and learned online
     bench("--in-process", "--model", str(path), "--num-prompts", "4", "--input-len", "20", "--output-len", "5",
-          "--slo", str(contract), "--policies", "mux", "--result-dir", str(tmp_path / "mux"))
+          "--slo", str(contract), "--policies", "mux", "--result-dir", str(tmp_path / "mux"), "--save-steps")
     planner = json.loads((tmp_path / "mux" / "result.json").read_text())["planner"]
     steps = planner["stats"]
     assert sum(steps[k] for k in ("spatial_steps", "aggregated_steps", "chunk_steps", "decode_only_steps",
@@ -146,6 +146,10 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     # in process: the engine's garbage collections during the replay, after its start-up objects were frozen
     pauses = json.loads((tmp_path / "mux" / "result.json").read_text())["gc"]
     assert len(pauses["collections"]) == 3 and min(pauses["collections"]) >= 0 and pauses["frozen"] > 1000
+    # --save-steps: the replay's engine steps (each planned and launched) and prefill launches, for calibration
+    logged = json.loads((tmp_path / "mux" / "result.json").read_text())
+    assert sum(st["decode"] for st in logged["steps"]) >= 4 * 4 and all("plan_ms" in st for st in logged["steps"])
+    assert isinstance(logged["prefills"], list)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -160,6 +164,7 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     (["--url", "http://127.0.0.1:9", "--trace", str(DATA / "azure_code_2023_head200.csv")], "--tokenizer"),
     (["--window", "9:3"], "--window"),
     (["--max-idle", "-1"], "--max-idle must be >= 0"),
+    (["--save-steps"], "give --in-process"),
     (["--routers", "slo,roundrobin"], "--routers: give comma-separated routers among slo, pow2"),
     (["--routers", "slo", "--url", "http://127.0.0.1:9"], "--routers starts a muxd cluster per router"),
     (["--cluster-args", "--replicas 2"], "give --routers"),

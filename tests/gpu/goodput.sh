@@ -13,6 +13,8 @@
 # SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # MAX_IDLE=S cuts every wait with no request in flight to S seconds (`muxd bench --max-idle`): serial on Azure at its
 # capacity (0.09 req/s) spreads 500 requests over 5,540 s, and with MAX_IDLE=0.2 they replay in 136 s.
+# SAVE_STEPS=1 keeps every engine step and prefill launch in the point JSONs (`--save-steps`: calibration data for
+# `muxd bench diagnose --from-steps/--from-prefills`; the logging takes some host time).
 # SKIP=K starts every job's trace at its request K (`--skip`): slices of one long replay, judged together afterwards
 # with `muxd bench pool` (docs/BENCH.md, "Slices of one replay").
 # A replay longer than one device command (Mooncake at mux's capacity: 9 minutes) can outlive the command when started
@@ -47,7 +49,7 @@ run_job() {
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
         $replay --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
         --slo configs/slo/chat-queue.yaml --attainment 0.99 --serve-args "$serve" --save-detailed \
-        ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} \
+        ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} ${SAVE_STEPS:+--save-steps} \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
     echo "job $1: exit $?" >> "$work/$name.log"
     # which GPU it ran on (the job's name does not say), beside its results

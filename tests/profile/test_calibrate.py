@@ -196,3 +196,27 @@ def test_the_split_learned_while_serving_is_kept_from_replay_results(profile, tm
         assert result.exit_code == 2 and message in result.output, result.output
     result = CliRunner().invoke(app, ["bench", "diagnose", "--from-results", str(point)])
     assert result.exit_code == 2 and "pass --profile" in result.output
+
+
+def test_serving_factors_from_the_step_log_a_replay_result_holds(profile, tmp_path):
+    """`muxd bench diagnose --from-steps` reads a step log (a JSON list) or a replay's result JSON holding one
+    (`muxd bench --in-process --save-steps`), and names a file that is neither."""
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+
+    src = tmp_path / "p.json"
+    save_profile(profile, src)
+    p = read_profile(src).predictor(MODEL.num_layers, "profile")
+    steps = [{"launch_ms": 1.3 * p.decode_ms(DecodeLoad(1 + i, 1000 * (1 + i))), "mixed": False, "decode": 1 + i,
+              "ctx": 1000 * (1 + i), "layers": 0} for i in range(MIN_STEPS)]
+    listed, result = tmp_path / "steps.json", tmp_path / "result.json"
+    listed.write_text(json.dumps(steps))
+    result.write_text(json.dumps({"policy": "mux", "steps": steps, "prefills": []}))
+    for path in (listed, result):
+        out = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(src), "--from-steps", str(path)])
+        assert out.exit_code == 0 and "decode 1.3" in out.output, out.output
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"policy": "mux"}))
+    out = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(src), "--from-steps", str(other)])
+    assert out.exit_code == 2 and "neither a list of steps nor a result JSON" in out.output
