@@ -75,7 +75,7 @@ class PrefillsInFlight:
                 if launch.began is not None:
                     self.finished.append(PrefillObservation(
                         launch.prefill_sms, tuple(launch.works), launch.began.elapsed_time(launch.event),
-                        split_decodes > launch.decodes_before))
+                        split_decodes > launch.decodes_before, launch.launched_at, now))
                     self.finished_seen += 1
                 self.timeline.span("prefill", f"{launch.partition} prefill", launch.launched_at, now,
                                    works=len(launch.works),

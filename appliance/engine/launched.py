@@ -164,12 +164,14 @@ class PrefillLaunch:
 class PrefillObservation:
     """Prefill layers as they ran: the partition's prefill SMs, the works, their GPU time (from an event before the
     first layer to one after the last, on the prefill stream) and whether decode steps ran on the other SMs
-    meanwhile."""
+    meanwhile; when it was launched and when the host saw it done (perf_counter seconds)."""
 
     prefill_sms: int
     works: tuple[PrefillWork, ...]
     ms: float
     beside_decode: bool
+    launched_at: float = 0.0
+    seen_at: float = 0.0
 
     @property
     def layers(self) -> int:

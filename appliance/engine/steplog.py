@@ -96,11 +96,23 @@ class StepLog:
         for obs in finished:
             items = prefill_items(obs.works)
             row: dict[str, Any] = {"ms": obs.ms, "prefill_sms": obs.prefill_sms, "layers": obs.layers,
-                                   "beside": obs.beside_decode, "items": [[i.new, i.reused] for i in items]}
+                                   "beside": obs.beside_decode, "items": [[i.new, i.reused] for i in items],
+                                   "decode_beside": self._decode_between(obs.launched_at, obs.seen_at)}
             if self.predictor is not None:
                 sms = None if obs.prefill_sms >= self.predictor.sm_count else obs.prefill_sms
                 row["pred_ms"] = self.predictor.prefill_solo_ms(items, sms, obs.layers)
             self.prefills.append(row)
+
+    def _decode_between(self, start: float, end: float) -> dict[str, float]:
+        """The decode steps planned while a prefill launch ran (from its launch to the host seeing it done): how many,
+        their mean batch and mean cached tokens (what competes with the prefill for memory bandwidth)."""
+        batch = ctx = n = 0
+        for step in reversed(self.steps):
+            if step["t"] < start:
+                break
+            if step["t"] <= end and step["decode"]:
+                batch, ctx, n = batch + step["decode"], ctx + step.get("ctx", 0), n + 1
+        return {"steps": n, "batch": batch / n if n else 0.0, "ctx": ctx / n if n else 0.0}
 
     def _predicted(self, plan, requests, step) -> dict[str, Any]:
         """The predictor's figure for the step as planned, beside what the executor measured."""

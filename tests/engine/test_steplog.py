@@ -111,3 +111,26 @@ def test_the_host_gap_leaves_out_the_wait_for_the_devices_tokens(llama_checkpoin
         log.detach()
         gaps = [s["gap_ms"] for s in log.steps if s["gap_ms"] is not None]
         assert gaps and all(g == 0.0 for g in gaps), (overlap, gaps)
+
+
+def test_a_prefill_launch_is_logged_with_the_decode_that_ran_beside_it():
+    """Each prefill launch's row says which decode steps were planned while it ran (its launch to the host seeing it
+    done): the load that competes with it for memory bandwidth, for fitting the split's slowdown against."""
+    from types import SimpleNamespace
+
+    from appliance.engine.launched import PrefillObservation
+    from appliance.engine.plan import PrefillWork
+
+    work = PrefillWork("r", 0, 256, 0, 32)
+    obs = PrefillObservation(116, (work,), 12.5, True, launched_at=10.0, seen_at=10.05)
+    executor = SimpleNamespace(prefills_seen=0, prefills_since=lambda mark: ([obs], mark + 1))
+    log = StepLog(SimpleNamespace(executor=executor, scheduler=None))
+    log.steps = [{"t": 9.99, "decode": 50, "ctx": 5000},   # before the launch
+                 {"t": 10.01, "decode": 8, "ctx": 800},
+                 {"t": 10.02, "decode": 0},                # a prefill-only step: no decode beside it
+                 {"t": 10.03, "decode": 12, "ctx": 1600},
+                 {"t": 10.06, "decode": 70, "ctx": 9000}]  # after the host saw it done
+    log._collect_prefills()
+    (row,) = log.prefills
+    assert row["decode_beside"] == {"steps": 2, "batch": 10.0, "ctx": 1200.0}
+    assert row["ms"] == 12.5 and row["items"] == [[256, 0]] and row["beside"]
