@@ -8,6 +8,7 @@ partition beside decode (contention, not the host) and prefill on all SMs after 
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import logging
@@ -119,6 +120,33 @@ def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> d
             measured.append(float(row["ms"]))
     fitted = fit(solo, span, measured)
     return {} if fitted is None else {"prefill_split": fitted[0], "prefill_split_per_1k": fitted[1]}
+
+
+SPAN_BINS = (2.0, 8.0, 16.0)   # thousands of tokens of attention span: the breakdown's rows
+BATCH_BINS = (0, 8, 32)        # mean decode batch beside a launch: its columns (above the last: the last one open)
+
+
+def split_breakdown(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> dict[tuple[int, int], list[float]]:
+    """The split's slowdown (measured / solo) of each partition prefill launch, binned by its attention span
+    (SPAN_BINS) and the mean decode batch planned beside it (BATCH_BINS; a log row's `decode_beside`, launches
+    logged without it left out): {(span bin, batch bin): [count, mean ratio, reused share]}, to see what the
+    one fitted slowdown averages over (the span, the decode beside, prefix reuse)."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for row in prefills:
+        beside = row.get("decode_beside")
+        if row.get("ms") is None or beside is None or int(row["prefill_sms"]) >= predictor.sm_count:
+            continue
+        items = [PrefillItem(int(n), int(r)) for n, r in row["items"]]
+        ms = predictor.prefill_solo_ms(items, int(row["prefill_sms"]), int(row["layers"]))
+        if ms <= 0 or not FACTOR_RANGE[0] <= float(row["ms"]) / ms <= FACTOR_RANGE[1]:
+            continue
+        key = (bisect.bisect_left(SPAN_BINS, span_k(items)), bisect.bisect_left(BATCH_BINS, beside["batch"]))
+        cell = cells.setdefault(key, [0, 0.0, 0.0])
+        tokens = sum(i.new + i.reused for i in items)
+        cell[0] += 1
+        cell[1] += float(row["ms"]) / ms
+        cell[2] += sum(i.reused for i in items) / tokens if tokens else 0.0
+    return {k: [n, total / n, reused / n] for k, (n, total, reused) in sorted(cells.items())}
 
 
 SERIAL_IDLE_S = 0.2  # the serial calibration replay idles this long between requests

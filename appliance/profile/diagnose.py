@@ -28,7 +28,8 @@ from appliance.errors import ConfigError
 from appliance.model_zoo.loader import load_model
 from appliance.predictor.profile import ProfileFile, load_predictor, read_profile, save_profile
 from appliance.predictor.split import MIN_OBSERVATIONS
-from appliance.profile.calibrate import full_prefill_factor, serving_factors
+from appliance.profile.calibrate import (BATCH_BINS, SPAN_BINS, full_prefill_factor, serving_factors,
+                                         split_breakdown)
 from appliance.workload import shaping as wl
 from appliance.workload.metrics import summarize
 from appliance.workload.traces import load_trace
@@ -204,6 +205,15 @@ def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], se
     profile = read_profile(args.profile)
     predictor = profile.predictor(profile.model.shape["num_layers"], "profile")
     factors = {**full_prefill_factor(serial_timelines, predictor), **serving_factors(steps, predictor, prefills)}
+    cells = split_breakdown(prefills, predictor)
+    if cells:
+        spans = [f"<{b:g}k" for b in SPAN_BINS] + [f">{SPAN_BINS[-1]:g}k"]
+        batches = ([f"decode batch {'0' if b == 0 else f'<={b}'}" for b in BATCH_BINS]
+                   + [f"decode batch >{BATCH_BINS[-1]}"])
+        print("  the split's slowdown (measured / solo) by attention span and the decode beside it:")
+        for (span, batch), (n, ratio, reused) in cells.items():
+            print(f"    span {spans[span]:>6}, {batches[batch]:<18}: {ratio:.3f} over {n:.0f} launches "
+                  f"({reused:.0%} of their tokens reused)")
     _keep(args, profile, factors)
 
 

@@ -220,3 +220,32 @@ def test_serving_factors_from_the_step_log_a_replay_result_holds(profile, tmp_pa
     other.write_text(json.dumps({"policy": "mux"}))
     out = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(src), "--from-steps", str(other)])
     assert out.exit_code == 2 and "neither a list of steps nor a result JSON" in out.output
+
+
+def test_the_split_slowdown_is_broken_down_by_span_and_the_decode_beside(profile, tmp_path):
+    """What the one fitted slowdown averages over: launches binned by attention span and the decode batch planned
+    beside them (a log row's `decode_beside`); `muxd bench diagnose --from-prefills` prints the table."""
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+    from appliance.profile.calibrate import split_breakdown
+
+    p = profile.predictor(MODEL.num_layers, "profile")
+
+    def launch(new: int, reused: int, batch: float, factor: float) -> dict:
+        items = [PrefillItem(new, reused)]
+        return {"ms": factor * p.prefill_solo_ms(items, 100, 4), "prefill_sms": 100, "layers": 4, "beside": True,
+                "items": [[new, reused]], "decode_beside": {"steps": 3, "batch": batch, "ctx": 1000.0 * batch}}
+
+    rows = ([launch(1000, 0, 4, 1.1)] * 3 + [launch(1000, 0, 64, 1.3)] * 2 + [launch(2000, 18000, 4, 1.2)]
+            + [{**launch(1000, 0, 4, 9.0)}]                                 # a stall: left out
+            + [{k: v for k, v in launch(1000, 0, 4, 2.0).items() if k != "decode_beside"}])  # an older log's row
+    cells = split_breakdown(rows, p)
+    assert cells[(0, 1)] == pytest.approx([3, 1.1, 0.0]) and cells[(0, 3)] == pytest.approx([2, 1.3, 0.0])
+    assert cells[(3, 1)] == pytest.approx([1, 1.2, 0.9]) and len(cells) == 3
+    src, log = tmp_path / "p.json", tmp_path / "prefills.json"
+    save_profile(profile, src)
+    log.write_text(json.dumps(rows))
+    out = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(src), "--from-prefills", str(log)])
+    assert out.exit_code == 0, out.output
+    assert "span    <2k, decode batch >32  : 1.300 over 2 launches (0% of their tokens reused)" in out.output
