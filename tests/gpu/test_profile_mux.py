@@ -72,7 +72,7 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     assert any(s.get("mode") == "decode" for s in steps)  # the mux planner's steps (chunked leaves no mode)
     assert set(factors) <= {"decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k"}
     assert "prefill_full" in factors  # mux's temporal steps or, too few of them, the serial replay
-    assert all(r.get("ms") is not None and r["items"] for r in prefills)  # the launches the split factors come from
+    assert all(r.get("ms") is not None and r["items"] and "decode_beside" in r for r in prefills)  # the split's data
     assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
     del prof_engine, timer
 
