@@ -192,8 +192,7 @@ class Session:
         self._gc_before = gc_pauses.recorder().snapshot() if self.engine is not None else None
         self._steps = None
         if self.opts.save_steps and self.engine is not None:  # (the engine is idle between replays)
-            engine = self.engine.engine
-            self._steps = StepLog(engine, getattr(engine, "predictor", None)).attach()
+            self._steps = StepLog(self.engine.engine, self.engine.engine.predictor).attach()
         try:
             return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
                                                        self.opts.request_timeout, on_done,

@@ -12,7 +12,7 @@ import bisect
 import copy
 import dataclasses
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from appliance.bench.client import ReplayResult, replay_in_process
 from appliance.bench.prompts import PromptSynth
@@ -103,22 +103,25 @@ def full_prefill_factor(timelines: Sequence[RequestTimeline], predictor: Predict
     return {"prefill_full": measured / predicted} if n >= MIN_STEPS else {}
 
 
-def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> dict[str, float]:
-    """Layer-wise prefill on a partition's prefill SMs while serving (decode beside it) against the profile's solo
-    figure for those SMs, fitted as `split.fit` does: prefill_split + prefill_split_per_1k per 1,000 tokens of span."""
-    solo, span, measured = [], [], []
+def _split_launches(prefills: Iterable[dict[str, Any]],
+                    predictor: Predictor) -> Iterator[tuple[dict[str, Any], list[PrefillItem], float]]:
+    """(log row, its items, the profile's solo time) of every prefill launch on a partition's prefill SMs, leaving
+    out, as the planner's online fit does, a launch far off its solo figure (a first launch compiling its kernels
+    says nothing about the slowdown)."""
     for row in prefills:
         if row.get("ms") is None or int(row["prefill_sms"]) >= predictor.sm_count:
             continue
         items = [PrefillItem(int(n), int(r)) for n, r in row["items"]]
         ms = predictor.prefill_solo_ms(items, int(row["prefill_sms"]), int(row["layers"]))
-        # as the planner's online fit does: a launch far off its solo figure (a first launch compiling its kernels)
-        # says nothing about the slowdown
         if ms > 0 and FACTOR_RANGE[0] <= float(row["ms"]) / ms <= FACTOR_RANGE[1]:
-            solo.append(ms)
-            span.append(span_k(items))
-            measured.append(float(row["ms"]))
-    fitted = fit(solo, span, measured)
+            yield row, items, ms
+
+
+def split_factors(prefills: Iterable[dict[str, Any]], predictor: Predictor) -> dict[str, float]:
+    """Layer-wise prefill on a partition's prefill SMs while serving (decode beside it) against the profile's solo
+    figure for those SMs, fitted as `split.fit` does: prefill_split + prefill_split_per_1k per 1,000 tokens of span."""
+    launches = [(ms, span_k(items), float(row["ms"])) for row, items, ms in _split_launches(prefills, predictor)]
+    fitted = fit(*zip(*launches)) if launches else None
     return {} if fitted is None else {"prefill_split": fitted[0], "prefill_split_per_1k": fitted[1]}
 
 
@@ -132,15 +135,11 @@ def split_breakdown(prefills: Iterable[dict[str, Any]], predictor: Predictor) ->
     logged without it left out): {(span bin, batch bin): [count, mean ratio, reused share]}, to see what the
     one fitted slowdown averages over (the span, the decode beside, prefix reuse)."""
     cells: dict[tuple[int, int], list[float]] = {}
-    for row in prefills:
-        beside = row.get("decode_beside")
-        if row.get("ms") is None or beside is None or int(row["prefill_sms"]) >= predictor.sm_count:
+    for row, items, ms in _split_launches(prefills, predictor):
+        if row.get("decode_beside") is None:
             continue
-        items = [PrefillItem(int(n), int(r)) for n, r in row["items"]]
-        ms = predictor.prefill_solo_ms(items, int(row["prefill_sms"]), int(row["layers"]))
-        if ms <= 0 or not FACTOR_RANGE[0] <= float(row["ms"]) / ms <= FACTOR_RANGE[1]:
-            continue
-        key = (bisect.bisect_left(SPAN_BINS, span_k(items)), bisect.bisect_left(BATCH_BINS, beside["batch"]))
+        key = (bisect.bisect_left(SPAN_BINS, span_k(items)),
+               bisect.bisect_left(BATCH_BINS, row["decode_beside"]["batch"]))
         cell = cells.setdefault(key, [0, 0.0, 0.0])
         tokens = sum(i.new + i.reused for i in items)
         cell[0] += 1

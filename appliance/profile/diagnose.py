@@ -14,6 +14,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -217,13 +218,17 @@ def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], se
     _keep(args, profile, factors)
 
 
+def _read_json(path: str, flag: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{flag} {path}: cannot read it as JSON ({exc})") from None
+
+
 def _log(path: str, kind: str) -> list[dict]:
     """A step or prefill-launch log: a JSON list (`muxd bench diagnose`'s, `muxd profile`'s calibration logs), or a
     result JSON of `muxd bench --in-process --save-steps` holding it under `kind`."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--from-{kind} {path}: cannot read it as JSON ({exc})") from None
+    raw = _read_json(path, f"--from-{kind}")
     rows = raw.get(kind) if isinstance(raw, dict) else raw
     if not isinstance(rows, list):
         raise ConfigError(f"--from-{kind} {path}: neither a list of {kind} nor a result JSON with `{kind}` (a replay "
@@ -238,10 +243,7 @@ def split_from_results(paths: list[str]) -> dict[str, float]:
     slopes, as prefill_split and prefill_split_per_1k. Replays shorter than MIN_OBSERVATIONS launches are left out."""
     flat = slope = weight = 0.0
     for path in paths:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--from-results {path}: cannot read it as JSON ({exc})") from None
+        raw = _read_json(path, "--from-results")
         split = (raw.get("planner", raw) if isinstance(raw, dict) else {}).get("split")
         if not isinstance(split, dict) or not {"flat", "per_1k", "observations"} <= set(split):
             raise ConfigError(f"--from-results {path}: no mux planner's split fit in it (a result of a replay "
