@@ -53,6 +53,7 @@ class SimulatedBench:
     device_error: float = 0.0  # the simulated GPU runs (1 + this) x the clock's times: model error injected
     host_error: float = 0.0  # the simulated host takes (1 + this) x the host model's times: host error injected
     host_spread: float = 0.0  # each simulated prefill launch takes a lognormal multiple (this sigma) of its time
+    device_spread: float = 0.0  # judge each replay over the GPU this much slower, as timed and this much faster
     _prompts: dict = field(default_factory=dict, repr=False)  # shared by the replays of one trace
     _runs: dict = field(default_factory=dict, repr=False)
 
@@ -92,10 +93,21 @@ class SimulatedBench:
     @property
     def timer(self) -> StepTimer:
         """The clock: a given truth, else the profile slowed by its serving factors, else the predictor itself."""
+        return self._clock(1.0)
+
+    def _clock(self, speed: float) -> StepTimer:
+        """The clock with the device taking `speed` x its times (and the injected model error)."""
         if self.truth is None and self.predictor.serving:
             self.truth = ServingClock(self.predictor)
         timer = self.truth if self.truth is not None else self.predictor
-        return Skewed(timer, 1.0 + self.device_error) if self.device_error else timer
+        factor = (1.0 + self.device_error) * speed
+        return Skewed(timer, factor) if factor != 1.0 else timer
+
+    @property
+    def speeds(self) -> tuple[float, ...]:
+        """The device speeds each replay is judged over: as timed, and `device_spread` slower and faster."""
+        spread = self.device_spread
+        return (1.0,) if not spread else (1.0, 1.0 + spread, 1.0 - spread)
 
     def run(self, policy: str, specs: Sequence[RequestSpec], rate: float | None = None) -> PolicyRun:
         """Replay `specs` (re-timed to `rate` req/s when given) under `policy`; a replay asked for again (a capacity
@@ -107,14 +119,38 @@ class SimulatedBench:
         return self._runs[key]
 
     def _run(self, policy: str, specs: Sequence[RequestSpec], rate: float | None) -> PolicyRun:
+        """One replay per device speed (`speeds`); with more than one, the verdict is theirs pooled, as slices of one
+        replay are (`muxd bench pool`): attainment over all their requests, the TBT percentile over all their gaps.
+        The rest of the summary (throughput, planner) is the replay as timed."""
         if rate is not None:
             specs = wl.retime(list(specs), rate=rate)
-        planner = self.planner(policy)
         host = self.predictor.host.scaled(1.0 + self.host_error) if self.host_error else self.predictor.host
-        result = Simulator(planner, self.timer, self.sim, prompts=self._prompts, host=host,
-                           host_spread=self.host_spread).run(specs)
-        uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0) for s, r in zip(specs, result.requests)}
-        report = evaluate(self.contract, result.timelines, specs, lambda s: uncached[id(s)])
+        replays = []
+        for speed in self.speeds:
+            planner = self.planner(policy)
+            copies = list(specs) if speed == 1.0 else [dataclasses.replace(s) for s in specs]  # own ids: own uncached counts
+            result = Simulator(planner, self._clock(speed), self.sim, prompts=self._prompts, host=host,
+                               host_spread=self.host_spread).run(copies)
+            replays.append((speed, copies, result, planner))
+        uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0)
+                    for _, copies, result, _ in replays for s, r in zip(copies, result.requests)}
+
+        def judge(spec: RequestSpec) -> int:
+            return uncached[id(spec)]
+
+        _, _, result, planner = replays[0]
+        report = evaluate(self.contract, result.timelines, specs, judge)
+        if len(replays) > 1:
+            band = [evaluate(self.contract, r.timelines, c, judge) for _, c, r, _ in replays]
+            pooled = evaluate(self.contract, [t for _, _, r, _ in replays for t in r.timelines],
+                              [s for _, c, _, _ in replays for s in c], judge)
+            goodputs = [b.summary.get("request_goodput") or 0.0 for b in band]
+            summary = dict(report.summary, slo_attainment=pooled.attainment,
+                           good_requests=round(pooled.attainment * len(specs)),
+                           request_goodput=sum(goodputs) / len(goodputs),
+                           device_band=[{"speed": speed, "slo_attainment": b.attainment, "contract_tbt_ms": b.tbt_ms,
+                                         "contract_met": b.met} for (speed, *_), b in zip(replays, band)])
+            report = dataclasses.replace(pooled, summary=summary)
         report.summary.update(policy=policy, request_rate=rate, offered_rate=wl.offered_rate(list(specs)),
                               **report.verdict(), shed=result.shed, steps=result.steps,
                               spatial_steps=result.spatial_steps)

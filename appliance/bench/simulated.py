@@ -72,6 +72,11 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
             raise ConfigError(f"--device-error must be in (-0.9, 10), got {opts.device_error}")
         notes.append(f"model error injected: the simulated GPU takes {1 + opts.device_error:.2f}x the profile's "
                      "times (the planner is not told)")
+    if opts.device_spread:
+        if not 0 < opts.device_spread < 0.5:
+            raise ConfigError(f"--device-spread must be in [0, 0.5), got {opts.device_spread:g}")
+        notes.append(f"each point judged over three replays, the simulated GPU as profiled, {opts.device_spread:.0%} "
+                     f"slower and {opts.device_spread:.0%} faster, pooled (--device-spread; 0: one replay)")
     if opts.host_error:
         if not -0.9 < opts.host_error < 10:
             raise ConfigError(f"--host-error must be in (-0.9, 10), got {opts.host_error}")
@@ -84,7 +89,7 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
                      f"{opts.host_spread:g}) of the host model's time (the planner is not told)")
     return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)), options=options,
                           device_error=opts.device_error, host_error=opts.host_error,
-                          host_spread=opts.host_spread), model, notes
+                          host_spread=opts.host_spread, device_spread=opts.device_spread), model, notes
 
 
 def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:

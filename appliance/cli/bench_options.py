@@ -148,6 +148,12 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                         "(1 + this) x the profile's times (0.2: 20 % slower, -0.2: "
                                                         "20 % faster); the planner is not told.",
                                                    rich_help_panel=_T)], 0.0),
+    "device_spread": (Annotated[float, typer.Option(help="--simulate: judge each rate over three replays, the "
+                                                         "simulated GPU as profiled, this much slower and this much "
+                                                         "faster, pooled as slices of one replay are: a capacity "
+                                                         "that holds across that much difference in device speed "
+                                                         "(two H200 hosts differed by about 5 %); 0 judges one "
+                                                         "replay.", rich_help_panel=_T)], 0.05),
     "host_error": (Annotated[float, typer.Option(help="--simulate: host error injected, the simulated host takes "
                                                       "(1 + this) x the host model's times (step, launches); the "
                                                       "planner is not told.", rich_help_panel=_T)], 0.0),

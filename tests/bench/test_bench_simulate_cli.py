@@ -53,7 +53,9 @@ def test_simulate_refuses_what_it_cannot_do():
                          (["--policies", "fastest"], "fastest"),
                          (["--slo", str(SLO), "--device-error", "-1"], "--device-error must be in"),
                          (["--slo", str(SLO), "--host-error", "11"], "--host-error must be in"),
-                         (["--slo", str(SLO), "--host-spread", "3"], "--host-spread must be in")):
+                         (["--slo", str(SLO), "--host-spread", "3"], "--host-spread must be in"),
+                         (["--slo", str(SLO), "--device-spread", "0.5"], "--device-spread must be in"),
+                         (["--slo", str(SLO), "--device-spread", "-0.1"], "--device-spread must be in")):
         result = runner.invoke(app, base + extra, env={"COLUMNS": "200"})
         assert result.exit_code != 0 and words in result.output, result.output
 

@@ -31,7 +31,8 @@ def _slice(tmp_path: Path, skip: int, n: int, rate: float = 2.0) -> Path:
     out = tmp_path / f"slice-{skip}"
     args = ["bench", "sweep", "--simulate", "--trace", str(TRACE), "--skip", str(skip), "--max-requests", str(n),
             "--max-model-len", "8192", "--model", str(MODEL), "--gpu", "h200", "--slo", str(CHAT),
-            "--policies", "mux", "--rates", str(rate), "--save-detailed", "--result-dir", str(out), "--no-progress"]
+            "--policies", "mux", "--rates", str(rate), "--save-detailed", "--result-dir", str(out), "--no-progress",
+            "--device-spread", "0"]  # one replay: its per-request arrays are the verdict's
     result = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     (point,) = (out / "points").glob("*.json")

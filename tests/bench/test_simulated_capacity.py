@@ -94,3 +94,28 @@ def test_chunked_tuned_on_the_workload_keeps_tbt(tmp_path):
     over = SimulatedBench(contract, predictor, bench.sim, truth=gpu, options=SchedulerSettings(chunk_budget=budget + 128))
     assert over.run("chunked", specs).report.tbt_ms > target
     assert tune_chunk_budget(gpu, target) > budget
+
+
+def test_device_band_pools_three_replays(bench, specs):
+    """--device-spread: each rate is judged over the GPU as timed, slower and faster, pooled as slices are: the
+    attainment is the share of good requests over all three replays (each replays every request), the TBT
+    percentile is taken over all their gaps, and the slower GPU serves no better than the faster one."""
+    import dataclasses
+
+    banded = dataclasses.replace(bench, device_spread=0.2, _runs={})
+    run = banded.run("mux", specs, RATE)
+    summary = run.report.summary
+    band = summary["device_band"]
+    assert [b["speed"] for b in band] == [1.0, 1.2, 0.8]
+    assert run.report.attainment == pytest.approx(sum(b["slo_attainment"] for b in band) / 3)
+    assert summary["slo_attainment"] == run.report.attainment
+    assert min(b["contract_tbt_ms"] for b in band) <= run.report.tbt_ms <= max(b["contract_tbt_ms"] for b in band)
+    assert band[1]["slo_attainment"] <= band[2]["slo_attainment"]
+    assert band[1]["contract_tbt_ms"] >= band[2]["contract_tbt_ms"]
+    # the replay as timed is the band's first: the same as without a band
+    alone = bench.run("mux", specs, RATE).report
+    assert band[0]["slo_attainment"] == alone.attainment and band[0]["contract_tbt_ms"] == alone.tbt_ms
+    assert "device_band" not in alone.summary
+    assert run.report.met == (not run.report.misses)
+    # a capacity judged over the band is no higher than one judged as timed
+    assert banded.capacity("mux", specs, RATE).capacity <= bench.capacity("mux", specs, RATE).capacity
