@@ -18,7 +18,7 @@ from appliance.config_flags import parse_serve_args
 from appliance.engine import gc_pauses
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
-from appliance.engine.steplog import StepLog
+from appliance.engine.steplog import StepLog, log_predictor
 from appliance.errors import ConfigError
 from appliance.slo.attainment import evaluate
 from appliance.slo.contract import Contract
@@ -193,7 +193,7 @@ class Session:
         self._gc_before = gc_pauses.recorder().snapshot() if self.engine is not None else None
         self._steps = None
         if self.opts.save_steps and self.engine is not None:  # (the engine is idle between replays)
-            self._steps = StepLog(self.engine.engine, self.engine.engine.predictor).attach()
+            self._steps = StepLog(self.engine.engine, log_predictor(self.engine.engine)).attach()
         try:
             return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
                                                        self.opts.request_timeout, on_done,

@@ -9,15 +9,32 @@ what the executor measured; a temporal step also has the device time of its pref
 (`after_ms`, `after_items`).
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
-executor; `detach` restores them.
+executor; `detach` restores them; `log_predictor` picks the predictor for an engine's log.
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import torch
+
 from appliance.predictor.predictor import Predictor
+from appliance.predictor.profile import load_predictor
 from appliance.predictor.shapes import decode_load, prefill_items
+
+
+def log_predictor(engine: Any) -> Predictor | None:
+    """The predictor whose figures a step log sets beside the measured steps: the engine's own, else, for a policy
+    that plans without one (chunked at a given budget), its `--profile`'s, so that replays of every policy served
+    with a profile calibrate it; None without either."""
+    if engine.predictor is not None:
+        return engine.predictor
+    sched = engine.config.scheduler
+    if sched.profile is None:
+        return None
+    device = engine.kv_cache.data.device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return load_predictor(sched.profile, engine.model.config, gpu, sched.profile_file)
 
 
 class StepLog:

@@ -152,6 +152,28 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     assert isinstance(logged["prefills"], list)
 
 
+def test_save_steps_sets_the_profile_beside_chunked_steps(llama_checkpoint, tmp_path):
+    """chunked at a given budget plans without a predictor; --save-steps still sets its --profile's figure beside each
+    mixed step (and the decode context it read), so replays of chunked calibrate the profile as mux's do."""
+    from appliance.model_zoo.config import ModelConfig
+    from appliance.predictor.predictor import partition_choices
+    from appliance.predictor.profile import save_profile
+    from appliance.predictor.roofline import DEVICES
+    from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
+
+    path, _ = llama_checkpoint
+    profile = tmp_path / "profile.json"
+    shapes = ModelConfig.from_file(Path(__file__).resolve().parents[2] / "configs/models/llama-3.1-8b/config.json")
+    save_profile(synthetic_profile(SyntheticGPU(shapes, DEVICES["h100"]), partition_choices(132), "llama-3.1-8b"),
+                 profile)
+    bench("--in-process", "--model", str(path), "--num-prompts", "4", "--input-len", "40", "--output-len", "6",
+          "--request-rate", "50", "--policies", "chunked", "--serve-args", f"--chunk-budget 16 --profile {profile}",
+          "--goodput", "e2el:60000", "--save-steps", "--result-dir", str(tmp_path / "out"))
+    steps = json.loads((tmp_path / "out" / "result.json").read_text())["steps"]
+    mixed = [s for s in steps if s["mixed"] and s["decode"]]
+    assert mixed and all(s["pred_ms"] > 0 and s["items"] and s["ctx"] > 0 for s in mixed)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--policies", "serial,warp"], "warp not available in this muxd; it serves"),
     (["--url", "http://127.0.0.1:9", "--policies", "serial"], "--policies and --in-process start their own"),
