@@ -276,6 +276,28 @@ overload: {mode: queue}"""))
     assert [(w.request_id, w.layer_start) for w in plan.prefill] == [(long_.request_id, layer)]
 
 
+def test_a_prompt_just_inside_its_deadline_behind_the_batch_pauses_it():
+    """"Would miss behind the batch" is judged with the predicted prefill times `pause_margin` longer: a prompt
+    predicted to finish just inside its deadline behind a long batch pauses it (the batch spares the time), one
+    with room beyond the margin waits its turn, and without the margin neither pauses."""
+    def pauses(target_ms: float, margin: float) -> int:
+        rig = Rig(contract=long_contract(3000).replace("overload: {mode: shed}", f"""\
+classes:
+  bulk: {{priority: 0}}
+  chat: {{priority: 0, targets: {{ttft: {{ms: {target_ms}}}}}}}
+default_class: bulk"""), pause_margin=margin)
+        start_long_prefill(rig, 60_000)  # 1.74 s of work left at 0.1 s, deadline 3 s
+        rig.now = 0.1
+        short = rig.request(1_000)  # about 30 ms: behind the long one, done at about 1.87 s
+        short.slo_class = "chat"
+        rig.plan()
+        return rig.planner.stats.pauses
+
+    assert pauses(1900, 0.2) == 1  # due at 2.0 s: 1.87 s predicted, 2.22 s with the margin
+    assert pauses(1900, 0.0) == 0
+    assert pauses(2400, 0.2) == 0  # due at 2.5 s: inside even with the margin
+
+
 def test_no_preemption_when_the_long_one_would_miss():
     rig = Rig(contract=long_contract(1850).replace("overload: {mode: shed}", """\
 classes:
@@ -463,7 +485,7 @@ def test_mixed_chunks_take_tokens_earliest_deadline_first():
     rig = Rig(table=ChunkTable(), mixed_chunks=True, contract=CONTRACT.replace("overload: {mode: shed}", """\
 classes:
   bulk: {priority: 0}
-  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+  chat: {priority: 0, targets: {ttft: {ms: 250}}}
 default_class: bulk
 overload: {mode: queue}"""))
     rig.decoding(3)
@@ -472,7 +494,8 @@ overload: {mode: queue}"""))
     assert long_.num_computed_tokens == 1_500
     rig.now = 0.05
     short = rig.request(300)
-    short.slo_class = "chat"  # due at 0.25 s; behind the long one's 8,500 tokens (0.17 s) it still makes it
+    short.slo_class = "chat"  # due at 0.3 s; behind the long one's 8,500 tokens (0.17 s) it still makes it,
+    # also with the pause's margin on the predicted times
     plan = rig.plan()
     assert rig.planner.stats.pauses == 0
     assert [(w.request_id, w.token_start, w.token_end) for w in plan.prefill] == [

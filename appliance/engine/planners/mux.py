@@ -33,6 +33,8 @@ class MuxOptions:
     max_prefill_tokens: int = 8192  # prompt tokens prefilled together as one layer-wise batch
     control: bool = True            # closed-loop: plan to the controllers' headroom x the targets (control.py)
     prefill_pause: bool = True      # a short prompt may pause the running batch between layers (MuxWise)
+    pause_margin: float = 0.2       # ... when it would miss its TTFT behind the batch with their predicted prefill
+    #                                 times this much longer (prefill launches run 1.0-1.35x their figure serving)
     reorder: bool = True
     inflight_steps: float = 3.0     # prefill kept queued on its stream, in predicted decode steps
     growth_tokens: int = 1024       # KV kept free for each running request's next output tokens

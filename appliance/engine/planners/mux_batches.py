@@ -52,7 +52,10 @@ class MuxBatches:
     def maybe_pause(self, sched: Scheduler, now: float) -> None:
         """MuxWise: the most urgent waiting prompt pauses the running batch at its next layer boundary when it
         would miss its TTFT behind the batch, makes it when run first, and no request of the batch that would make
-        its own misses it (one late either way does not count). The pausing batch is never paused itself."""
+        its own misses it (one late either way does not count). The pausing batch is never paused itself. "Would
+        miss" is judged with both prefill times `pause_margin` longer than predicted: a prompt predicted to finish
+        just inside its deadline behind a long batch is late whenever the batch runs a little slow, and pausing
+        for it costs the batch nothing its own deadline cannot spare (`spares`)."""
         if not sched.waiting:
             return
         # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
@@ -71,7 +74,8 @@ class MuxBatches:
         for w in self.order(sched, now)[:PAUSE_CANDIDATES]:
             own = p.prefill_ms([dl.item(w)], self.prefill_sms) / 1e3
             deadline = dl.deadline(w)
-            if not (own < remaining and now + remaining + own > deadline >= now + own):
+            behind = (remaining + own) * (1 + self.options.pause_margin)
+            if not (own < remaining and now + behind > deadline >= now + own):
                 continue  # long, or fine behind the batch, or late anyway
             if not self.spares(dl, batch, now, own, remaining):
                 return  # the batch cannot spare the time of the most urgent candidate
