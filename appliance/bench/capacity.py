@@ -128,7 +128,8 @@ class SimulatedBench:
         replays = []
         for speed in self.speeds:
             planner = self.planner(policy)
-            copies = list(specs) if speed == 1.0 else [dataclasses.replace(s) for s in specs]  # own ids: own uncached counts
+            # each replay's own spec objects: their uncached counts are looked up by id
+            copies = list(specs) if speed == 1.0 else [dataclasses.replace(s) for s in specs]
             result = Simulator(planner, self._clock(speed), self.sim, prompts=self._prompts, host=host,
                                host_spread=self.host_spread).run(copies)
             replays.append((speed, copies, result, planner))
@@ -138,10 +139,10 @@ class SimulatedBench:
         def judge(spec: RequestSpec) -> int:
             return uncached[id(spec)]
 
+        band = [evaluate(self.contract, r.timelines, c, judge) for _, c, r, _ in replays]
         _, _, result, planner = replays[0]
-        report = evaluate(self.contract, result.timelines, specs, judge)
+        report = band[0]
         if len(replays) > 1:
-            band = [evaluate(self.contract, r.timelines, c, judge) for _, c, r, _ in replays]
             pooled = evaluate(self.contract, [t for _, _, r, _ in replays for t in r.timelines],
                               [s for _, c, _, _ in replays for s in c], judge)
             goodputs = [b.summary.get("request_goodput") or 0.0 for b in band]
