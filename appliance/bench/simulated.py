@@ -53,7 +53,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
         device = device_spec(gpu)
     except ConfigError:
         device = DEVICES["h100"]
-    serving = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(predictor.serving.items()))
+    serving = ", ".join(f"{k} {v:.1f} ms" if k == "mixed_floor" else f"{k} x{v:.2f}"
+                        for k, v in sorted(predictor.serving.items()))
     notes = [f"clock and planner: {predictor.source}" + (f"; the clock runs serving-calibrated ({serving})"
                                                           if serving else ""), *predictor.notes,
              f"contract {contract.name!r}: p{contract.slo_for(None).tbt_percentile:g} TBT "

@@ -30,11 +30,13 @@ from appliance.predictor.split import FACTOR_RANGE, SLOPE_RANGE, SplitSlowdown, 
 log = logging.getLogger("muxd.predictor")
 FORMAT, VERSION = "muxd-profile", 1
 SERVING_RANGE = FACTOR_RANGE  # serving time / profiled time a profile may keep
+FLOOR_RANGE = (0.0, 1000.0)   # a mixed step's floor while serving, in ms
 
 
 def serving_range(phase: str) -> tuple[float, float]:
-    """What a profile's serving block may hold for `phase`: a slope per 1k tokens of span, or a factor."""
-    return SLOPE_RANGE if phase.endswith("_per_1k") else SERVING_RANGE
+    """What a profile's serving block may hold for `phase`: a slope per 1k tokens of span, a floor in ms, or a
+    factor."""
+    return SLOPE_RANGE if phase.endswith("_per_1k") else FLOOR_RANGE if phase == "mixed_floor" else SERVING_RANGE
 
 
 class _Model(BaseModel):
@@ -85,8 +87,9 @@ class ProfileFile(_Model):
     # (mux's temporal steps, after decode; else a whole prompt alone, from serial's time to first token) and
     # prefill_split (+ prefill_split_per_1k per 1,000 tokens of attention span), layer-wise prefill on a partition
     # beside decode over its solo time: the clock applies them and the predictor plans with them, refining both
-    # online (split.py)
-    serving: dict[Literal["decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k"], float] = {}
+    # online (split.py); mixed_floor (ms) replaces the mixed model's floor h' (calibrate.mixed_floor says why)
+    serving: dict[Literal["decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k",
+                          "mixed_floor"], float] = {}
     # the host's share of a step (host.py), fitted from a calibration replay; None: the prior
     host: dict[Literal["step_ms", "per_row_us", "launch_ms", "per_layer_ms"], float] | None = None
     # the longest prompt measured: its new tokens, its new + reused tokens; past it the predictor
@@ -121,8 +124,9 @@ class ProfileFile(_Model):
         for phase, factor in factors.items():
             lo, hi = serving_range(phase)
             if not lo <= factor <= hi:
-                raise ValueError(f"{phase} factor {factor} is outside {lo:g}..{hi:g} "
-                                 "(serving time / profiled time)")
+                floor = phase == "mixed_floor"
+                raise ValueError(f"{phase} {'floor' if floor else 'factor'} {factor} is outside {lo:g}..{hi:g} "
+                                 f"({'ms' if floor else 'serving time / profiled time'})")
         return factors
 
     @field_validator("prefill", "decode")
@@ -177,13 +181,19 @@ class ProfileFile(_Model):
             raise ValueError(f"{len(coefficients)} coefficients; expected 6")
         return coefficients
 
+    def _mixed(self) -> tuple[float, ...] | None:
+        """The mixed model's coefficients, its floor the one measured while serving where there is one."""
+        if not self.mixed:
+            return None
+        return (*self.mixed[:5], self.serving.get("mixed_floor", self.mixed[5]))
+
     def predictor(self, num_layers: int, source: str, prior: LatencyModel | None = None) -> Predictor:
         """The profile's predictor; `prior` (the roofline model of this model on this GPU) takes over the scaling of
         prefills past the measured range."""
         measured = MeasuredRange.from_dict(self.measured) if self.measured else None
         solo = SoloModel({int(k): tuple(v) for k, v in self.prefill.items()},
                          {int(k): tuple(v) for k, v in self.decode.items()},
-                         tuple(self.mixed) if self.mixed else None,
+                         self._mixed(),
                          DecodePlan.from_dict(self.decode_plan) if self.decode_plan else None,
                          GemmTable.from_dict(self.gemm) if self.gemm else None,
                          PrefillPlan.from_dict(self.prefill_plan) if self.prefill_plan else None,

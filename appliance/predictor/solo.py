@@ -157,14 +157,21 @@ class SoloModel:
             return self.decode_ms(load, sms)
         n2, nr, n = prefill_features(items)
         if self.mixed is not None:
-            a, b, c, e, d, h = self.mixed
-            return max(h, a * n2 + b * nr + c * (n + load.batch_size) + e * load.reused_tokens + d)
+            return max(self.mixed[5], self.mixed_gpu_ms(items, load))
         (a, b, c, d, h, q, w), scale, key = self._prefill(sms)
         (e, _, g, *_k), dscale, _ = self._partition("decode", sms)
         rows = int(n) + load.batch_size
         gpu = (scale * (a * n2 + b * nr + c * rows + max(d, g) + self._kernels(q, w, items, rows, key))
                + dscale * e * load.reused_tokens)
         return max(gpu, scale * h)
+
+    def mixed_gpu_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
+        """The measured mixed model without its host floor h' (0 without a measured mixed model)."""
+        if self.mixed is None or not items:
+            return 0.0
+        a, b, c, e, d, _h = self.mixed
+        n2, nr, n = prefill_features(items)
+        return a * n2 + b * nr + c * (n + load.batch_size) + e * load.reused_tokens + d
 
     @property
     def partitions(self) -> list[int]:

@@ -14,6 +14,8 @@ import dataclasses
 import logging
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from appliance.bench.client import ReplayResult, replay_in_process
 from appliance.bench.prompts import PromptSynth
 from appliance.config import SchedulerSettings
@@ -37,30 +39,70 @@ MIN_STEPS = 20  # a phase with fewer logged steps gets no factor
 def serving_factors(steps: Iterable[dict[str, Any]], predictor: Predictor,
                     prefills: Iterable[dict[str, Any]] = ()) -> dict[str, float]:
     """Total measured time over total predicted time, per phase, of a step log's decode steps that ran alone
-    ("decode") and its mixed steps ("prefill": a prompt chunk with decode rows, on all SMs). A step is a dict with
-    launch_ms, mixed, decode (batch size), ctx (the batch's cached tokens) and, for mixed steps, items ([new,
-    reused] per chunk) or prefill_tokens (then counted as new tokens without reuse). `prefills` (a StepLog's
+    ("decode") and its mixed steps ("prefill": a prompt chunk with decode rows, on all SMs, against the floor the
+    steps show: mixed_floor). A step is a dict with launch_ms, mixed, decode (batch size), ctx (the batch's cached
+    tokens) and, for mixed steps, items ([new, reused] per chunk) or prefill_tokens (then counted as new tokens
+    without reuse); a step's measured time is its wall time, or its device time (device_ms) where that is longer
+    (the overlapped loop times a step from the tokens before it, and a step that ran mostly while the host waited
+    for those reads shorter than the device ran it). `prefills` (a StepLog's
     prefill launches: ms, prefill_sms, layers, items) give the partition prefill's factors (`split_factors`)."""
+    steps = list(steps)
+    floor = mixed_floor(steps, predictor)
     sums = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}
     for s in steps:
         if "launch_ms" not in s or "ctx" not in s or not s.get("decode"):
             continue
         load = DecodeLoad(int(s["decode"]), int(s["ctx"]))
         if s.get("mixed"):
-            items = [PrefillItem(int(n), int(r)) for n, r in s["items"]] if s.get("items") else \
-                [PrefillItem(int(s["prefill_tokens"]), 0)]
-            phase, predicted = "prefill", predictor.mixed_ms(items, load)
+            items = _mixed_items(s)
+            predicted = predictor.mixed_ms(items, load) if not floor else \
+                max(floor["mixed_floor"], predictor.latency.mixed_gpu_ms(items, load)) * predictor.mixed.factor(items)
+            phase = "prefill"
         elif not s.get("beside") and not s.get("layers"):
             phase, predicted = "decode", predictor.decode_ms(load)
         else:
             continue  # decode beside prefill: the contention guard's business
         if predicted > 0:
             acc = sums[phase]
-            acc[0] += float(s["launch_ms"])
+            acc[0] += max(float(s["launch_ms"]), float(s.get("device_ms") or 0.0))
             acc[1] += predicted
             acc[2] += 1
     factors = {phase: measured / predicted for phase, (measured, predicted, n) in sums.items() if n >= MIN_STEPS}
-    return {**factors, **split_factors(prefills, predictor), **temporal_prefill_factor(steps, predictor)}
+    return {**factors, **floor, **split_factors(prefills, predictor), **temporal_prefill_factor(steps, predictor)}
+
+
+def _mixed_items(step: dict[str, Any]) -> list[PrefillItem]:
+    return [PrefillItem(int(n), int(r)) for n, r in step["items"]] if step.get("items") else \
+        [PrefillItem(int(step["prefill_tokens"]), 0)]
+
+
+def mixed_floor(steps: Sequence[dict[str, Any]], predictor: Predictor) -> dict[str, float]:
+    """The floor of a mixed step while serving ("mixed_floor", ms), where the profile measured a mixed model. The
+    profiler times a mixed step from its launch to its tokens with nothing queued before it, so a short chunk reads
+    the host's time to launch its layers, in whatever phase the host was (one H200's profiles: 11 and 25 ms for 128
+    tokens); served by the overlapped loop, a step is launched while the one before runs, and a short chunk takes
+    about its device time (5-15 ms for 76-600 tokens on that H200). The floor is chosen among none, the profile's
+    and the measured times (over the model's scale) of the steps under the profile's floor, as the one whose figures,
+    scaled by their total-time factor, come nearest each step's device time (its wall time where the log has no
+    device time), in mean relative error. serving_factors measures the mixed steps' factor against it."""
+    latency = predictor.latency
+    if getattr(latency, "mixed", None) is None:
+        return {}
+    rows = [(float(s["device_ms"] if s.get("device_ms") is not None else s["launch_ms"]),
+             latency.mixed_gpu_ms(_mixed_items(s), DecodeLoad(int(s["decode"]), int(s["ctx"]))))
+            for s in steps if s.get("mixed") and s.get("decode") and "ctx" in s and "launch_ms" in s]
+    if len(rows) < MIN_STEPS:
+        return {}
+    measured, gpu = (np.array(v) for v in zip(*rows))
+    profiled = float(latency.mixed[5])
+    scale = measured.sum() / gpu.sum()  # measured times over the model's: a floor is a measured time over it
+    candidates = sorted({0.0, profiled, *(measured[gpu < profiled] / scale).round(2)})
+
+    def error(floor: float) -> float:
+        predicted = np.maximum(floor, gpu)
+        return float(np.mean(np.abs(predicted * measured.sum() / predicted.sum() - measured) / measured))
+
+    return {"mixed_floor": min(candidates, key=error)}
 
 
 def temporal_prefill_factor(steps: Iterable[dict[str, Any]], predictor: Predictor) -> dict[str, float]:

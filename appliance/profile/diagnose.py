@@ -7,6 +7,7 @@ them in a copy); from step and prefill logs alone it only calibrates.
 from __future__ import annotations
 
 import cProfile
+import gzip
 import io
 import json
 import pstats
@@ -219,7 +220,11 @@ def calibrate(args: DiagnoseOptions, steps: list[dict], prefills: list[dict], se
 
 
 def _read_json(path: str, flag: str) -> Any:
+    """A JSON file, gzip-compressed where its name ends in .gz."""
     try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rt") as f:
+                return json.load(f)
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{flag} {path}: cannot read it as JSON ({exc})") from None

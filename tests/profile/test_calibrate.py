@@ -3,6 +3,7 @@
 back into the clock."""
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from appliance.predictor.profile import read_profile, save_profile
 from appliance.predictor.roofline import DEVICES
 from appliance.predictor.shapes import DecodeLoad, PrefillItem
 from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
-from appliance.profile.calibrate import MIN_STEPS, full_prefill_factor, serving_factors
+from appliance.profile.calibrate import MIN_STEPS, full_prefill_factor, mixed_floor, serving_factors
 from appliance.slo.contract import default_contract
 from appliance.workload.metrics import RequestTimeline
 
@@ -54,6 +55,39 @@ def test_factors_are_measured_over_predicted_time_per_phase(profile):
     factors = serving_factors(steps, p, launches)
     assert factors["prefill_split"] == pytest.approx(1.4) and factors["prefill"] == pytest.approx(1.25)
     assert "prefill_full" not in factors
+
+
+def test_a_mixed_step_takes_the_floor_it_shows_while_serving_not_the_profiled_one(profile):
+    """The profiler reads a short mixed step's host launch time (its floor h'); served by the overlapped loop, short
+    chunks take their device time. The floor is refitted from the served steps (none where they show none, the
+    measured one where they do), the mixed steps' factor is measured against it, and the profile keeps both: its
+    predictor plans with the served floor."""
+    floored = profile.model_copy(update={"mixed": [1e-6, 1e-6, 0.02, 1e-4, 5.0, 25.0]})
+    p = floored.predictor(MODEL.num_layers, "profile")
+    loads = [(PrefillItem(64 * (1 + i), 256 * i), DecodeLoad(1 + i % 4, 2000 * (1 + i % 4))) for i in range(40)]
+    gpu = [p.latency.mixed_gpu_ms([item], load) for item, load in loads]
+    assert min(gpu) < 10 and max(gpu) > 40  # half the steps under the profile's floor of 25 ms
+
+    def steps(device) -> list[dict]:
+        # a step's wall in the overlapped loop may fall short of its device time (timed from the tokens before it)
+        return [{"launch_ms": (0.5 if i % 2 else 1.1) * ms, "device_ms": ms, "mixed": True, "decode": load.batch_size,
+                 "ctx": load.reused_tokens, "items": [[item.new, item.reused]]}
+                for i, ((item, load), ms) in enumerate(zip(loads, device))]
+
+    none = steps([0.9 * g for g in gpu])  # no floor: every step 0.9 of the model's time
+    assert mixed_floor(none, p) == {"mixed_floor": 0.0}
+    factors = serving_factors(none, p)
+    assert factors["mixed_floor"] == 0.0 and factors["prefill"] == pytest.approx(
+        sum((1.0 if i % 2 else 1.1) * 0.9 * g for i, g in enumerate(gpu)) / sum(gpu))
+    shown = steps([max(12.0, 0.9 * g) for g in gpu])  # a floor of 12 ms
+    floor = mixed_floor(shown, p)["mixed_floor"]
+    assert 12.0 / 0.9 * 0.9 < floor < 12.0 / 0.9 * 1.1
+    assert mixed_floor(none[:MIN_STEPS - 1], p) == {} and mixed_floor(none, profile.predictor(32, "profile")) == {}
+    kept = floored.model_copy(update={"serving": {"mixed_floor": 0.0}}).predictor(MODEL.num_layers, "profile")
+    item, load = loads[0]
+    assert kept.mixed_ms([item], load) == pytest.approx(gpu[0]) and p.mixed_ms([item], load) == 25.0
+    with pytest.raises(ValueError, match="mixed_floor floor -1.0 is outside 0..1000"):
+        type(floored).model_validate({**floored.model_dump(), "serving": {"mixed_floor": -1.0}})
 
 
 def test_prefill_on_all_sms_is_measured_from_temporal_steps_after_decode(profile):
@@ -210,10 +244,12 @@ def test_serving_factors_from_the_step_log_a_replay_result_holds(profile, tmp_pa
     p = read_profile(src).predictor(MODEL.num_layers, "profile")
     steps = [{"launch_ms": 1.3 * p.decode_ms(DecodeLoad(1 + i, 1000 * (1 + i))), "mixed": False, "decode": 1 + i,
               "ctx": 1000 * (1 + i), "layers": 0} for i in range(MIN_STEPS)]
-    listed, result = tmp_path / "steps.json", tmp_path / "result.json"
+    listed, result, packed = tmp_path / "steps.json", tmp_path / "result.json", tmp_path / "result.json.gz"
     listed.write_text(json.dumps(steps))
     result.write_text(json.dumps({"policy": "mux", "steps": steps, "prefills": []}))
-    for path in (listed, result):
+    with gzip.open(packed, "wt") as f:  # a compressed log reads as well
+        json.dump({"policy": "mux", "steps": steps, "prefills": []}, f)
+    for path in (listed, result, packed):
         out = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(src), "--from-steps", str(path)])
         assert out.exit_code == 0 and "decode 1.3" in out.output, out.output
     other = tmp_path / "other.json"
