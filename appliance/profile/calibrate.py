@@ -82,7 +82,7 @@ def mixed_floor(steps: Sequence[dict[str, Any]], predictor: Predictor) -> dict[s
     the host's time to launch its layers, in whatever phase the host was (one H200's profiles: 11 and 25 ms for 128
     tokens); served by the overlapped loop, a step is launched while the one before runs, and a short chunk takes
     about its device time (5-15 ms for 76-600 tokens on that H200). The floor is chosen among none, the profile's
-    and the measured times (over the model's scale) of the steps under the profile's floor, as the one whose figures,
+    and the measured times (over the model's scale) of the shorter half of the steps, as the one whose figures,
     scaled by their total-time factor, come nearest each step's device time (its wall time where the log has no
     device time), in mean relative error. serving_factors measures the mixed steps' factor against it."""
     latency = predictor.latency
@@ -96,7 +96,9 @@ def mixed_floor(steps: Sequence[dict[str, Any]], predictor: Predictor) -> dict[s
     measured, gpu = (np.array(v) for v in zip(*rows))
     profiled = float(latency.mixed[5])
     scale = measured.sum() / gpu.sum()  # measured times over the model's: a floor is a measured time over it
-    candidates = sorted({0.0, profiled, *(measured[gpu < profiled] / scale).round(2)})
+    # a floor shows in the shorter steps: their times (the model's scale taken out) are the candidates, with none
+    # and the profile's (itself perhaps a floor fitted so before)
+    candidates = sorted({0.0, profiled, *(measured[gpu <= np.median(gpu)] / scale).round(2)})
 
     def error(floor: float) -> float:
         predicted = np.maximum(floor, gpu)

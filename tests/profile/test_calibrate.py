@@ -83,6 +83,9 @@ def test_a_mixed_step_takes_the_floor_it_shows_while_serving_not_the_profiled_on
     floor = mixed_floor(shown, p)["mixed_floor"]
     assert 12.0 / 0.9 * 0.9 < floor < 12.0 / 0.9 * 1.1
     assert mixed_floor(none[:MIN_STEPS - 1], p) == {} and mixed_floor(none, profile.predictor(32, "profile")) == {}
+    # a profile whose floor was fitted away finds it again where the steps show one
+    unfloored = floored.model_copy(update={"serving": {"mixed_floor": 0.0}}).predictor(MODEL.num_layers, "profile")
+    assert mixed_floor(shown, unfloored)["mixed_floor"] == pytest.approx(floor, rel=0.05)
     kept = floored.model_copy(update={"serving": {"mixed_floor": 0.0}}).predictor(MODEL.num_layers, "profile")
     item, load = loads[0]
     assert kept.mixed_ms([item], load) == pytest.approx(gpu[0]) and p.mixed_ms([item], load) == 25.0
