@@ -87,7 +87,8 @@ def diagnose_command(bench_app: typer.Typer) -> None:
                                                        "--from-prefills)."),
         workload: Optional[str] = typer.Option(None, help="A synthetic workload instead of a trace: chat-short "
                                                           "(prompts lognormal, median 1,000 tokens; outputs 250)."),
-        model: str = typer.Option("configs/models/llama-3.1-8b", help="Model directory (dummy weights)."),
+        model: str = typer.Option("configs/models/llama-3.1-8b", help="Model directory (dummy weights), or "
+                                  "'embedded' for the model shipped inside muxd."),
         num_requests: int = typer.Option(80, "-n", "--num-requests", help="Requests of the trace to replay."),
         skip: int = typer.Option(0, help="Leave out the trace's first SKIP requests."),
         max_idle: Optional[float] = typer.Option(None, help="Cut idle waits to this many seconds."),

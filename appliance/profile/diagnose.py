@@ -12,6 +12,7 @@ import io
 import json
 import pstats
 import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from appliance.bench.client import replay_in_process
 from appliance.bench.prompts import PromptSynth
 from appliance.bench.launcher import parse_serve_args as serve_flags
+from appliance.config import EMBEDDED_MODEL_DIR
 from appliance.config_flags import parse_serve_args
 from appliance.engine.factory import build_engine
 from appliance.engine.steplog import StepLog
@@ -87,7 +89,8 @@ def diagnose(args: DiagnoseOptions) -> None:
         specs = wl.retime(specs, rate=args.rate)
     specs, _ = wl.clip_to_context(specs, args.max_model_len - 1)
     cuda = args.device.startswith("cuda")
-    model = load_model(args.model, device=args.device, load_format="dummy", dtype=None if cuda else "float32")
+    model = load_model(EMBEDDED_MODEL_DIR if args.model == "embedded" else args.model, device=args.device,
+                       load_format="dummy", dtype=None if cuda else "float32")
     synth = PromptSynth(vocab_size=model.config.vocab_size)
     prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
     settings = dict(policy=args.policy, slo=args.slo, profile=args.profile, max_model_len=args.max_model_len,
@@ -99,7 +102,9 @@ def diagnose(args: DiagnoseOptions) -> None:
     steps = log.steps
 
     profiler = _profile_steps(engine) if args.host_profile else None
+    loop_cpu = time.thread_time()  # the replay's event loop runs in this thread, the engine in its own
     result = replay_in_process(engine, specs, prompts, max_idle=args.max_idle)
+    loop_cpu = time.thread_time() - loop_cpu
     summary = summarize(result.timelines, result.duration)
     engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
     (out / f"steps-{args.policy}.json").write_text(json.dumps(steps))
@@ -136,6 +141,10 @@ def diagnose(args: DiagnoseOptions) -> None:
     elif stats is not None:
         print("  planner", {k: v for k, v in vars(stats).items() if k != "decode_sms"})
     print(f"  switches {engine.executor.switches}, layers launched {engine.executor.layers_launched}")
+    streamed = sum(len(t.token_times) for t in result.timelines)
+    if streamed and result.duration > 0:  # interpreter time the engine thread's launches may wait behind
+        print(f"  event loop (replay and streams): {loop_cpu:.2f} s of CPU in {result.duration:.1f} s "
+              f"({loop_cpu / result.duration:.0%}), {loop_cpu / streamed * 1e6:.0f} us a streamed token")
     _launch_host(steps)
     for kind, key in (("mixed", "mixed"), ("decode beside prefill", "beside"), ("decode alone", None)):
         rows = [s for s in steps if "pred_ms" in s and (s["mixed"] if key == "mixed" else

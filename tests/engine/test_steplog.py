@@ -50,6 +50,7 @@ def test_the_diagnosis_script_replays_a_trace_slice_and_reports(llama_checkpoint
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "mux: 6 requests at 20.0 req/s" in out and "plan_ms" in out and "'mixed': {'flat'" in out
+    assert "event loop (replay and streams)" in out and "us a streamed token" in out
     assert (tmp_path / "steps-mux.json").is_file() and (tmp_path / "requests-mux.json").is_file()
     # the engine thread's profile: the executor's prefill launches are in it, and the stats file reads back
     assert "host profile" in out and "_launch_prefill" in out
