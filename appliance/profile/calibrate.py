@@ -91,6 +91,7 @@ def mixed_floor(steps: Sequence[dict[str, Any]], predictor: Predictor) -> dict[s
     rows = [(float(s["device_ms"] if s.get("device_ms") is not None else s["launch_ms"]),
              latency.mixed_gpu_ms(_mixed_items(s), DecodeLoad(int(s["decode"]), int(s["ctx"]))))
             for s in steps if s.get("mixed") and s.get("decode") and "ctx" in s and "launch_ms" in s]
+    rows = [(ms, gpu) for ms, gpu in rows if ms > 0 and gpu > 0]
     if len(rows) < MIN_STEPS:
         return {}
     measured, gpu = (np.array(v) for v in zip(*rows))
