@@ -44,8 +44,8 @@ def serving_factors(steps: Iterable[dict[str, Any]], predictor: Predictor,
     tokens) and, for mixed steps, items ([new, reused] per chunk) or prefill_tokens (then counted as new tokens
     without reuse); a step's measured time is its wall time, or its device time (device_ms) where that is longer
     (the overlapped loop times a step from the tokens before it, and a step that ran mostly while the host waited
-    for those reads shorter than the device ran it). `prefills` (a StepLog's
-    prefill launches: ms, prefill_sms, layers, items) give the partition prefill's factors (`split_factors`)."""
+    for those reads shorter than the device ran it). `prefills` (a StepLog's prefill launches: ms, prefill_sms,
+    layers, items) give the partition prefill's factors (`split_factors`)."""
     steps = list(steps)
     floor = mixed_floor(steps, predictor)
     sums = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}

@@ -21,7 +21,7 @@ from appliance.engine.planners.registry import tune_chunk_budget
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.catalog import BUNDLED, cache_profile, find_profile
-from appliance.predictor.profile import load_predictor
+from appliance.predictor.profile import load_predictor, serving_range
 from appliance.profile.calibrate import calibrate_serving, serving_factors
 from appliance.profile.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.profile.profiler import (
@@ -154,14 +154,16 @@ def test_calibration_replays_under_chunked_and_measures_serving_against_the_prof
     factors, steps, prefills = calibrate_serving(engine, [(specs, 400.0), (longer, 100.0)], predictor)
     assert engine.scheduler.planner is planner and engine.scheduler.schedule == schedule  # all put back
     assert not engine.scheduler.requests and engine.pool.num_free_pages == engine.pool.num_pages
-    assert set(factors) <= {"decode", "prefill", "prefill_full"} and "decode" in factors  # over MIN_STEPS steps
+    # over MIN_STEPS steps; the mixed steps' floor where the profile fitted a mixed model (it depends on the timings)
+    assert set(factors) <= {"decode", "prefill", "prefill_full", "mixed_floor"} and "decode" in factors
     assert any(s.get("mixed") and "pred_ms" in s for s in steps)  # it ran chunked prefill, predicted step by step
     assert max(n + r for s in steps for n, r in s.get("items", ())) > 100  # both workloads' steps are in the fit
     # the replays ran with the prefix cache on, as the server does (their computed pages were cached), and the
     # profiler's engine caches nothing again after them
     assert engine.pool.num_cached_pages > 0 and not engine.pool.enable_prefix_caching
     chunked = {k: v for k, v in factors.items() if k != "prefill_full"}
-    assert chunked == pytest.approx({k: v for k, v in serving_factors(steps, predictor).items() if 0.5 <= v <= 5.0})
+    assert chunked == pytest.approx({k: v for k, v in serving_factors(steps, predictor).items()
+                                     if serving_range(k)[0] <= v <= serving_range(k)[1]})
 
 
 def test_an_interrupted_run_resumes_with_the_missing_points_only(timer, tmp_path):
@@ -269,7 +271,8 @@ def test_chunked_without_a_budget_is_tuned_from_the_profile(timer, llama_checkpo
     predictor = load_predictor(out, engine.model.config, "cpu")
     budget = engine.scheduler.planner.token_budget
     assert budget == tune_chunk_budget(predictor, engine.contract.slo_for(None).tbt_ms, hi=8192, host=predictor.host)
-    assert 16 <= budget < 8192 and f"a budget of {budget} tokens" in caplog.text
+    # (a fast CPU may fit every budget up to the largest within the target: the tuning is the line above)
+    assert 16 <= budget <= 8192 and f"a budget of {budget} tokens" in caplog.text
 
 
 def test_refit_fits_a_committed_gpu_log_again_with_the_decode_kernels_waves(tmp_path):
