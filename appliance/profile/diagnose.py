@@ -135,6 +135,9 @@ def diagnose(args: DiagnoseOptions) -> None:
         wall, dev = (statistics.fmean(s[k] for s in timed) for k in ("launch_ms", "device_ms"))
         print(f"  decode steps: {len(timed)}, mean wall {wall:.2f} ms, mean device {dev:.2f} ms "
               f"(wall / device {wall / dev:.3f}; overlapped {sum(bool(s.get('overlapped')) for s in timed)})")
+        for (lo, hi), (n, wall, dev, launch) in decode_by_batch(timed).items():
+            print(f"    batch {lo}-{hi}: {n} steps, mean wall {wall:.2f} ms, mean device {dev:.2f} ms "
+                  f"(wall / device {wall / dev:.3f}), launch's host time {launch:.2f} ms at the median")
     snapshot = engine.scheduler.planner.snapshot()
     if snapshot is not None:
         print("  planner", snapshot)
@@ -164,6 +167,26 @@ def diagnose(args: DiagnoseOptions) -> None:
         calibrate(args, steps, log.prefills, result.timelines if args.policy == "serial" else ())
     if profiler is not None:
         _report_profile(profiler, out / f"host-profile-{args.policy}.pstats")
+
+
+DECODE_BATCH_BINS = (1, 8, 32, 128)  # decode batch sizes: where the bins of `decode_by_batch` start
+
+
+def decode_by_batch(steps: list[dict]) -> dict[tuple[int, int], tuple[int, float, float, float]]:
+    """Decode steps timed on the device, by batch size (DECODE_BATCH_BINS; the last bin open): {(first, last batch
+    size): (steps, mean wall ms, mean device ms, median host time of the launch)}. A wall above the device time
+    in the big batches only says the host, not the GPU, sets their pace."""
+    bins: dict[tuple[int, int], list[dict]] = {}
+    edges = (*DECODE_BATCH_BINS, None)
+    for s in steps:
+        for lo, nxt in zip(edges, edges[1:]):
+            if s["decode"] >= lo and (nxt is None or s["decode"] < nxt):
+                bins.setdefault((lo, nxt - 1 if nxt else max(t["decode"] for t in steps)), []).append(s)
+                break
+    return {key: (len(rows), statistics.fmean(r["launch_ms"] for r in rows),
+                  statistics.fmean(r["device_ms"] for r in rows),
+                  statistics.median(r.get("host_launch_ms") or 0.0 for r in rows))
+            for key, rows in sorted(bins.items())}
 
 
 def _launch_host(steps: list[dict]) -> None:

@@ -135,3 +135,18 @@ def test_a_prefill_launch_is_logged_with_the_decode_that_ran_beside_it():
     (row,) = log.prefills
     assert row["decode_beside"] == {"steps": 2, "batch": 10.0, "ctx": 1200.0}
     assert row["ms"] == 12.5 and row["items"] == [[256, 0]] and row["beside"]
+
+
+def test_decode_steps_are_broken_down_by_batch_size():
+    """`muxd bench diagnose`'s table of decode steps timed on the device: wall, device and the launch's host time
+    per batch-size bin (big batches whose wall runs over their device time are host-bound)."""
+    from appliance.profile.diagnose import decode_by_batch
+
+    steps = [{"decode": b, "launch_ms": w, "device_ms": d, "host_launch_ms": h}
+             for b, w, d, h in [(1, 5.0, 5.0, 0.8), (3, 6.0, 5.0, 1.0), (40, 11.0, 9.0, 2.0), (60, 13.0, 9.0, 2.2),
+                                (150, 20.0, 19.0, 3.0)]]
+    table = decode_by_batch(steps)
+    assert list(table) == [(1, 7), (32, 127), (128, 150)]
+    assert table[(1, 7)] == (2, 5.5, 5.0, 0.9)
+    assert table[(32, 127)] == (2, 12.0, 9.0, 2.1)
+    assert table[(128, 150)] == (1, 20.0, 19.0, 3.0)
