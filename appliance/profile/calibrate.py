@@ -48,16 +48,17 @@ def serving_factors(steps: Iterable[dict[str, Any]], predictor: Predictor,
     layers, items) give the partition prefill's factors (`split_factors`)."""
     steps = list(steps)
     floor = mixed_floor(steps, predictor)
+    if floor:  # the mixed steps' factor is measured against the floor they showed
+        latency = predictor.latency
+        predictor = dataclasses.replace(predictor, latency=dataclasses.replace(
+            latency, mixed=(*latency.mixed[:5], floor["mixed_floor"])))
     sums = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}
     for s in steps:
         if "launch_ms" not in s or "ctx" not in s or not s.get("decode"):
             continue
         load = DecodeLoad(int(s["decode"]), int(s["ctx"]))
         if s.get("mixed"):
-            items = _mixed_items(s)
-            predicted = predictor.mixed_ms(items, load) if not floor else \
-                max(floor["mixed_floor"], predictor.latency.mixed_gpu_ms(items, load)) * predictor.mixed.factor(items)
-            phase = "prefill"
+            phase, predicted = "prefill", predictor.mixed_ms(_mixed_items(s), load)
         elif not s.get("beside") and not s.get("layers"):
             phase, predicted = "decode", predictor.decode_ms(load)
         else:

@@ -6,6 +6,7 @@ them in a copy); from step and prefill logs alone it only calibrates.
 """
 from __future__ import annotations
 
+import bisect
 import cProfile
 import gzip
 import io
@@ -177,12 +178,12 @@ def decode_by_batch(steps: list[dict]) -> dict[tuple[int, int], tuple[int, float
     size): (steps, mean wall ms, mean device ms, median host time of the launch)}. A wall above the device time
     in the big batches only says the host, not the GPU, sets their pace."""
     bins: dict[tuple[int, int], list[dict]] = {}
-    edges = (*DECODE_BATCH_BINS, None)
+    top = max((s["decode"] for s in steps), default=0)
+    ends = [b - 1 for b in DECODE_BATCH_BINS[1:]] + [top]
     for s in steps:
-        for lo, nxt in zip(edges, edges[1:]):
-            if s["decode"] >= lo and (nxt is None or s["decode"] < nxt):
-                bins.setdefault((lo, nxt - 1 if nxt else max(t["decode"] for t in steps)), []).append(s)
-                break
+        i = bisect.bisect_right(DECODE_BATCH_BINS, s["decode"]) - 1
+        if i >= 0:
+            bins.setdefault((DECODE_BATCH_BINS[i], ends[i]), []).append(s)
     return {key: (len(rows), statistics.fmean(r["launch_ms"] for r in rows),
                   statistics.fmean(r["device_ms"] for r in rows),
                   statistics.median(r.get("host_launch_ms") or 0.0 for r in rows))
