@@ -30,6 +30,8 @@ EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
 POLICIES = ("mux", "chunked", "serial", "layerwise", "pdmux")  # engine/planners/registry.py builds each
 POLICY_CHOICES = ("auto", *POLICIES)  # auto: mux on a CUDA GPU, serial on a CPU
+DEFAULT_GRAPH_ROWS = 512  # prefill launches replaying piecewise graphs, at most (--prefill-graph-rows)
+CHUNKED_GRAPH_ROWS = 2048  # the same for chunked prefill's mixed steps (one set of graphs, no partitions)
 SPATIAL_POLICIES = ("mux", "layerwise", "pdmux")  # the policies that run prefill and decode on disjoint SM partitions
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/tools.py reads each
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -229,9 +231,10 @@ class RuntimeSettings:
                             "debugging.")
     max_graph_batch: Optional[int] = flag(None, "Largest decode batch captured as a CUDA graph (default: "
                                           "min(--max-num-seqs, 256)).")
-    prefill_graph_rows: int = flag(512, "Prefill launches and chunked prefill's mixed steps of up to this many "
-                                   "tokens replay piecewise CUDA graphs (attention eager between them, as in vLLM); "
-                                   "0: off.")
+    prefill_graph_rows: Optional[int] = flag(None, "Prefill launches and mixed steps of up to this many tokens "
+                                             "replay piecewise CUDA graphs (attention eager between them, as in "
+                                             "vLLM); 0: off. Default: 512; for --policy chunked its step's budget "
+                                             "up to 2048, so that every mixed step replays them.")
     multiplex: Optional[bool] = flag(None, "Run prefill and decode at once on disjoint SM partitions (default: on "
                                      "with CUDA for the mux and layerwise policies).")
     async_scheduling: bool = flag(True, "Overlap the engine's host work with the device: plan and launch each step "
@@ -246,7 +249,7 @@ class RuntimeSettings:
         if self.attention_backend not in BACKEND_NAMES:
             raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
                               f"got {self.attention_backend!r}")
-        if self.prefill_graph_rows < 0:
+        if self.prefill_graph_rows is not None and self.prefill_graph_rows < 0:
             raise ConfigError(f"--prefill-graph-rows must be >= 0 (0: no prefill graphs), got "
                               f"{self.prefill_graph_rows}")
         at_least(self, 1, "max_graph_batch")
@@ -360,6 +363,18 @@ class Config:
             g = _FIELD_GROUP[name]
             groups[g] = dataclasses.replace(groups[g], **{name: str(value) if isinstance(value, Path) else value})
         return Config(**groups)
+
+    @property
+    def prefill_graph_rows(self) -> int:
+        """--prefill-graph-rows, else the policy's default: chunked's mixed steps (its whole budget, at most
+        CHUNKED_GRAPH_ROWS) cost the host 3-4x as much launched eagerly as replayed; other policies launch prefill
+        over more rows than graphs are worth capturing for on every SM partition (DEFAULT_GRAPH_ROWS)."""
+        rows = self.runtime.prefill_graph_rows
+        if rows is not None:
+            return rows
+        if self.scheduler.policy == "chunked":
+            return min(CHUNKED_GRAPH_ROWS, self.scheduler.tuned_chunk_budget or CHUNKED_GRAPH_ROWS)
+        return DEFAULT_GRAPH_ROWS
 
     def resolved_dtype(self) -> str | None:
         """None keeps the checkpoint's dtype (GPU default); the CPU default is float32, which CPUs run fastest."""

@@ -5,7 +5,8 @@ step shows beyond its device time (wall minus the graph replay alone), with the 
 and, with `sync_rows`, synchronous for comparison.
 
 Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
-prefill of its whole batch. With tensor parallelism (`-tp N`) every row runs through the executor, which every rank
+prefill of its whole batch. A prefill row runs through the executor, as served: up to --prefill-graph-rows tokens
+it replays the piecewise graphs (its note says so). With tensor parallelism (`-tp N`) every row runs through the executor, which every rank
 follows, and the floors are one rank's (its share of the weights and KV on its GPU).
 """
 from __future__ import annotations
@@ -185,15 +186,14 @@ class EngineBench:
                 times.append(time.perf_counter() - start)
         finally:
             engine.abort(r.request_id)
-        return Row("prefill", label, statistics.median(times) * 1e3, floor)
+        graphs = new <= engine.prefill_graph_rows  # (padded to a captured size, as a served launch is)
+        return Row("prefill", label, statistics.median(times) * 1e3, floor,
+                   note="piecewise graphs" if graphs else "")
 
 
 def _execute(engine: Engine, plan: StepPlan) -> None:
-    """Run a plan to its end: on the runner of one rank, through the executor (which the other ranks follow) of
-    several."""
-    if engine.model.config.tp_size == 1:
-        engine.runner.execute(plan, engine.scheduler.requests)
-        return
+    """Run a plan to its end through the executor, as the engine serves it (the other ranks follow it under tensor
+    parallelism): a prefill of up to --prefill-graph-rows tokens replays the piecewise graphs."""
     engine.executor.launch(plan, engine.scheduler.requests)
     while engine.executor.has_inflight():
         engine.executor.wait()

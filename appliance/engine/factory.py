@@ -191,7 +191,9 @@ class _Builder:
         if predictor is not None and executor.multiplexed:
             predictor.decode_partitions = [p.decode_sms for p in partitions.splits]
         graph_rows = self.graph_rows = self._prefill_graph_rows(executor.runner)
-        executor.pad_prefills(self._gemm_table(predictor, graph_rows), self.config.scheduler.max_num_batched_tokens,
+        # (chunked runs no prefill launch of its own: its mixed steps replay the graphs at their own sizes)
+        table = self._gemm_table(predictor, graph_rows) if self.config.scheduler.policy != "chunked" else None
+        executor.pad_prefills(table, self.config.scheduler.max_num_batched_tokens,
                               predictor.sm_count if predictor is not None else 0)
         if graph_rows:
             start = time.perf_counter()
@@ -249,7 +251,7 @@ class _Builder:
         graphs or a graph-capable attention backend; never above a step's prefill tokens)."""
         rt = self.config.runtime
         capable = rt.cuda_graph and self.cuda and runner.backend.supports_cuda_graph
-        return min(rt.prefill_graph_rows, self.config.scheduler.max_num_batched_tokens) if capable else 0
+        return min(self.config.prefill_graph_rows, self.config.scheduler.max_num_batched_tokens) if capable else 0
 
     def _gemm_table(self, predictor: Predictor | None, rows: int) -> GemmTable | None:
         """The profile's GEMM row buckets (None without), padding graph-sized launches within this engine's
@@ -287,7 +289,7 @@ class _Builder:
         graphs = self.max_graph_batch * mcfg.vocab_size * 4 + GRAPH_RESERVE_BYTES if cuda_graph else 0
         # prefill graphs: fixed buffers and a pool for one layer's activations at their largest size, taken as twice
         # the warm-up prefill's peak per token
-        rows = min(cfg.runtime.prefill_graph_rows, num_tokens) if cuda_graph else 0
+        rows = min(cfg.prefill_graph_rows, num_tokens) if cuda_graph else 0
         graphs += 2 * peak * rows // num_tokens
         # with SM partitions: graph sets and a prefill attention workspace per partition
         return peak + sampling + graphs * len(partitions.partitions) + PREFILL_WORKSPACE_BYTES * (

@@ -134,11 +134,17 @@ def diagnose(args: DiagnoseOptions) -> None:
     timed = [s for s in steps if s.get("device_ms") and s["decode"] and not s["mixed"] and "launch_ms" in s]
     if timed:  # (CUDA only) what the host adds to a decode step: none once the loop hides it behind the device
         wall, dev = (statistics.fmean(s[k] for s in timed) for k in ("launch_ms", "device_ms"))
+        own = statistics.fmean(s["device_ms"] + (s.get("after_ms") or 0.0) for s in timed)  # + a temporal step's
         print(f"  decode steps: {len(timed)}, mean wall {wall:.2f} ms, mean device {dev:.2f} ms "
-              f"(wall / device {wall / dev:.3f}; overlapped {sum(bool(s.get('overlapped')) for s in timed)})")
+              f"(wall / device {wall / dev:.3f}; {wall / own:.3f} counting a temporal step's prefill layers; "
+              f"overlapped {sum(bool(s.get('overlapped')) for s in timed)})")
         for (lo, hi), (n, wall, dev, launch) in decode_by_batch(timed).items():
             print(f"    batch {lo}-{hi}: {n} steps, mean wall {wall:.2f} ms, mean device {dev:.2f} ms "
                   f"(wall / device {wall / dev:.3f}), launch's host time {launch:.2f} ms at the median")
+        for kind, (n, wall, dev, launch) in decode_by_next(steps).items():
+            print(f"    before {kind}: {n} steps, mean wall {wall:.2f} ms, mean device {dev:.2f} ms with its own "
+                  f"prefill layers (wall / device {wall / dev:.3f}), the next launch's host time {launch:.2f} ms "
+                  "at the median")
     snapshot = engine.scheduler.planner.snapshot()
     if snapshot is not None:
         print("  planner", snapshot)
@@ -188,6 +194,23 @@ def decode_by_batch(steps: list[dict]) -> dict[tuple[int, int], tuple[int, float
                   statistics.fmean(r["device_ms"] for r in rows),
                   statistics.median(r.get("host_launch_ms") or 0.0 for r in rows))
             for key, rows in sorted(bins.items())}
+
+
+def decode_by_next(steps: list[dict]) -> dict[str, tuple[int, float, float, float]]:
+    """Decode steps timed on the device, by the step launched after them: {"a decode step" or "a prefill launch":
+    (steps, mean wall ms, mean device ms counting the step's own prefill layers after decode, median host time of
+    the next step's launch)}. In the overlapped loop a step's tokens are read once the next launch returns: before
+    a decode step a wall over the device time is the host falling behind; before a long prefill launch it is that
+    launch, the device busy meanwhile."""
+    bins: dict[str, list[tuple[dict, dict]]] = {}
+    for step, nxt in zip(steps, steps[1:]):
+        if step.get("device_ms") and step["decode"] and not step["mixed"] and "launch_ms" in step:
+            kind = "a prefill launch" if nxt["mixed"] or nxt.get("prefill_tokens") else "a decode step"
+            bins.setdefault(kind, []).append((step, nxt))
+    return {kind: (len(rows), statistics.fmean(s["launch_ms"] for s, _ in rows),
+                   statistics.fmean(s["device_ms"] + (s.get("after_ms") or 0.0) for s, _ in rows),
+                   statistics.median(n.get("host_launch_ms") or 0.0 for _, n in rows))
+            for kind, rows in sorted(bins.items())}
 
 
 def _launch_host(steps: list[dict]) -> None:

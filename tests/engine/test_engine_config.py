@@ -41,3 +41,24 @@ def test_bad_engine_config(llama_checkpoint, settings, message):
 def test_unknown_setting_is_named():
     with pytest.raises(ConfigError, match="unknown setting 'planer'"):
         Config.flat(planer="mux")
+
+
+@pytest.mark.parametrize("settings, rows", [
+    (dict(), 512),                                                   # auto (mux on a GPU), serial, layerwise, ...
+    (dict(policy="mux"), 512),
+    (dict(policy="chunked"), 2048),                                  # its budget: --max-num-batched-tokens (8192)
+    (dict(policy="chunked", chunk_budget=1024), 1024),               # every mixed step of the budget, no larger
+    (dict(policy="chunked", chunk_budget=4096), 2048),
+    (dict(policy="chunked", profile="some-profile.json"), 2048),     # the budget tuned at start-up: up to the cap
+    (dict(policy="chunked", chunk_budget=1024, prefill_graph_rows=256), 256),  # as told
+    (dict(policy="mux", prefill_graph_rows=0), 0),
+])
+def test_prefill_graph_rows_default_to_the_policys(settings, rows):
+    """Chunked prefill's mixed steps replay piecewise graphs up to its budget (capped): launched eagerly they cost
+    the host 3-4x as much; the other policies keep 512 rows unless told."""
+    assert Config.flat(**settings).prefill_graph_rows == rows
+
+
+def test_negative_prefill_graph_rows_is_refused():
+    with pytest.raises(ConfigError, match="--prefill-graph-rows must be >= 0"):
+        Config.flat(prefill_graph_rows=-1)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import appliance.engine.steplog as steplog
 from appliance.config import Config
 from appliance.engine.factory import build_engine
@@ -150,3 +152,23 @@ def test_decode_steps_are_broken_down_by_batch_size():
     assert table[(1, 7)] == (2, 5.5, 5.0, 0.9)
     assert table[(32, 127)] == (2, 12.0, 9.0, 2.1)
     assert table[(128, 150)] == (1, 20.0, 19.0, 3.0)
+
+
+def test_decode_steps_are_broken_down_by_the_step_after_them():
+    """Before a step that launches prefill, a decode step's tokens wait for that launch (the overlapped loop reads
+    them once it returns): the breakdown keeps those apart from decode steps followed by decode steps, and counts a
+    temporal step's own prefill layers with its device time."""
+    from appliance.profile.diagnose import decode_by_next
+
+    def step(decode, wall, device, host, prefill=0, mixed=False, after=None):
+        return {"decode": decode, "launch_ms": wall, "device_ms": device, "host_launch_ms": host,
+                "prefill_tokens": prefill, "mixed": mixed, "after_ms": after}
+
+    steps = [step(30, 8.0, 8.0, 2.0), step(30, 8.0, 8.0, 2.0), step(30, 30.0, 8.0, 2.0),
+             step(30, 25.0, 8.0, 20.0, prefill=900, after=16.0), step(30, 8.0, 8.0, 2.0),
+             step(30, 40.0, 35.0, 30.0, prefill=1000, mixed=True)]
+    table = decode_by_next(steps)
+    assert list(table) == ["a decode step", "a prefill launch"]
+    n, wall, device, host = table["a decode step"]   # (the mixed step is no decode step)
+    assert n == 3 and wall == pytest.approx(41.0 / 3) and device == pytest.approx(40.0 / 3) and host == 2.0
+    assert table["a prefill launch"] == (2, 19.0, 8.0, 25.0)  # read once the next launch returned

@@ -70,7 +70,8 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     factors, steps, prefills = calibrate_serving(prof_engine, [(specs, 200.0)], profile.predictor(prof_engine.model.config.num_layers, "profile"))
     assert "decode" in factors and any(s.get("mixed") for s in steps)
     assert any(s.get("mode") == "decode" for s in steps)  # the mux planner's steps (chunked leaves no mode)
-    assert set(factors) <= {"decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k"}
+    assert set(factors) <= {"decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k",
+                            "mixed_floor"}  # (the mixed steps' floor as served, where the replay fits one)
     assert "prefill_full" in factors  # mux's temporal steps or, too few of them, the serial replay
     assert all(r.get("ms") is not None and r["items"] and "decode_beside" in r for r in prefills)  # the split's data
     assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
