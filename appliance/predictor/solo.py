@@ -18,6 +18,8 @@ keeps coefficients non-negative; the floor is chosen among candidates by the sam
 A fit is good where it was measured. Past the largest prefill the profile measured (a short profile, or one made for
 a workload of shorter prompts), terms that shared the measured range diverge; there the model takes its time at the
 edge of that range and scales it as the roofline prior scales, and it never predicts a prefill slower on more SMs.
+A mixed step whose chunk attends over a cached prefix reaching past the range takes the mixed fit with the prefix cut
+to the range, plus what the prefill model adds for the rest of it.
 """
 from __future__ import annotations
 
@@ -166,12 +168,30 @@ class SoloModel:
         return max(gpu, scale * h)
 
     def mixed_gpu_ms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
-        """The measured mixed model without its host floor h' (0 without a measured mixed model)."""
+        """The measured mixed model without its host floor h' (0 without a measured mixed model). A chunk whose
+        cached prefix reaches past the profile's measured range costs the model's time with the prefix cut to the
+        range, plus what the prefill model (scaled past the range as the prior scales) adds for the rest of it:
+        a profile whose mixed steps all had short prefixes fits no attention term over them."""
         if self.mixed is None or not items:
             return 0.0
+        edge = self._mixed_edge(items)
+        ms = self._mixed_terms(edge, load)
+        if edge is not items:
+            full = self._keys["prefill"][-1]
+            ms += max(0.0, self.prefill_ms(items, full) - self.prefill_ms(edge, full))
+        return ms
+
+    def _mixed_terms(self, items: Sequence[PrefillItem], load: DecodeLoad) -> float:
         a, b, c, e, d, _h = self.mixed
         n2, nr, n = prefill_features(items)
         return a * n2 + b * nr + c * (n + load.batch_size) + e * load.reused_tokens + d
+
+    def _mixed_edge(self, items: Sequence[PrefillItem]) -> Sequence[PrefillItem]:
+        """The chunks with each cached prefix cut so that the chunk ends within the measured range (`items` itself
+        where all do, or where the profile records no range)."""
+        if self.measured is None or self.prior is None or all(i.new + i.reused <= self.measured.kv for i in items):
+            return items
+        return tuple(PrefillItem(i.new, max(0, min(i.reused, self.measured.kv - i.new))) for i in items)
 
     @property
     def partitions(self) -> list[int]:

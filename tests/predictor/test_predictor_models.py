@@ -124,6 +124,25 @@ def test_past_the_measured_range_the_prior_scales_the_edge(tmp_path):
         read_profile(path)
 
 
+def test_a_mixed_chunk_past_the_measured_range_adds_what_prefill_adds():
+    """A chunk over a cached prefix longer than the profile measured: the mixed model at the prefix cut to the range,
+    plus the prefill model's increment from there (scaled past the range as the prior scales). A mixed fit made on
+    short prefixes has no attention term over them; within the range the fit answers alone."""
+    rng = np.random.default_rng(4)
+    fitted = dataclasses.replace(fit_solo(known_samples(rng, 40)), mixed=(0.0, 0.0, 0.02, 1e-4, 6.0, 10.0))
+    model = dataclasses.replace(fitted, measured=MeasuredRange(new=4096, kv=4096), prior=LinearPrior())
+    load = DecodeLoad(16, 16 * 2000)
+    inside, past = [PrefillItem(1024, 3000)], [PrefillItem(1024, 20000)]
+    terms = lambda items: 0.02 * (sum(i.new for i in items) + 16) + 1e-4 * 32000 + 6.0  # noqa: E731
+    assert model.mixed_gpu_ms(inside, load) == pytest.approx(terms(inside))
+    edge = [PrefillItem(1024, 3072)]  # the new tokens kept, the prefix cut to end at the range's edge
+    extra = model.prefill_ms(past, 132) - model.prefill_ms(edge, 132)
+    assert extra > 0
+    assert model.mixed_gpu_ms(past, load) == pytest.approx(terms(edge) + extra)
+    assert model.mixed_ms(past, load, 132) == pytest.approx(max(10.0, terms(edge) + extra))
+    assert fitted.mixed_gpu_ms(past, load) == pytest.approx(terms(past))  # no prior: the fit alone
+
+
 def test_solo_fit_finds_the_host_floor_and_the_mixed_step():
     """Short prefills cost the host's launch time, whatever their size: the fit finds that floor and keeps its
     GPU terms for the long ones; measured mixed steps get their own coefficients."""
