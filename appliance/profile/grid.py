@@ -154,9 +154,10 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
         core.append(Point("contended", d, _mid(ranges.contended_new), 0, _mid(ranges.contended_batch),
                           _mid(ranges.contended_context)))
     mn, mb, ctx, hit = ranges.mixed_new, ranges.mixed_batch, _mid(context), _mid(reused)
+    far = _far_prefix(ranges)
     core += [Point("mixed", sm_count, n, r, b, ctx) for n, r, b in
              [(mn[0], 0, mb[0]), (_mid(mn), 0, mb[1 % len(mb)]), (mn[-1], 0, mb[0]), (_mid(mn), hit, mb[-1]),
-              (mn[-1], hit, _mid(mb)), (mn[1 % len(mn)], 0, _mid(mb))]]
+              (mn[-1], hit, _mid(mb)), (mn[1 % len(mn)], 0, _mid(mb)), (_mid(mn), far, _mid(mb))]]
     rng = np.random.default_rng(seed)
     held: list[Point] = []
     for _ in range(holdout):
@@ -175,7 +176,7 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
     for _ in range(holdout):
         b = _log_uniform(rng, mb[0], mb[-1])
         held.append(Point("mixed", sm_count, _log_uniform(rng, mn[0], mn[-1]), 0 if rng.random() < 0.5 else
-                          int(rng.integers(0, hit + 1)), b, _log_uniform(rng, context[0], context[-1]), holdout=True))
+                          int(rng.integers(0, far + 1)), b, _log_uniform(rng, context[0], context[-1]), holdout=True))
     rest = [Point("prefill", s, n, r) for s in prefill_sms for n in new for r in reused]
     # a batch of long contexts that the pool cannot hold is measured at the largest batch it can: the fit then
     # reaches as much KV as serving (and the held-out draw) can have at once
@@ -183,7 +184,7 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
              for s in decode_sms for b in batch for c in context]
     rest += [Point("contended", d, n, 0, b, c) for d in splits for n in ranges.contended_new
              for b in ranges.contended_batch for c in ranges.contended_context]
-    rest += [Point("mixed", sm_count, n, r, b, ctx) for n in mn for r in sorted({0, hit}) for b in mb]
+    rest += [Point("mixed", sm_count, n, r, b, ctx) for n in mn for r in sorted({0, hit, far}) for b in mb]
     seen: set[str] = set()
     out = []
     for p in core + held + rest:
@@ -191,6 +192,13 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
             seen.add(p.key)
             out.append(p)
     return out
+
+
+def _far_prefix(ranges: Ranges) -> int:
+    """The longest cached part a mixed step's chunk attends over: the longest prefix-cache hit of the ranges, or the
+    earlier chunks of a prompt as long as the longest prefill (a workload without hits still chunks its long
+    prompts). Without such points the mixed fit has no term for it (the prefix's attention rides on the others)."""
+    return max(ranges.prefill_reused[-1], ranges.prefill_new[-1] - _mid(ranges.mixed_new), 0)
 
 
 def _log_uniform(rng: np.random.Generator, lo: int, hi: int) -> int:

@@ -67,6 +67,19 @@ def test_grid_puts_the_fit_core_first_then_held_out_points_then_the_rest():
     assert sum(p.holdout for p in points) == 2 * (4 + 4 + 1) + 3
 
 
+def test_mixed_steps_are_measured_over_the_longest_cached_prefix():
+    """Chunks attending over a long cached prefix (a prefix-cache hit, or a long prompt's earlier chunks) are in the
+    grid, the fit's core among them: a mixed fit made over short prefixes has no term for them."""
+    for ranges, far in ((Ranges(), 16384),                                    # the longest hit
+                        (Ranges(prefill_new=(256, 4096), prefill_reused=(0,)), 4096 - 1536)):  # no hits: chunks
+        points = plan_points(ranges, 132, [16, 32], holdout=2)
+        mixed = [p for p in points if p.kind == "mixed"]
+        first_held = next(i for i, p in enumerate(points) if p.holdout)
+        assert any(p.reused == far for p in points[:first_held] if p.kind == "mixed")
+        assert max(p.reused for p in mixed) == far
+        assert {p.reused for p in mixed if not p.holdout} >= {0, far}
+
+
 def test_ranges_follow_the_trace_and_the_server_limits():
     specs = load_trace(DATA / "mooncake_conversation_head200.jsonl")
     reused = reused_tokens(specs)
