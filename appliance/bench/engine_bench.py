@@ -6,8 +6,8 @@ and, with `sync_rows`, synchronous for comparison.
 
 Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
 prefill of its whole batch. A prefill row runs through the executor, as served: up to --prefill-graph-rows tokens
-it replays the piecewise graphs (its note says so). With tensor parallelism (`-tp N`) every row runs through the executor, which every rank
-follows, and the floors are one rank's (its share of the weights and KV on its GPU).
+it replays the piecewise graphs (its note says so). With tensor parallelism (`-tp N`) every row runs through the
+executor, which every rank follows, and the floors are one rank's (its share of the weights and KV on its GPU).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -47,17 +48,66 @@ class Row:
 
 
 @dataclass
+class KernelRow:
+    name: str
+    launches: float  # per step
+    ms: float        # device time per step
+
+
+@dataclass
+class Kernels:
+    """The kernels of one decode step (a graph replay) from the profiler: by name, heaviest first, against the
+    replay's own time; what the kernels leave of it is the gaps between them."""
+
+    label: str
+    replay_ms: float
+    rows: list[KernelRow]
+
+    @property
+    def kernel_ms(self) -> float:
+        return sum(r.ms for r in self.rows)
+
+    @property
+    def launches(self) -> float:
+        return sum(r.launches for r in self.rows)
+
+
+@dataclass
 class EngineBenchResult:
     ceilings: dict
     model: str
     startup: dict
     rows: list[Row] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
+    kernels: list[Kernels] = field(default_factory=list)
     bench: "EngineBench | None" = field(default=None, repr=False)  # the engine, for follow-up measurements
 
     def to_json(self) -> dict:
         return {"ceilings": self.ceilings, "model": self.model, "startup": self.startup, "extras": self.extras,
-                "rows": [dict(asdict(r), ratio=r.ratio) for r in self.rows]}
+                "rows": [dict(asdict(r), ratio=r.ratio) for r in self.rows],
+                "kernels": [dict(asdict(k), kernel_ms=k.kernel_ms, launches=k.launches) for k in self.kernels]}
+
+
+def kernel_rows(events: Iterable[tuple[str, float]], steps: int, top: int = 15) -> list[KernelRow]:
+    """(name, device ms) of every kernel run over `steps` steps -> per name, launches and ms per step, heaviest
+    first; past `top` names the rest in one row."""
+    totals: dict[str, list[float]] = {}
+    for name, ms in events:
+        t = totals.setdefault(name, [0, 0.0])
+        t[0] += 1
+        t[1] += ms
+    rows = sorted((KernelRow(n, c / steps, ms / steps) for n, (c, ms) in totals.items()), key=lambda r: -r.ms)
+    if len(rows) > top:
+        rest = rows[top:]
+        rows = rows[:top] + [KernelRow(f"({len(rest)} other kernels)", sum(r.launches for r in rest),
+                                       sum(r.ms for r in rest))]
+    return rows
+
+
+def device_events(events: Iterable) -> list[tuple[str, float]]:
+    """(name, ms) of the device-side events (kernels, copies) among a torch profiler's events."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events if e.device_type == cuda]
 
 
 @dataclass
@@ -123,6 +173,29 @@ class EngineBench:
     def clear(self, reqs: list[Request]) -> None:
         for r in reqs:
             self.engine.abort(r.request_id)
+
+    def kernels(self, batch: int, context: int, replays: int = 20) -> Kernels | str:
+        """The decode graph's kernels at this batch and context (`replays` replays under the profiler), or why
+        there are none (no captured graph of that size, a batch the pool cannot hold)."""
+        graph_set = self.engine.runner.graphs
+        size = graph_set.padded_size(batch) if graph_set is not None else None
+        if size is None or self.engine.model.config.tp_size > 1:
+            return f"no decode graph of batch {batch} on one GPU"
+        reqs = self.seat(batch, context)
+        if isinstance(reqs, str):
+            return reqs
+        try:
+            for _ in range(self.warmup):  # the graph's inputs: this batch's
+                self.engine.step()
+            replay_ms = time_cuda(lambda: graph_set.replay(size)) * 1e3
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(replays):
+                    graph_set.replay(size)
+                torch.cuda.synchronize()
+        finally:
+            self.clear(reqs)
+        return Kernels(f"decode b={batch} ctx={context}", replay_ms, kernel_rows(device_events(prof.events()), replays))
 
     def decode(self, batch: int, context: int, graphs: bool = True, overlap: bool | None = None) -> Row:
         """A decode row; `overlap` False runs the engine's synchronous loop (None: as the engine is configured)."""
@@ -221,8 +294,9 @@ def start_engine(model_dir: str, load_format: str, dtype: str | None, config: Co
 def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None, batches=(1, 8, 32, 64, 128),
         contexts=(1024, 8192), prefills=((512, 0), (2048, 0), (8192, 0), (2048, 8192), (2048, 32768)),
         iters: int = 20, config: Config | None = None, startup_only: bool = False,
-        sync_rows: bool = False) -> EngineBenchResult:
-    """`sync_rows`: each decode row also with the engine's synchronous loop (kind decode-sync), for comparison."""
+        sync_rows: bool = False, kernels: Iterable[tuple[int, int]] = ()) -> EngineBenchResult:
+    """`sync_rows`: each decode row also with the engine's synchronous loop (kind decode-sync), for comparison;
+    `kernels`: (batch, context) of decode steps whose kernels the profiler breaks down."""
     ceilings = measure_ceilings()
     config = config or Config.flat(max_num_seqs=max(batches), max_num_batched_tokens=max(n for n, _ in prefills),
                                     max_model_len=max(n + c for n, c in prefills) + 64)
@@ -247,6 +321,15 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
         result.rows.append(bench.prefill(new, cached))
     if engine.runner.graphs is not None:
         result.extras["graph_memory_MiB"] = engine.runner.graphs.memory_bytes / 2**20
+    for batch, context in kernels:
+        try:
+            found = bench.kernels(batch, context)
+        except RuntimeError as exc:  # (a profiler that cannot trace here costs the breakdown, not the rows above)
+            found = f"the profiler failed: {exc}"
+        if isinstance(found, str):
+            result.extras[f"kernels b={batch} ctx={context}"] = found
+        else:
+            result.kernels.append(found)
     return result
 
 
@@ -271,8 +354,14 @@ def render(result: EngineBenchResult) -> str:
     lines.append("start-up: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in result.startup.items()))
     if result.extras:
-        lines.append("extras: " + ", ".join(f"{k} {v:.2f}" for k, v in result.extras.items()
-                                            if isinstance(v, float)))
+        lines.append("extras: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k}: {v}"
+                                            for k, v in result.extras.items()))
+    for k in result.kernels:
+        lines += ["", f"kernels of {k.label}: {k.launches:.0f} a step, {k.kernel_ms:.2f} ms of them in a "
+                      f"{k.replay_ms:.2f} ms replay (between them: {k.replay_ms - k.kernel_ms:.2f} ms)", "",
+                  "| kernel | launches a step | ms a step | share of the replay |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| `{r.name[:90]}` | {r.launches:.0f} | {r.ms:.3f} | {100 * r.ms / k.replay_ms:.1f} % |"
+                  for r in k.rows]
     return "\n".join(lines)
 
 

@@ -31,6 +31,20 @@ def _prefills(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def _kernel_rows(text: str) -> list[tuple[int, int]]:
+    """'1@1024,64@8192' -> [(1, 1024), (64, 8192)] (decode batch @ context)."""
+    out = []
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        batch, _, context = item.partition("@")
+        try:
+            out.append((int(batch), int(context)))
+        except ValueError:
+            raise typer.BadParameter(f"--kernels items are BATCH@CONTEXT, got {item!r}") from None
+        if min(out[-1]) < 1:
+            raise typer.BadParameter(f"--kernels takes positive batch sizes and contexts, got {item!r}")
+    return out
+
+
 def engine_bench_command(bench_app: typer.Typer) -> None:
     @bench_app.command("engine")
     def engine(
@@ -57,6 +71,9 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         granularity: int = typer.Option(16, help="--multiplex: decode partitions are multiples of this many SMs."),
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs the model is split "
                                                  "across (one process each); the rows are timed on rank 0."),
+        kernels: str = typer.Option("", "--kernels", help="Decode steps whose kernels the profiler breaks down "
+                                    "by name (launches and device ms a step, against the graph replay's time): "
+                                    "BATCH@CONTEXT items, e.g. 1@1024,64@1024."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the result as JSON here."),
         markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the Markdown table here."),
     ) -> None:
@@ -64,7 +81,8 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         with its floor from ceilings measured in the same run."""
         import torch
 
-
+        bs, ctx, pre = _ints(batches, "--batches"), _ints(contexts, "--contexts"), _prefills(prefill)
+        profiled = _kernel_rows(kernels)
         if not torch.cuda.is_available():
             typer.secho("error: muxd bench engine needs a CUDA device", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
@@ -73,15 +91,16 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                         f"shows {torch.cuda.device_count()}) and runs without --multiplex (its replays time one GPU "
                         "alone)", fg=typer.colors.RED, err=True)
             raise typer.Exit(code=2)
-        bs, ctx, pre = _ints(batches, "--batches"), _ints(contexts, "--contexts"), _prefills(prefill)
-        config = Config.flat(max_num_seqs=max(bs) + multiplex,  # + the concurrent prefill
+        config = Config.flat(max_num_seqs=max(bs + [b for b, _ in profiled]) + multiplex,  # + the prefill
                               max_num_batched_tokens=max(n for n, _ in pre),
-                              max_model_len=max(max(n + c for n, c in pre), max(ctx)) + iters + 64,
+                              max_model_len=max(max(n + c for n, c in pre), *ctx, *(c for _, c in profiled))
+                              + iters + 64,
                               attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph,
                               async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,
                                   prefills=pre, iters=iters, config=config,
-                                  startup_only=startup_only or multiplex, sync_rows=compare_sync)
+                                  startup_only=startup_only or multiplex, sync_rows=compare_sync,
+                                  kernels=profiled)
         table = engine_bench.render(result)
         if multiplex:
             table = multiplex_bench.run_multiplex(result, granularity, batch=max(bs), context=ctx[0],

@@ -14,7 +14,7 @@ python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.lo
 tests=${PIPESTATUS[0]}
 bench_args=()
 [ "${1:-}" = "--quick" ] && bench_args=(--batches 1,64 --contexts 1024 --prefill 2048,8192 --iters 10)
-python3 -m appliance bench engine "${bench_args[@]}" --compare-sync --json "$out/engine-bench.json" \
+python3 -m appliance bench engine "${bench_args[@]}" --compare-sync --kernels 1@1024,64@1024 --json "$out/engine-bench.json" \
     --markdown "$out/engine-bench.md" 2>&1 | tee "$out/engine-bench.log"
 bench=${PIPESTATUS[0]}
 python3 -m appliance bench engine --startup-only --json "$out/startup-warm.json" > "$out/startup-warm.log" 2>&1
