@@ -134,7 +134,7 @@ def diagnose(args: DiagnoseOptions) -> None:
     timed = [s for s in steps if s.get("device_ms") and s["decode"] and not s["mixed"] and "launch_ms" in s]
     if timed:  # (CUDA only) what the host adds to a decode step: none once the loop hides it behind the device
         wall, dev = (statistics.fmean(s[k] for s in timed) for k in ("launch_ms", "device_ms"))
-        own = statistics.fmean(s["device_ms"] + (s.get("after_ms") or 0.0) for s in timed)  # + a temporal step's
+        own = statistics.fmean(_own_device_ms(s) for s in timed)
         print(f"  decode steps: {len(timed)}, mean wall {wall:.2f} ms, mean device {dev:.2f} ms "
               f"(wall / device {wall / dev:.3f}; {wall / own:.3f} counting a temporal step's prefill layers; "
               f"overlapped {sum(bool(s.get('overlapped')) for s in timed)})")
@@ -208,9 +208,14 @@ def decode_by_next(steps: list[dict]) -> dict[str, tuple[int, float, float, floa
             kind = "a prefill launch" if nxt["mixed"] or nxt.get("prefill_tokens") else "a decode step"
             bins.setdefault(kind, []).append((step, nxt))
     return {kind: (len(rows), statistics.fmean(s["launch_ms"] for s, _ in rows),
-                   statistics.fmean(s["device_ms"] + (s.get("after_ms") or 0.0) for s, _ in rows),
+                   statistics.fmean(_own_device_ms(s) for s, _ in rows),
                    statistics.median(n.get("host_launch_ms") or 0.0 for _, n in rows))
             for kind, rows in sorted(bins.items())}
+
+
+def _own_device_ms(step: dict) -> float:
+    """A decode step's kernels on the device, a temporal step's prefill layers after them included."""
+    return step["device_ms"] + (step.get("after_ms") or 0.0)
 
 
 def _launch_host(steps: list[dict]) -> None:
