@@ -37,6 +37,7 @@ class EngineReplica:
         self.state = self.app.state.muxd
         self._fatal: BaseException | None = None
         self._received: collections.Counter = collections.Counter()
+        self._finished: collections.Counter = collections.Counter()
         self._prefixes: collections.OrderedDict = collections.OrderedDict()
         self._seq = 0
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -79,8 +80,11 @@ class EngineReplica:
             self._prefixes.move_to_end(h)
         while len(self._prefixes) > PREFIX_MEMORY:
             self._prefixes.popitem(last=False)
-        async for message in asgi.call(self.app, request):
-            yield (*message, self.name) if message[0] == "start" else message
+        try:
+            async for message in asgi.call(self.app, request):
+                yield (*message, self.name) if message[0] == "start" else message
+        finally:
+            self._finished[routing.origin] += 1
 
     async def ready(self) -> str:
         """The ingress's readiness probe: this replica's name once it serves."""
@@ -102,6 +106,7 @@ class EngineReplica:
                 "backlog_ms": self._backlog_ms(sched) if sched is not None else 0.0,
                 "prefill_fixed_ms": self._fixed_ms, "prefill_ms_per_token": self._per_token_ms,
                 "ttft_targets": dict(self._targets), "received": dict(self._received),
+                "finished": dict(self._finished),
                 "prefixes": list(self._prefixes)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

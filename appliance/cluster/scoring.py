@@ -1,6 +1,7 @@
 """SLO-aware replica choice, as plain Python (the Ray Serve router in router.py only adapts it): each replica's
 report (waiting queue and the predicted prefill time of what waits, running batch, KV usage, the prefix hashes it
-served, its prefill rate from its own predictor), corrected by what this router sent since that report, gives the
+served, its prefill rate from its own predictor), corrected by what this router sent since that report and what
+finished there since (a short request ends between two reports: its prefill no longer waits there), gives the
 request's predicted TTFT on that replica as a fraction of its TTFT target, plus a penalty for a nearly full KV cache
 (preemptions). Replicas within SLACK_STEP of the best one on that count are its equals (measured from the best, so
 two near-equal scores are never split by a bucket edge); among equals the one holding more of the prompt's prefix
@@ -22,6 +23,8 @@ SLACK_STEP = 0.05        # predicted TTFTs within 5% of the target of the best c
 RESERVATION_S = 30.0     # a replica chosen for a request counts it until confirmed, or at most this long
 LOCAL_AFFINITY = 4096    # prefix hashes this router remembers per replica (what it sent there lately)
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.05
+FINISHED_MEMORY = 256    # the latest completions per replica this router keeps for reports that lag behind them
+INFLIGHT_MEMORY = 65536  # requests sent and not yet seen to end that this router remembers (the oldest go first)
 
 
 @dataclass
@@ -40,6 +43,7 @@ class ReplicaReport:
     prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN
     ttft_targets: dict[str, tuple] = field(default_factory=dict)  # class ("" default) -> (ms, ms per 1k tokens)
     received: dict[str, int] = field(default_factory=dict)           # requests received from each ingress
+    finished: dict[str, int] = field(default_factory=dict)           # requests from each ingress that ended
     prefixes: frozenset = frozenset()
 
     @classmethod
@@ -76,7 +80,7 @@ class Choice:
 class Scorer:
     """The router's state across requests: the requests it chose a replica for and has not seen confirmed yet (a
     burst is routed before any confirmation comes back), and those it sent that the replica's report does not count
-    yet; and the prefixes it sent to each replica."""
+    yet; those that ended there since its report counted them; and the prefixes it sent to each replica."""
 
     def __init__(self, origin: str = ORIGIN) -> None:
         self.origin = origin
@@ -84,6 +88,10 @@ class Scorer:
         self._unreported: dict[str, collections.deque] = collections.defaultdict(collections.deque)  # (id, tokens)
         self._reserved: dict[str, tuple[str, int, float]] = {}          # request -> (replica, tokens, when)
         self._affinity: dict[str, collections.OrderedDict] = collections.defaultdict(collections.OrderedDict)
+        self._inflight: dict[str, tuple[str, int]] = {}                 # request -> (replica, tokens), until it ends
+        self._done: dict[str, int] = collections.Counter()              # requests ended per replica
+        self._ended: dict[str, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=FINISHED_MEMORY))          # prompt tokens of the latest that ended
 
     def rank(self, reports: Iterable[ReplicaReport], hints: RoutingHints) -> list[Choice]:
         """Replicas best first (a replica named in hints.avoid, or unhealthy, last)."""
@@ -99,12 +107,15 @@ class Scorer:
         cached = int(matched_chunks(hints.prefix, held) * hints.chunk_tokens)
         cached = min(cached, max(0, hints.tokens - 1))
         pending = self._pending(report)
-        wait_ms = report.backlog_ms + sum(report.prefill_ms(tokens) for tokens in pending)
+        ended = self._ended_since(report)
+        backlog_ms = max(0.0, report.backlog_ms - sum(report.prefill_ms(tokens) for tokens in ended))
+        wait_ms = backlog_ms + sum(report.prefill_ms(tokens) for tokens in pending)
         ttft_ms = wait_ms + report.prefill_ms(hints.tokens - cached)
         score = ttft_ms / report.ttft_target_ms(hints.slo_class, hints.tokens - cached)
         if report.kv_usage > KV_SAFE:
             score += (report.kv_usage - KV_SAFE) / (1 - KV_SAFE)
-        load = (report.num_running + report.num_waiting + len(pending)) / max(1, report.max_num_seqs)
+        busy = max(0, report.num_running + report.num_waiting - len(ended))
+        load = (busy + len(pending)) / max(1, report.max_num_seqs)
         return Choice(report.replica, score, ttft_ms, cached, load)
 
     def _pending(self, report: ReplicaReport) -> list[int]:
@@ -120,6 +131,15 @@ class Scorer:
         return [*(tokens for _, tokens in queue),
                 *(tokens for replica, tokens, _ in self._reserved.values() if replica == report.replica)]
 
+    def _ended_since(self, report: ReplicaReport) -> list[int]:
+        """Prompt tokens of the requests this router sent to the replica that ended after its report was taken
+        (the report may still count them as waiting or running; at most their prefill is taken off its backlog)."""
+        ended = self._ended.get(report.replica)
+        behind = self._done.get(report.replica, 0) - report.finished.get(self.origin, 0)
+        if not ended or behind <= 0:
+            return []
+        return list(ended)[-behind:]
+
     def chose(self, request_id: str, replica: str, hints: RoutingHints) -> None:
         """The router picked `replica` for the request (it may still go elsewhere if that one is full)."""
         if hints.origin == self.origin:
@@ -132,6 +152,10 @@ class Scorer:
         if hints.origin == self.origin:
             self._unreported[replica].append((request_id, hints.tokens))
             self._sent[replica] += 1
+            if request_id:
+                self._inflight[request_id] = (replica, hints.tokens)
+                while len(self._inflight) > INFLIGHT_MEMORY:
+                    del self._inflight[next(iter(self._inflight))]
         memory = self._affinity[replica]
         for h in hints.prefix:
             memory[h] = None
@@ -146,9 +170,15 @@ class Scorer:
         if queue:
             for entry in [e for e in queue if e[0] == request_id]:
                 queue.remove(entry)
+        sent = self._inflight.pop(request_id, None)
+        if sent is not None and sent[0] == replica:
+            self._done[replica] += 1
+            self._ended[replica].append(sent[1])
 
     def forget(self, live: set[str]) -> None:
         """Drop the state of replicas that are gone."""
-        for table in (self._sent, self._unreported, self._affinity):
+        for table in (self._sent, self._unreported, self._affinity, self._done, self._ended):
             for replica in [r for r in table if r not in live]:
                 del table[replica]
+        for rid in [rid for rid, (replica, _) in self._inflight.items() if replica not in live]:
+            del self._inflight[rid]

@@ -71,6 +71,10 @@ async def _scenario() -> None:
         assert replica.state.engine.stats["num_running"] == 0 and not replica.state.engine.engine.has_unfinished()
         report = replicas[0].record_routing_stats()
         assert report["healthy"] and "" in report["ttft_targets"]
+        # every request a replica received has ended, the abandoned stream too: the router's count of ends agrees
+        ends = [r.record_routing_stats() for r in replicas]
+        assert all(stats["finished"] == stats["received"] for stats in ends)
+        assert sum(ends[1]["finished"].values()) >= 1
         # calibrated on prompts that share no prefix: a longer prompt costs more (a prefix-cache hit would not)
         assert report["prefill_ms_per_token"] > 0
         assert (await replicas[0].ready()) == "r0"

@@ -68,6 +68,28 @@ def test_a_burst_spreads_before_the_reports_catch_up():
     assert len(scorer._pending(report("c"))) == 2
 
 
+def test_a_request_that_ended_after_the_report_waits_there_no_more():
+    """Sequential requests with a shared prefix stay on the replica that caches it: the report taken while the
+    first one prefilled still counts its prefill as backlog, but the router saw it end."""
+    hints = hints_for("/v1/completions", {"prompt": LONG + "one"}, origin=ORIGIN)
+    scorer = Scorer()
+    scorer.sent("warm", hints, "r1")
+    tight = {"ttft_targets": {"": (100.0, 0.0)}}
+    queued = report("cold", **tight).prefill_ms(hints.tokens)  # the first prompt's prefill, as the replica reports it
+    stale = report("warm", backlog_ms=queued, num_running=1, received={ORIGIN: 1}, prefixes=list(hints.prefix),
+                   **tight)
+    second = hints_for("/v1/completions", {"prompt": LONG + "two"}, origin=ORIGIN)
+    assert scorer.rank([stale, report("cold", **tight)], second)[0].replica == "cold"  # it may still be prefilling
+    scorer.completed("warm", "r1")
+    ranked = scorer.rank([stale, report("cold", **tight)], second)
+    assert ranked[0].replica == "warm" and ranked[0].load == 0
+    # once a report counts the end, its own backlog is taken as it is
+    fresh = report("warm", backlog_ms=queued, received={ORIGIN: 1}, finished={ORIGIN: 1},
+                   prefixes=list(hints.prefix), **tight)
+    assert scorer._ended_since(fresh) == []
+    assert scorer.rank([fresh, report("cold", **tight)], second)[0].replica == "cold"
+
+
 def test_avoided_unhealthy_and_full_replicas_rank_last():
     hints = RoutingHints(tokens=10, avoid=("a",))
     ranked = Scorer().rank([report("a"), report("b", healthy=False), report("c", kv_usage=0.99),
