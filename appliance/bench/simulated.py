@@ -14,7 +14,7 @@ from appliance.bench.capacity import PolicyRun, SimulatedBench, kv_pages
 from appliance.bench.run import BenchOptions, load_workload, model_dir, shape
 from appliance.bench.simulate import SimConfig
 from appliance.bench.sweep import SweepResult
-from appliance.config import POLICIES
+from appliance.config import POLICIES, Config
 from appliance.config_flags import parse_serve_args
 from appliance.engine.compile import cache_dir
 from appliance.errors import ConfigError
@@ -22,7 +22,7 @@ from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
 from appliance.predictor.catalog import find_profile
 from appliance.predictor.profile import load_predictor
-from appliance.predictor.roofline import DEVICES, device_spec
+from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
 from appliance.slo.contract import Contract, default_contract
 from appliance.workload import shaping as wl
 from appliance.workload.metrics import detailed_arrays
@@ -88,9 +88,29 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
             raise ConfigError(f"--host-spread must be in (0, 2], got {opts.host_spread}")
         notes.append(f"host spread injected: each prefill launch takes a lognormal multiple (sigma "
                      f"{opts.host_spread:g}) of the host model's time (the planner is not told)")
-    return SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(model, device)), options=options,
+    sim = sim_config(serve, model, device)
+    if (sim.max_num_seqs, sim.max_waiting) != (256, 4096) or not sim.enable_prefix_caching:
+        notes.append(f"engine limits from --serve-args: {sim.max_num_seqs} sequences at once, {sim.max_waiting} "
+                     f"waiting, prefix caching {'on' if sim.enable_prefix_caching else 'off'}")
+    return SimulatedBench(contract, predictor, sim, options=options,
                           device_error=opts.device_error, host_error=opts.host_error,
                           host_spread=opts.host_spread, device_spread=opts.device_spread), model, notes
+
+
+def sim_config(serve: Config, model: ModelConfig, device: DeviceSpec) -> SimConfig:
+    """The simulated engine's KV pool and limits as `muxd serve` with these flags would have them: pages from
+    --num-gpu-blocks-override, else --kv-cache-memory, else --gpu-memory-utilization of the GPU less the weights;
+    --block-size, --max-num-seqs, --max-waiting and prefix caching as given."""
+    cache, sched = serve.cache, serve.scheduler
+    if cache.num_gpu_blocks_override is not None:
+        pages = cache.num_gpu_blocks_override
+    elif cache.kv_cache_bytes is not None:
+        per_page = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 * cache.block_size
+        pages = max(1, cache.kv_cache_bytes // per_page)
+    else:
+        pages = kv_pages(model, device, page_size=cache.block_size, utilization=cache.gpu_memory_utilization)
+    return SimConfig(num_pages=pages, page_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
+                     max_waiting=sched.max_waiting, enable_prefix_caching=cache.enable_prefix_caching)
 
 
 def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, list[RequestSpec], list[str]]:
@@ -126,12 +146,22 @@ def simulated_measures(opts: BenchOptions, gpu: str) -> tuple[list[tuple[str, Me
     workload's own rate."""
     policies, bench, specs, notes = _prepare(opts, gpu)
 
+    retune = "chunked" in policies and bench.budget_tuned
+    if retune:
+        notes.append("chunked's budget is tuned again at every rate the sweep tries, on the workload re-timed to it "
+                     "(the baseline at its best budget there; each point's chunk_budget)")
+
     def measure_for(policy: str) -> Measure:
         def measure(rate: float) -> dict[str, Any]:
             retimed = wl.retime(specs, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
+            budget = {}
+            if policy == "chunked" and bench.options is not None:
+                if retune:
+                    bench.tune_chunk_budget(retimed)
+                budget = {"chunk_budget": bench.options.chunk_budget}
             run = bench.run(policy, retimed)
             detail = detailed_arrays(run.result.timelines) if opts.save_detailed else {}
-            return dict(run.report.summary, request_rate=rate, **detail)
+            return dict(run.report.summary, request_rate=rate, **budget, **detail)
         return measure
 
     return [(policy, measure_for(policy)) for policy in policies], notes, wl.offered_rate(specs)

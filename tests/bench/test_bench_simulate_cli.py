@@ -1,6 +1,7 @@
 """`muxd bench --simulate`: per policy p99 TTFT/TBT, attainment against the contract and capacity, no GPU."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -76,6 +77,34 @@ def test_simulate_honours_mux_mixed_chunks(tmp_path):
                            ([], False)):
         bench, _, _ = simulated_bench(BenchOptions(model=str(MODEL), profile=profile, serve_args=serve_args), "h100")
         assert bench.planner("mux").options.mixed_chunks is on
+
+
+def test_simulate_honours_the_engine_limits_of_its_serve_args(tmp_path):
+    """--max-num-seqs, --max-waiting, the KV pool's size and page and prefix caching reach the simulated engine as
+    they would reach `muxd serve`; a replay that runs more requests than the seats queues the rest."""
+    from appliance.bench.run import BenchOptions
+    from appliance.bench.simulated import simulated_bench
+    from appliance.workload.traces import load_trace
+
+    profile = synthetic_profile_file(tmp_path)
+    default, _, _ = simulated_bench(BenchOptions(model=str(MODEL), profile=profile), "h100")
+    assert (default.sim.max_num_seqs, default.sim.max_waiting, default.sim.enable_prefix_caching) == (256, 4096, True)
+    args = ["--max-num-seqs", "3", "--max-waiting", "50", "--no-prefix-caching", "--num-gpu-blocks-override", "4000",
+            "--block-size", "32"]
+    bench, _, notes = simulated_bench(BenchOptions(model=str(MODEL), profile=profile, serve_args=args), "h100")
+    sim = bench.sim
+    assert (sim.max_num_seqs, sim.max_waiting, sim.enable_prefix_caching, sim.num_pages, sim.page_size) == (
+        3, 50, False, 4000, 32)
+    assert any("3 sequences at once" in n for n in notes)
+    halved, _, _ = simulated_bench(BenchOptions(model=str(MODEL), profile=profile,
+                                                serve_args=["--gpu-memory-utilization", "0.5"]), "h100")
+    assert halved.sim.num_pages < default.sim.num_pages
+    burst = [dataclasses.replace(s, arrival=0.0) for s in load_trace(TRACE)[:12]]
+    three = simulated_bench(BenchOptions(model=str(MODEL), profile=profile, serve_args=["--max-num-seqs", "3"]),
+                            "h100")[0].run("mux", burst)
+    every = default.run("mux", burst)
+    assert all(t.error is None for t in three.result.timelines + every.result.timelines)
+    assert three.result.end_time > every.result.end_time  # three seats: the burst's decodes take turns
 
 
 def test_simulate_notes_prompts_longer_than_the_profile_measured(tmp_path):
