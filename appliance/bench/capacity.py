@@ -54,7 +54,6 @@ class SimulatedBench:
     host_error: float = 0.0  # the simulated host takes (1 + this) x the host model's times: host error injected
     host_spread: float = 0.0  # each simulated prefill launch takes a lognormal multiple (this sigma) of its time
     device_spread: float = 0.0  # judge each replay over the GPU this much slower, as timed and this much faster
-    budget_tuned: bool = False  # chunked's budget came from tune_chunk_budget (not a flag): a sweep tunes it per rate
     _prompts: dict = field(default_factory=dict, repr=False)  # shared by the replays of one trace
     _runs: dict = field(default_factory=dict, repr=False)
 
@@ -89,7 +88,6 @@ class SimulatedBench:
             else:
                 hi = mid - 1
         self.options = dataclasses.replace(options, chunk_budget=lo * step)
-        self.budget_tuned = True
         return lo * step
 
     @property

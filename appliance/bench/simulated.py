@@ -136,7 +136,9 @@ def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, l
     if "chunked" in policies and (bench.options is None or bench.options.chunk_budget is None):
         slo = bench.contract.slo_for(None)
         notes.append(f"chunked budget {bench.tune_chunk_budget(specs)} tokens (the largest, in steps of 128, whose "
-                     f"replay of this workload keeps p{slo.tbt_percentile:g} TBT <= {slo.tbt_ms:g} ms)")
+                     f"replay of this workload at its own times keeps p{slo.tbt_percentile:g} TBT <= "
+                     f"{slo.tbt_ms:g} ms; not always chunked's best: compare budgets with --serve-args "
+                     f"\"--chunk-budget N\")")
     return policies, bench, specs, notes
 
 
@@ -146,19 +148,10 @@ def simulated_measures(opts: BenchOptions, gpu: str) -> tuple[list[tuple[str, Me
     workload's own rate."""
     policies, bench, specs, notes = _prepare(opts, gpu)
 
-    retune = "chunked" in policies and bench.budget_tuned
-    if retune:
-        notes.append("chunked's budget is tuned again at every rate the sweep tries, on the workload re-timed to it "
-                     "(the baseline at its best budget there; each point's chunk_budget)")
-
     def measure_for(policy: str) -> Measure:
         def measure(rate: float) -> dict[str, Any]:
             retimed = wl.retime(specs, rate=rate, burstiness=opts.burstiness, seed=opts.seed)
-            budget = {}
-            if policy == "chunked" and bench.options is not None:
-                if retune:
-                    bench.tune_chunk_budget(retimed)
-                budget = {"chunk_budget": bench.options.chunk_budget}
+            budget = {"chunk_budget": bench.options.chunk_budget} if policy == "chunked" and bench.options else {}
             run = bench.run(policy, retimed)
             detail = detailed_arrays(run.result.timelines) if opts.save_detailed else {}
             return dict(run.report.summary, request_rate=rate, **budget, **detail)
