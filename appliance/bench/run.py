@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -140,6 +141,7 @@ class Session:
         self.server: ServerProcess | None = None
         self.engine: Any = None
         self._gc_before: dict[str, Any] | None = None
+        self._cpu: list[tuple[float, float, float]] = []  # _cpu_now() before and after the last replay
         self._steps: StepLog | None = None  # the latest replay's step log (--save-steps)
         self.target: HttpTarget | InProcessTarget | None = None
         self.model_id = ""
@@ -191,6 +193,7 @@ class Session:
         assert self.target is not None, "use the session as a context manager"
         self.loop.run_until_complete(self._check(prompts[0]))
         self._gc_before = gc_pauses.recorder().snapshot() if self.engine is not None else None
+        self._cpu = [self._cpu_now()] if self.engine is not None else []
         self._steps = None
         if self.opts.save_steps and self.engine is not None:  # (the engine is idle between replays)
             self._steps = StepLog(self.engine.engine, log_predictor(self.engine.engine)).attach()
@@ -199,8 +202,22 @@ class Session:
                                                        self.opts.request_timeout, on_done,
                                                        max_idle=self.opts.max_idle))
         finally:
+            if self._cpu:
+                self._cpu.append(self._cpu_now())
             if self._steps is not None:
                 self._steps.detach()
+
+    def _cpu_now(self) -> tuple[float, float, float]:
+        """(wall, this event loop thread's CPU, the engine thread's CPU) seconds, on the event loop's thread."""
+        return time.monotonic(), time.thread_time(), self.engine.engine_cpu_s
+
+    def _thread_cpu(self) -> dict[str, float]:
+        """Over the last replay: each busy thread's CPU seconds and share of the wall time. The two share one
+        interpreter: where their shares add up near 1, each waits for the other's Python."""
+        (wall0, loop0, engine0), (wall1, loop1, engine1) = self._cpu
+        wall = max(wall1 - wall0, 1e-9)
+        return {"wall_s": wall, "event_loop_cpu_s": loop1 - loop0, "engine_cpu_s": engine1 - engine0,
+                "event_loop_share": (loop1 - loop0) / wall, "engine_share": (engine1 - engine0) / wall}
 
     async def _check(self, prompt: str | list[int]) -> None:
         """One short request before the replay, so a wrong model name or endpoint fails clearly and at once."""
@@ -240,6 +257,8 @@ class Session:
                 out["planner"] = snapshot
             if self._gc_before is not None:  # the engine's process's garbage collections during this replay
                 out["gc"] = gc_pauses.since(self._gc_before, gc_pauses.recorder().snapshot())
+            if len(self._cpu) == 2:
+                out["threads"] = self._thread_cpu()
             if self._steps is not None:
                 out["steps"], out["prefills"] = self._steps.steps, self._steps.prefills
         return out

@@ -60,6 +60,7 @@ class AsyncEngine:
         self._control: dict = {}
         self._control_at = 0.0
         self._gc: dict = {}
+        self.engine_cpu_s = 0.0  # the engine thread's CPU time so far (its share of the interpreter, with the loop's)
         self._publish_stats()
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
@@ -169,10 +170,12 @@ class AsyncEngine:
         self._drain_inbox()
         if self.engine.has_unfinished():
             outputs = self.engine.step()
+            self.engine_cpu_s = time.thread_time()
             self._publish_stats(fresh_control=False)
             if outputs:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
         else:
+            self.engine_cpu_s = time.thread_time()
             self._publish_stats()
             self._wake.wait(timeout=0.5)
             self._wake.clear()
@@ -283,7 +286,7 @@ class AsyncEngine:
                       "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
                       "prefill_layers_launched": executor.layers_launched,
                       "prefill_pauses": getattr(planner_stats, "pauses", 0),
-                      "control": self._control, "gc": self._gc}
+                      "control": self._control, "gc": self._gc, "engine_cpu_s": self.engine_cpu_s}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -104,6 +104,10 @@ class Metrics:
                                       "generation (2: full).", gen, registry=self.registry)
         self.gc_seconds = Counter("muxd:gc_pause_seconds", "Time the server process spent in garbage "
                                   "collections, by generation.", gen, registry=self.registry)
+        # the interpreter's two busy threads: the engine's loop and the event loop (HTTP, streaming, metrics); while
+        # one runs Python the other waits for the interpreter lock, so their CPU seconds say how much they contend
+        self.thread_cpu = Counter("muxd:thread_cpu_seconds", "CPU time of the engine thread and of the server's "
+                                  "event loop thread.", [*mx.labels, "thread"], registry=self.registry)
         self._seen: dict[str, float] = {}
         self._success = (mx.by_reason("request_success", "Finished requests by finish reason."),
                          vl.by_reason("request_success", "Count of successfully processed requests."))
@@ -139,6 +143,8 @@ class Metrics:
                 self.headroom.labels(slo_class=name, metric=metric, **self._mx_labels).set(state["headroom"])
                 if state.get("observed_tail") is not None:
                     self.observed.labels(slo_class=name, metric=metric, **self._mx_labels).set(state["observed_tail"])
+        for thread, total in (("engine", stats.get("engine_cpu_s", 0.0)), ("event_loop", time.thread_time())):
+            self._follow(f"cpu_{thread}", total, (self.thread_cpu.labels(thread=thread, **self._mx_labels),))
         pauses = stats.get("gc") or {}
         for counter, key in ((self.gc_collections, "collections"), (self.gc_seconds, "seconds")):
             for gen, total in enumerate(pauses.get(key, ())):

@@ -146,6 +146,10 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     # in process: the engine's garbage collections during the replay, after its start-up objects were frozen
     pauses = json.loads((tmp_path / "mux" / "result.json").read_text())["gc"]
     assert len(pauses["collections"]) == 3 and min(pauses["collections"]) >= 0 and pauses["frozen"] > 1000
+    # and the CPU time of the engine thread and of the event loop (they share one interpreter) over the replay
+    threads = json.loads((tmp_path / "mux" / "result.json").read_text())["threads"]
+    assert threads["wall_s"] > 0 and threads["engine_cpu_s"] > 0 and threads["event_loop_cpu_s"] > 0
+    assert threads["engine_share"] == threads["engine_cpu_s"] / threads["wall_s"]
     # --save-steps: the replay's engine steps (each planned and launched) and prefill launches, for calibration
     logged = json.loads((tmp_path / "mux" / "result.json").read_text())
     assert sum(st["decode"] for st in logged["steps"]) >= 4 * 4 and all("plan_ms" in st for st in logged["steps"])

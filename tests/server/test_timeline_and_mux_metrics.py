@@ -19,6 +19,9 @@ def test_timeline_endpoint_and_mux_metrics(serve):
     # garbage collections of the server process, by generation (start-up objects are frozen: full ones stay rare)
     assert all(f'muxd:gc_collections_total{{generation="{g}"}}' in metrics for g in "012")
     assert metrics['muxd:gc_pause_seconds_total{generation="0"}'] >= 0
+    # the engine thread and the event loop each ran Python for this request (their share of one interpreter)
+    assert metrics['muxd:thread_cpu_seconds_total{thread="engine"}'] > 0
+    assert metrics['muxd:thread_cpu_seconds_total{thread="event_loop"}'] > 0
 
 
 def test_trace_dir_receives_the_timeline_at_shutdown(request, tmp_path):
