@@ -43,7 +43,7 @@ class ReplicaReport:
     prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN
     ttft_targets: dict[str, tuple] = field(default_factory=dict)  # class ("" default) -> (ms, ms per 1k tokens)
     received: dict[str, int] = field(default_factory=dict)           # requests received from each ingress
-    finished: dict[str, int] = field(default_factory=dict)           # requests from each ingress that ended
+    finished: dict[str, int] | None = None  # requests from each ingress that ended (None: a replica that does not say)
     prefixes: frozenset = frozenset()
 
     @classmethod
@@ -135,6 +135,8 @@ class Scorer:
         """Prompt tokens of the requests this router sent to the replica that ended after its report was taken
         (the report may still count them as waiting or running; at most their prefill is taken off its backlog)."""
         ended = self._ended.get(report.replica)
+        if report.finished is None:
+            return []
         behind = self._done.get(report.replica, 0) - report.finished.get(self.origin, 0)
         if not ended or behind <= 0:
             return []

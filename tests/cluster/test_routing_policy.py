@@ -76,8 +76,8 @@ def test_a_request_that_ended_after_the_report_waits_there_no_more():
     scorer.sent("warm", hints, "r1")
     tight = {"ttft_targets": {"": (100.0, 0.0)}}
     queued = report("cold", **tight).prefill_ms(hints.tokens)  # the first prompt's prefill, as the replica reports it
-    stale = report("warm", backlog_ms=queued, num_running=1, received={ORIGIN: 1}, prefixes=list(hints.prefix),
-                   **tight)
+    stale = report("warm", backlog_ms=queued, num_running=1, received={ORIGIN: 1}, finished={},
+                   prefixes=list(hints.prefix), **tight)
     second = hints_for("/v1/completions", {"prompt": LONG + "two"}, origin=ORIGIN)
     assert scorer.rank([stale, report("cold", **tight)], second)[0].replica == "cold"  # it may still be prefilling
     scorer.completed("warm", "r1")
@@ -87,6 +87,10 @@ def test_a_request_that_ended_after_the_report_waits_there_no_more():
     fresh = report("warm", backlog_ms=queued, received={ORIGIN: 1}, finished={ORIGIN: 1},
                    prefixes=list(hints.prefix), **tight)
     assert scorer._ended_since(fresh) == []
+    # a replica that does not count what ended (an older one) keeps its report as it is
+    silent = report("warm", backlog_ms=queued, num_running=1, received={ORIGIN: 1}, prefixes=list(hints.prefix),
+                    **tight)
+    assert scorer._ended_since(silent) == []
     assert scorer.rank([fresh, report("cold", **tight)], second)[0].replica == "cold"
 
 
