@@ -118,4 +118,6 @@ def test_device_band_pools_three_replays(bench, specs):
     assert "device_band" not in alone.summary
     assert run.report.met == (not run.report.misses)
     # a capacity judged over the band is no higher than one judged as timed
-    assert banded.capacity("mux", specs, RATE).capacity <= bench.capacity("mux", specs, RATE).capacity
+    coarse = {"tolerance": 0.25, "max_points": 6}  # (a fine search of both takes most of a minute on a CPU)
+    judged = banded.capacity("mux", specs, RATE, **coarse).capacity
+    assert judged <= bench.capacity("mux", specs, RATE, **coarse).capacity
