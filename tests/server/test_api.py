@@ -178,7 +178,8 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize("endpoint, body, param", BAD_BODIES)
 def test_bad_input_gets_400_with_openai_error_body(server, endpoint, body, param):
-    error = error_of(httpx.post(f"{server.url}/v1/{endpoint}", json=body))
+    # (the first JSON schema of a process loads xgrammar and its view of the vocabulary: seconds on a busy CPU)
+    error = error_of(httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=120))
     assert error["param"] == param
 
 
@@ -203,13 +204,13 @@ def test_fields_clients_send_at_their_defaults_are_accepted(server, model_name):
                                {"role": "assistant", "content": "hello", "refusal": None},
                                {"role": "user", "content": "again"}],
         "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "tools": [],
-        "tool_choice": "none", "parallel_tool_calls": True, "max_completion_tokens": 2})
+        "tool_choice": "none", "parallel_tool_calls": True, "max_completion_tokens": 2}, timeout=60)
     assert chat.status_code == 200, chat.text
     text = httpx.post(server.url + "/v1/completions", json={**common, "prompt": "hi", "echo": False, "best_of": 1,
-                                                             "logprobs": None, "suffix": None})
+                                                             "logprobs": None, "suffix": None}, timeout=60)
     assert text.status_code == 200, text.text
     streamed = httpx.post(server.url + "/v1/completions", json={
-        **common, "prompt": [[5, 6, 7]], "stream": True, "stream_options": {"include_usage": True}})
+        **common, "prompt": [[5, 6, 7]], "stream": True, "stream_options": {"include_usage": True}}, timeout=60)
     assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
 
 
