@@ -22,10 +22,12 @@ from appliance.workload.traces import RequestSpec
 
 
 def kv_pages(model: ModelConfig, device: DeviceSpec, page_size: int = 16, utilization: float = 0.9,
-             dtype_bytes: int = 2) -> int:
-    """KV pages a GPU holds for `model`: `utilization` of its memory, less the weights (as `muxd serve` sizes it)."""
+             dtype_bytes: int = 2, budget_bytes: int | None = None) -> int:
+    """KV pages a GPU holds for `model`: `budget_bytes` where given (--kv-cache-memory), else `utilization` of its
+    memory less the weights (as `muxd serve` sizes it)."""
     per_page = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes * page_size
-    budget = utilization * device.memory_bytes - model.num_params() * dtype_bytes
+    budget = budget_bytes if budget_bytes is not None else \
+        utilization * device.memory_bytes - model.num_params() * dtype_bytes
     return max(1, int(budget // per_page))
 
 

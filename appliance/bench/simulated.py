@@ -102,13 +102,9 @@ def sim_config(serve: Config, model: ModelConfig, device: DeviceSpec) -> SimConf
     --num-gpu-blocks-override, else --kv-cache-memory, else --gpu-memory-utilization of the GPU less the weights;
     --block-size, --max-num-seqs, --max-waiting and prefix caching as given."""
     cache, sched = serve.cache, serve.scheduler
-    if cache.num_gpu_blocks_override is not None:
-        pages = cache.num_gpu_blocks_override
-    elif cache.kv_cache_bytes is not None:
-        per_page = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 * cache.block_size
-        pages = max(1, cache.kv_cache_bytes // per_page)
-    else:
-        pages = kv_pages(model, device, page_size=cache.block_size, utilization=cache.gpu_memory_utilization)
+    pages = cache.num_gpu_blocks_override or kv_pages(model, device, page_size=cache.block_size,
+                                                      utilization=cache.gpu_memory_utilization,
+                                                      budget_bytes=cache.kv_cache_bytes)
     return SimConfig(num_pages=pages, page_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
                      max_waiting=sched.max_waiting, enable_prefix_caching=cache.enable_prefix_caching)
 
