@@ -255,14 +255,18 @@ class _Builder:
 
     def _gemm_table(self, predictor: Predictor | None, rows: int) -> GemmTable | None:
         """The profile's GEMM row buckets (None without), padding graph-sized launches within this engine's
-        prefill graphs; a profile measured with other prefill graphs is used as it is, with a warning."""
+        prefill graphs. A profile measured with other prefill graphs is used as it is: with smaller ones (launches
+        the profile timed eagerly replay graphs here, the same kernels without the host's gaps between them) its
+        figures for those launches are upper bounds; with larger ones they are too short, which a warning says."""
         gemm = predictor.gemm if predictor is not None else None
         if gemm is None:
             return None
         if gemm.graph_rows != rows:
-            log.warning("the profile was measured with prefill graphs up to %d rows, this engine runs them up to %d: "
-                        "its prefill predictions may be off (profile again with the same --prefill-graph-rows)",
-                        gemm.graph_rows, rows)
+            warn = log.warning if rows < gemm.graph_rows else log.info
+            warn("the profile was measured with prefill graphs up to %d rows, this engine runs them up to %d: "
+                 "its prefill predictions for launches between the two are %s (profile again with the same "
+                 "--prefill-graph-rows to match them)", gemm.graph_rows, rows,
+                 "too short" if rows < gemm.graph_rows else "upper bounds")
             gemm = dataclasses.replace(gemm, graph_rows=rows)
             predictor.latency = dataclasses.replace(predictor.latency, gemm=gemm)
         return gemm

@@ -44,8 +44,8 @@ def test_unknown_setting_is_named():
 
 
 @pytest.mark.parametrize("settings, rows", [
-    (dict(), 512),                                                   # auto (mux on a GPU), serial, layerwise, ...
-    (dict(policy="mux"), 512),
+    (dict(), 2048),                                                  # auto (mux on a GPU), serial, layerwise, ...
+    (dict(policy="mux"), 2048),
     (dict(policy="chunked"), 2048),                                  # its budget: --max-num-batched-tokens (8192)
     (dict(policy="chunked", chunk_budget=1024), 1024),               # every mixed step of the budget, no larger
     (dict(policy="chunked", chunk_budget=4096), 2048),
@@ -55,7 +55,7 @@ def test_unknown_setting_is_named():
 ])
 def test_prefill_graph_rows_default_to_the_policys(settings, rows):
     """Chunked prefill's mixed steps replay piecewise graphs up to its budget (capped): launched eagerly they cost
-    the host 3-4x as much; the other policies keep 512 rows unless told."""
+    the host 3-4x as much; the other policies replay them up to 2048 rows unless told."""
     assert Config.flat(**settings).prefill_graph_rows == rows
 
 
