@@ -225,16 +225,16 @@ class Simulator:
     def _host_step(self, rows: int) -> float:
         return self.host.step(rows) if self.host is not None else 0.0
 
-    def _launch(self, layers: int) -> HostModel | None:
-        """The host of a step that launches `layers` prefill layers: the model, its launch time drawn around the
-        model's with a spread; what the launch took is handed to the planner, as the engine hands it the
-        executor's."""
+    def _launch(self, layers: int, tokens: int) -> HostModel | None:
+        """The host of a step that launches `layers` prefill layers of `tokens` tokens: the model, its launch time
+        drawn around the model's with a spread; what the launch took is handed to the planner, as the engine hands
+        it the executor's."""
         host = self.host
         if host is None or layers <= 0:
             return host
         if self.host_spread > 0:
             host = host.launch_scaled(float(self._rng.lognormal(0.0, self.host_spread)))
-        self.planner.observe_launch(1, layers, host.prefill_launch(layers))
+        self.planner.observe_launch(1, layers, host.prefill_launch(layers, tokens), host.replays_graphs(tokens))
         return host
 
     def _load(self, plan: StepPlan) -> DecodeLoad:
@@ -256,9 +256,10 @@ class Simulator:
             if plan.prefill_after_decode and plan.decode and layers:  # as the engine hands the executor's
                 self.planner.observe_full(prefill_items(plan.prefill), layers, after)
             duration = self.timer.decode_ms(self._load(plan)) + after
-        host = self._launch(layers)
+        tokens = sum(w.num_tokens for w in plan.prefill)
+        host = self._launch(layers, tokens)
         if host is not None:  # the step's host time and its layer launches, after its tokens or hidden
-            duration = host.gap(rows, duration, layers)
+            duration = host.gap(rows, duration, layers, tokens)
         self.clock.now = end = start + duration / 1e3
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)
         for work in plan.prefill:
@@ -274,9 +275,11 @@ class Simulator:
             items = prefill_items(plan.prefill)
             self.stream.append(_Launch(start, start + duration / 1e3, plan.prefill, items))
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill else 0
-        host = self._launch(layers)
+        tokens = sum(w.num_tokens for w in plan.prefill)
+        host = self._launch(layers, tokens)
         if not plan.decode:
-            self.clock.now += (self._host_step(0) + (host.prefill_launch(layers) if host is not None else 0.0)) / 1e3
+            self.clock.now += (self._host_step(0) + (host.prefill_launch(layers, tokens) if host is not None
+                                                     else 0.0)) / 1e3
             self._wait()
             return
         busy = next((launch for launch in self.stream if launch.start <= now < launch.end), None)
@@ -286,7 +289,7 @@ class Simulator:
         if concurrent:  # the measured step refines the planner's contention guard
             self.planner.observe_decode(load, plan.decode_sms, concurrent, duration)
         if host is not None:  # the host launches the prefill layers while the decode kernels run
-            duration = host.gap(len(plan.decode), duration, layers)
+            duration = host.gap(len(plan.decode), duration, layers, tokens)
         self.clock.now = end = now + duration / 1e3
         self._complete_until(end)
         self._tokens(self.sched.update_decode(plan, {rid: SAMPLED_TOKEN for rid in plan.decode}), end)

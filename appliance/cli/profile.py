@@ -186,7 +186,8 @@ def profile_command(app: typer.Typer) -> None:
                     result.profile.host = host.as_dict()
                     console.print(f"host time per step: {host.step_ms:.2f} ms + {host.per_row_us:.1f} us per decode "
                                   f"row; per prefill launch {host.launch_ms:.2f} ms + {host.per_layer_ms:.3f} ms per "
-                                  "layer")
+                                  f"layer eagerly, {host.graph_launch_ms:.2f} ms + {host.graph_per_layer_ms:.3f} ms "
+                                  "per layer replaying graphs")
                 save_profile(result.profile, result.path)
                 result.elapsed_s = time.perf_counter() - started  # the whole run, the replay included
                 console.print("serving factors (serving time / profiled time): "

@@ -160,7 +160,7 @@ class Engine:
         if self.executor.last_launch_ms is not None:  # the host time of this step's prefill launches
             groups = prefill_launches(plan)
             self.scheduler.planner.observe_launch(len(groups), sum(end - start for (start, end), _ in groups),
-                                                  self.executor.last_launch_ms)
+                                                  self.executor.last_launch_ms, self.executor.last_launch_graphs)
         if not plan.empty:
             if (plan.mixed and plan.prefill) or launched.beside:  # (what the planner learns from: see _observe)
                 launched.load = decode_load(self.scheduler.requests, plan.decode)

@@ -65,6 +65,7 @@ class Executor:
         self._previous: LaunchedStep | None = None  # the latest step with tokens to read back
         self._tokens_at = 0.0  # when the latest collected step's tokens reached the host
         self.last_launch_ms: float | None = None  # host time the latest step spent launching prefill layers
+        self.last_launch_graphs = False  # whether every one of those launches replayed piecewise graphs
         self._split_decodes = 0  # decode steps run on a split partition
         self._gemm: GemmTable | None = None
         self._max_rows = 0
@@ -202,6 +203,11 @@ class Executor:
                      for _, works in prefill_launches(plan))
         return Decisions(part, mixed_graphs, rows)
 
+    def _replays(self, part: Partition, rows: int | None) -> bool:
+        """Whether a prefill launch decided to run on `rows` rows replays the partition's piecewise graphs."""
+        graphs = self._prefill_graphs.get(part.name)
+        return graphs is not None and rows is not None and self.runner.use_graphs and graphs.holds(rows)
+
     @torch.inference_mode()
     def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions,
             hold_sampling: bool = False) -> LaunchedStep:
@@ -250,6 +256,7 @@ class Executor:
             # counted after this step's prefill launches: they run beside this decode step too (on the other SMs)
             self._split_decodes += bool(plan.decode) and part is not self.partitions.full
             self.last_launch_ms = step.launch_s * 1e3 if plan.prefill else None
+            self.last_launch_graphs = bool(groups) and all(self._replays(part, rows) for rows in decisions.prefill_rows)
             if part is not self.partitions.full:
                 step.beside = self.inflight.running_works()
         if step.rows:

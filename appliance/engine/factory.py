@@ -191,6 +191,8 @@ class _Builder:
         if predictor is not None and executor.multiplexed:
             predictor.decode_partitions = [p.decode_sms for p in partitions.splits]
         graph_rows = self.graph_rows = self._prefill_graph_rows(executor.runner)
+        if predictor is not None:  # the host launches those prefills as graph replays, the rest eagerly
+            predictor.host = predictor.host.with_graphs(graph_rows)
         # (chunked runs no prefill launch of its own: its mixed steps replay the graphs at their own sizes)
         table = self._gemm_table(predictor, graph_rows) if self.config.scheduler.policy != "chunked" else None
         executor.pad_prefills(table, self.config.scheduler.max_num_batched_tokens,

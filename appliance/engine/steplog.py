@@ -75,6 +75,7 @@ class StepLog:
                 row["host_launch_ms"] = (time.perf_counter() - t0) * 1e3
                 row["partition"] = executor.current.name
                 row["prefill_launch_ms"] = executor.last_launch_ms
+                row["prefill_graphs"] = executor.last_launch_graphs
                 row.update(self._predicted(plan, requests, step))
                 if step.rows:
                     self._rows[id(step)] = row

@@ -101,10 +101,10 @@ class Predictor:
         if items and layers > 0:
             self.full.observe(self.prefill_solo_ms(items, None, layers), items, measured_ms)
 
-    def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
+    def observe_launch(self, launches: int, layers: int, measured_ms: float, graphs: bool = False) -> None:
         """Online refinement of the host model from `launches` prefill launches of `layers` layers in all that took
-        `measured_ms` of host time."""
-        self.host = self.launches.observe(self.host, launches, layers, measured_ms)
+        `measured_ms` of host time, eager or (`graphs`) replaying piecewise graphs."""
+        self.host = self.launches.observe(self.host, launches, layers, measured_ms, graphs)
 
     def observe_mixed(self, items: Sequence[PrefillItem], load: DecodeLoad, measured_ms: float) -> None:
         """Online refinement from a measured mixed step (prompt chunks `items` beside the decode rows `load`)."""

@@ -91,7 +91,9 @@ class ProfileFile(_Model):
     serving: dict[Literal["decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k",
                           "mixed_floor"], float] = {}
     # the host's share of a step (host.py), fitted from a calibration replay; None: the prior
-    host: dict[Literal["step_ms", "per_row_us", "launch_ms", "per_layer_ms"], float] | None = None
+    # (graph_launch_ms, graph_per_layer_ms: launches replaying piecewise graphs; absent: derived from the eager ones)
+    host: dict[Literal["step_ms", "per_row_us", "launch_ms", "per_layer_ms", "graph_launch_ms",
+                       "graph_per_layer_ms"], float] | None = None
     # the longest prompt measured: its new tokens, its new + reused tokens; past it the predictor
     # scales the edge's time as the roofline prior does (solo.py); None: the fit extrapolates on its own
     measured: dict[Literal["prefill_new", "prefill_kv"], int] | None = None

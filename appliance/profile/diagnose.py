@@ -219,20 +219,22 @@ def _own_device_ms(step: dict) -> float:
 
 
 def _launch_host(steps: list[dict]) -> None:
-    """Print the host time of the steps' prefill launches, and a line through it: a fixed part per step's launches
-    and a part per layer launched (what the host model's `launch_ms` and `per_layer_ms` stand for)."""
-    rows = [(s["layers"], s["prefill_launch_ms"]) for s in steps if s.get("prefill_launch_ms") is not None
-            and s.get("layers")]
-    if len(rows) < 2:
-        return
-    layers, ms = (np.array(v, dtype=float) for v in zip(*rows))
-    p10, p50, p90, p99 = np.percentile(ms, [10, 50, 90, 99])
-    line = ""
-    if np.ptp(layers) > 0:
-        slope, fixed = np.polyfit(layers, ms, 1)
-        line = f"; least squares {fixed:.2f} ms + {slope:.3f} ms a layer"
-    print(f"  prefill launches' host time: {len(rows)} steps, p10 {p10:.2f} ms, median {p50:.2f}, p90 {p90:.2f}, "
-          f"p99 {p99:.2f}{line}")
+    """Print the host time of the steps' prefill launches, eager and replaying graphs apart, and a line through
+    each: a fixed part per step's launches and a part per layer launched (what the host model's `launch_ms` and
+    `per_layer_ms`, and their graph_ twins, stand for)."""
+    for graphs in (False, True):
+        rows = [(s["layers"], s["prefill_launch_ms"]) for s in steps if s.get("prefill_launch_ms") is not None
+                and s.get("layers") and bool(s.get("prefill_graphs")) == graphs]
+        if len(rows) < 2:
+            continue
+        layers, ms = (np.array(v, dtype=float) for v in zip(*rows))
+        p10, p50, p90, p99 = np.percentile(ms, [10, 50, 90, 99])
+        line = ""
+        if np.ptp(layers) > 0:
+            slope, fixed = np.polyfit(layers, ms, 1)
+            line = f"; least squares {fixed:.2f} ms + {slope:.3f} ms a layer"
+        print(f"  prefill launches' host time ({'replaying graphs' if graphs else 'eager'}): {len(rows)} steps, "
+              f"p10 {p10:.2f} ms, median {p50:.2f}, p90 {p90:.2f}, p99 {p99:.2f}{line}")
 
 
 def _profile_steps(engine) -> cProfile.Profile:

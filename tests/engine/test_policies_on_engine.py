@@ -93,7 +93,8 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
     if policy == "mux-chunks":  # every mixed step's measured time is handed to the planner (online refinement)
         engine.scheduler.planner.observe_mixed = lambda items, load, ms: measured.append((items, load, ms))
     if policy == "mux-spatial":  # and every step's prefill launches, with their host time
-        engine.scheduler.planner.observe_launch = lambda launches, layers, ms: measured.append((launches, layers, ms))
+        engine.scheduler.planner.observe_launch = lambda launches, layers, ms, graphs: measured.append(
+            (launches, layers, ms, graphs))
     inner = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: seen.append(inner()) or seen[-1]
     assert staggered(engine) == reference
@@ -108,10 +109,10 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
         assert spatial and all(p.decode_sms == 32 and p.prefill_sms == 100 for p in spatial)
         assert any(w.layer_end - w.layer_start == 1 for p in spatial for w in p.prefill)
         launched = [p for p in seen if p.prefill and not p.mixed]
-        assert [(launches, layers) for launches, layers, _ in measured] == [
+        assert [(launches, layers) for launches, layers, _, _ in measured] == [
             (len(groups), sum(end - start for (start, end), _ in groups))
             for groups in (prefill_launches(p) for p in launched)]
-        assert all(ms > 0 for _, _, ms in measured)
+        assert all(ms > 0 and graphs is False for _, _, ms, graphs in measured)  # no graphs on a CPU
     if policy == "pdmux":  # short prompts: every layer in one launch, batches formed one at a time
         assert all((w.layer_start, w.layer_end) == (0, engine.model.config.num_layers) for p in seen for w in p.prefill)
         assert any(p.decode_sms is not None and p.prefill for p in seen)  # a split group (ignored on the CPU)

@@ -74,3 +74,44 @@ def test_launches_measured_while_serving_replace_the_profiled_launch_times():
     assert cost.observe(model, launches=0, layers=0, measured_ms=3.0) is model  # nothing launched: nothing learned
     assert cost.observe(model, launches=1, layers=10, measured_ms=80.0) is model  # a compile, or a CPU engine
     assert HostModel(1.0, 10.0, 0.5, 2.0).scaled(1.5) == HostModel(1.5, 15.0, 0.75, 3.0)
+
+
+def test_launches_that_replay_graphs_are_priced_and_learned_apart_from_eager_ones():
+    """A prefill launch of at most the engine's graph rows replays piecewise graphs, a layer at a fraction of an
+    eager one's host time (served on an H200: 0.18-0.23 against 0.8-1.2 ms): the model prices each kind with its own
+    line, learns the two from their own launches, and a profile without graph figures takes its eager ones scaled
+    by the prior's ratio."""
+    host = HostModel(step_ms=1.0, per_row_us=0.0, launch_ms=2.0, per_layer_ms=1.0).with_loop(True)
+    assert (host.graph_launch_ms, host.graph_per_layer_ms) == (2.0, pytest.approx(0.375))  # derived
+    assert not host.replays_graphs(512)  # no graphs captured (a CPU engine): every launch eager
+    graphs = host.with_graphs(2048)
+    assert graphs.replays_graphs(2048) and not graphs.replays_graphs(2049) and not graphs.replays_graphs(0)
+    assert graphs.prefill_launch(32, tokens=1000) == pytest.approx(2.0 + 0.375 * 32)
+    assert graphs.prefill_launch(32, tokens=4000) == pytest.approx(2.0 + 32.0)
+    assert graphs.prefill_launch(0, tokens=1000) == 0.0
+    assert graphs.gap(rows=100, decode_ms=5.0, layers=32, tokens=4000) == pytest.approx(1.0 + 34.0)
+    assert graphs.gap(rows=100, decode_ms=5.0, layers=32, tokens=1000) == pytest.approx(1.0 + 14.0)
+    assert graphs.launch_costs(1000) == (2.0, pytest.approx(0.375)) and graphs.launch_costs(4000) == (2.0, 1.0)
+    assert "graph_rows" not in graphs.as_dict() and HostModel.from_dict(graphs.as_dict()) == HostModel(
+        1.0, 0.0, 2.0, 1.0, 2.0, 0.375, "profile")
+    assert graphs.launch_scaled(2.0).prefill_launch(32, tokens=1000) == pytest.approx(2 * (2.0 + 0.375 * 32))
+    cost, model = LaunchCost(), graphs
+    rng = np.random.default_rng(1)
+    for _ in range(2 * LAUNCH_WINDOW):
+        layers, eager = int(rng.integers(2, 33)), bool(rng.integers(0, 2))
+        ms = (1.5 + 1.1 * layers) if eager else (1.8 + 0.2 * layers)
+        model = cost.observe(model, launches=1, layers=layers, measured_ms=ms, graphs=not eager)
+    assert model.per_layer_ms == pytest.approx(1.1, abs=0.01) and model.launch_ms == pytest.approx(1.5, abs=0.05)
+    assert model.graph_per_layer_ms == pytest.approx(0.2, abs=0.01)
+    assert model.graph_launch_ms == pytest.approx(1.8, abs=0.05)
+    # a step log that says which launches replayed graphs fits the two apart; one that does not, eager alone
+    steps = [{"plan_ms": 0.2, "gap_ms": 0.5, "launch_ms": 10.0, "decode": 8, "layers": layers,
+              "prefill_launch_ms": (1.0 + 1.0 * layers) if i % 2 else (1.0 + 0.25 * layers),
+              "prefill_graphs": not i % 2}
+             for i, layers in enumerate(int(x) for x in rng.integers(2, 33, size=200))]
+    fitted = fit_host(steps)
+    assert fitted.per_layer_ms == pytest.approx(1.0, abs=0.01) and fitted.graph_per_layer_ms == pytest.approx(0.25,
+                                                                                                             abs=0.01)
+    old = fit_host([{k: v for k, v in s.items() if k != "prefill_graphs"} for s in steps if not s["prefill_graphs"]])
+    assert old.per_layer_ms == pytest.approx(1.0, abs=0.01)
+    assert old.graph_per_layer_ms == pytest.approx(old.per_layer_ms * 0.375)

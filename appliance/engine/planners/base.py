@@ -40,8 +40,9 @@ class Planner:
     def observe_full(self, items: list[PrefillItem], layers: int, measured_ms: float) -> None:
         """Prefill layers the executor timed on all SMs after a decode step (a temporal step)."""
 
-    def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
-        """Host time the executor spent launching a step's prefill layers (`launches` launches, `layers` in all)."""
+    def observe_launch(self, launches: int, layers: int, measured_ms: float, graphs: bool = False) -> None:
+        """Host time the executor spent launching a step's prefill layers (`launches` launches, `layers` in all;
+        `graphs`: every launch replayed piecewise graphs)."""
 
     def observe_tokens(self, gaps: list[tuple[Request, float]], first: list[tuple[Request, float]]) -> None:
         """Tokens as the engine emitted them: each gap since the request's previous token, and each first token's

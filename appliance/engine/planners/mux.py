@@ -154,10 +154,10 @@ class MuxPlanner:
         if t_prefill * queued / p.num_layers < self.options.inflight_steps * t_decode:
             k = math.ceil(t_decode * p.num_layers / t_prefill) if t_prefill > 0 else p.num_layers
             # the host launches these layers while decode runs: no more than the step can hide within the target
-            host = p.host
-            room = host.launch_room(load.batch_size, t_decode, tbt) - host.launch_ms
-            if host.per_layer_ms > 0:
-                k = min(k, int(room // host.per_layer_ms))
+            fixed, per_layer = p.host.launch_costs(sum(i.new for i in items))
+            room = p.host.launch_room(load.batch_size, t_decode, tbt) - fixed
+            if per_layer > 0:
+                k = min(k, int(room // per_layer))
             works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
         return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
 
@@ -174,8 +174,10 @@ class MuxPlanner:
         per_layer = p.prefill_ms(items) / p.num_layers
         if per_layer <= 0:
             return 0
+        tokens = sum(i.new for i in items)
+
         def gap(layers: int) -> float:  # the host launches the layers too: their launches hide within the gap
-            return p.host.gap(load.batch_size, t_decode + layers * per_layer, layers)
+            return p.host.gap(load.batch_size, t_decode + layers * per_layer, layers, tokens)
 
         k = min(p.num_layers - start, int((p.host.device_room(load.batch_size, tbt) - t_decode) // per_layer))
         while k > 0 and gap(k) > tbt:
@@ -187,7 +189,7 @@ class MuxPlanner:
             t_split = p.decode_ms(load, d, items)
             split = min(p.num_layers - start,
                         p.host.gap(load.batch_size, t_split) * p.num_layers / p.prefill_ms(items, p.sm_count - d))
-            step = p.host.gap(load.batch_size, t_split, split)  # the host launches the split's layers within it too
+            step = p.host.gap(load.batch_size, t_split, split, tokens)  # the host launches the split's layers too
             # where the host's launches set both steps' length the two advance alike: a tie (to rounding) goes to
             # decode on all SMs, none of it beside prefill
             if split / step > (1 + 1e-9) * k / gap(k):
@@ -324,9 +326,9 @@ class MuxPlanner:
         """Prefill layers measured on all SMs after decode: online refinement of what they cost while serving."""
         self.predictor.observe_full(items, layers, measured_ms)
 
-    def observe_launch(self, launches: int, layers: int, measured_ms: float) -> None:
+    def observe_launch(self, launches: int, layers: int, measured_ms: float, graphs: bool = False) -> None:
         """Prefill launches timed on the host while serving: online refinement of the host's per-layer time."""
-        self.predictor.observe_launch(launches, layers, measured_ms)
+        self.predictor.observe_launch(launches, layers, measured_ms, graphs)
 
     def observe_tokens(self, gaps: list[tuple[Request, float]], first: list[tuple[Request, float]]) -> None:
         """What clients see, per SLO class, as fractions of the class's targets: the controllers' input."""
@@ -360,7 +362,9 @@ class MuxPlanner:
         return {"stats": stats, "contention_cells": len(p.guard.observations),
                 "control": self.control_state(),
                 "host": {"launch_ms": p.host.launch_ms, "per_layer_ms": p.host.per_layer_ms,
-                         "launches": len(p.launches.window)},
+                         "launches": len(p.launches.windows[False]), "graph_launch_ms": p.host.graph_launch_ms,
+                         "graph_per_layer_ms": p.host.graph_per_layer_ms,
+                         "graph_launches": len(p.launches.windows[True])},
                 **{
             name: {"flat": model.flat, "per_1k": model.per_1k, "observations": len(model.window)}
             for name, model in (("split", p.split), ("mixed", p.mixed), ("full", p.full))}}
