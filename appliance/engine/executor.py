@@ -113,7 +113,13 @@ class Executor:
 
         for p in self.partitions.partitions:
             backend = self._prefill_backends.get(p.name, runner.backend)
-            graphs = PrefillGraphs(runner.model, runner.kv_cache, backend, list(sizes), stream=p.prefill_stream)
+            # a split's prefill launches pad to its GEMM table's targets alone (mixed steps, which pad to the next
+            # captured size, run on all SMs): the other buckets would never replay
+            kept = sizes
+            if self._gemm is not None and p is not self.partitions.full:
+                targets = set(self._gemm.pad_targets(p.prefill_sms or self._null_sms))
+                kept = tuple(r for r in sizes if r in targets) or sizes
+            graphs = PrefillGraphs(runner.model, runner.kv_cache, backend, list(kept), stream=p.prefill_stream)
             graphs.capture(metadata_for)
             self._prefill_graphs[p.name] = graphs
 

@@ -81,6 +81,12 @@ class GemmTable:
         """The buckets that launches run as CUDA graphs."""
         return tuple(r for r in self.rows if r <= self.graph_rows)
 
+    def pad_targets(self, sms: int) -> tuple[int, ...]:
+        """The buckets that some launch on `sms` SMs pads to (a bucket slower than a larger one never is: on 20 SMs
+        of an H200 a third of them); every bucket on a partition the table does not have."""
+        best = self._best.get(sms)
+        return self.rows if best is None else tuple(self.rows[j] for j in sorted(set(best)))
+
     def to_dict(self) -> dict:
         return {"rows": list(self.rows), "ms": {str(k): list(v) for k, v in sorted(self.ms.items())},
                 "graph_rows": self.graph_rows}

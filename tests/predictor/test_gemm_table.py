@@ -60,6 +60,19 @@ def test_launches_that_run_as_graphs_pad_only_within_the_graph_sizes():
     assert GemmTable.from_dict({"rows": [32], "ms": {"20": [1.0]}}).graph_rows == 0  # a table from before graphs
 
 
+@pytest.mark.parametrize("graph_rows", [0, 480, 1280])
+def test_only_the_buckets_some_launch_pads_to_need_a_graph(graph_rows):
+    """A split partition captures prefill graphs at its pad targets alone: every launch pads to one of them, and a
+    bucket slower than a larger one (448 and 480 rows on 20 SMs, past the graphs' edge) is none."""
+    table = GemmTable(ROWS, {20: tuple(H200_20)}, graph_rows=graph_rows)
+    targets = table.pad_targets(20)
+    assert {table.padded_rows(n, 20) for n in range(1, 1281)} == set(targets)
+    if graph_rows != 480:
+        assert 448 not in targets and 480 not in targets and 512 in targets
+    assert len(targets) < len(ROWS)
+    assert table.pad_targets(52) == ROWS  # a partition the table does not have: every bucket
+
+
 @pytest.mark.parametrize("rows, ms, message", [
     ((), {}, "ascending"),
     ((64, 32), {20: (1.0, 2.0)}, "ascending"),
