@@ -269,9 +269,16 @@ class ModelRunner:
         return batch
 
     def _logits_at(self, hidden: torch.Tensor, residual: torch.Tensor | None, rows: np.ndarray) -> torch.Tensor:
-        index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-        if self.device.type == "cuda":  # a blocking copy would wait for every kernel queued on the stream
-            index = index.pin_memory().to(self.device, non_blocking=True)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self.device.type == "cuda":
+            # through the batches' pinned ring: a blocking copy would wait for every kernel queued on the stream,
+            # and a fresh pinned block (`pin_memory()`) is one more host allocation a step
+            staging = self.batches.staging
+            packed, _ = staging.stage([rows])
+            index = packed.to(self.device, non_blocking=True)
+            staging.done()
+        else:
+            index = torch.from_numpy(rows)
         return self.model.compute_logits(hidden[index], None if residual is None else residual[index])
 
     def _layers(self, batch: TokenBatch, start: int, end: int,
