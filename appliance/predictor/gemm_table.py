@@ -39,7 +39,7 @@ class GemmTable:
     rows: tuple[int, ...]
     ms: dict[int, tuple[float, ...]]
     graph_rows: int = 0
-    _best: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    _best: dict[int, list[int]] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.rows or list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:

@@ -2,6 +2,7 @@
 a prefill whose GEMM time is a spiky staircase, and the profile file that carries the table."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -57,6 +58,9 @@ def test_launches_that_run_as_graphs_pad_only_within_the_graph_sizes():
     assert all(table.padded_rows(n, 20) > 480 for n in range(481, 1281))
     back = GemmTable.from_dict(json.loads(json.dumps(table.to_dict())))
     assert back == table and back.padded_rows(445, 20) == 448
+    # the engine takes the table with its own graph size (dataclasses.replace): the original keeps its padding
+    other = dataclasses.replace(table, graph_rows=0)
+    assert other.padded_rows(445, 20) == 512 and table.padded_rows(445, 20) == 448
     assert GemmTable.from_dict({"rows": [32], "ms": {"20": [1.0]}}).graph_rows == 0  # a table from before graphs
 
 
