@@ -87,7 +87,7 @@ class SoloModel:
     prefill_plan: PrefillPlan | None = None
     measured: MeasuredRange | None = None
     prior: LatencyModel | None = None
-    _keys: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    _keys: dict[str, list[int]] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
