@@ -26,6 +26,9 @@ pgraphs=$?
 PYTHONPATH=.:${PYTHONPATH:-} python3 tests/gpu/constrained_decoding_bench.py --json "$out/constrained.json" > "$out/constrained.md" \
     2>"$out/constrained.log"
 constrained=$?
+PYTHONPATH=.:${PYTHONPATH:-} python3 tests/gpu/decode_attention_bench.py --json "$out/decode-attention.json" \
+    > "$out/decode-attention.md" 2>"$out/decode-attention.log"
+attention=$?
 proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
     trace=${@: -1}
@@ -47,6 +50,7 @@ echo "| warm start | $(grep -o 'start-up: .*' "$out/startup-warm.log") |"
 echo "| bench engine --multiplex | exit $mux |"
 echo "| prefill graphs bench | exit $pgraphs |"
 echo "| constrained decoding bench | exit $constrained |"
+echo "| decode attention bench | exit $attention |"
 echo "| muxd profile | $proof |"
 echo
 cat "$out/multiplex.md" 2>/dev/null
@@ -54,6 +58,8 @@ echo
 cat "$out/prefill-graphs.md" 2>/dev/null
 echo
 cat "$out/constrained.md" 2>/dev/null
+echo
+cat "$out/decode-attention.md" 2>/dev/null
 echo
 cat "$out/engine-bench.md" 2>/dev/null
 [ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$mux" = 0 ]
