@@ -376,6 +376,14 @@ class Config:
             return min(DEFAULT_GRAPH_ROWS, self.scheduler.tuned_chunk_budget or DEFAULT_GRAPH_ROWS)
         return DEFAULT_GRAPH_ROWS
 
+    @property
+    def captured_graph_rows(self) -> int:
+        """The prefill graph rows an engine on a GPU captures: --prefill-graph-rows' value, never above a step's
+        prefill tokens; 0 with --no-cuda-graph (the engine also needs CUDA and a graph-capable attention backend)."""
+        if not self.runtime.cuda_graph:
+            return 0
+        return min(self.prefill_graph_rows, self.scheduler.max_num_batched_tokens)
+
     def resolved_dtype(self) -> str | None:
         """None keeps the checkpoint's dtype (GPU default); the CPU default is float32, which CPUs run fastest."""
         if self.model.dtype != "auto":

@@ -50,8 +50,7 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     # the engine's loop: overlapped unless told otherwise (or rank 0 of a tensor-parallel engine)
     predictor.host = predictor.host.with_loop(serve.runtime.async_scheduling and tp == 1)
     # prefill launches up to the engine's graph size replay graphs on a GPU (the host's cheaper launches)
-    predictor.host = predictor.host.with_graphs(min(serve.prefill_graph_rows, options.max_num_batched_tokens)
-                                                if serve.runtime.cuda_graph else 0)
+    predictor.host = predictor.host.with_graphs(serve.captured_graph_rows)
     try:
         device = device_spec(gpu)
     except ConfigError:

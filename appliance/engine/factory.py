@@ -251,9 +251,7 @@ class _Builder:
     def _prefill_graph_rows(self, runner: ModelRunner) -> int:
         """Prefill launches of up to this many tokens run as piecewise graphs (0: none, as without CUDA, decode
         graphs or a graph-capable attention backend; never above a step's prefill tokens)."""
-        rt = self.config.runtime
-        capable = rt.cuda_graph and self.cuda and runner.backend.supports_cuda_graph
-        return min(self.config.prefill_graph_rows, self.config.scheduler.max_num_batched_tokens) if capable else 0
+        return self.config.captured_graph_rows if self.cuda and runner.backend.supports_cuda_graph else 0
 
     def _gemm_table(self, predictor: Predictor | None, rows: int) -> GemmTable | None:
         """The profile's GEMM row buckets (None without), padding graph-sized launches within this engine's
