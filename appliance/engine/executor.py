@@ -420,8 +420,8 @@ class Executor:
             host, logprobs = None, {}
             if ids:  # read back without waiting: poll() reads them once the event has fired
                 tokens, logprobs = self.runner.sample(ids, logits, requests)
-                host = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
+                host = self.inflight.readback(len(ids))
+                host[:len(ids)].copy_(tokens, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         launch = PrefillLaunch(works, ids, host, event, stream, part.name, started, began, part.prefill_sms,

@@ -25,6 +25,16 @@ class PrefillsInFlight:
         self._made_on: dict[str, torch.cuda.Stream | None] = {}  # the stream of each request's latest prefill layers
         self.finished: deque[PrefillObservation] = deque(maxlen=1024)  # the latest finished prefill launches
         self.finished_seen = 0  # how many were ever appended (a reader keeps its own mark)
+        self._spare: list[torch.Tensor] = []  # pinned read-back blocks no launch holds
+
+    def readback(self, count: int) -> torch.Tensor:
+        """A pinned host block of at least `count` token ids for a launch's sampled tokens, reused once the launch that
+        held it has been polled (a fresh pinned allocation per launch would be a host allocation on the launch path,
+        which cannot reuse a block whose copy is still queued behind prefill layers)."""
+        for i, block in enumerate(self._spare):
+            if block.numel() >= count:
+                return self._spare.pop(i)
+        return torch.empty(max(count, 64), dtype=torch.long, pin_memory=True)
 
     def continue_on(self, works: list[PrefillWork], stream: torch.cuda.Stream | None,
                     use_partials_on: Callable[[str, torch.cuda.Stream | None], None]) -> None:
@@ -65,7 +75,10 @@ class PrefillsInFlight:
             if not launch.done():
                 pending.append(launch)
                 continue
-            tokens = dict(zip(launch.ids, launch.tokens.tolist())) if launch.tokens is not None else {}
+            tokens = {}
+            if launch.tokens is not None:
+                tokens = dict(zip(launch.ids, launch.tokens[:len(launch.ids)].tolist()))
+                self._spare.append(launch.tokens)  # its copy has run: the block can take another launch's tokens
             done += [(w, tokens.get(w.request_id), launch.logprobs.get(w.request_id)) for w in launch.works]
             for w in launch.works:
                 if self._last.get(w.request_id) is launch:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from appliance.attention.pinned import HOST_WAITS
 from appliance.engine.partitions import Partition
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request
@@ -62,7 +63,7 @@ class TokenBuffer:
         self._slot = (self._slot + 1) % len(self._host)
         event = self._events[self._slot]
         if event is not None:
-            event.synchronize()  # the step that last used this buffer was read two launches ago: at once
+            HOST_WAITS.wait(event)  # the step that last used this buffer was read two launches ago: at once
         host = self._host[self._slot][:count]
         host.copy_(self.ids[:count], non_blocking=self._cuda)
         if not self._cuda:
@@ -141,8 +142,8 @@ class LaunchedStep:
 @dataclass
 class PrefillLaunch:
     """Prefill layers launched together on a partition's prefill stream: what they compute, the tokens of the chunks
-    that end a prompt (pinned host memory, valid once the event has fired) and their log-probabilities, and the event
-    after their last kernel."""
+    that end a prompt (the first len(ids) of a pinned host block, valid once the event has fired) and their
+    log-probabilities, and the event after their last kernel."""
 
     works: list[PrefillWork]
     ids: list[str]

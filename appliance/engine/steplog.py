@@ -1,12 +1,14 @@
 """A log of every engine step, for diagnosis and serving calibration: planning time, launch time (`launch_ms`, the
 step's wall time: for a decode or mixed step, from its launch, or from the previous step's tokens when it waited
 behind them in the overlapped loop, to its tokens on the host; `host_launch_ms`, the host time the launch itself
-took), the device time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step was launched
-before its tokens were read (`overlapped`), the host time since the previous step's launch ended less the time spent
-reading tokens (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode
-partition and prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside
-what the executor measured; a temporal step also has the device time of its prefill layers after decode
-(`after_ms`, `after_items`).
+took; `host_wait_ms`, the part of it blocked on a device event: a full staging ring, a token buffer still being
+read; where not zero, `device_allocs`, `device_frees`, `alloc_retries`, `syncs`: the caching allocator's calls to
+the driver meanwhile), the device time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step
+was launched before its tokens were read (`overlapped`), the host time since the previous step's launch ended less
+the time spent reading tokens (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the
+plan's mode, decode partition and prefill layers, the prefill launches in flight, and, given a predictor, its figure
+for the step beside what the executor measured; a temporal step also has the device time of its prefill layers
+after decode (`after_ms`, `after_items`).
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
 executor; `detach` restores them; `log_predictor` picks the predictor for an engine's log.
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from appliance.attention.pinned import HOST_WAITS
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import load_predictor
 from appliance.predictor.shapes import decode_load, prefill_items
@@ -35,6 +38,19 @@ def log_predictor(engine: Any) -> Predictor | None:
     device = engine.kv_cache.data.device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return load_predictor(sched.profile, engine.model.config, gpu, sched.profile_file)
+
+
+ALLOCATOR_COUNTS = {"device_allocs": "num_device_alloc", "device_frees": "num_device_free",
+                    "alloc_retries": "num_alloc_retries", "syncs": "num_sync_all_streams", "ooms": "num_ooms"}
+
+
+def _allocations() -> dict[str, int]:
+    """The caching allocator's counts of device allocations, frees, retries and stream syncs (a retry frees cached
+    blocks, which waits for the device); empty without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTS.items()}
 
 
 class StepLog:
@@ -68,11 +84,14 @@ class StepLog:
             return plan
 
         def timed_start(plan, requests, partition=None, **kw):
+            allocs, waited = _allocations(), HOST_WAITS.seconds
             t0 = time.perf_counter()
             step = start(plan, requests, partition, **kw)
             if self.steps:
                 row = self.steps[-1]
                 row["host_launch_ms"] = (time.perf_counter() - t0) * 1e3
+                row["host_wait_ms"] = (HOST_WAITS.seconds - waited) * 1e3
+                row.update({k: v - allocs[k] for k, v in _allocations().items() if v != allocs[k]})
                 row["partition"] = executor.current.name
                 row["prefill_launch_ms"] = executor.last_launch_ms
                 row["prefill_graphs"] = executor.last_launch_graphs

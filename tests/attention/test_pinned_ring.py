@@ -2,7 +2,7 @@
 copy waits behind queued work, the ring takes a new buffer rather than make the host wait, up to its cap."""
 from __future__ import annotations
 
-from appliance.attention.pinned import Ring
+from appliance.attention.pinned import HOST_WAITS, Ring
 
 
 class Copy:
@@ -57,5 +57,7 @@ def test_without_growth_the_host_waits_for_the_copy():
     events: list[Copy] = []
     ring = Ring([object(), object()], max_items=8, new_event=lambda: events.append(Copy()) or events[-1])
     stage(ring), stage(ring)
+    waits = HOST_WAITS.count
     slot = ring.acquire(grow=False)  # a buffer this ring does not own the writes to: its guard is the wait
     assert slot == 0 and events[0].waited == 1 and len(ring.items) == 2
+    assert HOST_WAITS.count == waits + 1  # counted as host time blocked on the device (the step log reports it)

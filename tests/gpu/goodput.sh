@@ -39,7 +39,7 @@ run_job() {
     extra=$(echo $extra)  # trimmed
     maxlen=${MAX_MODEL_LEN:-32768}
     [ "$trace" = chat-short ] && maxlen=${MAX_MODEL_LEN:-8192}
-    name="$(basename "${trace%.*}")-$policy-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
+    name="$(basename "${trace%.*}")-$policy${budget:+$budget}-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
     # the same job on two GPUs (a repeat) keeps both results
     [ "$(printf '%s\n' "${jobs[@]}" | grep -c "^[0-9]*:${1#*:}$")" -gt 1 ] && name="$name-gpu$gpu"
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
