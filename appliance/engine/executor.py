@@ -65,7 +65,7 @@ class Executor:
         self._previous: LaunchedStep | None = None  # the latest step with tokens to read back
         self._tokens_at = 0.0  # when the latest collected step's tokens reached the host
         self.last_launch_ms: float | None = None  # host time the latest step spent launching prefill layers
-        self.last_launch_graphs = False  # whether every one of those launches replayed piecewise graphs
+        self.last_launch_graphs = False  # whether every one of those launches (or its mixed forward) replayed graphs
         self._split_decodes = 0  # decode steps run on a split partition
         self._gemm: GemmTable | None = None
         self._max_rows = 0
@@ -237,6 +237,7 @@ class Executor:
         self._after(previous, streams)
         if plan.mixed:
             self._mixed(plan, requests, part, step, decisions.mixed_graphs, hold_sampling)
+            self.last_launch_graphs = self.runner.last_replayed
         else:
             if plan.decode:
                 step.ends = [requests[i].num_tokens for i in plan.decode]

@@ -61,6 +61,7 @@ class ModelRunner:
         self.batches = BatchBuilder(kv_cache.page_size, self.device)
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = True  # replay captured graphs when a batch fits (off: the same forward, eagerly)
+        self.last_replayed = False  # whether the latest layers run (`_layers`) replayed piecewise prefill graphs
         self.gpu_wait_s = 0.0   # time the host spent blocked on the device (reading sampled tokens)
         self.tokens = TokenBuffer(max_rows, self.device)  # the latest step's sampled ids, for the next one's inputs
         self._partials: dict[str, _Partial] = {}
@@ -294,7 +295,8 @@ class ModelRunner:
             lengths = dynamic_lengths(batch.positions, [r.num_prompt_tokens for r in reqs], batch.metadata.query_lens)
         rows = batch.metadata.num_tokens
         padded = pad_rows(rows) if pad_rows is not None and lengths is None else rows
-        if graphs is not None and lengths is None and self.use_graphs and graphs.holds(padded):
+        self.last_replayed = graphs is not None and lengths is None and self.use_graphs and graphs.holds(padded)
+        if self.last_replayed:
             return graphs.run(padded, batch.metadata, batch.positions, start, end,
                               input_ids=batch.input_ids if carried is None else None, carried=carried,
                               backend=backend or self.backend)

@@ -1,7 +1,8 @@
 """A log of every engine step, for diagnosis and serving calibration: planning time, launch time (`launch_ms`, the
 step's wall time: for a decode or mixed step, from its launch, or from the previous step's tokens when it waited
 behind them in the overlapped loop, to its tokens on the host; `host_launch_ms`, the host time the launch itself
-took; `host_wait_ms`, the part of it blocked on a device event: a full staging ring, a token buffer still being
+took; `host_cpu_ms`, the engine thread's CPU time in it: far less means it waited, for the interpreter's lock
+or the driver; `host_wait_ms`, the part blocked on a device event: a full staging ring, a token buffer still being
 read; where not zero, `device_allocs`, `device_frees`, `alloc_retries`, `syncs`: the caching allocator's calls to
 the driver meanwhile), the device time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step
 was launched before its tokens were read (`overlapped`), the host time since the previous step's launch ended less
@@ -85,11 +86,12 @@ class StepLog:
 
         def timed_start(plan, requests, partition=None, **kw):
             allocs, waited = _allocations(), HOST_WAITS.seconds
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             step = start(plan, requests, partition, **kw)
             if self.steps:
                 row = self.steps[-1]
                 row["host_launch_ms"] = (time.perf_counter() - t0) * 1e3
+                row["host_cpu_ms"] = (time.thread_time() - cpu0) * 1e3
                 row["host_wait_ms"] = (HOST_WAITS.seconds - waited) * 1e3
                 row.update({k: v - allocs[k] for k, v in _allocations().items() if v != allocs[k]})
                 row["partition"] = executor.current.name

@@ -32,6 +32,7 @@ def test_every_step_is_logged_with_the_host_time_since_the_last_launch(llama_che
     steps = log.steps
     assert len(steps) >= 4 and all(s["plan_ms"] >= 0 and s["launch_ms"] > 0 for s in steps)
     assert all(0 <= s["host_wait_ms"] <= s["host_launch_ms"] for s in steps)  # on a CPU nothing waits on an event
+    assert all(s["host_cpu_ms"] >= 0 for s in steps) and sum(s["host_cpu_ms"] for s in steps) > 0
     assert not any("device_allocs" in s for s in steps)  # nor allocates device memory
     assert steps[0]["gap_ms"] is None and all(s["gap_ms"] >= 0 for s in steps[1:])
     assert sum(s["decode"] for s in steps) == 3 * 3  # each request's tokens after its first come from decode steps

@@ -10,6 +10,7 @@ from appliance.config import Config
 from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
+from appliance.engine.steplog import StepLog
 
 pytest.importorskip("triton")
 
@@ -65,8 +66,12 @@ def test_chunked_mixed_steps_replay_the_graphs_and_equal_eager(copy_model):
     expected = [c.token_ids for c in eager.generate(prompts, GREEDY)]
     graphs = chunked.executor._prefill_graphs["null"]
     before = graphs.launches
+    log = StepLog(chunked).attach()
     assert [c.token_ids for c in chunked.generate(prompts, GREEDY)] == expected
+    log.detach()
     assert graphs.launches > before
+    mixed = [s for s in log.steps if s["mixed"]]
+    assert mixed and all(s["prefill_graphs"] for s in mixed)  # the step log says each mixed forward replayed
     for e in (eager, chunked):
         assert e.pool.num_free_pages == e.pool.num_pages
 
