@@ -27,6 +27,8 @@ from appliance.workload import shaping as wl
 from appliance.workload.metrics import METRIC_NAMES, PERCENTILES, SLO, RequestTimeline, summarize
 from appliance.workload.traces import RequestSpec, load_trace
 
+SLOW_LAUNCH_MS = 25.0  # --save-steps: a step launch slower than this gets its engine-thread stacks sampled
+
 
 @dataclass
 class BenchOptions:
@@ -196,7 +198,8 @@ class Session:
         self._cpu = [self._cpu_now()] if self.engine is not None else []
         self._steps = None
         if self.opts.save_steps and self.engine is not None:  # (the engine is idle between replays)
-            self._steps = StepLog(self.engine.engine, log_predictor(self.engine.engine)).attach()
+            self._steps = StepLog(self.engine.engine, log_predictor(self.engine.engine),
+                                  stacks_after_ms=SLOW_LAUNCH_MS).attach()
         try:
             return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
                                                        self.opts.request_timeout, on_done,

@@ -128,8 +128,10 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "save_steps": (Annotated[bool, typer.Option("--save-steps", help="--in-process: add every engine step and "
                                                                      "prefill launch of the replay to the JSON "
                                                                      "(`steps`, `prefills`; `muxd bench diagnose "
-                                                                     "--from-steps/--from-prefills` reads them). The "
-                                                                     "logging takes host time from the engine.",
+                                                                     "--from-steps/--from-prefills` reads them), "
+                                                                     "with the engine thread's stack sampled in "
+                                                                     "launches over 25 ms. The logging takes host "
+                                                                     "time from the engine.",
                                                 rich_help_panel=_O)], False),
     "spread_ties": (Annotated[bool, typer.Option("--spread-ties", help="Spread requests that share a timestamp "
                                                                        "(traces recorded in coarse steps, e.g. "

@@ -1,15 +1,15 @@
 """A log of every engine step, for diagnosis and serving calibration: planning time, launch time (`launch_ms`, the
 step's wall time: for a decode or mixed step, from its launch, or from the previous step's tokens when it waited
 behind them in the overlapped loop, to its tokens on the host; `host_launch_ms`, the host time the launch itself
-took; `host_cpu_ms`, the engine thread's CPU time in it: far less means it waited, for the interpreter's lock
-or the driver; `host_wait_ms`, the part blocked on a device event: a full staging ring, a token buffer still being
-read; where not zero, `device_allocs`, `device_frees`, `alloc_retries`, `syncs`: the caching allocator's calls to
-the driver meanwhile), the device time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step
-was launched before its tokens were read (`overlapped`), the host time since the previous step's launch ended less
-the time spent reading tokens (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the
-plan's mode, decode partition and prefill layers, the prefill launches in flight, and, given a predictor, its figure
-for the step beside what the executor measured; a temporal step also has the device time of its prefill layers
-after decode (`after_ms`, `after_items`).
+took; `host_cpu_ms`, the engine thread's CPU time in it: far less means it waited, for the interpreter's lock or the
+driver; `host_wait_ms`, the part blocked on a device event: a full staging ring, a token buffer still being read;
+where not zero, `device_allocs`, `device_frees`, `alloc_retries`, `syncs`: the caching allocator's calls to the
+driver meanwhile; `stacks`, given `stacks_after_ms`: where a slow launch was, sampled), the device time of its decode
+or mixed kernels (`device_ms`, on CUDA), whether the next step was launched before its tokens were read
+(`overlapped`), the host time since the previous step's launch ended less the time spent reading tokens (`gap_ms`:
+the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition and prefill
+layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the executor
+measured; a temporal step also has the device time of its prefill layers after decode (`after_ms`, `after_items`).
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
 executor; `detach` restores them; `log_predictor` picks the predictor for an engine's log.
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from appliance.attention.pinned import HOST_WAITS
+from appliance.engine.slow_stacks import SlowStacks
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import load_predictor
 from appliance.predictor.shapes import decode_load, prefill_items
@@ -55,8 +56,12 @@ def _allocations() -> dict[str, int]:
 
 
 class StepLog:
-    def __init__(self, engine: Any, predictor: Predictor | None = None) -> None:
+    def __init__(self, engine: Any, predictor: Predictor | None = None,
+                 stacks_after_ms: float | None = None) -> None:
+        """`stacks_after_ms`: sample the engine thread's stack every that many ms while a launch runs longer (a
+        step's `stacks`, engine/slow_stacks.py)."""
         self.engine, self.predictor = engine, predictor
+        self._stacks = SlowStacks(stacks_after_ms) if stacks_after_ms else None
         self.steps: list[dict[str, Any]] = []
         self.prefills: list[dict[str, Any]] = []
         self._originals: tuple | None = None
@@ -86,14 +91,21 @@ class StepLog:
 
         def timed_start(plan, requests, partition=None, **kw):
             allocs, waited = _allocations(), HOST_WAITS.seconds
+            if self._stacks is not None:
+                self._stacks.begin()
             t0, cpu0 = time.perf_counter(), time.thread_time()
-            step = start(plan, requests, partition, **kw)
+            try:
+                step = start(plan, requests, partition, **kw)
+            finally:
+                stacks = self._stacks.end() if self._stacks is not None else []
             if self.steps:
                 row = self.steps[-1]
                 row["host_launch_ms"] = (time.perf_counter() - t0) * 1e3
                 row["host_cpu_ms"] = (time.thread_time() - cpu0) * 1e3
                 row["host_wait_ms"] = (HOST_WAITS.seconds - waited) * 1e3
                 row.update({k: v - allocs[k] for k, v in _allocations().items() if v != allocs[k]})
+                if stacks:
+                    row["stacks"] = stacks
                 row["partition"] = executor.current.name
                 row["prefill_launch_ms"] = executor.last_launch_ms
                 row["prefill_graphs"] = executor.last_launch_graphs
@@ -129,6 +141,9 @@ class StepLog:
             sched, executor = self.engine.scheduler, self.engine.executor
             sched.schedule, executor.start, executor.collect = self._originals
             self._originals = None
+        if self._stacks is not None:
+            self._stacks.close()
+            self._stacks = None
 
     def _collect_prefills(self) -> None:
         finished, self._seen = self.engine.executor.prefills_since(self._seen)

@@ -7,6 +7,7 @@ import os
 import pstats
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,33 @@ def test_decode_steps_are_broken_down_by_the_step_after_them():
     n, wall, device, host = table["a decode step"]   # (the mixed step is no decode step)
     assert n == 3 and wall == pytest.approx(41.0 / 3) and device == pytest.approx(40.0 / 3) and host == 2.0
     assert table["a prefill launch"] == (2, 19.0, 8.0, 25.0)  # read once the next launch returned
+
+
+def test_a_slow_launch_is_logged_with_where_the_engine_thread_was(llama_checkpoint):
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux"))
+    start = engine.executor.start
+
+    def slow_start(*args, **kw):  # the first launch is held up on the host
+        if not slow_start.done:
+            slow_start.done = True
+            end = time.perf_counter() + 10  # until the watchdog has sampled it (at most 10 s on a loaded machine)
+            sampled = log._stacks  # the first sample complete: a second has begun
+            while time.perf_counter() < end:
+                size = os.fstat(sampled._fd).st_size - sampled._start
+                if size > 0 and os.pread(sampled._fd, size, sampled._start).count(b"Timeout (") >= 2:
+                    break
+        return start(*args, **kw)
+
+    slow_start.done = False
+    engine.executor.start = slow_start
+    log = StepLog(engine, stacks_after_ms=30).attach()
+    engine.add_request(list(range(3, 20)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    log.detach()
+    first, rest = log.steps[0], log.steps[1:]
+    assert first["stacks"] and "slow_start" in first["stacks"][0][0]  # where the host was held up, innermost first
+    assert all(any("timed_start" in frame for frame in s) for s in first["stacks"])  # all within that launch
+    assert first["host_launch_ms"] >= 30 and first["host_cpu_ms"] > 0
+    assert not any("stacks" in s for s in rest if s["host_launch_ms"] < 30)
