@@ -50,7 +50,8 @@ def test_only_the_engine_threads_frames_are_kept():
             "\n"
             "Thread 0x00000000000000bb (most recent call first):\n"
             '  File "/usr/lib/python3.12/threading.py", line 331 in wait\n')
-    assert engine_stacks(dump, 0xaa) == [["torch/cuda/graphs.py:88 replay", "appliance/engine/prefill_graphs.py:170 run"]]
+    assert engine_stacks(dump, 0xaa) == [["torch/cuda/graphs.py:88 replay",
+                                          "appliance/engine/prefill_graphs.py:170 run"]]
     assert engine_stacks(dump, 0xcc) == []
 
 
