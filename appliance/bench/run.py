@@ -264,6 +264,8 @@ class Session:
                 out["threads"] = self._thread_cpu()
             if self._steps is not None:
                 out["steps"], out["prefills"] = self._steps.steps, self._steps.prefills
+            if self.engine.engine.startup:  # what starting the engine took (graph capture, memory), once per engine
+                out["startup"] = dict(self.engine.engine.startup)
         return out
 
 

@@ -142,6 +142,7 @@ class _Builder:
         if self.rank is not None:  # page numbers mean the same on every rank
             num_pages = self.rank.agree_min(num_pages)
         kv_cache = KVCache(mcfg, num_pages, cache_cfg.block_size, self.dtype, self.device)
+        self.startup["kv_pages"] = num_pages
         predictor = self._predictor()  # every rank: prefill graphs are captured at its GEMM buckets
         if predictor is not None:  # rank 0 of a tensor-parallel engine reads each step's tokens at once
             predictor.host = predictor.host.with_loop(rt.async_scheduling and self.group is None)

@@ -134,7 +134,9 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     # mux: the result keeps what the planner decided and learned online
     bench("--in-process", "--model", str(path), "--num-prompts", "4", "--input-len", "20", "--output-len", "5",
           "--slo", str(contract), "--policies", "mux", "--result-dir", str(tmp_path / "mux"), "--save-steps")
-    planner = json.loads((tmp_path / "mux" / "result.json").read_text())["planner"]
+    result = json.loads((tmp_path / "mux" / "result.json").read_text())
+    planner = result["planner"]
+    assert result["startup"]["kv_pages"] > 0  # what the engine's start decided, beside what it served
     steps = planner["stats"]
     assert sum(steps[k] for k in ("spatial_steps", "aggregated_steps", "chunk_steps", "decode_only_steps",
                                   "prefill_only_steps")) > 0
