@@ -35,6 +35,7 @@ from appliance.predictor.gemm_table import GemmTable
 from appliance.predictor.prefill_plan import PrefillPlan
 from appliance.predictor.shapes import DecodeLoad, LatencyModel, PrefillItem, Sample, prefill_features
 
+PREFILL_MEMO = 4096  # prefill figures remembered per model (cleared when full)
 PREFILL_TERMS = ("sum_n2", "sum_nr", "sum_n", "const")
 PREFILL_GEMM_TERMS = (*PREFILL_TERMS, "gemm_ms")
 PREFILL_PLAN_TERMS = (*PREFILL_GEMM_TERMS, "critical_path")
@@ -88,6 +89,8 @@ class SoloModel:
     measured: MeasuredRange | None = None
     prior: LatencyModel | None = None
     _keys: dict[str, list[int]] = field(default_factory=dict, init=False, compare=False, repr=False)
+    # prefill_ms by (items, sms): a planner asks about the same waiting batches step after step
+    _memo: dict[tuple, float] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -122,6 +125,15 @@ class SoloModel:
         attention term predicted a 28k-token prompt three times slower on all SMs than on 100 of them)."""
         if not items:
             return 0.0
+        key = (tuple(items), sms)
+        ms = self._memo.get(key)
+        if ms is None:
+            if len(self._memo) >= PREFILL_MEMO:
+                self._memo.clear()
+            ms = self._memo[key] = self._prefill_ms(items, sms)
+        return ms
+
+    def _prefill_ms(self, items: Sequence[PrefillItem], sms: int) -> float:
         f = self.measured.fraction(items) if self.measured is not None and self.prior is not None else 1.0
         if f >= 1.0:
             return self._fitted(items, sms)

@@ -75,8 +75,11 @@ def test_more_sms_never_predict_a_slower_prefill():
     past the range it was measured on, to what the narrower partitions predict."""
     rng = np.random.default_rng(4)
     model = fit_solo(known_samples(rng, 40))
-    quadratic = dataclasses.replace(model, prefill={**model.prefill, 132: (4e-6, 0.0, 0.0, 5.0, 0.0)})
     short, long = [PrefillItem(1024, 0)], [PrefillItem(28000, 0)]
+    before = model.prefill_ms(short, 132)  # remembered: asked again, the same figure
+    assert model.prefill_ms(tuple(short), 132) == before and len(model._memo) == 1
+    quadratic = dataclasses.replace(model, prefill={**model.prefill, 132: (4e-6, 0.0, 0.0, 5.0, 0.0)})
+    assert not quadratic._memo  # a replaced model answers from its own coefficients
     assert quadratic.prefill_ms(short, 132) == pytest.approx(4e-6 * 1024 ** 2 + 5.0)  # its own fit where it holds
     assert quadratic.prefill_ms(short, 132) < quadratic.prefill_ms(short, 100)
     assert quadratic.prefill_ms(long, 132) == quadratic.prefill_ms(long, 100) < 4e-6 * 28000 ** 2
