@@ -29,6 +29,9 @@ constrained=$?
 PYTHONPATH=.:${PYTHONPATH:-} python3 tests/gpu/decode_attention_bench.py --json "$out/decode-attention.json" \
     > "$out/decode-attention.md" 2>"$out/decode-attention.log"
 attention=$?
+PYTHONPATH=.:${PYTHONPATH:-} python3 tests/gpu/decode_gemm_bench.py --json "$out/decode-gemm.json" \
+    > "$out/decode-gemm.md" 2>"$out/decode-gemm.log"
+gemm=$?
 proof="skipped"
 if [ "${1:-}" = "--proof" ] || [ "${2:-}" = "--proof" ]; then
     trace=${@: -1}
@@ -51,6 +54,7 @@ echo "| bench engine --multiplex | exit $mux |"
 echo "| prefill graphs bench | exit $pgraphs |"
 echo "| constrained decoding bench | exit $constrained |"
 echo "| decode attention bench | exit $attention |"
+echo "| decode GEMM bench | exit $gemm |"
 echo "| muxd profile | $proof |"
 echo
 cat "$out/multiplex.md" 2>/dev/null
