@@ -4,12 +4,13 @@ behind them in the overlapped loop, to its tokens on the host; `host_launch_ms`,
 took; `host_cpu_ms`, the engine thread's CPU time in it: far less means it waited, for the interpreter's lock or the
 driver; `host_wait_ms`, the part blocked on a device event: a full staging ring, a token buffer still being read;
 where not zero, `device_allocs`, `device_frees`, `alloc_retries`, `syncs`: the caching allocator's calls to the
-driver meanwhile; `stacks`, given `stacks_after_ms`: where a slow launch was, sampled), the device time of its decode
-or mixed kernels (`device_ms`, on CUDA), whether the next step was launched before its tokens were read
-(`overlapped`), the host time since the previous step's launch ended less the time spent reading tokens (`gap_ms`:
-the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition and prefill
-layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the executor
-measured; a temporal step also has the device time of its prefill layers after decode (`after_ms`, `after_items`).
+driver since the previous launch; `stacks`, given `stacks_after_ms`: where a slow launch was, sampled), the device
+time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step was launched before its tokens were
+read (`overlapped`), the host time since the previous step's launch ended less the time spent reading tokens
+(`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition and
+prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the
+executor measured; a temporal step also has the device time of its prefill layers after decode (`after_ms`,
+`after_items`).
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
 executor; `detach` restores them; `log_predictor` picks the predictor for an engine's log.
@@ -69,6 +70,7 @@ class StepLog:
         self._launch_end: float | None = None  # when the previous step's launch returned
         self._waited = 0.0  # seconds spent reading tokens (waiting for the device) since then
         self._rows: dict[int, dict[str, Any]] = {}  # launched steps not collected yet -> their row
+        self._allocs = _allocations()  # the allocator's counts when the last launch ended
 
     def attach(self) -> "StepLog":
         sched, executor = self.engine.scheduler, self.engine.executor
@@ -90,7 +92,7 @@ class StepLog:
             return plan
 
         def timed_start(plan, requests, partition=None, **kw):
-            allocs, waited = _allocations(), HOST_WAITS.seconds
+            waited = HOST_WAITS.seconds
             if self._stacks is not None:
                 self._stacks.begin()
             t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -103,7 +105,9 @@ class StepLog:
                 row["host_launch_ms"] = (time.perf_counter() - t0) * 1e3
                 row["host_cpu_ms"] = (time.thread_time() - cpu0) * 1e3
                 row["host_wait_ms"] = (HOST_WAITS.seconds - waited) * 1e3
-                row.update({k: v - allocs[k] for k, v in _allocations().items() if v != allocs[k]})
+                allocs, seen = _allocations(), self._allocs  # (one query a step: since the last launch ended)
+                row.update({k: v - seen.get(k, 0) for k, v in allocs.items() if v != seen.get(k, 0)})
+                self._allocs = allocs
                 if stacks:
                     row["stacks"] = stacks
                 row["partition"] = executor.current.name
