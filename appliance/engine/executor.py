@@ -155,6 +155,34 @@ class Executor:
         self._previous = None
         self.runner.graphs = None
 
+    def warm_kernels(self, logits_rows: int) -> None:
+        """Before serving, launch on every partition's streams the kernels that an uncaptured launch picks by its
+        size (ModelRunner.warm_kernels): on the prefill stream, one eager layer at each row bucket a prefill launch
+        there pads to above its prefill graphs, and the LM head and the sampler up to `logits_rows` rows; on the
+        decode stream, the sampler (its LM head runs in the decode graphs). No-op off CUDA."""
+        runner = self.runner
+        if runner.device.type != "cuda":
+            return
+        for p in self.partitions.partitions:
+            graphs = self._prefill_graphs.get(p.name)
+            above = graphs.sizes[-1] if graphs is not None else 0
+            rows = [r for r in self._eager_buckets(p.prefill_sms or self._null_sms) if r > above]
+            with _on(p.prefill_stream):
+                runner.warm_kernels(rows, logits_rows, backend=self._prefill_backends.get(p.name))
+            if p.decode_stream is not None and p.decode_stream != p.prefill_stream:
+                with _on(p.decode_stream):
+                    runner.warm_kernels([], logits_rows, head=False)
+        torch.cuda.synchronize(runner.device)
+
+    def _eager_buckets(self, sms: int) -> tuple[int, ...]:
+        """The row counts prefill launches on `sms` SMs pad to: the GEMM table's targets there; without a table,
+        where they run unpadded, the bucket sizes (a sample of the sizes they run at)."""
+        if not self._max_rows:
+            return ()
+        table = self._gemm
+        rows = table.pad_targets(sms) if table is not None and sms in table.ms else bucket_sizes(self._max_rows)
+        return tuple(r for r in rows if r <= self._max_rows)
+
     def graph_memory_bytes(self) -> int:
         return sum(g.memory_bytes for g in (*self._graphs.values(), *self._prefill_graphs.values()) if g is not None)
 

@@ -203,6 +203,10 @@ class _Builder:
             executor.capture_prefill(graph_rows)
             self.startup["prefill_graph_capture_s"] = time.perf_counter() - start
             self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
+        if self.cuda and self.group is None:  # (a tensor-parallel rank would need its peers in step)
+            start = time.perf_counter()
+            executor.warm_kernels(self.config.scheduler.max_num_seqs)
+            self.startup["kernel_warm_s"] = time.perf_counter() - start
         return executor
 
     @property

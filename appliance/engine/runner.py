@@ -30,7 +30,7 @@ from appliance.engine.logits import process_logits
 from appliance.engine.logprobs import LogprobBatch, prompt_logprobs, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
-from appliance.engine.request import Request, TokenLogprob
+from appliance.engine.request import Request, SamplingParams, TokenLogprob
 from appliance.engine.sampler import sample_tensor
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.rope import dynamic_lengths, rope_lengths
@@ -101,6 +101,28 @@ class ModelRunner:
             self._logits_at(hidden, residual, batch.last_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def warm_kernels(self, prefill_rows: list[int], logits_rows: int, head: bool = True,
+                     backend: AttentionBackend | None = None) -> None:
+        """Launch, on the current stream, the kernels that launches outside captured graphs choose by their size: one
+        eager prefill layer at each of `prefill_rows` rows, the LM head (`head`) and greedy sampling at every row
+        count up to `logits_rows`, random sampling at powers of two up to it. The driver loads a kernel's module at
+        its first launch in a context (lazy loading): tens of milliseconds of host in the middle of a step, the
+        first time a size is served."""
+        for rows in prefill_rows:
+            self._layers(self.scratch_batch([rows]), 0, 1, None, backend=backend)
+        hidden = torch.zeros(1, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        vocab = self.model.config.vocab_size
+        greedy, random = SamplingParams(temperature=0.0), SamplingParams(top_p=0.9, top_k=50, min_p=0.05)
+        for n in range(1, logits_rows + 1):
+            if head:
+                logits = self._logits_at(hidden, None, np.zeros(n, np.int64))
+            else:
+                logits = torch.zeros(n, vocab, dtype=torch.float32, device=self.device)
+            sample_tensor(logits, [greedy] * n, [0] * n)
+            if n & (n - 1) == 0 or n == logits_rows:
+                sample_tensor(logits, [random] * n, [0] * n)
 
     def scratch_batch(self, lens: list[int]) -> TokenBatch:
         """Sequences of token 0 whose every page is the scratch page."""

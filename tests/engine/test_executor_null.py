@@ -149,3 +149,23 @@ def test_prefill_padded_to_gemm_buckets_computes_the_same_tokens(llama_checkpoin
     pad = engine.executor.pad_rows(0)
     assert [pad(n) for n in (5, 12, 13, 64, 65, 200)] == [12, 12, 64, 64, 65, 200]  # past max_rows: not padded
     assert engine.executor.pad_rows(8) is None  # a partition the table does not have
+
+
+def test_kernel_warm_up_writes_only_the_scratch_page_and_keeps_no_state(llama_checkpoint):
+    from appliance.predictor.gemm_table import GemmTable
+
+    path, _ = llama_checkpoint
+    prompts = [[3 + i * 5 % 200 for i in range(n)] for n in (9, 21)]
+    expected = build_engine(Config.flat(model=path, num_gpu_blocks_override=64)).generate(prompts, GREEDY)
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64))
+    runner, kv = engine.executor.runner, engine.executor.runner.kv_cache
+    kv.data[:, :, :kv.scratch_page].fill_(1.5)
+    runner.warm_kernels([40, 70], 5)  # one layer of 40 and of 70 rows, 1 to 5 logits rows
+    assert bool((kv.data[:, :, :kv.scratch_page] == 1.5).all())
+    assert not runner._partials
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [c.token_ids for c in expected]
+    # the row counts warmed: the table's padding targets on that SM count up to the largest launch
+    table = GemmTable((32, 64, 96, 128), {20: (1.0, 1.5, 1.4, 2.0)})
+    engine.executor.pad_prefills(table, 100, null_sms=20)
+    assert engine.executor._eager_buckets(20) == (32, 96)  # 64 pads to 96 (cheaper); 128 exceeds 100 rows
+    assert engine.executor._eager_buckets(36) == (32, 64, 96)  # a count the table lacks: every bucket
