@@ -56,12 +56,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_gemm_bench needs a CUDA device")
-    from appliance.bench.ceilings import time_cuda
+    from appliance.bench.ceilings import measure_ceilings
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    copy = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    bw = 2 * copy.numel() / time_cuda(lambda: copy.clone(), iters=10)  # read + write bytes per second
-    copy = None
+    bw = measure_ceilings().copy_bytes_per_s  # the engine bench's ceiling: read + write of a 2 GiB copy
     batches = [int(b) for b in args.batches.split(",")]
     tuned = {int(b) for b in args.autotune.split(",") if b}
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s")
