@@ -172,7 +172,10 @@ class Executor:
             if p.decode_stream is not None and p.decode_stream != p.prefill_stream:
                 with _on(p.decode_stream):
                     runner.warm_kernels([], logits_rows, head=False)
-        torch.cuda.synchronize(runner.device)
+            # blocks cached for one stream serve no other: hand them back before the next partition's warm-up, so
+            # that it peaks where one launch does (the activations the KV pool was sized around)
+            torch.cuda.synchronize(runner.device)
+            torch.cuda.empty_cache()
 
     def _eager_buckets(self, sms: int) -> tuple[int, ...]:
         """The row counts prefill launches on `sms` SMs pad to: the GEMM table's targets there; without a table,
