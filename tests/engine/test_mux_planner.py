@@ -207,13 +207,15 @@ def test_reorders_shortest_first_when_no_ttft_breaks():
     assert long_.status is RequestStatus.WAITING
 
 
-def test_no_reorder_when_the_long_one_would_miss():
+def test_when_both_cannot_make_it_the_long_one_goes_last():
+    """920 + 100 ms against deadlines of 1,000: one of them is late whichever goes first (in arrival order, the short
+    one); the fewest-late rule keeps the short one's deadline and serves the long one after it."""
     rig = Rig(max_prefill_tokens=1)
     rig.decoding(1)
-    long_ = rig.request(46_000)  # 920 ms of its 1,000 ms: 100 ms more behind the short one breaks it
-    rig.request(5_000)           # 100 ms
+    rig.request(46_000)          # 920 ms of its 1,000 ms
+    short = rig.request(5_000)   # 100 ms
     plan = rig.plan()
-    assert [w.request_id for w in plan.prefill] == [long_.request_id]
+    assert [w.request_id for w in plan.prefill] == [short.request_id]
 
 
 def test_reorder_off_keeps_arrival_order():
@@ -591,3 +593,20 @@ def test_temporal_tops_up_the_split_where_the_split_is_faster():
     assert first.decode_sms == 32 and first.prefill
     second = rig.plan()
     assert second.decode_sms == 32 and second.prefill and rig.planner.stats.drain_steps == 0
+
+
+def test_when_not_every_deadline_can_be_met_the_fewest_requests_go_last():
+    """Arrival order A, B, C would finish B and C late (two misses); moving A, the longest, behind them leaves one."""
+    from appliance.engine.planners.deadlines import reorder
+
+    a, b, c = object(), object(), object()
+    cost = {id(a): 0.5, id(b): 0.3, id(c): 0.3}
+    due = {id(a): 0.6, id(b): 0.7, id(c): 1.0}
+    order = reorder([a, b, c], 0.0, lambda r: cost[id(r)], lambda r: due[id(r)], lambda r: 0)
+    assert order == [b, c, a]
+    # all three on time in arrival order: no one is moved (the shortest-first jumps alone decide)
+    due[id(a)], due[id(b)], due[id(c)] = 0.6, 0.9, 1.2
+    assert reorder([a, b, c], 0.0, lambda r: cost[id(r)], lambda r: due[id(r)], lambda r: 0) == [a, b, c]
+    # a preempted request (deadline -inf) is never moved back
+    due[id(a)], due[id(b)], due[id(c)] = float("-inf"), 0.7, 1.0
+    assert reorder([a, b, c], 0.0, lambda r: cost[id(r)], lambda r: due[id(r)], lambda r: 0)[0] is a

@@ -1,9 +1,11 @@
 """TTFT deadlines and the order in which waiting prompts are prefilled: each request's deadline from its class and
-its uncached prompt, reordering by predicted prefill time when that breaks no one's deadline (Bullet), and the
-admission test that sheds a request whose deadline cannot be met.
+its uncached prompt, reordering by predicted prefill time when that breaks no one's deadline (Bullet), the fewest
+requests moved to the back when not every deadline can be met (Moore-Hodgson), and the admission test that sheds a
+request whose deadline cannot be met.
 """
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Callable, Sequence
 
 from appliance.engine.kv_cache import PagePool
@@ -58,24 +60,60 @@ class Deadlines:
 
 def reorder(waiting: Sequence[Request], start: float, cost: Callable[[Request], float],
             deadline: Callable[[Request], float], priority: Callable[[Request], int]) -> list[Request]:
-    """Serve order for waiting prefills, the first starting at `start` (seconds): by priority, then each next pick is
-    the shortest (predicted `cost`, seconds) whose moving ahead makes no request it jumps over miss a deadline that
-    request would have met in arrival order; otherwise arrival order."""
+    """Serve order for waiting prefills, the first starting at `start` (seconds), by priority. Within a priority, when
+    not every deadline can be met, the fewest requests that let the others meet theirs go last (`_moved_back`: served
+    after the others, never dropped); the others go in arrival order, except that each next pick is the shortest
+    (predicted `cost`, seconds) whose moving ahead makes no request it jumps over miss a deadline that request would
+    have met in arrival order."""
     order = sorted(waiting, key=priority)  # stable: arrival order within a priority
     head, tail = order[:REORDER_WINDOW], order[REORDER_WINDOW:]
     out: list[Request] = []
     t = start
+    for _, group in groupby(head, key=priority):
+        group = list(group)
+        late = _moved_back(group, t, cost, deadline)
+        moved = {id(r) for r in late}
+        for r in _shortest_safe([r for r in group if id(r) not in moved], t, cost, deadline) + late:
+            out.append(r)
+            t += cost(r)
+    return out + tail
+
+
+def _moved_back(group: list[Request], start: float, cost: Callable[[Request], float],
+                deadline: Callable[[Request], float]) -> list[Request]:
+    """Moore-Hodgson: in deadline order, whenever a request would finish after its deadline, the longest one so far
+    moves back; what is left meets every deadline, and no smaller set moved back would do (one machine, the requests'
+    predicted times). A preempted request (deadline -inf) is never moved. Returned in deadline order."""
+    kept: list[Request] = []
+    late: list[Request] = []
+    t = start
+    for r in sorted(group, key=deadline):
+        kept.append(r)
+        t += cost(r)
+        if t > deadline(r):
+            movable = [k for k in kept if deadline(k) != float("-inf")]
+            if movable:
+                longest = max(movable, key=cost)
+                kept = [k for k in kept if k is not longest]
+                late.append(longest)
+                t -= cost(longest)
+    return sorted(late, key=deadline)
+
+
+def _shortest_safe(queue: list[Request], t: float, cost: Callable[[Request], float],
+                   deadline: Callable[[Request], float]) -> list[Request]:
+    """Arrival order, but each next pick the shortest whose jump is safe (`_jump_is_safe`)."""
+    head, out = list(queue), []
     while head:
-        top = priority(head[0])
         chosen = head[0]
-        for c in sorted((r for r in head if priority(r) == top), key=cost):
+        for c in sorted(head, key=cost):
             if c is head[0] or _jump_is_safe(head, c, t, cost, deadline):
                 chosen = c
                 break
         out.append(chosen)
         head.remove(chosen)
         t += cost(chosen)
-    return out + tail
+    return out
 
 
 def _jump_is_safe(queue: Sequence[Request], c: Request, t: float, cost: Callable[[Request], float],
