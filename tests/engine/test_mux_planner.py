@@ -610,3 +610,18 @@ def test_when_not_every_deadline_can_be_met_the_fewest_requests_go_last():
     # a preempted request (deadline -inf) is never moved back
     due[id(a)], due[id(b)], due[id(c)] = float("-inf"), 0.7, 1.0
     assert reorder([a, b, c], 0.0, lambda r: cost[id(r)], lambda r: due[id(r)], lambda r: 0)[0] is a
+
+
+def test_requests_late_only_by_the_planned_deadline_are_not_moved_back():
+    """Planned deadlines (the controller's headroom x the target) can be tighter than the contract's: who goes last
+    is judged by the contract's (`due`). Planned, B misses behind A and A would move back; by the contract both
+    make it in arrival order, and B may not pass A (A would miss its planned deadline behind B)."""
+    from appliance.engine.planners.deadlines import reorder
+
+    a, b = object(), object()
+    cost = {id(a): 0.5, id(b): 0.3}
+    planned = {id(a): 0.5, id(b): 0.7}
+    contract = {id(a): 1.0, id(b): 1.4}
+    args = ([a, b], 0.0, lambda r: cost[id(r)], lambda r: planned[id(r)], lambda r: 0)
+    assert reorder(*args) == [b, a]
+    assert reorder(*args, due=lambda r: contract[id(r)]) == [a, b]

@@ -59,19 +59,20 @@ class Deadlines:
 
 
 def reorder(waiting: Sequence[Request], start: float, cost: Callable[[Request], float],
-            deadline: Callable[[Request], float], priority: Callable[[Request], int]) -> list[Request]:
+            deadline: Callable[[Request], float], priority: Callable[[Request], int],
+            due: Callable[[Request], float] | None = None) -> list[Request]:
     """Serve order for waiting prefills, the first starting at `start` (seconds), by priority. Within a priority, when
     not every deadline can be met, the fewest requests that let the others meet theirs go last (`_moved_back`: served
-    after the others, never dropped); the others go in arrival order, except that each next pick is the shortest
-    (predicted `cost`, seconds) whose moving ahead makes no request it jumps over miss a deadline that request would
-    have met in arrival order."""
+    after the others, never dropped; judged by `due`, the contract's deadlines, where `deadline` is the planned one);
+    the others go in arrival order, except that each next pick is the shortest (predicted `cost`, seconds) whose
+    moving ahead makes no request it jumps over miss a deadline that request would have met in arrival order."""
     order = sorted(waiting, key=priority)  # stable: arrival order within a priority
     head, tail = order[:REORDER_WINDOW], order[REORDER_WINDOW:]
     out: list[Request] = []
     t = start
     for _, group in groupby(head, key=priority):
         group = list(group)
-        late = _moved_back(group, t, cost, deadline)
+        late = _moved_back(group, t, cost, due or deadline)
         moved = {id(r) for r in late}
         for r in _shortest_safe([r for r in group if id(r) not in moved], t, cost, deadline) + late:
             out.append(r)

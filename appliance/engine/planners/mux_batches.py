@@ -129,7 +129,8 @@ class MuxBatches:
                 deadlines[r.request_id] = dl.deadline(r)
             return deadlines[r.request_id]
 
-        return reorder(waiting, now, cost, deadline, lambda r: dl.slo(r).priority)
+        return reorder(waiting, now, cost, deadline, lambda r: dl.slo(r).priority,
+                       lambda r: dl.deadline(r, planned=False))
 
     def tidy(self, sched: Scheduler) -> None:
         """Forget batch members that left prefill (finished, aborted, preempted for pages) or have every layer
