@@ -88,8 +88,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     if opts.host_spread:
         if not 0 < opts.host_spread <= 2:
             raise ConfigError(f"--host-spread must be in (0, 2], got {opts.host_spread}")
-        notes.append(f"host spread injected: each prefill launch takes a lognormal multiple (sigma "
-                     f"{opts.host_spread:g}) of the host model's time (the planner is not told)")
+        notes.append(f"each prefill launch takes a lognormal multiple (sigma {opts.host_spread:g}) of the host "
+                     "model's time, as on a serving host (--host-spread; the planner is not told; 0: the model's)")
     sim = sim_config(serve, model, device)
     if (sim.max_num_seqs, sim.max_waiting) != (256, 4096) or not sim.enable_prefix_caching:
         notes.append(f"engine limits from --serve-args: {sim.max_num_seqs} sequences at once, {sim.max_waiting} "

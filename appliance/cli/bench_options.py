@@ -161,9 +161,10 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                       "planner is not told.", rich_help_panel=_T)], 0.0),
     "host_spread": (Annotated[float, typer.Option(help="--simulate: each prefill launch's host time is a lognormal "
                                                        "multiple (median 1, this sigma) of the host model's, as on a "
-                                                       "busy serving host (0.46: p99 2.9x the median, as measured on "
-                                                       "an H100 host); the planner is not told.",
-                                                  rich_help_panel=_T)], 0.0),
+                                                       "serving host (the default: the spread measured around the "
+                                                       "fitted launch times on an H200, 0.17-0.22; a busy H100 host "
+                                                       "showed 0.46); the planner is not told; 0: the model's time.",
+                                                  rich_help_panel=_T)], 0.2),
     "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
                                               rich_help_panel=_O)], True),
 }

@@ -17,6 +17,7 @@
 # `muxd bench diagnose --from-steps/--from-prefills`; the logging takes some host time).
 # SKIP=K starts every job's trace at its request K (`--skip`): slices of one long replay, judged together afterwards
 # with `muxd bench pool` (docs/BENCH.md, "Slices of one replay").
+# SEED=S passes `--seed S` to every job (the synthetic workload's arrivals, lengths and prompt tokens).
 # A replay longer than one device command (Mooncake at mux's capacity: 9 minutes) can outlive the command when started
 # in its own session, on a machine kept warm by calls that follow at once (a lent machine is held 30 minutes at most):
 #   call 1: OUT=/tmp/gp setsid nohup bash tests/gpu/goodput.sh JOB ... > /tmp/gp.log 2>&1 < /dev/null &
@@ -39,7 +40,7 @@ run_job() {
     extra=$(echo $extra)  # trimmed
     maxlen=${MAX_MODEL_LEN:-32768}
     [ "$trace" = chat-short ] && maxlen=${MAX_MODEL_LEN:-8192}
-    name="$(basename "${trace%.*}")-$policy${budget:+$budget}-$rates-$n${SKIP:+-skip$SKIP}${extra:+-$(echo "$extra" | tr -d ' -')}"
+    name="$(basename "${trace%.*}")-$policy${budget:+$budget}-$rates-$n${SKIP:+-skip$SKIP}${SEED:+-seed$SEED}${extra:+-$(echo "$extra" | tr -d ' -')}"
     # the same job on two GPUs (a repeat) keeps both results
     [ "$(printf '%s\n' "${jobs[@]}" | grep -c "^[0-9]*:${1#*:}$")" -gt 1 ] && name="$name-gpu$gpu"
     serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
@@ -49,7 +50,7 @@ run_job() {
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
         $replay --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
         --slo configs/slo/chat-queue.yaml --attainment 0.99 --serve-args "$serve" --save-detailed \
-        ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} ${SAVE_STEPS:+--save-steps} \
+        ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} ${SEED:+--seed "$SEED"} ${SAVE_STEPS:+--save-steps} \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
     echo "job $1: exit $?" >> "$work/$name.log"
     # which GPU it ran on (the job's name does not say), beside its results
