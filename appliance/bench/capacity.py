@@ -56,6 +56,7 @@ class SimulatedBench:
     host_error: float = 0.0  # the simulated host takes (1 + this) x the host model's times: host error injected
     host_spread: float = 0.0  # each simulated prefill launch takes a lognormal multiple (this sigma) of its time
     device_spread: float = 0.0  # judge each replay over the GPU this much slower, as timed and this much faster
+    save_steps: bool = False  # each replay's summary holds the step and prefill-launch logs of its replay as timed
     _prompts: dict = field(default_factory=dict, repr=False)  # shared by the replays of one trace
     _runs: dict = field(default_factory=dict, repr=False)
 
@@ -133,7 +134,7 @@ class SimulatedBench:
             # each replay's own spec objects: their uncached counts are looked up by id
             copies = list(specs) if speed == 1.0 else [dataclasses.replace(s) for s in specs]
             result = Simulator(planner, self._clock(speed), self.sim, prompts=self._prompts, host=host,
-                               host_spread=self.host_spread).run(copies)
+                               host_spread=self.host_spread, log=self.save_steps and speed == 1.0).run(copies)
             replays.append((speed, copies, result, planner))
         uncached = {id(s): r.num_prompt_tokens - (r.num_cached_tokens or 0)
                     for _, copies, result, _ in replays for s, r in zip(copies, result.requests)}
@@ -160,6 +161,8 @@ class SimulatedBench:
         snapshot = planner.snapshot()
         if snapshot is not None:
             report.summary["planner"] = snapshot
+        if self.save_steps:
+            report.summary.update(steps=result.step_log, prefills=result.prefill_log, simulated=True)
         return PolicyRun(policy, rate, report, result, planner)
 
     def capacity(self, policy: str, specs: Sequence[RequestSpec], start_rate: float, tolerance: float = 0.05,

@@ -57,7 +57,9 @@ class SimConfig:
 
 @dataclass
 class SimResult:
-    """One replay: a timeline per spec (same order), when the last token came, how many steps ran."""
+    """One replay: a timeline per spec (same order), when the last token came, how many steps ran; with the
+    simulator's `log`, every step and prefill launch as the engine's step log has them (engine/steplog.py), times
+    in the replay's virtual seconds and milliseconds."""
 
     timelines: list[RequestTimeline]
     requests: list[Request]
@@ -65,6 +67,8 @@ class SimResult:
     steps: int = 0
     spatial_steps: int = 0
     shed: int = 0
+    step_log: list[dict] = field(default_factory=list)
+    prefill_log: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +109,7 @@ class Simulator:
     host: HostModel | None = None  # the host's share of each step (None: steps take their device time only)
     host_spread: float = 0.0  # each prefill launch's host time: a lognormal multiple (this sigma) of the model's
     seed: int = 0  # of the launch times' draws
+    log: bool = False  # keep every step and prefill launch in the result (`muxd bench --simulate --save-steps`)
     prompts: dict = field(default_factory=dict)  # (index, prompt_len, block, hash_ids) -> (tokens, hashes)
     _next_arrival: float | None = None
 
@@ -137,6 +142,9 @@ class Simulator:
                 continue
             plan = sched.schedule()
             result.steps += 1
+            row = self._row(plan) if self.log and not plan.empty else None
+            self._device_ms = self._after_ms = self._queued = None
+            begin = self.clock.now
             if plan.empty:
                 self._wait()
             elif plan.spatial:
@@ -144,12 +152,40 @@ class Simulator:
                 self._run_spatial(plan)
             else:
                 self._run_all_sms(plan)
+            if row is not None:
+                self._finish_row(row, plan, begin, result)
         for tl, r in zip(timelines, requests):
             tl.token_times = self.times.get(r.request_id, [])
             if tl.error is None and r.status is not RequestStatus.FINISHED:
                 tl.error = f"not finished ({r.status.value})"
         result.end_time = self.clock.now
         return result
+
+    # ---- step log ---------------------------------------------------------------------------------------------
+    def _row(self, plan: StepPlan) -> dict:
+        """A step as planned, with the engine step log's keys."""
+        sched = self.sched
+        return {"t": self.clock.now, "decode": len(plan.decode), "decode_sms": plan.decode_sms, "mixed": plan.mixed,
+                "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
+                "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
+                "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
+                "inflight": len(self.stream), "waiting": len(sched.waiting), "headroom": sched.planner.headrooms()}
+
+    def _finish_row(self, row: dict, plan: StepPlan, begin: float, result: SimResult) -> None:
+        """The step as it ran: its wall time (from its launch to its tokens, a wait for the prefill stream
+        included), its device time, a temporal step's prefill layers; and the prefill launch it queued."""
+        row["launch_ms"] = (self.clock.now - begin) * 1e3
+        if self._device_ms is not None:
+            row["device_ms"] = self._device_ms
+        if self._after_ms is not None:
+            row.update(after_ms=self._after_ms,
+                       after_items=[[i.new, i.reused] for i in prefill_items(plan.prefill)])
+        result.step_log.append(row)
+        launch = self._queued
+        if launch is not None:
+            result.prefill_log.append({"t": launch.start, "ms": (launch.end - launch.start) * 1e3,
+                                       "prefill_sms": plan.prefill_sms, "layers": row["layers"],
+                                       "beside": bool(plan.decode), "items": [[i.new, i.reused] for i in launch.items]})
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def _request(self, spec: RequestSpec, index: int) -> Request:
@@ -256,6 +292,8 @@ class Simulator:
             if plan.prefill_after_decode and plan.decode and layers:  # as the engine hands the executor's
                 self.planner.observe_full(prefill_items(plan.prefill), layers, after)
             duration = self.timer.decode_ms(self._load(plan)) + after
+            self._after_ms = after if plan.prefill else None
+        self._device_ms = duration - (self._after_ms or 0.0)  # the decode or mixed kernels, as the engine logs them
         tokens = sum(w.num_tokens for w in plan.prefill)
         host = self._launch(layers, tokens)
         if host is not None:  # the step's host time and its layer launches, after its tokens or hidden
@@ -273,7 +311,8 @@ class Simulator:
             start = max(now, self.stream[-1].end if self.stream else now)
             duration = self._prefill_ms(plan.prefill, plan.prefill_sms, observe=bool(plan.decode))
             items = prefill_items(plan.prefill)
-            self.stream.append(_Launch(start, start + duration / 1e3, plan.prefill, items))
+            self._queued = _Launch(start, start + duration / 1e3, plan.prefill, items)
+            self.stream.append(self._queued)
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill else 0
         tokens = sum(w.num_tokens for w in plan.prefill)
         host = self._launch(layers, tokens)
@@ -288,6 +327,7 @@ class Simulator:
         duration = self.timer.decode_ms(load, plan.decode_sms, concurrent)
         if concurrent:  # the measured step refines the planner's contention guard
             self.planner.observe_decode(load, plan.decode_sms, concurrent, duration)
+        self._device_ms = duration
         if host is not None:  # the host launches the prefill layers while the decode kernels run
             duration = host.gap(len(plan.decode), duration, layers, tokens)
         self.clock.now = end = now + duration / 1e3

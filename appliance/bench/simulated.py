@@ -96,7 +96,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
                      f"waiting, prefix caching {'on' if sim.enable_prefix_caching else 'off'}")
     return SimulatedBench(contract, predictor, sim, options=options,
                           device_error=opts.device_error, host_error=opts.host_error,
-                          host_spread=opts.host_spread, device_spread=opts.device_spread), model, notes
+                          host_spread=opts.host_spread, device_spread=opts.device_spread,
+                          save_steps=opts.save_steps), model, notes
 
 
 def sim_config(serve: Config, model: ModelConfig, device: DeviceSpec) -> SimConfig:
@@ -165,10 +166,13 @@ def run_simulated(opts: BenchOptions, gpu: str, console: Console) -> list[dict[s
     start = offered if math.isfinite(offered) and offered > 0 else 1.0
     summaries, tried = [], []
     table = _table(bench.contract, len(specs), offered)
+    logs = {}
     for policy in policies:
         run = bench.run(policy, specs)
         sweep = bench.capacity(policy, specs, start_rate=start)
         summaries.append(_summary(run, sweep))
+        if opts.save_steps:
+            logs[policy] = {"steps": run.result.step_log, "prefills": run.result.prefill_log, "simulated": True}
         table.add_row(*_cells(run, sweep))
         tried.append(f"{policy}: " + ", ".join(f"{p.rate:.3g} {'met' if p.passed else 'missed'}"
                                               for p in sorted(sweep.points, key=lambda p: p.rate)))
@@ -182,6 +186,8 @@ def run_simulated(opts: BenchOptions, gpu: str, console: Console) -> list[dict[s
         path = opts.result_dir / "simulated.json"
         path.write_text(json.dumps({"notes": notes, "results": summaries}, indent=2, default=str))
         console.print(f"wrote {path}")
+        for policy, log in logs.items():
+            (opts.result_dir / f"steps-{policy}.json").write_text(json.dumps(log, default=str))
     return summaries
 
 

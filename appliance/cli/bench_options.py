@@ -131,7 +131,10 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                                      "--from-steps/--from-prefills` reads them), "
                                                                      "with the engine thread's stack sampled in "
                                                                      "launches over 25 ms. The logging takes host "
-                                                                     "time from the engine.",
+                                                                     "time from the engine. --simulate: the "
+                                                                     "simulated steps and launches, in virtual "
+                                                                     "time (each sweep point's JSON, else "
+                                                                     "steps-POLICY.json).",
                                                 rich_help_panel=_O)], False),
     "spread_ties": (Annotated[bool, typer.Option("--spread-ties", help="Spread requests that share a timestamp "
                                                                        "(traces recorded in coarse steps, e.g. "
@@ -225,8 +228,8 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
     if kw["max_idle"] is not None and kw["max_idle"] < 0:
         raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
-    if kw["save_steps"] and not kw["in_process"]:
-        raise ConfigError("--save-steps logs the engine's steps in this process: give --in-process")
+    if kw["save_steps"] and not (kw["in_process"] or kw["simulate"]):
+        raise ConfigError("--save-steps logs the engine's steps in this process: give --in-process (or --simulate)")
     if kw["in_process"] and kw["endpoint"] == "chat":
         raise ConfigError("--in-process sends prompts straight to the engine; --endpoint chat needs a server")
     preset = kw.pop("workload")

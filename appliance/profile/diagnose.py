@@ -297,6 +297,9 @@ def _log(path: str, kind: str) -> list[dict]:
     """A step or prefill-launch log: a JSON list (`muxd bench diagnose`'s, `muxd profile`'s calibration logs), or a
     result JSON of `muxd bench --in-process --save-steps` holding it under `kind`."""
     raw = _read_json(path, f"--from-{kind}")
+    if isinstance(raw, dict) and raw.get("simulated"):
+        raise ConfigError(f"--from-{kind} {path}: a simulated replay's log (`--simulate --save-steps`): its times "
+                          "are the profile's own; calibrate from a served replay's")
     rows = raw.get(kind) if isinstance(raw, dict) else raw
     if not isinstance(rows, list):
         raise ConfigError(f"--from-{kind} {path}: neither a list of {kind} nor a result JSON with `{kind}` (a replay "

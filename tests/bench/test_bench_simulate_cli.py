@@ -122,3 +122,33 @@ def test_simulate_notes_prompts_longer_than_the_profile_measured(tmp_path):
     assert len(longer) == 1 and longer[0].endswith("(profile longer prompts with `muxd profile --trace` of this "
                                                    "workload)")
     assert int(longer[0].split()[0]) >= 1
+
+
+def test_simulate_saves_its_steps_as_the_engine_logs_them(tmp_path):
+    """`--save-steps` with `--simulate`: every simulated step and prefill launch in each sweep point's JSON (the
+    engine step log's keys, virtual time), the one replay as profiled; `bench diagnose` will not calibrate from it."""
+    profile = synthetic_profile_file(tmp_path)
+    out = tmp_path / "sweep"
+    args = ["bench", "sweep", "--simulate", "--policies", "mux,chunked", "--trace", str(TRACE), "--max-requests", "30",
+            "--spread-ties", "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100", "--slo", str(SLO),
+            "--rates", "2", "--save-steps", "--result-dir", str(out), "--no-progress"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for policy in ("mux", "chunked"):
+        point = json.loads((out / "points" / f"{policy}-2.json").read_text())
+        steps, prefills = point["steps"], point["prefills"]
+        assert point["simulated"] is True and steps
+        assert sum(s["decode"] for s in steps) >= point["total_output_tokens"] - point["completed"]
+        times = [s["t"] for s in steps]
+        assert times == sorted(times) and times[-1] <= point["duration"] + 1
+        for s in steps:
+            assert {"mode", "layers", "prefill_tokens", "waiting", "headroom", "launch_ms"} <= set(s)
+            assert s["launch_ms"] >= 0 and s.get("device_ms", 0) >= 0
+        if policy == "mux":  # prefill launched layer range by layer range, on a partition or after decode
+            assert prefills or any("after_ms" in s for s in steps)
+            assert all(p["ms"] > 0 and p["layers"] > 0 for p in prefills)
+        else:  # chunked runs prefill inside its mixed steps
+            assert any(s["mixed"] for s in steps) and not prefills
+    refused = runner.invoke(app, ["bench", "diagnose", "--from-steps", str(out / "points" / "mux-2.json"),
+                                  "--profile", str(profile), "--model", str(MODEL)], env={"COLUMNS": "200"})
+    assert refused.exit_code != 0 and "simulated replay" in refused.output, refused.output
