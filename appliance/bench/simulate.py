@@ -22,6 +22,7 @@ from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.planners.base import Planner
 from appliance.engine.request import Request, RequestStatus, SamplingParams
 from appliance.engine.scheduler import Scheduler
+from appliance.engine.steplog import item_pairs, planned_row
 from appliance.errors import CapacityError, ConfigError
 from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
@@ -142,7 +143,7 @@ class Simulator:
                 continue
             plan = sched.schedule()
             result.steps += 1
-            row = self._row(plan) if self.log and not plan.empty else None
+            row = planned_row(self.clock.now, plan, sched, len(self.stream)) if self.log and not plan.empty else None
             self._device_ms = self._after_ms = self._queued = None
             begin = self.clock.now
             if plan.empty:
@@ -162,15 +163,6 @@ class Simulator:
         return result
 
     # ---- step log ---------------------------------------------------------------------------------------------
-    def _row(self, plan: StepPlan) -> dict:
-        """A step as planned, with the engine step log's keys."""
-        sched = self.sched
-        return {"t": self.clock.now, "decode": len(plan.decode), "decode_sms": plan.decode_sms, "mixed": plan.mixed,
-                "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
-                "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
-                "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
-                "inflight": len(self.stream), "waiting": len(sched.waiting), "headroom": sched.planner.headrooms()}
-
     def _finish_row(self, row: dict, plan: StepPlan, begin: float, result: SimResult) -> None:
         """The step as it ran: its wall time (from its launch to its tokens, a wait for the prefill stream
         included), its device time, a temporal step's prefill layers; and the prefill launch it queued."""
@@ -178,14 +170,13 @@ class Simulator:
         if self._device_ms is not None:
             row["device_ms"] = self._device_ms
         if self._after_ms is not None:
-            row.update(after_ms=self._after_ms,
-                       after_items=[[i.new, i.reused] for i in prefill_items(plan.prefill)])
+            row.update(after_ms=self._after_ms, after_items=item_pairs(prefill_items(plan.prefill)))
         result.step_log.append(row)
         launch = self._queued
         if launch is not None:
             result.prefill_log.append({"t": launch.start, "ms": (launch.end - launch.start) * 1e3,
                                        "prefill_sms": plan.prefill_sms, "layers": row["layers"],
-                                       "beside": bool(plan.decode), "items": [[i.new, i.reused] for i in launch.items]})
+                                       "beside": bool(plan.decode), "items": item_pairs(launch.items)})
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def _request(self, spec: RequestSpec, index: int) -> Request:

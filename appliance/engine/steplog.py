@@ -56,6 +56,21 @@ def _allocations() -> dict[str, int]:
     return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTS.items()}
 
 
+def planned_row(t: float, plan: Any, sched: Any, inflight: int) -> dict[str, Any]:
+    """A step as planned, as the log keeps it (the simulator's step log too): when, what it runs, the planner's mode
+    and headroom, the prefill launches in flight and the prompts waiting."""
+    return {"t": t, "decode": len(plan.decode), "decode_sms": plan.decode_sms, "mixed": plan.mixed,
+            "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
+            "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
+            "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
+            "inflight": inflight, "waiting": len(sched.waiting), "headroom": sched.planner.headrooms()}
+
+
+def item_pairs(items: Any) -> list[list[int]]:
+    """Prefill items as the log keeps them: [new, reused] tokens each."""
+    return [[i.new, i.reused] for i in items]
+
+
 class StepLog:
     def __init__(self, engine: Any, predictor: Predictor | None = None,
                  stacks_after_ms: float | None = None) -> None:
@@ -81,14 +96,9 @@ class StepLog:
             t0 = time.perf_counter()
             plan = schedule()
             self.steps.append({
-                "t": t0, "plan_ms": (time.perf_counter() - t0) * 1e3, "decode": len(plan.decode),
+                "plan_ms": (time.perf_counter() - t0) * 1e3,
                 "gap_ms": None if self._launch_end is None else (t0 - self._launch_end - self._waited) * 1e3,
-                "decode_sms": plan.decode_sms, "mixed": plan.mixed,
-                "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
-                "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
-                "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
-                "inflight": executor.num_inflight, "waiting": len(sched.waiting),
-                "headroom": sched.planner.headrooms()})
+                **planned_row(t0, plan, sched, executor.num_inflight)})
             return plan
 
         def timed_start(plan, requests, partition=None, **kw):
@@ -134,7 +144,7 @@ class StepLog:
                     row.update(obs_ms=obs.ms, beside=len(obs.concurrent))
                 if executor.last_after_ms is not None and step.plan.prefill:  # a temporal step's prefill layers
                     row.update(after_ms=executor.last_after_ms,
-                               after_items=[[i.new, i.reused] for i in prefill_items(step.plan.prefill)])
+                               after_items=item_pairs(prefill_items(step.plan.prefill)))
             return tokens
 
         sched.schedule, executor.start, executor.collect = timed_schedule, timed_start, timed_collect
@@ -154,7 +164,7 @@ class StepLog:
         for obs in finished:
             items = prefill_items(obs.works)
             row: dict[str, Any] = {"ms": obs.ms, "prefill_sms": obs.prefill_sms, "layers": obs.layers,
-                                   "beside": obs.beside_decode, "items": [[i.new, i.reused] for i in items],
+                                   "beside": obs.beside_decode, "items": item_pairs(items),
                                    "decode_beside": self._decode_between(obs.launched_at, obs.seen_at)}
             if self.predictor is not None:
                 sms = None if obs.prefill_sms >= self.predictor.sm_count else obs.prefill_sms
@@ -181,7 +191,7 @@ class StepLog:
         row: dict[str, Any] = {"ctx": load.reused_tokens}
         if plan.mixed:
             items = prefill_items(plan.prefill)
-            row.update(pred_ms=p.mixed_ms(items, load), items=[[i.new, i.reused] for i in items])
+            row.update(pred_ms=p.mixed_ms(items, load), items=item_pairs(items))
             return row
         beside = prefill_items(step.beside)
         row.update(pred_ms=p.decode_ms(load, step.decode_sms, beside) if beside else p.decode_ms(load))

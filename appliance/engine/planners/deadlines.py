@@ -5,6 +5,7 @@ request whose deadline cannot be met.
 """
 from __future__ import annotations
 
+import heapq
 from itertools import groupby
 from typing import Callable, Sequence
 
@@ -85,19 +86,17 @@ def _moved_back(group: list[Request], start: float, cost: Callable[[Request], fl
     """Moore-Hodgson: in deadline order, whenever a request would finish after its deadline, the longest one so far
     moves back; what is left meets every deadline, and no smaller set moved back would do (one machine, the requests'
     predicted times). A preempted request (deadline -inf) is never moved. Returned in deadline order."""
-    kept: list[Request] = []
+    movable: list[tuple[float, int, Request]] = []  # the kept requests that may move, longest first (a heap)
     late: list[Request] = []
     t = start
-    for r in sorted(group, key=deadline):
-        kept.append(r)
+    for i, r in enumerate(sorted(group, key=deadline)):
         t += cost(r)
-        if t > deadline(r):
-            movable = [k for k in kept if deadline(k) != float("-inf")]
-            if movable:
-                longest = max(movable, key=cost)
-                kept = [k for k in kept if k is not longest]
-                late.append(longest)
-                t -= cost(longest)
+        if deadline(r) != float("-inf"):
+            heapq.heappush(movable, (-cost(r), i, r))  # ties: the earliest deadline moves
+        if t > deadline(r) and movable:
+            minus, _, longest = heapq.heappop(movable)
+            late.append(longest)
+            t += minus
     return sorted(late, key=deadline)
 
 
