@@ -45,9 +45,11 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     inductor_dir = cache_dir() / "inductor"
     inductor_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
+    # a model adds 4 compiled variants of DecoderLayer.forward (2 residual variants x 2 compilers; the single-token
+    # one per shape and dtype): room for the several models a process may build (tests), before Dynamo runs eagerly
     for name in ("recompile_limit", "cache_size_limit"):  # the latter before torch 2.7
-        if hasattr(torch._dynamo.config, name):  # 2 residual variants x (1 token, symbolic) x 2 compilers, headroom
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 16))
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
             break
     dynamic = torch.compile(DecoderLayer.forward, dynamic=True)
     one_token = torch.compile(DecoderLayer.forward, dynamic=False,

@@ -121,7 +121,7 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     # the engine handed those launches to the planner: online refinement of its split slowdown
     learned = mux.scheduler.planner.predictor.split.window
     assert 0 < len(learned) <= sum(p["beside"] for p in split), \
-        f"no launch kept by the online fit (measured / predicted ms: {[round(p['ms'] / p['pred_ms'], 2) for p in split]})"
+        f"the online fit kept no launch (measured / predicted: {[round(p['ms'] / p['pred_ms'], 2) for p in split]})"
     assert sum(len(w) for w in mux.predictor.guard.observations.values()) == len(beside)
     assert all(o.decode_sms in mux.predictor.decode_partitions and o.ms > 0 for o in beside)
     for rid, exp in zip(ids, expected):
