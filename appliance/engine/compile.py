@@ -47,10 +47,7 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
     # a model adds 4 compiled variants of DecoderLayer.forward (2 residual variants x 2 compilers; the single-token
     # one per shape and dtype): room for the several models a process may build (tests), before Dynamo runs eagerly
-    for name in ("recompile_limit", "cache_size_limit"):  # the latter before torch 2.7
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-            break
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     dynamic = torch.compile(DecoderLayer.forward, dynamic=True)
     one_token = torch.compile(DecoderLayer.forward, dynamic=False,
                               mode="max-autotune-no-cudagraphs" if device.type == "cuda" else None)

@@ -20,9 +20,3 @@ def copy_model(tmp_path_factory):
 
     return train_copy_model(tmp_path_factory.mktemp("copy-model"))
 
-
-def pytest_configure(config):
-    # several models of different shapes are compiled in one test process; a server compiles one
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = 64
