@@ -54,16 +54,22 @@ def test_graphs_and_eager_decode_agree_at_every_batch_size(copy_model):
     assert [c.token_ids for c in with_graphs] == [c.token_ids for c in eager]
 
 
-def test_seeded_sampling_alone_and_in_a_batch_of_32(copy_model):
+def test_seeded_sampling_does_not_depend_on_the_batch(copy_model):
+    """A seeded request draws the same tokens beside one request and in a batch of 32 (other rows, other seeds, some
+    unseeded), and again when it runs again. (Alone, one-row decode runs other kernels, tuned for a single row,
+    whose logits differ in the last bits: at temperature 3 that may change a draw, so "alone" is not compared.)"""
     engine = fast(copy_model)
     seeded = SamplingParams(max_tokens=24, temperature=3.0, seed=1234, ignore_eos=True)
     prompt = periodic_prompt(3, 40)
-    alone = engine.generate(prompt, seeded)[0].token_ids
+    companion = SamplingParams(max_tokens=24, temperature=3.0, ignore_eos=True)
+    pair = engine.generate([prompt, periodic_prompt(99, 30)], [seeded, companion])[0].token_ids
     others = [periodic_prompt(100 + i, 20 + i) for i in range(31)]
     params = [SamplingParams(max_tokens=24, temperature=3.0, seed=None if i % 2 else i, ignore_eos=True)
               for i in range(31)]
     batch = engine.generate([prompt] + others, [seeded] + params)
-    assert batch[0].token_ids == alone
+    assert batch[0].token_ids == pair
+    alone = engine.generate(prompt, seeded)[0].token_ids
+    assert engine.generate(prompt, seeded)[0].token_ids == alone
     other_seed = engine.generate(prompt, SamplingParams(max_tokens=24, temperature=3.0, seed=99, ignore_eos=True))
     assert other_seed[0].token_ids != alone  # the seed matters: sampling is not collapsing to greedy
 
