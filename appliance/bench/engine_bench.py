@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from appliance.bench.ceilings import Ceilings, measure_ceilings, time_cuda
+from appliance.bench.kernel_roles import RoleRow, by_role, weight_floors
 from appliance.config import Config
 from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
@@ -62,6 +63,7 @@ class Kernels:
     label: str
     replay_ms: float
     rows: list[KernelRow]
+    roles: list[RoleRow] | str = ""  # the same kernels by role against their floors (kernel_roles.py), or why not
 
     @property
     def kernel_ms(self) -> float:
@@ -105,9 +107,11 @@ def kernel_rows(events: Iterable[tuple[str, float]], steps: int, top: int = 15) 
 
 
 def device_events(events: Iterable) -> list[tuple[str, float]]:
-    """(name, ms) of the device-side events (kernels, copies) among a torch profiler's events."""
+    """(name, ms) of the device-side events (kernels, copies) among a torch profiler's events, in the order they
+    started."""
     cuda = torch.autograd.DeviceType.CUDA
-    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events if e.device_type == cuda]
+    device = sorted((e for e in events if e.device_type == cuda), key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in device]
 
 
 @dataclass
@@ -195,7 +199,13 @@ class EngineBench:
                 torch.cuda.synchronize()
         finally:
             self.clear(reqs)
-        return Kernels(f"decode b={batch} ctx={context}", replay_ms, kernel_rows(device_events(prof.events()), replays))
+        events = device_events(prof.events())
+        model = self.engine.model
+        head = (model.lm_head if model.lm_head is not None else model.model.embed_tokens).weight
+        floors = weight_floors(model.model.layers, head.numel() * head.element_size(),
+                               batch * context * self.costs.kv_bytes_per_token, self.ceilings.copy_bytes_per_s)
+        return Kernels(f"decode b={batch} ctx={context}", replay_ms, kernel_rows(events, replays),
+                       by_role(events, replays, self.costs.num_layers, floors))
 
     def decode(self, batch: int, context: int, graphs: bool = True, overlap: bool | None = None) -> Row:
         """A decode row; `overlap` False runs the engine's synchronous loop (None: as the engine is configured)."""
@@ -362,7 +372,20 @@ def render(result: EngineBenchResult) -> str:
                   "| kernel | launches a step | ms a step | share of the replay |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| `{r.name[:90]}` | {r.launches:.0f} | {r.ms:.3f} | {100 * r.ms / k.replay_ms:.1f} % |"
                   for r in k.rows]
+        lines += [""] + _role_lines(k)
     return "\n".join(lines)
+
+
+def _role_lines(k: Kernels) -> list[str]:
+    if isinstance(k.roles, str):
+        return [f"by role: {k.roles}" if k.roles else "by role: -"]
+    lines = [f"by role ({k.label}; floor: the bytes each role reads over the copy bandwidth):", "",
+             "| role | launches a step | ms a step | floor ms | ratio |", "| --- | ---: | ---: | ---: | ---: |"]
+    for r in k.roles:
+        floor, ratio = ("", "") if r.ratio is None else (f"{r.floor_ms:.3f}", f"{r.ratio:.2f}x")
+        lines.append(f"| {r.role} | {r.launches:.0f} | {r.ms:.3f} | {floor} | {ratio} |")
+    lines.append(f"| between kernels | | {k.replay_ms - k.kernel_ms:.3f} | | |")
+    return lines
 
 
 def save(result: EngineBenchResult, path: str | Path) -> None:

@@ -72,7 +72,8 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs the model is split "
                                                  "across (one process each); the rows are timed on rank 0."),
         kernels: str = typer.Option("", "--kernels", help="Decode steps whose kernels the profiler breaks down "
-                                    "by name (launches and device ms a step, against the graph replay's time): "
+                                    "by name (launches and device ms a step, against the graph replay's time) and by "
+                                    "role (projections, attention, LM head, against the bytes each reads): "
                                     "BATCH@CONTEXT items, e.g. 1@1024,64@1024."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the result as JSON here."),
         markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the Markdown table here."),
