@@ -66,8 +66,8 @@ def by_role(events: Sequence[tuple[str, float]], steps: int, num_layers: int,
             at = index % per_step
             role = LM_HEAD if at == per_step - 1 else PROJECTIONS[at % 4]
             into = role
-        elif k == "split-k":
-            into = role if index >= 0 else OTHER
+        elif k == "split-k":  # the matmul before it ("other" before any)
+            into = role
         else:
             into = ATTENTION if k == ATTENTION else OTHER
         totals[into][0] += 1
