@@ -18,6 +18,7 @@ from appliance.attention.flashinfer_backend import (
 from appliance.attention.kv_write import write_kv
 from appliance.attention.metadata import AttentionMetadata, page_layout
 from appliance.attention.torch_backend import TorchAttention
+from appliance.attention import triton_decode
 from appliance.errors import ConfigError
 
 
@@ -30,10 +31,11 @@ class AttentionShape(Protocol):
 
 
 BACKEND_NAMES = ("auto", "flashinfer", "torch")
+DECODE_KERNELS = ("auto", "flashinfer")
 
-__all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "ForwardContext", "TorchAttention",
-           "forward_context", "flashinfer_unsupported", "make_backend", "new_workspace", "page_layout",
-           "paged_attention", "resolve_backend_name", "set_layer", "write_kv"]
+__all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "DECODE_KERNELS", "ForwardContext",
+           "TorchAttention", "forward_context", "flashinfer_unsupported", "make_backend", "new_workspace",
+           "page_layout", "paged_attention", "resolve_backend_name", "set_layer", "uses_triton_decode", "write_kv"]
 
 
 def flashinfer_unsupported(cfg: AttentionShape, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -65,16 +67,29 @@ def resolve_backend_name(name: str, cfg: AttentionShape, dtype: torch.dtype, dev
     return name
 
 
+def uses_triton_decode(decode_kernel: str, cfg: AttentionShape, graph_batch_size: int | None,
+                       page_size: int) -> bool:
+    """Whether a CUDA-graph decode batch of `graph_batch_size` rows runs muxd's Triton decode kernel: with
+    decode_kernel 'auto', up to `triton_decode.MAX_BATCH` rows, where the kernel takes the model's shape."""
+    if decode_kernel not in DECODE_KERNELS:
+        raise ConfigError(f"decode kernel {decode_kernel!r} is unknown; choose one of {', '.join(DECODE_KERNELS)}")
+    return (decode_kernel == "auto" and graph_batch_size is not None and graph_batch_size <= triton_decode.MAX_BATCH
+            and triton_decode.unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size) is None)
+
+
 def make_backend(name: str, cfg: AttentionShape, dtype: torch.dtype, device: torch.device, *,
-                 graph_batch_size: int | None = None, max_pages: int = 0, shared_workspace=None) -> AttentionBackend:
-    """A backend instance; `graph_batch_size` makes one whose decode path can be captured in a CUDA graph.
-    Backends given the same `shared_workspace` (from `new_workspace`) must never run concurrently."""
+                 graph_batch_size: int | None = None, max_pages: int = 0, shared_workspace=None,
+                 decode_kernel: str = "auto", page_size: int = 16) -> AttentionBackend:
+    """A backend instance; `graph_batch_size` makes one whose decode path can be captured in a CUDA graph (with
+    decode_kernel 'auto', small ones run muxd's Triton decode kernel). Backends given the same `shared_workspace`
+    (from `new_workspace`) must never run concurrently."""
     name = resolve_backend_name(name, cfg, dtype, device)
     if name == "torch":
         return TorchAttention()
 
     return FlashInferAttention(cfg, dtype, device, graph_batch_size=graph_batch_size, max_pages=max_pages,
-                               workspaces=shared_workspace)
+                               workspaces=shared_workspace,
+                               triton_decode=uses_triton_decode(decode_kernel, cfg, graph_batch_size, page_size))
 
 
 def new_workspace(name: str, device: torch.device):

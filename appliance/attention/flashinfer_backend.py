@@ -8,6 +8,8 @@ fixed (`use_cuda_graph=True`) so that only `run()` is captured and `plan()` refr
 share a workspace share a ring of such buffers, used in turn (`PlanStaging`: two, more while a plan's copy waits
 behind queued prefill), so that the next step's plan, made while the current step runs, never rewrites a buffer
 whose copy has not run yet, and never waits for a busy stream to reach it.
+A graph instance made with `triton_decode` runs muxd's own split-KV decode kernel (attention/triton_decode.py)
+instead of flashinfer's decode: faster at a few rows, where decode attention is bound by latency.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from appliance.attention.kv_write import write_kv
 from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.pinned import PinnedRing, Ring
+from appliance.attention.triton_decode import TritonDecode
 
 if TYPE_CHECKING:  # the package's __init__ imports this module lazily
     from appliance.attention import AttentionShape
@@ -117,7 +120,7 @@ class FlashInferAttention:
     def __init__(self, cfg: AttentionShape, dtype: torch.dtype, device: torch.device, *,
                  graph_batch_size: int | None = None, max_pages: int = 0,
                  decode_tensor_cores: bool | None = None,
-                 workspaces: Workspaces | None = None) -> None:
+                 workspaces: Workspaces | None = None, triton_decode: bool = False) -> None:
         import flashinfer
 
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -131,7 +134,14 @@ class FlashInferAttention:
         self.graph_batch_size = graph_batch_size
         self.prefill = None
         self.prefill_kernel = prefill_kernel(device, dtype)
-        if graph_batch_size is None:
+        self.triton = None
+        if triton_decode:
+            if graph_batch_size is None:
+                raise ValueError("the Triton decode kernel serves CUDA-graph batches (give graph_batch_size)")
+            self.triton = TritonDecode(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, graph_batch_size,
+                                       max_pages, device)
+            self.decode = None
+        elif graph_batch_size is None:
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
@@ -167,6 +177,12 @@ class FlashInferAttention:
         if key is not None and key == self._plan_key and self._active is self.prefill:
             return
         self._plan_key = key
+        if self.triton is not None:
+            if not m.decode_only:
+                raise RuntimeError("a CUDA-graph attention backend runs decode batches only")
+            self.triton.plan(m)
+            self._active = self.triton
+            return
         # plan() writes its schedule into a pinned host buffer and copies it to the device asynchronously; when
         # launches queue up on a busy stream (the next step planned while this one runs, prefill beside decode), a
         # copy may not have run yet: the staging ring rewrites a buffer only after its copy has
@@ -196,4 +212,6 @@ class FlashInferAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         write_kv(k, v, kv, metadata.slot_mapping)
+        if self.triton is not None and self._active is self.triton:
+            return self.triton.run(q.contiguous(), kv[0], kv[1])
         return self._active.run(q.contiguous(), (kv[0], kv[1]))

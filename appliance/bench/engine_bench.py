@@ -296,8 +296,8 @@ def start_engine(model_dir: str, load_format: str, dtype: str | None, config: Co
         start = time.perf_counter()
         engine = build_engine(config, model)
     startup = {"load_s": load_s, "engine_init_s": time.perf_counter() - start, **engine.startup,
-               "attention_backend": engine.runner.backend_name, "compiled": engine.compiled,
-               "kv_pages": engine.pool.num_pages}
+               "attention_backend": engine.runner.backend_name, "decode_kernel": engine.runner.decode_kernel,
+               "decode_blas": engine.runner.decode_blas, "compiled": engine.compiled, "kv_pages": engine.pool.num_pages}
     return engine, startup
 
 

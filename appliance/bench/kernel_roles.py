@@ -5,8 +5,9 @@ profile says which part of the step is furthest from its floor.
 Roles come from the kernels' order in a step, not from their names alone (Inductor names a fused matrix-vector
 reduction after everything it fused): of each layer's four matmuls the first runs before attention (QKV), the others
 after it (output, gate/up, down); after the last layer comes the LM head. A split-K reduction belongs to the matmul
-before it; attention is flashinfer's kernels (the KV-split merge included); every other kernel (norms, rotary, K/V
-writes, activations, sampling) is "other". A step whose matmuls do not count four per layer plus one gets no roles.
+before it; attention is flashinfer's kernels and muxd's Triton decode (KV-split merges included); every other
+kernel (norms, rotary, K/V writes, activations, sampling) is "other". A step whose matmuls do not count four per
+layer plus one gets no roles.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ _LIBRARY_MATMUL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma", re.IGNORECASE)
 # (rotary after QKV: "triton_poi_fused_..._cos_mm_mul_...") carry its name too
 _INDUCTOR_MATMUL = re.compile(r"^triton_(red|per|tem)_.*_(mm|addmm|bmm)(_|$)")
 _SPLIT_K_REDUCE = re.compile(r"splitk_?reduce", re.IGNORECASE)  # not a split-K GEMM itself ("..._splitK_TNN")
+_OWN_ATTENTION = re.compile(r"^decode_(partial|merge)$")  # attention/triton_decode_kernels.py
 
 
 @dataclass
@@ -41,7 +43,7 @@ def kind(name: str) -> str:
     """'matmul', 'split-k' (a split-K reduction), 'attention' or 'other'."""
     if _SPLIT_K_REDUCE.search(name):
         return "split-k"
-    if "flashinfer" in name:
+    if "flashinfer" in name or _OWN_ATTENTION.match(name):
         return ATTENTION
     if _LIBRARY_MATMUL.search(name) or _INDUCTOR_MATMUL.search(name):
         return "matmul"

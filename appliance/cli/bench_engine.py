@@ -57,6 +57,9 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                                     help="Prefill rows: NEW or NEW@CACHED tokens."),
         iters: int = typer.Option(20, help="Timed decode steps per row."),
         attention_backend: str = typer.Option("auto", help="auto, flashinfer or torch."),
+        decode_kernel: str = typer.Option("auto", help="Attention kernel of graph decode steps: auto (muxd's Triton "
+                                          "kernel up to 8 rows, flashinfer's beyond) or flashinfer."),
+        decode_blas: str = typer.Option("cublaslt", help="BLAS library of the decode graphs: cublaslt or cublas."),
         compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile each layer."),
         cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
         async_scheduling: bool = typer.Option(True, "--async-scheduling/--no-async-scheduling",
@@ -96,7 +99,8 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                               max_num_batched_tokens=max(n for n, _ in pre),
                               max_model_len=max(max(n + c for n, c in pre), *ctx, *(c for _, c in profiled))
                               + iters + 64,
-                              attention_backend=attention_backend, compile=compile, cuda_graph=cuda_graph,
+                              attention_backend=attention_backend, decode_kernel=decode_kernel, decode_blas=decode_blas,
+                              compile=compile, cuda_graph=cuda_graph,
                               async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,
                                   prefills=pre, iters=iters, config=config,

@@ -149,8 +149,8 @@ class _Builder:
         # a step samples one token per running request at most: the token buffer holds them all
         max_rows = max(sched_cfg.max_num_seqs, self.max_graph_batch)
         if follower:
-            return self._capture(FollowerExecutor(FollowerRunner(model, kv_cache, rt.attention_backend, max_rows),
-                                                  partitions), predictor)
+            runner = FollowerRunner(model, kv_cache, rt.attention_backend, max_rows, rt.decode_kernel, rt.decode_blas)
+            return self._capture(FollowerExecutor(runner, partitions), predictor)
         # dynamic NTK rotates a prompt's K by the prompt's length, so equal prefixes need not share pages
         prefix_caching = cache_cfg.enable_prefix_caching and not mcfg.rope.length_dependent
         if cache_cfg.enable_prefix_caching and not prefix_caching:
@@ -164,7 +164,7 @@ class _Builder:
         contract = sched_cfg.contract
         planner = self._planner(predictor, partitions)
         scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
-        runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows)
+        runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows, rt.decode_kernel, rt.decode_blas)
         executor = Executor(runner, partitions) if self.group is None else LeaderExecutor(runner, partitions,
                                                                                           self.group)
         self._capture(executor, predictor)

@@ -45,6 +45,17 @@ def quiet_capture() -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def blas_library(name: str) -> Iterator[None]:
+    """torch's preferred BLAS library within the block (read at each GEMM's call: captured graphs keep it)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def index_capacity(num_pages: int, size: int) -> int:
     """Page indices a size-row decode graph holds: every page of the pool plus the scratch page, and one padding
     page per row. Requests that share prefix pages may list more; such a batch runs eagerly."""
@@ -63,8 +74,9 @@ class DecodeGraphs:
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache,
                  make_backend: Callable[[int], AttentionBackend], max_batch: int,
                  stream: torch.cuda.Stream | None = None, pool=None, sizes: list[int] | None = None,
-                 token_buffer: torch.Tensor | None = None) -> None:
+                 token_buffer: torch.Tensor | None = None, blas: str = "cublaslt") -> None:
         self.model, self.kv_cache, self.make_backend = model, kv_cache, make_backend
+        self.blas = blas  # the BLAS library the captured GEMMs come from (config.DECODE_BLAS)
         self.token_buffer = token_buffer  # where placeholders among the input ids are read from (None: no placeholders)
         self.sizes = sorted(sizes) if sizes else capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -114,8 +126,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, so that smaller graphs reuse the pool's memory."""
-        with quiet_capture():
+        """Capture every size, largest first, so that smaller graphs reuse the pool's memory. Their GEMMs come
+        from `self.blas`: cuBLASLt by default, whose choices at decode's few rows measured 0.5-3 % faster a step
+        than cuBLAS's (the down projection without a split-K reduction); prefill keeps torch's default library."""
+        with quiet_capture(), blas_library(self.blas):
             self._capture()
 
     def _capture(self) -> None:

@@ -50,14 +50,17 @@ class _Partial:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, attention_backend: str = "auto",
-                 max_rows: int = 1024) -> None:
-        """max_rows: the most tokens one step samples (one per running request: at least --max-num-seqs)."""
+                 max_rows: int = 1024, decode_kernel: str = "auto", decode_blas: str = "cublaslt") -> None:
+        """max_rows: the most tokens one step samples (one per running request: at least --max-num-seqs);
+        decode_kernel: which kernel small CUDA-graph decode batches run (attention.uses_triton_decode);
+        decode_blas: the BLAS library of the decode graphs' GEMMs (config.DECODE_BLAS)."""
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.data.device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = model.num_layers
         self.backend_name = resolve_backend_name(attention_backend, model.config, self.dtype, self.device)
         self.backend = make_backend(self.backend_name, model.config, self.dtype, self.device)
+        self.decode_kernel, self.decode_blas = decode_kernel, decode_blas
         self.batches = BatchBuilder(kv_cache.page_size, self.device)
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = True  # replay captured graphs when a batch fits (off: the same forward, eagerly)
@@ -79,10 +82,11 @@ class ModelRunner:
         def backend_for(size: int):
             return make_backend(self.backend_name, self.model.config, self.dtype, self.device,
                                 graph_batch_size=size, max_pages=index_capacity(self.kv_cache.num_pages, size),
-                                shared_workspace=workspace)
+                                shared_workspace=workspace, decode_kernel=self.decode_kernel,
+                                page_size=self.kv_cache.page_size)
 
         return DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream, pool=pool, sizes=sizes,
-                            token_buffer=self.tokens.ids)
+                            token_buffer=self.tokens.ids, blas=self.decode_blas)
 
     def capture_graphs(self, max_batch: int, stream: torch.cuda.Stream | None = None) -> DecodeGraphs | None:
         """Capture the runner's own decode graphs up to max_batch rows on `stream`; None when it cannot."""

@@ -59,8 +59,12 @@ def test_a_bad_kernels_flag_is_named_before_anything_starts(value, message):
 
 
 def _step(layers: int, one_row: bool) -> list[tuple[str, float]]:
-    """The kernels of one decode step as they run, with the names an H200 showed at 1 and 64 rows."""
+    """The kernels of one decode step as they run, with the names an H200 showed at 1 and 64 rows (at one row,
+    muxd's Triton decode attention; at 64, flashinfer's)."""
+    attention = [("void flashinfer::BatchPrefillWithPagedKVCacheKernel<flashinfer::KernelTraits>", 0.009),
+                 ("void flashinfer::PersistentVariableLengthMergeStatesKernel<8u>", 0.0025)]  # 64 rows
     if one_row:  # Inductor's fused matrix-vector reductions; the rotary kernels carry the QKV matmul's name
+        attention = [("decode_partial", 0.009), ("decode_merge", 0.0025)]
         norm, qkv, rope = "triton_red_fused__to_copy_add_mean_pow_0", \
             "triton_red_fused__to_copy_add_mean_mm_mul_pow_rsqrt_t_1", \
             "triton_poi_fused__to_copy_add_cat_cos_mm_mul_neg_paged_attention_sin_split_2"
@@ -75,10 +79,8 @@ def _step(layers: int, one_row: bool) -> list[tuple[str, float]]:
         after_down = [("void cublasLt::splitKreduce_kernel<32, 16, int, float>", 0.002)]
     events = [("void at::native::indexSelectLargeIndex<c10::BFloat16>", 0.003)]
     for _ in range(layers):
-        events += [(norm, 0.002), (qkv, 0.018), (rope, 0.001), (rope, 0.001), ("write_kv_kernel", 0.001),
-                   ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<flashinfer::KernelTraits>", 0.009),
-                   ("void flashinfer::PersistentVariableLengthMergeStatesKernel<8u>", 0.0025), (o, 0.011),
-                   (norm, 0.002), (gate_up, 0.056), (down, 0.030)] + after_down
+        events += [(norm, 0.002), (qkv, 0.018), (rope, 0.001), (rope, 0.001), ("write_kv_kernel", 0.001)] + \
+            attention + [(o, 0.011), (norm, 0.002), (gate_up, 0.056), (down, 0.030)] + after_down
     return events + [("nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT", 0.24),
                      ("void at::native::reduce_kernel<argmax>", 0.004)]
 

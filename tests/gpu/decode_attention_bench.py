@@ -1,5 +1,6 @@
 """Decode attention alone, per kernel choice: flashinfer's tensor-core path (its prefill kernel, muxd's choice for
-GQA groups of 4 and more), the same with the KV split disabled, and the CUDA-core decode kernel, at several batch
+GQA groups of 4 and more), the same with the KV split disabled, the CUDA-core decode kernel, and muxd's Triton
+split-KV decode (attention/triton_decode.py, which graph batches up to its MAX_BATCH run), at several batch
 sizes and contexts. Each figure is one layer's call, timed as a CUDA graph of `--layers` calls over distinct layers'
 KV (as a decode graph replays them, so that no call finds the last one's KV in L2), against the bytes it must read.
 
@@ -28,7 +29,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import flashinfer
+    import numpy as np
 
+    from appliance.attention import AttentionMetadata
+    from appliance.attention.triton_decode import TritonDecode
     from appliance.bench.ceilings import time_cuda
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -38,7 +42,7 @@ def main() -> None:
     copy = None
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {h} heads, {kvh} KV heads, dim {d}")
     variants = {"tensor cores": (True, False), "tensor cores, no KV split": (True, True),
-                "CUDA cores": (False, False)}
+                "CUDA cores": (False, False), "muxd Triton": None}
     rows = []
     print("| batch | context | " + " | ".join(f"{v} us" for v in variants) + " | KV floor us |")
     print("| ---: | ---: |" + " ---: |" * (len(variants) + 1))
@@ -56,7 +60,14 @@ def main() -> None:
             last = torch.full((batch,), ctx - (pages_per - 1) * PAGE, dtype=torch.int32)
             floor_us = kv_bytes / layers / bw * 1e6  # one layer's KV read at the copy's rate (bytes moved per second)
             row = {"batch": batch, "context": ctx, "floor_us": floor_us}
-            for name, (tc, nosplit) in variants.items():
+            for name, choice in variants.items():
+                if choice is None:  # muxd's kernel, planned as its graph backends plan it
+                    dec = TritonDecode(h, kvh, d, batch, pages, dev)
+                    dec.plan(AttentionMetadata(np.arange(batch + 1, dtype=np.int32), indptr.numpy(), indices.numpy(),
+                                               last.numpy(), np.full(batch, ctx, np.int32), PAGE, None))
+                    row[name] = _graph_us(time_cuda, lambda: [dec.run(q, layer[0], layer[1]) for layer in kv], layers)
+                    continue
+                tc, nosplit = choice
                 ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
@@ -67,15 +78,8 @@ def main() -> None:
                     w.plan(indptr, indices, last, h, kvh, d, PAGE, q_data_type=dt, kv_data_type=dt,
                            disable_split_kv=nosplit)
 
-                    def calls():
-                        for layer in kv:
-                            w.run(q, (layer[0], layer[1]))
-                    calls()
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        calls()
-                    row[name] = time_cuda(g.replay, iters=10) / layers * 1e6
+                    row[name] = _graph_us(time_cuda, lambda: [w.run(q, (layer[0], layer[1])) for layer in kv],
+                                          layers)
                 except Exception as e:  # a kernel flashinfer cannot build for this shape
                     row[name] = float("nan")
                     row[f"{name} error"] = str(e)[:200]
@@ -87,6 +91,16 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+
+
+def _graph_us(time_cuda, calls, layers: int) -> float:
+    """Microseconds a call: `calls` (one per layer) captured in a CUDA graph and replayed."""
+    calls()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    return time_cuda(g.replay, iters=10) / layers * 1e6
 
 
 if __name__ == "__main__":

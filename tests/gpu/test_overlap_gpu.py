@@ -222,14 +222,22 @@ def test_preemption_under_a_small_kv_cache(copy_model):
 
 
 def test_plans_take_pinned_buffers_in_turn(fast):
-    """The decode graphs of one stream share one staging ring, and the overlapped loop used each of its buffers."""
-    graphs = fast.runner.graphs
-    stagings = {id(backend.staging) for _, backend in graphs._graphs.values()}
-    assert len(stagings) == 1
-    staging = next(backend.staging for _, backend in graphs._graphs.values())
+    """The flashinfer decode graphs of one stream share one staging ring, the Triton ones (small batches) stage
+    through pinned rings of their own, and the overlapped loop used each buffer of the ring it planned through."""
+    backends = {size: backend for size, (_, backend) in fast.runner.graphs._graphs.items()}
+    shared = [b for b in backends.values() if b.triton is None]
+    assert shared and any(b.triton is not None for b in backends.values())
+    assert len({id(b.staging) for b in shared}) == 1
+    staging = shared[0].staging
     assert all(b.is_pinned() for b in staging.buffers)
-    for backend in (b for _, b in graphs._graphs.values()):
+    for backend in shared:
         assert backend.decode._pin_memory_int_workspace_buffer.data_ptr() in {b.data_ptr() for b in staging.buffers}
-    drive(fast, True, {0: [fast.make_request(periodic_prompt(30, 40), SamplingParams(max_tokens=6, temperature=0))]})
+    prompt = periodic_prompt(30, 40)
+    drive(fast, True, {0: [fast.make_request(prompt, SamplingParams(max_tokens=6, temperature=0))]})
+    ring = backends[1].triton._staging.ring  # one row: the Triton decode
+    assert all(e is not None for e in ring.events) and all(b.is_pinned() for b in ring.items)
+    rows = max(s for s, b in backends.items() if b.triton is not None) + 1  # the smallest flashinfer graph's batch
+    drive(fast, True, {0: [fast.make_request(prompt, SamplingParams(max_tokens=6, temperature=0))
+                           for _ in range(rows)]})
     assert len(staging.ring.events) >= 2 and all(e is not None for e in staging.ring.events)
     assert all(b is not None and b.is_pinned() for b in staging.buffers)

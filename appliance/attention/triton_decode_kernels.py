@@ -1,0 +1,77 @@
+"""The Triton kernels of muxd's split-KV decode (attention/triton_decode.py owns the layout and the launches);
+imported on first use, so that the package imports without Triton."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _span(seq_len, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
+    """(pages of the row, pages per split, splits in use)."""
+    npages = (seq_len + PAGE - 1) // PAGE
+    per = tl.maximum((npages + SPLITS - 1) // SPLITS, PPB)
+    return npages, per, (npages + per - 1) // per
+
+
+@triton.jit
+def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_ptr, plse_ptr, scale_log2,
+                   stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+                   SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    num_heads = tl.num_programs(1) * G
+    seq_len = tl.load(seqlen_ptr + b)
+    first = tl.load(indptr_ptr + b)
+    npages, per, used = _span(seq_len, PAGE, PPB, SPLITS)
+    p0 = s * per
+    p1 = tl.minimum(p0 + per, npages)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    qmask = g < G
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qmask[:, None],
+                other=0.0)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    n = tl.arange(0, PPB * PAGE)
+    for p in range(p0, p1, PPB):  # empty for a split past the row's end
+        page_local = p + n // PAGE
+        in_split = page_local < p1
+        page = tl.load(indices_ptr + first + page_local, mask=in_split, other=0).to(tl.int64)
+        tok = page_local * PAGE + n % PAGE
+        valid = in_split & (tok < seq_len)
+        off = page * stride_kp + (n % PAGE) * stride_kt + h * stride_kh
+        k = tl.load(k_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        sc = tl.dot(q, tl.trans(k)) * scale_log2
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp2(m - m_new)
+        pr = tl.exp2(sc - m_new[:, None])
+        l = l * alpha + tl.sum(pr, 1)
+        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        m = m_new
+    row = b * num_heads + h * G + g
+    keep = qmask & (s + g * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
+    safe = tl.where(l == 0.0, 1.0, l)
+    tl.store(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
+    tl.store(plse_ptr + row * SPLITS + s, m + tl.log2(safe), mask=keep)
+
+@triton.jit
+def decode_merge(po_ptr, plse_ptr, seqlen_ptr, o_ptr, stride_ob, stride_oh, D: tl.constexpr,
+                 PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    row = b * tl.num_programs(1) + hq
+    _, _, used = _span(tl.load(seqlen_ptr + b), PAGE, PPB, SPLITS)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    live = s < used
+    lse = tl.load(plse_ptr + row * SPLITS + s, mask=live, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(live, tl.exp2(lse - tl.where(used > 0, mx, 0.0)), 0.0)
+    o = tl.load(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty))

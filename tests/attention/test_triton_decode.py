@@ -1,0 +1,89 @@
+"""muxd's Triton decode kernel (attention/triton_decode.py) against the torch reference, run by Triton's interpreter
+on the CPU (a subprocess: the interpreter is chosen when kernels are defined), and the rules that pick it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from appliance.attention import AttentionMetadata, page_layout, uses_triton_decode
+from appliance.attention.triton_decode import MAX_BATCH, TritonDecode, splits_for, unsupported
+from appliance.errors import ConfigError
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent("""
+    import numpy as np, torch
+    from appliance.attention import AttentionMetadata, TorchAttention, page_layout
+    from appliance.attention.triton_decode import TritonDecode
+    PAGE, D = 16, 32
+    gen = torch.Generator().manual_seed(0)
+    for heads, kv_heads, lens in [(8, 2, [1024]), (4, 4, [1, 37, 300]), (7, 1, [513, 16]), (8, 2, [20, 1])]:
+        pages, order, used = [], torch.randperm(200, generator=gen).numpy().astype(np.int32), 0
+        for n in lens:
+            k = -(-n // PAGE)
+            pages.append(order[used:used + k])
+            used += k
+        ends = np.array(lens, np.int64)
+        qo, kv_indptr, kv_indices, last, _, slots = page_layout(ends - 1, ends, pages, PAGE)
+        meta = AttentionMetadata(qo, kv_indptr, kv_indices, last, ends.astype(np.int32), PAGE,
+                                 torch.from_numpy(slots))
+        cache = torch.randn(2, 201, PAGE, kv_heads, D, generator=gen)
+        q = torch.randn(len(lens), heads, D, generator=gen)
+        k, v = (torch.randn(len(lens), kv_heads, D, generator=gen) for _ in range(2))
+        expected = TorchAttention().forward(q, k, v, cache.clone(), meta)  # writes the new K/V, then attends
+        dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"))
+        dec.plan(meta)
+        TorchAttention().forward(q, k, v, cache, meta)  # the same K/V write
+        out = dec.run(q, cache[0], cache[1])
+        err = (out - expected).abs().max().item()
+        print(heads, kv_heads, lens, dec.splits, err)
+        assert err < 1e-4, (heads, kv_heads, lens, err)
+    print("ok")
+""")
+
+
+def test_kernel_matches_the_torch_reference_in_the_interpreter():
+    """GQA groups of 4, 1 and 7, one to three rows, lengths 1 to 1024 (splits past a row's end, a row of one
+    token), pages in random order."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_splits_shrink_as_rows_grow():
+    assert [splits_for(b) for b in (1, 2, 3, 4, 5, 8, 16)] == [64, 32, 16, 16, 8, 8, 8]
+
+
+def test_unsupported_shapes_are_named():
+    assert unsupported(32, 8, 128, 16) is None
+    assert "head_dim 96" in unsupported(32, 8, 96, 16)
+    assert "page size 24" in unsupported(32, 8, 128, 24)
+    assert "do not group" in unsupported(30, 8, 128, 16)
+
+
+def test_which_backends_run_it():
+    cfg = SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=128)
+    assert uses_triton_decode("auto", cfg, 1, 16) and uses_triton_decode("auto", cfg, MAX_BATCH, 16)
+    assert not uses_triton_decode("auto", cfg, MAX_BATCH + 1, 16)
+    assert not uses_triton_decode("auto", cfg, None, 16)  # eager backends keep flashinfer
+    assert not uses_triton_decode("flashinfer", cfg, 1, 16)
+    assert not uses_triton_decode("auto", SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=96), 1, 16)
+    with pytest.raises(ConfigError, match="decode kernel 'fast' is unknown"):
+        uses_triton_decode("fast", cfg, 1, 16)
+
+
+def test_plan_refuses_a_batch_it_was_not_made_for():
+    dec = TritonDecode(8, 2, 32, 2, 4, torch.device("cpu"))
+    ends = np.array([5], np.int64)
+    qo, kv_indptr, kv_indices, last, _, slots = page_layout(ends - 1, ends, [np.array([0], np.int32)], 16)
+    meta = AttentionMetadata(qo, kv_indptr, kv_indices, last, ends.astype(np.int32), 16, torch.from_numpy(slots))
+    with pytest.raises(RuntimeError, match="of 2 rows got 1 sequences"):
+        dec.plan(meta)
