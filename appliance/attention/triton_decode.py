@@ -57,10 +57,14 @@ class TritonDecode:
     `run()` launches the two kernels and is what a graph captures."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
-                 device: torch.device) -> None:
+                 device: torch.device, splits: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
+                 num_warps: int = NUM_WARPS) -> None:
+        """splits (a power of two; default `splits_for(batch)`), pages_per_block and num_warps: the tiling, which
+        tests/gpu/decode_attention_bench.py can sweep."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.batch, self.splits = batch, splits_for(batch)
+        self.batch, self.splits = batch, splits or splits_for(batch)
+        self.pages_per_block, self.num_warps = pages_per_block, num_warps
         # [indptr (batch + 1) | seq_lens (batch) | page indices (max_pages)], filled by one copy a plan
         self.index = torch.zeros(2 * batch + 1 + max(max_pages, batch), dtype=torch.int32, device=device)
         self.indptr = self.index[:batch + 1]
@@ -94,8 +98,8 @@ class TritonDecode:
             q, k_cache, v_cache, self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse,
             self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=self.head_dim, PAGE=page,
-            PPB=PAGES_PER_BLOCK, SPLITS=self.splits, num_warps=NUM_WARPS)
+            PPB=self.pages_per_block, SPLITS=self.splits, num_warps=self.num_warps)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
-                                   out.stride(1), D=self.head_dim, PAGE=page, PPB=PAGES_PER_BLOCK,
+                                   out.stride(1), D=self.head_dim, PAGE=page, PPB=self.pages_per_block,
                                    SPLITS=self.splits)
         return out

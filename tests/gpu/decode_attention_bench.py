@@ -6,6 +6,7 @@ KV (as a decode graph replays them, so that no call finds the last one's KV in L
 
     PYTHONPATH=. python tests/gpu/decode_attention_bench.py [--batches 1,4,16,64,128] [--contexts 1024,8192]
         [--heads 32] [--kv-heads 8] [--head-dim 128] [--layers 32] [--json OUT]
+        [--triton-tilings SPLITS:PAGES_PER_BLOCK:WARPS,...]   (more columns: the Triton kernel tiled otherwise)
 """
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--max-kv-gib", type=float, default=40.0, help="skip points whose KV would exceed this")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--triton-tilings", default="", help="extra Triton columns, e.g. 16:4:4,32:2:4 (splits, pages "
+                    "per block, warps; splits 0: the kernel's choice for the batch)")
     args = ap.parse_args()
     import flashinfer
     import numpy as np
 
     from appliance.attention import AttentionMetadata
-    from appliance.attention.triton_decode import TritonDecode
+    from appliance.attention.triton_decode import NUM_WARPS, PAGES_PER_BLOCK, TritonDecode
     from appliance.bench.ceilings import time_cuda
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -42,7 +45,9 @@ def main() -> None:
     copy = None
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {h} heads, {kvh} KV heads, dim {d}")
     variants = {"tensor cores": (True, False), "tensor cores, no KV split": (True, True),
-                "CUDA cores": (False, False), "muxd Triton": None}
+                "CUDA cores": (False, False), "muxd Triton": (0, PAGES_PER_BLOCK, NUM_WARPS)}
+    for tiling in filter(None, args.triton_tilings.split(",")):
+        variants[f"Triton {tiling}"] = tuple(int(x) for x in tiling.split(":"))
     rows = []
     print("| batch | context | " + " | ".join(f"{v} us" for v in variants) + " | KV floor us |")
     print("| ---: | ---: |" + " ---: |" * (len(variants) + 1))
@@ -61,8 +66,10 @@ def main() -> None:
             floor_us = kv_bytes / layers / bw * 1e6  # one layer's KV read at the copy's rate (bytes moved per second)
             row = {"batch": batch, "context": ctx, "floor_us": floor_us}
             for name, choice in variants.items():
-                if choice is None:  # muxd's kernel, planned as its graph backends plan it
-                    dec = TritonDecode(h, kvh, d, batch, pages, dev)
+                if len(choice) == 3:  # muxd's kernel, planned as its graph backends plan it
+                    splits, ppb, warps = choice
+                    dec = TritonDecode(h, kvh, d, batch, pages, dev, splits=splits or None, pages_per_block=ppb,
+                                       num_warps=warps)
                     dec.plan(AttentionMetadata(np.arange(batch + 1, dtype=np.int32), indptr.numpy(), indices.numpy(),
                                                last.numpy(), np.full(batch, ctx, np.int32), PAGE, None))
                     row[name] = _graph_us(time_cuda, lambda: [dec.run(q, layer[0], layer[1]) for layer in kv], layers)
