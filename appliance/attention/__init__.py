@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from appliance.attention import triton_decode
 from appliance.attention.context import AttentionBackend, ForwardContext, forward_context, paged_attention, set_layer
 from appliance.attention.flashinfer_backend import (
     SUPPORTED_DTYPES,
@@ -18,7 +19,6 @@ from appliance.attention.flashinfer_backend import (
 from appliance.attention.kv_write import write_kv
 from appliance.attention.metadata import AttentionMetadata, page_layout
 from appliance.attention.torch_backend import TorchAttention
-from appliance.attention import triton_decode
 from appliance.errors import ConfigError
 
 

@@ -58,6 +58,7 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
     tl.store(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
     tl.store(plse_ptr + row * SPLITS + s, m + tl.log2(safe), mask=keep)
 
+
 @triton.jit
 def decode_merge(po_ptr, plse_ptr, seqlen_ptr, o_ptr, stride_ob, stride_oh, D: tl.constexpr,
                  PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
