@@ -212,6 +212,6 @@ class FlashInferAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         write_kv(k, v, kv, metadata.slot_mapping)
-        if self.triton is not None and self._active is self.triton:
+        if self.triton is not None:  # such an instance runs nothing but its decode batches (prepare checks)
             return self.triton.run(q.contiguous(), kv[0], kv[1])
         return self._active.run(q.contiguous(), (kv[0], kv[1]))
