@@ -8,7 +8,14 @@ from typing import Protocol
 import torch
 
 from appliance.attention import triton_decode
-from appliance.attention.context import AttentionBackend, ForwardContext, forward_context, paged_attention, set_layer
+from appliance.attention.context import (
+    AttentionBackend,
+    ForwardContext,
+    forward_context,
+    paged_attention,
+    rope_paged_attention,
+    set_layer,
+)
 from appliance.attention.flashinfer_backend import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -35,7 +42,8 @@ DECODE_KERNELS = ("auto", "flashinfer")
 
 __all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "DECODE_KERNELS", "ForwardContext",
            "TorchAttention", "forward_context", "flashinfer_unsupported", "make_backend", "new_workspace",
-           "page_layout", "paged_attention", "resolve_backend_name", "set_layer", "uses_triton_decode", "write_kv"]
+           "page_layout", "paged_attention", "resolve_backend_name", "rope_paged_attention", "set_layer",
+           "uses_triton_decode", "write_kv"]
 
 
 def flashinfer_unsupported(cfg: AttentionShape, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -1,9 +1,11 @@
 """The forward context and the attention entry point of model code.
 
-Model code calls `paged_attention(q, k, v)`. Which batch the rows belong to, which layer's KV pages to use and which
-backend runs comes from the forward context the runner sets around a forward (and advances layer by layer), as in
-vLLM. Under torch.compile the call is an opaque custom op (`muxd::paged_attention`), so the compiled code between
-attentions carries no layer index and one compiled graph serves every layer.
+Model code calls `paged_attention(q, k, v)`, or `rope_paged_attention(qkv, positions, cos_sin, num_heads)` where the
+rotary embedding runs inside attention (fused with the K/V write where the backend can: `forward_rope`). Which batch
+the rows belong to, which layer's KV pages to use and which backend runs comes from the forward context the runner
+sets around a forward (and advances layer by layer), as in vLLM. Under torch.compile each call is an opaque custom op
+(`muxd::paged_attention`, `muxd::rope_paged_attention`), so the compiled code between attentions carries no layer
+index and one compiled graph serves every layer.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from appliance.attention.kv_write import apply_rope
 from appliance.attention.metadata import AttentionMetadata
 
 
@@ -29,6 +32,9 @@ class AttentionBackend(Protocol):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv [2, pages, page_size, Hkv, D] (this layer) -> output [T, H, D]."""
 
+    # optional: forward_rope(qkv, positions, cos_sin, num_heads, kv, metadata) -> output [T, H, D], the rotary
+    # embedding and the K/V write fused (kv_write.rope_write_kv); without it, `apply_rope` and then `forward`
+
 
 @dataclass
 class ForwardContext:
@@ -36,8 +42,10 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_cache: torch.Tensor  # [layers, 2, pages, page_size, Hkv, D]
     layer: int = 0          # the layer whose attention runs next; the model advances it
-    cut: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # replaces attention
-    # while a piecewise CUDA-graph capture runs (engine/prefill_graphs.py)
+    # while a piecewise CUDA-graph capture runs (engine/prefill_graphs.py), attention calls cut(attend, rows, *rest):
+    # the capture ends its graph, runs attend(*rows, *rest) (this batch's attention; `rows`, the inputs of one row
+    # per token, moved to the capture's own buffers) and begins the next graph
+    cut: Callable[..., torch.Tensor] | None = None
 
 
 _context: ForwardContext | None = None
@@ -68,18 +76,44 @@ def set_layer(layer: int) -> None:
         _context.layer = layer
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return _padded(lambda n, ctx: ctx.backend.forward(q[:n], k[:n], v[:n], ctx.kv_cache[ctx.layer], ctx.metadata),
+                   q.shape[0])
+
+
+def _attend_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+    def attend(n: int, ctx: ForwardContext) -> torch.Tensor:
+        backend, kv, metadata = ctx.backend, ctx.kv_cache[ctx.layer], ctx.metadata
+        fused = getattr(backend, "forward_rope", None)
+        if fused is not None:
+            return fused(qkv[:n], positions[:n], cos_sin, num_heads, kv, metadata)
+        q, k, v = apply_rope(qkv[:n], positions[:n], cos_sin, num_heads)
+        return backend.forward(q, k, v, kv, metadata)
+
+    return _padded(attend, qkv.shape[0])
+
+
+def _padded(attend: Callable[[int, ForwardContext], torch.Tensor], rows: int) -> torch.Tensor:
+    """attend(tokens, context) for the batch's tokens; rows past them pad the GEMMs to a cheaper size (runner): they
+    have no KV and a zero output."""
     ctx = current_context()
-    if ctx.cut is not None:
-        return ctx.cut(q, k, v)
-    rows, tokens = q.shape[0], ctx.metadata.num_tokens
-    if rows == tokens:
-        return ctx.backend.forward(q, k, v, ctx.kv_cache[ctx.layer], ctx.metadata)
+    tokens = ctx.metadata.num_tokens
     if rows < tokens:
         raise RuntimeError(f"attention got {rows} rows for a batch of {tokens} tokens")
-    # rows past the batch's tokens pad the GEMMs to a cheaper size (runner): no KV, zero output
-    out = ctx.backend.forward(q[:tokens], k[:tokens], v[:tokens], ctx.kv_cache[ctx.layer], ctx.metadata)
-    return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, rows - tokens))
+    out = attend(tokens, ctx)
+    return out if rows == tokens else torch.nn.functional.pad(out, (0, 0, 0, 0, 0, rows - tokens))
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    cut = current_context().cut
+    return _attend(q, k, v) if cut is None else cut(_attend, (q, k, v))
+
+
+def _rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+    cut = current_context().cut
+    if cut is None:
+        return _attend_rope(qkv, positions, cos_sin, num_heads)
+    return cut(_attend_rope, (qkv, positions), cos_sin, num_heads)
 
 
 @torch.library.custom_op("muxd::paged_attention", mutates_args=())
@@ -93,8 +127,28 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("muxd::rope_paged_attention", mutates_args=())
+def _rope_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                       num_heads: int) -> torch.Tensor:
+    return _rope_attention(qkv, positions, cos_sin, num_heads)
+
+
+@_rope_attention_op.register_fake
+def _(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape[0], num_heads, cos_sin.shape[-1])
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention of the current layer for the current forward context's batch (q [T,H,D], k/v [T,Hkv,D] -> [T,H,D])."""
     if torch.compiler.is_compiling():
         return _attention_op(q, k, v)
     return _attention(q, k, v)  # eager: skip the dispatcher
+
+
+def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                         num_heads: int) -> torch.Tensor:
+    """`paged_attention` of a fused QKV projection [T, (H + 2 Hkv) D] whose q and k the rotary embedding has not
+    rotated yet: rows of cos_sin [positions, 2, D] (cos, sin) at `positions` [T] rotate them (kv_write.apply_rope)."""
+    if torch.compiler.is_compiling():
+        return _rope_attention_op(qkv, positions, cos_sin, num_heads)
+    return _rope_attention(qkv, positions, cos_sin, num_heads)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from appliance.attention.kv_write import write_kv
+from appliance.attention.kv_write import rope_write_kv, write_kv
 from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.pinned import PinnedRing, Ring
 from appliance.attention.triton_decode import TritonDecode
@@ -212,6 +212,14 @@ class FlashInferAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         write_kv(k, v, kv, metadata.slot_mapping)
+        return self._run(q.contiguous(), kv)
+
+    def forward_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                     kv: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """`forward` of a fused QKV projection not yet rotated: one kernel rotates q and k and writes k and v."""
+        return self._run(rope_write_kv(qkv, positions, cos_sin, num_heads, kv, metadata.slot_mapping), kv)
+
+    def _run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         if self.triton is not None:  # such an instance runs nothing but its decode batches (prepare checks)
-            return self.triton.run(q.contiguous(), kv[0], kv[1])
-        return self._active.run(q.contiguous(), (kv[0], kv[1]))
+            return self.triton.run(q, kv[0], kv[1])
+        return self._active.run(q, (kv[0], kv[1]))

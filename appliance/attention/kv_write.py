@@ -1,7 +1,11 @@
-"""Writing a batch's new K/V rows into the paged cache at their slots (page * page_size + offset).
+"""Writing a batch's new K/V rows into the paged cache at their slots (page * page_size + offset), and the rotary
+embedding fused with that write.
 
 On CUDA one Triton kernel writes K and V of every row (one launch per layer instead of two); elsewhere, and for
-layouts the kernel does not take, two index_copy_ calls do the same.
+layouts the kernel does not take, two index_copy_ calls do the same. `rope_write_kv` takes a row's fused QKV
+projection and, in one launch per layer, rotates Q and K by the row's position (from a cos/sin table), writes the
+rotated K and V to the cache and returns Q: it replaces the compiled rotary kernels and the write, four launches a
+layer at decode. Its torch reference (`apply_rope`) runs elsewhere.
 """
 from __future__ import annotations
 
@@ -30,6 +34,94 @@ def _triton_kernel():
 
         _kernel = write_kv_kernel
     return _kernel
+
+
+_rope_kernel = None
+
+
+def _triton_rope_kernel():
+    global _rope_kernel
+    if _rope_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def rope_write_kv_kernel(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, stride_qkv,
+                                 positions, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                                 GROUP_PAD: tl.constexpr, HALF: tl.constexpr):
+            # one program per (row, KV head): the group's query heads, then its K and V head
+            row, kv_head = tl.program_id(0), tl.program_id(1)
+            dim = 2 * HALF
+            pos = tl.minimum(tl.load(pos_ptr + row).to(tl.int64), positions - 1)
+            d = tl.arange(0, HALF)
+            cos = tl.load(table_ptr + pos * 2 * dim + d).to(tl.float32)[None, :]  # table [positions, 2, dim]
+            sin = tl.load(table_ptr + pos * 2 * dim + dim + d).to(tl.float32)[None, :]
+            src = qkv_ptr + row * stride_qkv
+            g = tl.arange(0, GROUP_PAD)[:, None]
+            heads = kv_head * GROUP + g
+            mask = (g < GROUP) & (d[None, :] < HALF)
+            x1 = tl.load(src + heads * dim + d[None, :], mask=mask).to(tl.float32)
+            x2 = tl.load(src + heads * dim + HALF + d[None, :], mask=mask).to(tl.float32)
+            dst = q_ptr + row * HEADS * dim + heads * dim + d[None, :]
+            tl.store(dst, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            k_src = src + (HEADS + kv_head) * dim + d[None, :]
+            k1 = tl.load(k_src).to(tl.float32)
+            k2 = tl.load(k_src + HALF).to(tl.float32)
+            k_dst = kc_ptr + (slot * KV_HEADS + kv_head) * dim + d[None, :]
+            tl.store(k_dst, (k1 * cos - k2 * sin).to(kc_ptr.dtype.element_ty))
+            tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(kc_ptr.dtype.element_ty))
+            full = tl.arange(0, 2 * HALF)
+            v = tl.load(src + (HEADS + KV_HEADS + kv_head) * dim + full)
+            tl.store(vc_ptr + (slot * KV_HEADS + kv_head) * dim + full, v)
+
+        _rope_kernel = rope_write_kv_kernel
+    return _rope_kernel
+
+
+def apply_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+               num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a fused QKV projection [T, (H + 2 Hkv) D] into q [T, H, D], k and v [T, Hkv, D], q and k rotated
+    (rotate-half) by the rows of cos_sin [positions, 2, D] (cos, sin) at `positions` [T]."""
+    dim = cos_sin.shape[-1]
+    kv_heads = (qkv.shape[-1] // dim - num_heads) // 2
+    q, k, v = qkv.view(qkv.shape[0], -1, dim).split([num_heads, kv_heads, kv_heads], dim=1)
+    rows = cos_sin[positions]
+    cos, sin = rows[:, 0].unsqueeze(1), rows[:, 1].unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                  kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k of a fused QKV projection (as `apply_rope`), store k and v at their slots of one layer's cache
+    kv [2, pages, page_size, Hkv, D]; returns q [T, H, D] (contiguous). The halves of each cos_sin row are equal, as
+    rotate-half rope makes them (the kernel reads the first)."""
+    half = cos_sin.shape[-1] // 2
+    if (qkv.is_cuda and qkv.dtype == kv.dtype == cos_sin.dtype and qkv.stride(-1) == 1 and kv.is_contiguous()
+            and cos_sin.is_contiguous() and half & (half - 1) == 0 and num_heads % kv.shape[-2] == 0
+            and qkv.shape[0] > 0):
+        return launch_rope_write_kv(qkv, positions, cos_sin, num_heads, kv, slot_mapping)
+    q, k, v = apply_rope(qkv, positions, cos_sin, num_heads)
+    write_kv(k, v, kv, slot_mapping)
+    return q.contiguous()
+
+
+def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                         kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rope_write_kv` by the Triton kernel, whatever the device (Triton's interpreter runs it on a CPU)."""
+    dim, kv_heads = cos_sin.shape[-1], kv.shape[-2]
+    group = num_heads // kv_heads
+    q = qkv.new_empty(qkv.shape[0], num_heads, dim)
+    _triton_rope_kernel()[(qkv.shape[0], kv_heads)](
+        qkv, positions, cos_sin, slot_mapping, q, kv[0], kv[1], qkv.stride(0), cos_sin.shape[0],
+        HEADS=num_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=1 << (group - 1).bit_length(), HALF=dim // 2)
+    return q
 
 
 def _rows_packed(t: torch.Tensor) -> bool:

@@ -297,7 +297,9 @@ def start_engine(model_dir: str, load_format: str, dtype: str | None, config: Co
         engine = build_engine(config, model)
     startup = {"load_s": load_s, "engine_init_s": time.perf_counter() - start, **engine.startup,
                "attention_backend": engine.runner.backend_name, "decode_kernel": engine.runner.decode_kernel,
-               "decode_blas": engine.runner.decode_blas, "compiled": engine.compiled, "kv_pages": engine.pool.num_pages}
+               "decode_blas": engine.runner.decode_blas,
+               "fused_rope": engine.model.model.rotary.cos_sin is not None, "compiled": engine.compiled,
+               "kv_pages": engine.pool.num_pages}
     return engine, startup
 
 

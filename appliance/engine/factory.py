@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from appliance.attention import resolve_backend_name
 from appliance.config import SPATIAL_POLICIES, Config
 from appliance.engine.compile import cache_dir, compile_layers
 from appliance.engine.engine import Engine
@@ -129,6 +130,9 @@ class _Builder:
         sched_cfg, cache_cfg, rt = cfg.scheduler, cfg.cache, cfg.runtime
         # before compile and warm-up: a sliding window shorter than the context is refused at once
         mcfg.check_max_model_len(cfg.model.max_model_len or mcfg.max_model_len)
+        fused = self.cuda and rt.fused_rope and resolve_backend_name(rt.attention_backend, mcfg, self.dtype,
+                                                                      self.device) == "flashinfer"
+        model.rotate_in_attention(cfg.model.max_model_len or mcfg.max_model_len if fused else None)
         compiled = False
         if rt.compile if rt.compile is not None else self.cuda:
             compiled = compile_layers(model)

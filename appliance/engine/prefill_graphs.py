@@ -2,8 +2,8 @@
 
 A short prefill's time is set by the host launching 32 layers' kernels, not by the GPU, and a host that changes
 speed makes it unpredictable. Here each decoder layer is captured as two graphs, the part before attention and the
-part after it; attention (its KV write and the paged kernel, whose plan changes with every batch) runs eagerly
-between them, as in vLLM's piecewise capture. A prefill of layers [start, end) on `size` rows then costs the host
+part after it; attention (the rotation where attention applies it, its KV write and the paged kernel, whose plan
+changes with every batch) runs eagerly between them, as in vLLM's piecewise capture. A prefill of layers [start, end) on `size` rows then costs the host
 two graph launches and one attention call per layer.
 
 Capture cuts the model's own forward: while a set captures, the forward context's `cut` hook ends the current graph
@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, set_layer
-from appliance.attention.context import current_context
 from appliance.engine.graphs import CAPTURE_MODE, quiet_capture
 from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.llama import DecoderForCausalLM
@@ -44,10 +43,9 @@ class PrefillGraphs:
             self.positions = torch.zeros(n, dtype=torch.long, device=device)
             self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
             self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-            self.q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
-            self.k = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-            self.v = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
             self.out = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.inputs: list[torch.Tensor] = []  # attention's row inputs (q, k, v or a fused QKV), sized at warm-up
+        self._call: tuple | None = None  # how the captures call attention (`_cut`)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # per size: [before attn 0, after attn 0, ...]
         self._capturing: list[torch.cuda.CUDAGraph] | None = None
         self.capture_seconds = 0.0
@@ -73,6 +71,7 @@ class PrefillGraphs:
                 with forward_context(ctx):
                     self.positions.zero_()
                     self.hidden.zero_()
+                    ctx.cut = self._size_inputs
                     self._layers(size)  # warm-up on the capture stream (library handles, kernel loading)
                     stream.synchronize()
                     ctx.cut = self._cut
@@ -112,25 +111,39 @@ class PrefillGraphs:
     def _end(self) -> None:
         self._capturing[-1].capture_end()
 
-    def _cut(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The forward context's attention while capturing: the graph so far ends with q/k/v in the fixed buffers,
-        attention runs on them eagerly, and the next graph begins reading its output buffer."""
-        rows = q.shape[0]
-        self.q[:rows].copy_(q)
-        self.k[:rows].copy_(k)
-        self.v[:rows].copy_(v)
-        self._end()
-        self._attend()
-        self._begin()
-        return self.out[:rows]
+    def _size_inputs(self, attend: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], *rest) -> torch.Tensor:
+        """The forward context's attention during the warm-up before a capture: allocates the fixed buffers of
+        attention's row inputs (at the largest size, warmed up first) and attends."""
+        if not self.inputs:
+            n = self.sizes[-1]
+            self.inputs = [torch.zeros(n, *x.shape[1:], dtype=x.dtype, device=x.device) for x in rows]
+        return attend(*rows, *rest)
 
-    def _attend(self) -> None:
-        """Attention of the current layer for the context's batch, its output into the fixed buffer's rows."""
-        ctx = current_context()
-        tokens = ctx.metadata.num_tokens
-        out = ctx.backend.forward(self.q[:tokens], self.k[:tokens], self.v[:tokens], ctx.kv_cache[ctx.layer],
-                                  ctx.metadata)
-        self.out[:tokens].copy_(out)
+    def _cut(self, attend: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], *rest) -> torch.Tensor:
+        """The forward context's attention while capturing: the graph so far ends with attention's row inputs in the
+        fixed buffers (the set's positions stay where they are), then attention runs eagerly on them, and the next
+        graph begins reading its output buffer. Replays make the same call (`_attend`)."""
+        size = rows[0].shape[0]
+        fixed = []
+        for buffer, x in zip(self.inputs, rows, strict=True):
+            if x.data_ptr() == self.positions.data_ptr():
+                fixed.append(None)
+            else:
+                buffer[:size].copy_(x)
+                fixed.append(buffer)
+        self._call = (attend, fixed, rest)
+        self._end()
+        out = self._attend(size)
+        self._begin()
+        return out
+
+    def _attend(self, size: int) -> torch.Tensor:
+        """Attention of the current layer for the context's batch as captured, on the first `size` rows of the fixed
+        buffers, its output into the set's output buffer."""
+        attend, fixed, rest = self._call
+        rows = (self.positions[:size] if buffer is None else buffer[:size] for buffer in fixed)
+        self.out[:size].copy_(attend(*rows, *rest))
+        return self.out[:size]
 
     # ---- replay -----------------------------------------------------------------------------------------------
     def padded(self, tokens: int) -> int:
@@ -168,7 +181,7 @@ class PrefillGraphs:
             for i in range(start, end):
                 set_layer(i)
                 graphs[2 * i].replay()
-                self._attend()
+                self._attend(size)
                 graphs[2 * i + 1].replay()
         self.launches += 1
         hidden, residual = self.hidden[:tokens], self.residual[:tokens]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from appliance.attention import paged_attention
+from appliance.attention import paged_attention, rope_paged_attention
 from appliance.model_zoo.config import ModelConfig, RopeConfig
 from appliance.model_zoo.parallel import Rows, Target, row_linear
 from appliance.model_zoo.rope import rope_cos_sin, rope_inv_freq
@@ -44,10 +44,22 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rope = rope
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        # set by `build_table`: cos and sin of every position [positions, 2, head_dim], attention then rotates q and k
+        self.register_buffer("cos_sin", None, persistent=False)
 
     def reset_buffers(self) -> None:
         """Recompute inv_freq in fp32 (after the module was materialised from the meta device in another dtype)."""
         self.inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.inv_freq.device)
+
+    def build_table(self, positions: int | None, dtype: torch.dtype, device: torch.device) -> bool:
+        """Tabulate cos/sin of positions [0, positions) for attention to apply (rope_paged_attention); None drops
+        the table. False where no table can serve: dynamic NTK rotates by the sequence's length too."""
+        if positions is None or self.rope.length_dependent:
+            self.cos_sin = None
+            return False
+        cos, sin = rope_cos_sin(torch.arange(positions, device=device), self.inv_freq.to(device), self.rope, dtype)
+        self.cos_sin = torch.stack((cos, sin), dim=1).contiguous()
+        return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope, q.dtype)
@@ -111,7 +123,11 @@ class SelfAttention(nn.Module):
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.rotary.cos_sin is not None and not self.qk_norm:  # attention rotates (its kernel, with the K/V write)
+            out = rope_paged_attention(qkv, positions, self.rotary.cos_sin, self.num_heads)
+            return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -41,6 +41,13 @@ class DecoderForCausalLM(nn.Module):
         else:
             self.lm_head = VocabShard(cfg.vocab_size, cfg.hidden_size, rank, cfg.tp_size)
 
+    def rotate_in_attention(self, positions: int | None) -> bool:
+        """Let attention apply the rotary embedding, from a cos/sin table of `positions` rows (the backend fuses it
+        with its K/V write: one kernel where the compiled layer launched four); None: the layers rotate. False
+        where the model cannot: q/k norms sit between the projection and the rotation, or dynamic NTK."""
+        param = next(self.parameters())
+        return self.model.rotary.build_table(None if self.config.qk_norm else positions, param.dtype, param.device)
+
     @property
     def num_layers(self) -> int:
         return self.config.num_layers

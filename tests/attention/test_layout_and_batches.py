@@ -79,22 +79,30 @@ def test_backend_choice_is_explicit_about_what_cannot_run():
 
 
 def test_a_capture_cut_replaces_attention_inside_the_forward_context():
-    """While piecewise graphs capture, the context's cut hook runs in place of attention (engine/prefill_graphs.py)."""
-    from appliance.attention import ForwardContext, TorchAttention, forward_context, paged_attention
+    """While piecewise graphs capture, the context's cut hook runs in place of attention (engine/prefill_graphs.py):
+    it gets the function that attends, the inputs of one row per token and the rest, for either entry point."""
+    from appliance.attention import (ForwardContext, TorchAttention, forward_context, paged_attention,
+                                     rope_paged_attention)
     from appliance.attention.metadata import AttentionMetadata
 
     q, k, v = torch.randn(3, 2, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+    qkv, positions = torch.cat([q, k, v], dim=1).flatten(1), torch.arange(3)
+    table = torch.randn(8, 2, 2).repeat(1, 1, 2)
     seen = []
 
-    def cut(*qkv):
-        seen.append(qkv)
-        return torch.full_like(qkv[0], 7.0)
+    def cut(attend, rows, *rest):
+        seen.append((rows, rest, attend(*rows, *rest)))
+        return torch.full((3, 2, 4), 7.0)
 
     meta = AttentionMetadata(np.array([0, 3], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                              np.array([3], np.int32), np.array([3], np.int32), 16, torch.zeros(3, dtype=torch.long))
-    with forward_context(ForwardContext(TorchAttention(), meta, torch.zeros(1, 2, 1, 16, 1, 4), cut=cut)):
-        out = paged_attention(q, k, v)
-    assert len(seen) == 1 and seen[0][0] is q and seen[0][2] is v
-    assert torch.equal(out, torch.full_like(q, 7.0))
+    cache = torch.zeros(1, 2, 1, 16, 1, 4)
+    with forward_context(ForwardContext(TorchAttention(), meta, cache)):
+        expected = paged_attention(q, k, v), rope_paged_attention(qkv, positions, table, 2)
+    with forward_context(ForwardContext(TorchAttention(), meta, cache, cut=cut)):
+        out = paged_attention(q, k, v), rope_paged_attention(qkv, positions, table, 2)
+    assert seen[0][0] == (q, k, v) and seen[0][1] == () and torch.equal(seen[0][2], expected[0])
+    assert seen[1][0] == (qkv, positions) and seen[1][1] == (table, 2) and torch.equal(seen[1][2], expected[1])
+    assert all(torch.equal(o, torch.full_like(q, 7.0)) for o in out)
     with pytest.raises(RuntimeError, match="outside forward_context"):
         paged_attention(q, k, v)

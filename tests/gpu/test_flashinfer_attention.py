@@ -139,3 +139,39 @@ def test_triton_graph_decode_matches_flashinfer(heads, kv_heads, rows):
         assert torch.equal(cache, expected_cache)  # the same K/V written
         err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
         assert err < 1e-2, f"rows {rows} H={heads} Hkv={kv_heads} lens {lens}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (28, 4), (8, 8)])
+def test_rope_in_attention_matches_rotated_inputs(case, heads, kv_heads):
+    """forward_rope (one kernel rotates q and k by a llama-3 table and writes K/V, then attention) against forward of
+    q, k, v rotated in fp32: the output, and K/V in their slots."""
+    from appliance.attention.kv_write import apply_rope
+    from appliance.model_zoo.config import RopeConfig
+    from appliance.model_zoo.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(hash((case, heads, "rope")) % 2**31)
+    num_pages = 256
+    meta = layout(case, num_pages, gen)
+    t = meta.num_tokens
+    rotary = RotaryEmbedding(DIM, RopeConfig(type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position=8192))
+    assert rotary.build_table(2048, torch.bfloat16, torch.device("cuda"))
+    width = (heads + 2 * kv_heads) * DIM
+    qkv = torch.randn(t, width + 64, generator=gen).to("cuda", torch.bfloat16)[:, :width]  # strided rows
+    positions = torch.from_numpy(np.concatenate([np.arange(e - n, e) for e, n in zip(
+        meta.seq_lens, meta.query_lens)])).long().cuda()
+    cache = torch.randn(2, num_pages + 1, PAGE, kv_heads, DIM, generator=gen).to("cuda", torch.bfloat16)
+    fi = FlashInferAttention(SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=DIM),
+                             torch.bfloat16, torch.device("cuda"))
+    fi.prepare(meta)
+    q, k, v = apply_rope(qkv.float(), positions, rotary.cos_sin.float(), heads)
+    expected_cache = cache.clone()
+    expected = fi.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), expected_cache, meta)
+    out = fi.forward_rope(qkv, positions, rotary.cos_sin, heads, cache, meta)
+    err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert err <= 1e-2, f"{case} H={heads} Hkv={kv_heads}: relative error {err:.2e}"
+    written = meta.slot_mapping
+    for i in range(2):
+        got, want = cache[i].flatten(0, 1)[written].float(), expected_cache[i].flatten(0, 1)[written].float()
+        assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
