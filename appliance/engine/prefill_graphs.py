@@ -3,8 +3,8 @@
 A short prefill's time is set by the host launching 32 layers' kernels, not by the GPU, and a host that changes
 speed makes it unpredictable. Here each decoder layer is captured as two graphs, the part before attention and the
 part after it; attention (the rotation where attention applies it, its KV write and the paged kernel, whose plan
-changes with every batch) runs eagerly between them, as in vLLM's piecewise capture. A prefill of layers [start, end) on `size` rows then costs the host
-two graph launches and one attention call per layer.
+changes with every batch) runs eagerly between them, as in vLLM's piecewise capture. A prefill of layers
+[start, end) on `size` rows then costs the host two graph launches and one attention call per layer.
 
 Capture cuts the model's own forward: while a set captures, the forward context's `cut` hook ends the current graph
 at each attention call, runs attention on fixed buffers, and begins the next graph. Inputs (positions, the hidden
