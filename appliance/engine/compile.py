@@ -8,8 +8,8 @@ coordinate-descent tuning turns the matrix-vector products into fused, tuned red
 each projection in the same kernel), so a one-row decode step reads the weights faster. Its tuning runs once, in the
 engine's warm-up (tens of seconds on an H200), and is cached. Other token counts keep the dynamic graph and cuBLAS:
 max-autotune's GEMM templates made decode at 8, 64 and 128 rows slower on an H200, not faster. Inductor's
-cache lives under muxd's cache directory, so a second start reuses the generated kernels and their tuned
-configurations.
+and Triton's caches live under muxd's cache directory, so a second start reuses the generated kernels, their tuned
+configurations and the binaries of muxd's own Triton kernels.
 """
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     inductor_dir = cache_dir() / "inductor"
     inductor_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
+    # Triton's binaries beside it (Inductor's kernels and muxd's own: decode attention, rotary + K/V write), not in
+    # ~/.triton: a container that keeps muxd's cache directory starts warm
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
     # a model adds 4 compiled variants of DecoderLayer.forward (2 residual variants x 2 compilers; the single-token
     # one per shape and dtype): room for the several models a process may build (tests), before Dynamo runs eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
