@@ -48,3 +48,32 @@ def test_bf16_dummy_llama31_8b_serves_a_batch(tmp_path):
     out = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.7, seed=1, ignore_eos=True))
     assert [len(c.token_ids) for c in out] == [16] * 6
     assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_rotary_in_attention_matches_the_compiled_rotation(tmp_path):
+    """`--fused-rope` (one kernel rotates q and k and writes K/V) against the compiled layers' rotation, Llama-3.1-8B
+    layer shapes (bf16, dummy weights, the same for both): the logits of the prompt and of every greedy step whose
+    inputs agree (a near tie may pick another token, after which the rows are not comparable)."""
+    d = tmp_path / "llama"
+    d.mkdir()
+    raw = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+    raw["num_hidden_layers"] = 2
+    (d / "config.json").write_text(json.dumps(raw))
+    runs = []
+    for fused_rope in (True, False):
+        engine = build_engine(Config.flat(model=d, device="cuda", load_format="dummy", kv_cache_memory=1 << 30,
+                                          fused_rope=fused_rope))
+        assert (engine.model.model.rotary.cos_sin is not None) == fused_rope
+        seen: list[torch.Tensor] = []
+        undo = on_forward(engine, lambda plan, logits: seen.extend(v.float().cpu() for v in logits.values()))
+        out = engine.generate([[128000] + list(range(1000, 1300))],
+                              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+        undo()
+        assert engine.pool.num_free_pages == engine.pool.num_pages
+        runs.append((out[0].token_ids, torch.stack(seen[:9])))
+        del engine
+    (tokens, fused), (tokens_ref, compiled) = runs
+    same = next((i for i, (a, b) in enumerate(zip(tokens, tokens_ref)) if a != b), len(tokens))
+    rows = min(same + 1, 9)  # row i is computed from the prompt and tokens[:i]
+    err = ((fused[:rows] - compiled[:rows]).norm(dim=-1) / compiled[:rows].norm(dim=-1)).max().item()
+    assert err < 2e-2, (err, same)
