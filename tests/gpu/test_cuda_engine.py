@@ -77,3 +77,22 @@ def test_rotary_in_attention_matches_the_compiled_rotation(tmp_path):
     rows = min(same + 1, 9)  # row i is computed from the prompt and tokens[:i]
     err = ((fused[:rows] - compiled[:rows]).norm(dim=-1) / compiled[:rows].norm(dim=-1)).max().item()
     assert err < 2e-2, (err, same)
+
+
+def test_bf16_dummy_qwen_shapes_serve_a_batch(tmp_path):
+    """Qwen2.5-7B (GQA group 7, QKV bias: the rotary kernel with a padded group) and Qwen3-8B (q/k norms: the
+    compiled rotation) layer shapes on the flashinfer backend: a batch completes and every page comes back."""
+    for name, fused in (("qwen2.5-7b", True), ("qwen3-8b", False)):
+        d = tmp_path / name
+        d.mkdir()
+        raw = json.loads((CONFIGS / name / "config.json").read_text())
+        raw["num_hidden_layers"] = 2
+        (d / "config.json").write_text(json.dumps(raw))
+        engine = build_engine(Config.flat(model=d, device="cuda", load_format="dummy", kv_cache_memory=2 << 30))
+        assert engine.runner.backend_name == "flashinfer", name
+        assert (engine.model.model.rotary.cos_sin is not None) == fused, name
+        prompts = [[1] + list(range(1000 + i, 1000 + i + 40 * (i + 1))) for i in range(5)]
+        out = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.7, seed=1, ignore_eos=True))
+        assert [len(c.token_ids) for c in out] == [12] * 5, name
+        assert engine.pool.num_free_pages == engine.pool.num_pages, name
+        del engine
