@@ -89,12 +89,13 @@ def apply_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     q, k, v = qkv.view(qkv.shape[0], -1, dim).split([num_heads, kv_heads, kv_heads], dim=1)
     rows = cos_sin[positions]
     cos, sin = rows[:, 0].unsqueeze(1), rows[:, 1].unsqueeze(1)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
 
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (non-interleaved) rotary embedding of x [..., D] by cos and sin (broadcast to x)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,

@@ -132,7 +132,7 @@ class _Builder:
         mcfg.check_max_model_len(cfg.model.max_model_len or mcfg.max_model_len)
         fused = self.cuda and rt.fused_rope and resolve_backend_name(rt.attention_backend, mcfg, self.dtype,
                                                                       self.device) == "flashinfer"
-        model.rotate_in_attention(cfg.model.max_model_len or mcfg.max_model_len if fused else None)
+        model.rotate_in_attention((cfg.model.max_model_len or mcfg.max_model_len) if fused else None)
         compiled = False
         if rt.compile if rt.compile is not None else self.cuda:
             compiled = compile_layers(model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from appliance.attention import paged_attention, rope_paged_attention
+from appliance.attention import paged_attention, rope_paged_attention, rotate
 from appliance.model_zoo.config import ModelConfig, RopeConfig
 from appliance.model_zoo.parallel import Rows, Target, row_linear
 from appliance.model_zoo.rope import rope_cos_sin, rope_inv_freq
@@ -64,12 +64,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope, q.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class MergedLinear(nn.Linear):
