@@ -231,8 +231,8 @@ class RuntimeSettings:
                               "kernel for batches of up to 8 rows, flashinfer's beyond) or flashinfer (everywhere).")
     decode_blas: str = flag("cublaslt", "BLAS library of the CUDA-graph decode steps' GEMMs: cublaslt (measured "
                             "0.5-3 % faster at decode's rows) or cublas (torch's default, which prefill keeps).")
-    fused_rope: bool = flag(True, "With the flashinfer backend, one kernel rotates q and k and writes K/V (off: the "
-                            "compiled layer rotates, as before).")
+    fused_rope: bool = flag(True, "With the flashinfer backend, one kernel rotates q and k (after Qwen3's q/k "
+                            "norms) and writes K/V (off: the compiled layer does, as before).")
     compile: Optional[bool] = flag(None, "torch.compile each decoder layer (default: on with CUDA, off on CPU).")
     cuda_graph: bool = flag(True, "Replay decode steps as CUDA graphs (CUDA with the flashinfer backend); off for "
                             "debugging.")

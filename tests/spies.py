@@ -20,6 +20,8 @@ def on_forward(engine, callback: Callable[[object, dict[str, torch.Tensor]], Non
 
         def spy(*args, **kwargs):
             ids, logits = inner(*args, **kwargs)
+            if ids and logits.is_cuda:  # made on another stream maybe (a partition's, the overlapped loop's)
+                torch.cuda.synchronize()
             seen.update({i: row.clone() for i, row in zip(ids, logits)} if ids else {})
             return ids, logits
 

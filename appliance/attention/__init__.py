@@ -23,7 +23,7 @@ from appliance.attention.flashinfer_backend import (
     flashinfer_available,
     make_workspaces,
 )
-from appliance.attention.kv_write import rotate, write_kv
+from appliance.attention.kv_write import rms_norm, rotate, write_kv
 from appliance.attention.metadata import AttentionMetadata, page_layout
 from appliance.attention.torch_backend import TorchAttention
 from appliance.errors import ConfigError
@@ -42,7 +42,8 @@ DECODE_KERNELS = ("auto", "flashinfer")
 
 __all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "DECODE_KERNELS", "ForwardContext",
            "TorchAttention", "forward_context", "flashinfer_unsupported", "make_backend", "new_workspace",
-           "page_layout", "paged_attention", "resolve_backend_name", "rope_paged_attention", "rotate", "set_layer",
+           "page_layout", "paged_attention", "resolve_backend_name", "rms_norm", "rope_paged_attention", "rotate",
+           "set_layer",
            "uses_triton_decode", "write_kv"]
 
 

@@ -1,11 +1,11 @@
 """The forward context and the attention entry point of model code.
 
-Model code calls `paged_attention(q, k, v)`, or `rope_paged_attention(qkv, positions, cos_sin, num_heads)` where the
-rotary embedding runs inside attention (fused with the K/V write where the backend can: `forward_rope`). Which batch
-the rows belong to, which layer's KV pages to use and which backend runs comes from the forward context the runner
-sets around a forward (and advances layer by layer), as in vLLM. Under torch.compile each call is an opaque custom op
-(`muxd::paged_attention`, `muxd::rope_paged_attention`), so the compiled code between attentions carries no layer
-index and one compiled graph serves every layer.
+Model code calls `paged_attention(q, k, v)`, or `rope_paged_attention(qkv, positions, cos_sin, num_heads, ...)` where
+the rotary embedding (and Qwen3's q/k norms before it) runs inside attention (fused with the K/V write where the
+backend can: `forward_rope`). Which batch the rows belong to, which layer's KV pages to use and which backend runs
+comes from the forward context the runner sets around a forward (and advances layer by layer), as in vLLM. Under
+torch.compile each call is an opaque custom op (`muxd::paged_attention`, `muxd::rope_paged_attention`), so the
+compiled code between attentions carries no layer index and one compiled graph serves every layer.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ class AttentionBackend(Protocol):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv [2, pages, page_size, Hkv, D] (this layer) -> output [T, H, D]."""
 
-    # optional: forward_rope(qkv, positions, cos_sin, num_heads, kv, metadata) -> output [T, H, D], the rotary
-    # embedding and the K/V write fused (kv_write.rope_write_kv); without it, `apply_rope` and then `forward`
+    # optional: forward_rope(qkv, positions, cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps) -> output
+    # [T, H, D], the q/k norms (where given), rotary embedding and K/V write fused (kv_write.rope_write_kv); without
+    # it, `apply_rope` and then `forward`
 
 
 @dataclass
@@ -81,13 +82,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                    q.shape[0])
 
 
-def _attend_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _attend_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     def attend(n: int, ctx: ForwardContext) -> torch.Tensor:
         backend, kv, metadata = ctx.backend, ctx.kv_cache[ctx.layer], ctx.metadata
         fused = getattr(backend, "forward_rope", None)
         if fused is not None:
-            return fused(qkv[:n], positions[:n], cos_sin, num_heads, kv, metadata)
-        q, k, v = apply_rope(qkv[:n], positions[:n], cos_sin, num_heads)
+            return fused(qkv[:n], positions[:n], cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps)
+        q, k, v = apply_rope(qkv[:n], positions[:n], cos_sin, num_heads, q_norm, k_norm, eps)
         return backend.forward(q, k, v, kv, metadata)
 
     return _padded(attend, qkv.shape[0])
@@ -109,11 +111,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     return _attend(q, k, v) if cut is None else cut(_attend, (q, k, v))
 
 
-def _rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     cut = current_context().cut
     if cut is None:
-        return _attend_rope(qkv, positions, cos_sin, num_heads)
-    return cut(_attend_rope, (qkv, positions), cos_sin, num_heads)
+        return _attend_rope(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
+    return cut(_attend_rope, (qkv, positions), cos_sin, num_heads, q_norm, k_norm, eps)
 
 
 @torch.library.custom_op("muxd::paged_attention", mutates_args=())
@@ -128,13 +131,14 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("muxd::rope_paged_attention", mutates_args=())
-def _rope_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                       num_heads: int) -> torch.Tensor:
-    return _rope_attention(qkv, positions, cos_sin, num_heads)
+def _rope_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _rope_attention(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
 
 
 @_rope_attention_op.register_fake
-def _(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     return qkv.new_empty(qkv.shape[0], num_heads, cos_sin.shape[-1])
 
 
@@ -145,10 +149,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return _attention(q, k, v)  # eager: skip the dispatcher
 
 
-def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                         num_heads: int) -> torch.Tensor:
+def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                         q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                         eps: float = 0.0) -> torch.Tensor:
     """`paged_attention` of a fused QKV projection [T, (H + 2 Hkv) D] whose q and k the rotary embedding has not
-    rotated yet: rows of cos_sin [positions, 2, D] (cos, sin) at `positions` [T] rotate them (kv_write.apply_rope)."""
+    rotated yet: rows of cos_sin [positions, 2, D] (cos, sin) at `positions` [T] rotate them, each head of q and k
+    RMS-normalised first by q_norm and k_norm (weights [D]) where given (kv_write.apply_rope)."""
     if torch.compiler.is_compiling():
-        return _rope_attention_op(qkv, positions, cos_sin, num_heads)
-    return _rope_attention(qkv, positions, cos_sin, num_heads)
+        return _rope_attention_op(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
+    return _rope_attention(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)

@@ -215,9 +215,12 @@ class FlashInferAttention:
         return self._run(q.contiguous(), kv)
 
     def forward_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                     kv: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """`forward` of a fused QKV projection not yet rotated: one kernel rotates q and k and writes k and v."""
-        return self._run(rope_write_kv(qkv, positions, cos_sin, num_heads, kv, metadata.slot_mapping), kv)
+                     kv: torch.Tensor, metadata: AttentionMetadata, q_norm: torch.Tensor | None = None,
+                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """`forward` of a fused QKV projection not yet rotated: one kernel normalises (where q_norm and k_norm are
+        given) and rotates q and k and writes k and v."""
+        q = rope_write_kv(qkv, positions, cos_sin, num_heads, kv, metadata.slot_mapping, q_norm, k_norm, eps)
+        return self._run(q, kv)
 
     def _run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         if self.triton is not None:  # such an instance runs nothing but its decode batches (prepare checks)

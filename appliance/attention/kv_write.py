@@ -5,7 +5,8 @@ On CUDA one Triton kernel writes K and V of every row (one launch per layer inst
 layouts the kernel does not take, two index_copy_ calls do the same. `rope_write_kv` takes a row's fused QKV
 projection and, in one launch per layer, rotates Q and K by the row's position (from a cos/sin table), writes the
 rotated K and V to the cache and returns Q: it replaces the compiled rotary kernels and the write, four launches a
-layer at decode. Its torch reference (`apply_rope`) runs elsewhere.
+layer at decode. Where q and k are normalised per head before the rotation (Qwen3's q/k RMSNorm), the same launch
+does that too. Its torch reference (`apply_rope`) runs elsewhere.
 """
 from __future__ import annotations
 
@@ -46,12 +47,14 @@ def _triton_rope_kernel():
         import triton.language as tl
 
         @triton.jit
-        def rope_write_kv_kernel(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, stride_qkv,
-                                 positions, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                                 GROUP_PAD: tl.constexpr, HALF: tl.constexpr):
+        def rope_write_kv_kernel(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr,
+                                 stride_qkv, positions, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr,
+                                 NORM: tl.constexpr):
             # one program per (row, KV head): the group's query heads, then its K and V head
             row, kv_head = tl.program_id(0), tl.program_id(1)
             dim = 2 * HALF
+            dtype = q_ptr.dtype.element_ty
             pos = tl.minimum(tl.load(pos_ptr + row).to(tl.int64), positions - 1)
             d = tl.arange(0, HALF)
             cos = tl.load(table_ptr + pos * 2 * dim + d).to(tl.float32)[None, :]  # table [positions, 2, dim]
@@ -62,13 +65,25 @@ def _triton_rope_kernel():
             mask = (g < GROUP) & (d[None, :] < HALF)
             x1 = tl.load(src + heads * dim + d[None, :], mask=mask).to(tl.float32)
             x2 = tl.load(src + heads * dim + HALF + d[None, :], mask=mask).to(tl.float32)
+            if NORM:  # RMSNorm of each head (as the layers' RMSNorm rounds: normalised, weighted, each in dtype)
+                r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / dim + eps)[:, None]
+                w1 = tl.load(qw_ptr + d).to(tl.float32)[None, :]
+                w2 = tl.load(qw_ptr + HALF + d).to(tl.float32)[None, :]
+                x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+                x2 = ((x2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
             dst = q_ptr + row * HEADS * dim + heads * dim + d[None, :]
-            tl.store(dst, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+            tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
             slot = tl.load(slot_ptr + row).to(tl.int64)
             k_src = src + (HEADS + kv_head) * dim + d[None, :]
             k1 = tl.load(k_src).to(tl.float32)
             k2 = tl.load(k_src + HALF).to(tl.float32)
+            if NORM:
+                r = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / dim + eps)[:, None]
+                w1 = tl.load(kw_ptr + d).to(tl.float32)[None, :]
+                w2 = tl.load(kw_ptr + HALF + d).to(tl.float32)[None, :]
+                k1 = ((k1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+                k2 = ((k2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
             k_dst = kc_ptr + (slot * KV_HEADS + kv_head) * dim + d[None, :]
             tl.store(k_dst, (k1 * cos - k2 * sin).to(kc_ptr.dtype.element_ty))
             tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(kc_ptr.dtype.element_ty))
@@ -80,16 +95,28 @@ def _triton_rope_kernel():
     return _rope_kernel
 
 
-def apply_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-               num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def apply_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+               eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split a fused QKV projection [T, (H + 2 Hkv) D] into q [T, H, D], k and v [T, Hkv, D], q and k rotated
-    (rotate-half) by the rows of cos_sin [positions, 2, D] (cos, sin) at `positions` [T]."""
+    (rotate-half) by the rows of cos_sin [positions, 2, D] (cos, sin) at `positions` [T]; with q_norm and k_norm
+    (weights [D]), each head of q and k is RMS-normalised first (`rms_norm`)."""
     dim = cos_sin.shape[-1]
     kv_heads = (qkv.shape[-1] // dim - num_heads) // 2
     q, k, v = qkv.view(qkv.shape[0], -1, dim).split([num_heads, kv_heads, kv_heads], dim=1)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     rows = cos_sin[positions]
     cos, sin = rows[:, 0].unsqueeze(1), rows[:, 1].unsqueeze(1)
     return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: normalised in fp32, rounded to x's dtype, then weighted."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,29 +126,35 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                  kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """Rotate q and k of a fused QKV projection (as `apply_rope`), store k and v at their slots of one layer's cache
-    kv [2, pages, page_size, Hkv, D]; returns q [T, H, D] (contiguous). The halves of each cos_sin row are equal, as
-    rotate-half rope makes them (the kernel reads the first)."""
+                  kv: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Rotate q and k of a fused QKV projection (as `apply_rope`, normalised first where q_norm and k_norm are
+    given), store k and v at their slots of one layer's cache kv [2, pages, page_size, Hkv, D]; returns q [T, H, D]
+    (contiguous). The halves of each cos_sin row are equal, as rotate-half rope makes them (the kernel reads the
+    first)."""
     half = cos_sin.shape[-1] // 2
+    norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else ()
     if (qkv.is_cuda and qkv.dtype == kv.dtype == cos_sin.dtype and qkv.stride(-1) == 1 and kv.is_contiguous()
             and cos_sin.is_contiguous() and half & (half - 1) == 0 and num_heads % kv.shape[-2] == 0
-            and qkv.shape[0] > 0):
-        return launch_rope_write_kv(qkv, positions, cos_sin, num_heads, kv, slot_mapping)
-    q, k, v = apply_rope(qkv, positions, cos_sin, num_heads)
+            and qkv.shape[0] > 0 and all(w.is_contiguous() and w.dtype == qkv.dtype for w in norms)):
+        return launch_rope_write_kv(qkv, positions, cos_sin, num_heads, kv, slot_mapping, q_norm, k_norm, eps)
+    q, k, v = apply_rope(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
     write_kv(k, v, kv, slot_mapping)
     return q.contiguous()
 
 
 def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                         kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                         kv: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                         k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """`rope_write_kv` by the Triton kernel, whatever the device (Triton's interpreter runs it on a CPU)."""
     dim, kv_heads = cos_sin.shape[-1], kv.shape[-2]
     group = num_heads // kv_heads
+    norm = q_norm is not None and k_norm is not None
     q = qkv.new_empty(qkv.shape[0], num_heads, dim)
     _triton_rope_kernel()[(qkv.shape[0], kv_heads)](
-        qkv, positions, cos_sin, slot_mapping, q, kv[0], kv[1], qkv.stride(0), cos_sin.shape[0],
-        HEADS=num_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=1 << (group - 1).bit_length(), HALF=dim // 2)
+        qkv, positions, cos_sin, slot_mapping, q, kv[0], kv[1], q_norm if norm else qkv, k_norm if norm else qkv,
+        qkv.stride(0), cos_sin.shape[0], float(eps), HEADS=num_heads, KV_HEADS=kv_heads, GROUP=group,
+        GROUP_PAD=1 << (group - 1).bit_length(), HALF=dim // 2, NORM=norm)
     return q
 
 

@@ -45,7 +45,8 @@ class PrefillGraphs:
             self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
             self.out = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         self.inputs: list[torch.Tensor] = []  # attention's row inputs (q, k, v or a fused QKV), sized at warm-up
-        self._call: tuple | None = None  # how the captures call attention (`_cut`)
+        self._calls: dict[int, tuple] = {}  # per layer: how the captures call its attention (`_cut`)
+        self._layer = 0  # the layer capturing
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # per size: [before attn 0, after attn 0, ...]
         self._capturing: list[torch.cuda.CUDAGraph] | None = None
         self.capture_seconds = 0.0
@@ -95,6 +96,7 @@ class PrefillGraphs:
         hidden, residual = self.hidden[:size], self.residual[:size]
         for i, layer in enumerate(layers):
             set_layer(i)
+            self._layer = i
             if capture:
                 self._begin()
             h, r = layer(positions, hidden, None if i == 0 else residual)
@@ -131,16 +133,17 @@ class PrefillGraphs:
             else:
                 buffer[:size].copy_(x)
                 fixed.append(buffer)
-        self._call = (attend, fixed, rest)
+        layer = self._layer  # the rest (e.g. a layer's q/k norm weights) may differ by layer
+        self._calls[layer] = (attend, fixed, rest)
         self._end()
-        out = self._attend(size)
+        out = self._attend(size, layer)
         self._begin()
         return out
 
-    def _attend(self, size: int) -> torch.Tensor:
-        """Attention of the current layer for the context's batch as captured, on the first `size` rows of the fixed
-        buffers, its output into the set's output buffer."""
-        attend, fixed, rest = self._call
+    def _attend(self, size: int, layer: int) -> torch.Tensor:
+        """Attention of `layer` (the current one) for the context's batch as captured, on the first `size` rows of
+        the fixed buffers, its output into the set's output buffer."""
+        attend, fixed, rest = self._calls[layer]
         rows = (self.positions[:size] if buffer is None else buffer[:size] for buffer in fixed)
         self.out[:size].copy_(attend(*rows, *rest))
         return self.out[:size]
@@ -181,7 +184,7 @@ class PrefillGraphs:
             for i in range(start, end):
                 set_layer(i)
                 graphs[2 * i].replay()
-                self._attend(size)
+                self._attend(size, i)
                 graphs[2 * i + 1].replay()
         self.launches += 1
         hidden, residual = self.hidden[:tokens], self.residual[:tokens]

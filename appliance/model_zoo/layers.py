@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from appliance.attention import paged_attention, rope_paged_attention, rotate
+from appliance.attention import paged_attention, rms_norm, rope_paged_attention, rotate
 from appliance.model_zoo.config import ModelConfig, RopeConfig
 from appliance.model_zoo.parallel import Rows, Target, row_linear
 from appliance.model_zoo.rope import rope_cos_sin, rope_inv_freq
@@ -23,10 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
@@ -119,8 +116,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if self.rotary.cos_sin is not None and not self.qk_norm:  # attention rotates (its kernel, with the K/V write)
-            out = rope_paged_attention(qkv, positions, self.rotary.cos_sin, self.num_heads)
+        if self.rotary.cos_sin is not None:  # attention normalises and rotates (its kernel, with the K/V write)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            out = rope_paged_attention(qkv, positions, self.rotary.cos_sin, self.num_heads, *norms)
             return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

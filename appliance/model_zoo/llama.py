@@ -43,10 +43,10 @@ class DecoderForCausalLM(nn.Module):
 
     def rotate_in_attention(self, positions: int | None) -> bool:
         """Let attention apply the rotary embedding, from a cos/sin table of `positions` rows (the backend fuses it
-        with its K/V write: one kernel where the compiled layer launched four); None: the layers rotate. False
-        where the model cannot: q/k norms sit between the projection and the rotation, or dynamic NTK."""
+        with its K/V write and q/k norms where the model has them: one kernel where the compiled layer launched four
+        or more); None: the layers rotate. False where the model cannot: dynamic NTK rotates by the length too."""
         param = next(self.parameters())
-        return self.model.rotary.build_table(None if self.config.qk_norm else positions, param.dtype, param.device)
+        return self.model.rotary.build_table(positions, param.dtype, param.device)
 
     @property
     def num_layers(self) -> int:

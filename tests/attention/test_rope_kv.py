@@ -1,6 +1,7 @@
-"""The rotary embedding applied by attention (attention/kv_write.py): its torch reference equals the layers' own
-rotation, its Triton kernel (run by Triton's interpreter on the CPU, a subprocess) equals the reference, and a model
-whose attention rotates computes the logits it computes when its layers rotate."""
+"""The rotary embedding applied by attention (attention/kv_write.py), with Qwen3's q/k norms before it: its torch
+reference equals the layers' own normalisation and rotation, its Triton kernel (run by Triton's interpreter on the
+CPU, a subprocess) equals the reference, and a model whose attention rotates computes the logits it computes when its
+layers rotate."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ import torch
 from appliance.attention import AttentionMetadata, ForwardContext, TorchAttention, forward_context, page_layout
 from appliance.attention.kv_write import apply_rope
 from appliance.model_zoo.config import ModelConfig
-from appliance.model_zoo.layers import RotaryEmbedding
+from appliance.model_zoo.layers import RMSNorm, RotaryEmbedding
 from appliance.model_zoo.llama import DecoderForCausalLM
 
 ROPES = [{}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -46,12 +47,30 @@ def test_reference_equals_the_layers_rotation(rope):
     assert torch.equal(v, v0.view(7, 2, 16))
 
 
+def test_reference_normalises_as_the_layers_do():
+    """With q/k norm weights (Qwen3), each head of q and k is RMS-normalised by the layers' RMSNorm, then rotated."""
+    cfg = config({})
+    rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+    assert rotary.build_table(64, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    q_norm, k_norm = RMSNorm(16, 1e-6), RMSNorm(16, 1e-6)
+    q_norm.weight.data, k_norm.weight.data = torch.rand(16, generator=gen) + 0.5, torch.rand(16, generator=gen) + 0.5
+    qkv = torch.randn(5, (4 + 2 * 2) * 16, generator=gen) * 3
+    positions = torch.tensor([0, 1, 9, 33, 63])
+    q, k, v = apply_rope(qkv, positions, rotary.cos_sin, 4, q_norm.weight, k_norm.weight, 1e-6)
+    q0, k0, v0 = qkv.split([64, 32, 32], dim=-1)
+    eq, ek = rotary(positions, q_norm(q0.view(5, 4, 16)), k_norm(k0.view(5, 2, 16)))
+    torch.testing.assert_close(q, eq, rtol=0, atol=1e-6)
+    torch.testing.assert_close(k, ek, rtol=0, atol=1e-6)
+    assert torch.equal(v, v0.view(5, 2, 16))
+
+
 def test_no_table_where_attention_cannot_rotate():
-    """Dynamic NTK rotates by the sequence's length; q/k norms (Qwen3) sit between projection and rotation."""
+    """Dynamic NTK rotates by the sequence's length: the layers rotate; q/k norms (Qwen3) go into attention too."""
     dynamic = DecoderForCausalLM(config({"rope_type": "dynamic", "factor": 2.0}))
     assert not dynamic.rotate_in_attention(256) and dynamic.model.rotary.cos_sin is None
     qk_norm = DecoderForCausalLM(config({}, "Qwen3ForCausalLM"))
-    assert not qk_norm.rotate_in_attention(256)
+    assert qk_norm.rotate_in_attention(256)
     plain = DecoderForCausalLM(config({}))
     assert plain.rotate_in_attention(256) and plain.model.rotary.cos_sin.shape == (256, 2, 16)
     assert not plain.rotate_in_attention(None) and plain.model.rotary.cos_sin is None
@@ -73,10 +92,11 @@ def _logits(model: DecoderForCausalLM, tokens: list[int]) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("rope", ROPES[:2])
-def test_model_rotating_in_attention_computes_the_same_logits(rope):
+@pytest.mark.parametrize("rope,arch", [(ROPES[0], "LlamaForCausalLM"), (ROPES[1], "LlamaForCausalLM"),
+                                       (ROPES[0], "Qwen3ForCausalLM")])
+def test_model_rotating_in_attention_computes_the_same_logits(rope, arch):
     torch.manual_seed(0)
-    model = DecoderForCausalLM(config(rope))
+    model = DecoderForCausalLM(config(rope, arch))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     tokens = [3, 17, 5, 60, 2, 9, 33, 41, 8, 1, 12]
@@ -92,7 +112,8 @@ CHECK = textwrap.dedent("""
     import torch
     from appliance.attention.kv_write import apply_rope, launch_rope_write_kv, write_kv
     gen = torch.Generator().manual_seed(0)
-    for heads, kv_heads, dim in [(8, 2, 32), (4, 4, 16), (7, 1, 32)]:
+    for heads, kv_heads, dim, norm in [(8, 2, 32, False), (4, 4, 16, False), (7, 1, 32, False), (8, 2, 32, True),
+                                       (7, 1, 32, True)]:
         rows, pages, page = 5, 9, 4
         table = torch.randn(100, 2, dim // 2, generator=gen).repeat(1, 1, 2)  # both halves alike, as rope's are
         width = (heads + 2 * kv_heads) * dim
@@ -101,11 +122,12 @@ CHECK = textwrap.dedent("""
         slots = torch.randperm(pages * page, generator=gen)[:rows]
         cache = torch.randn(2, pages, page, kv_heads, dim, generator=gen)
         expected_cache = cache.clone()
-        q0, k0, v0 = apply_rope(qkv, positions, table, heads)
+        norms = (torch.rand(dim, generator=gen) + 0.5, torch.rand(dim, generator=gen) + 0.5, 1e-5) if norm else ()
+        q0, k0, v0 = apply_rope(qkv, positions, table, heads, *norms)
         write_kv(k0, v0, expected_cache, slots)
-        q = launch_rope_write_kv(qkv, positions, table, heads, cache, slots)
+        q = launch_rope_write_kv(qkv, positions, table, heads, cache, slots, *norms)
         err = max((q - q0).abs().max().item(), (cache - expected_cache).abs().max().item())
-        print(heads, kv_heads, dim, err)
+        print(heads, kv_heads, dim, norm, err)
         assert q.is_contiguous() and q.shape == (rows, heads, dim)
         assert err < 1e-5, (heads, kv_heads, dim, err)
     print("ok")
@@ -114,7 +136,7 @@ CHECK = textwrap.dedent("""
 
 def test_kernel_matches_the_reference_in_the_interpreter():
     """GQA groups of 4, 1 and 7 (a padded group), rows strided, slots in random order, positions up to the table's
-    last row."""
+    last row; with and without q/k norms."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from spies import on_forward
 
@@ -50,13 +51,15 @@ def test_bf16_dummy_llama31_8b_serves_a_batch(tmp_path):
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
-def test_rotary_in_attention_matches_the_compiled_rotation(tmp_path):
-    """`--fused-rope` (one kernel rotates q and k and writes K/V) against the compiled layers' rotation, Llama-3.1-8B
-    layer shapes (bf16, dummy weights, the same for both): the logits of the prompt and of every greedy step whose
-    inputs agree (a near tie may pick another token, after which the rows are not comparable)."""
-    d = tmp_path / "llama"
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b"])
+def test_rotary_in_attention_matches_the_compiled_rotation(tmp_path, name):
+    """`--fused-rope` (one kernel rotates q and k, after Qwen3's q/k norms, and writes K/V) against the compiled
+    layers' norms and rotation, Llama-3.1-8B and Qwen3-8B layer shapes (bf16, dummy weights, the same for both): the
+    logits of the prompt and of every greedy step whose inputs agree (a near tie may pick another token, after which
+    the rows are not comparable)."""
+    d = tmp_path / name
     d.mkdir()
-    raw = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+    raw = json.loads((CONFIGS / name / "config.json").read_text())
     raw["num_hidden_layers"] = 2
     (d / "config.json").write_text(json.dumps(raw))
     runs = []
@@ -80,9 +83,9 @@ def test_rotary_in_attention_matches_the_compiled_rotation(tmp_path):
 
 
 def test_bf16_dummy_qwen_shapes_serve_a_batch(tmp_path):
-    """Qwen2.5-7B (GQA group 7, QKV bias: the rotary kernel with a padded group) and Qwen3-8B (q/k norms: the
-    compiled rotation) layer shapes on the flashinfer backend: a batch completes and every page comes back."""
-    for name, fused in (("qwen2.5-7b", True), ("qwen3-8b", False)):
+    """Qwen2.5-7B (GQA group 7, QKV bias: the rotary kernel with a padded group) and Qwen3-8B (q/k norms in the same
+    kernel) layer shapes on the flashinfer backend: a batch completes and every page comes back."""
+    for name, fused in (("qwen2.5-7b", True), ("qwen3-8b", True)):
         d = tmp_path / name
         d.mkdir()
         raw = json.loads((CONFIGS / name / "config.json").read_text())

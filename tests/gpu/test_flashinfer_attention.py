@@ -143,14 +143,16 @@ def test_triton_graph_decode_matches_flashinfer(heads, kv_heads, rows):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (28, 4), (8, 8)])
-def test_rope_in_attention_matches_rotated_inputs(case, heads, kv_heads):
-    """forward_rope (one kernel rotates q and k by a llama-3 table and writes K/V, then attention) against forward of
-    q, k, v rotated in fp32: the output, and K/V in their slots."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_in_attention_matches_rotated_inputs(case, heads, kv_heads, norm):
+    """forward_rope (one kernel rotates q and k by a llama-3 table and writes K/V, then attention; with `norm`, each
+    head RMS-normalised first, as Qwen3's q/k norms) against forward of q, k, v normalised and rotated in fp32: the
+    output, and K/V in their slots."""
     from appliance.attention.kv_write import apply_rope
     from appliance.model_zoo.config import RopeConfig
     from appliance.model_zoo.layers import RotaryEmbedding
 
-    gen = torch.Generator().manual_seed(hash((case, heads, "rope")) % 2**31)
+    gen = torch.Generator().manual_seed(hash((case, heads, norm, "rope")) % 2**31)
     num_pages = 256
     meta = layout(case, num_pages, gen)
     t = meta.num_tokens
@@ -165,10 +167,12 @@ def test_rope_in_attention_matches_rotated_inputs(case, heads, kv_heads):
     fi = FlashInferAttention(SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=DIM),
                              torch.bfloat16, torch.device("cuda"))
     fi.prepare(meta)
-    q, k, v = apply_rope(qkv.float(), positions, rotary.cos_sin.float(), heads)
+    weights = tuple(torch.rand(DIM, generator=gen).cuda() + 0.5 for _ in range(2 * norm))
+    q, k, v = apply_rope(qkv.float(), positions, rotary.cos_sin.float(), heads, *weights, *(1e-6,) * norm)
     expected_cache = cache.clone()
     expected = fi.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), expected_cache, meta)
-    out = fi.forward_rope(qkv, positions, rotary.cos_sin, heads, cache, meta)
+    norms = tuple(w.to("cuda", torch.bfloat16) for w in weights) + (1e-6,) * norm
+    out = fi.forward_rope(qkv, positions, rotary.cos_sin, heads, cache, meta, *norms)
     err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
     assert err <= 1e-2, f"{case} H={heads} Hkv={kv_heads}: relative error {err:.2e}"
     written = meta.slot_mapping
