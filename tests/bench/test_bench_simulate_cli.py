@@ -67,7 +67,7 @@ def test_simulate_honours_mux_mixed_chunks(tmp_path):
     from appliance.bench.simulated import simulated_bench
 
     profile = synthetic_profile_file(tmp_path)
-    args = ["bench", "--simulate", "--policies", "mux", "--trace", str(TRACE), "--max-requests", "20", "--model",
+    args = ["bench", "--simulate", "--policies", "mux", "--trace", str(TRACE), "--max-requests", "8", "--model",
             str(MODEL), "--profile", str(profile), "--slo", str(ROOT / "configs" / "slo" / "long-context.yaml"),
             "--serve-args=--mixed-chunks", "--result-dir", str(tmp_path / "out")]
     result = runner.invoke(app, args, env={"COLUMNS": "200"})

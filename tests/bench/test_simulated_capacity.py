@@ -65,7 +65,8 @@ def test_mux_holds_tbt_where_chunked_and_serial_do_not(bench, specs):
 
 
 def test_mux_has_the_highest_capacity(bench, specs):
-    sweeps = {p: bench.capacity(p, specs, start_rate=RATE, tolerance=0.25, max_points=6) for p in POLICIES}
+    # bisection to within 50 %: the policies' capacities lie several times apart (each point is a replay)
+    sweeps = {p: bench.capacity(p, specs, start_rate=RATE, tolerance=0.5, max_points=6) for p in POLICIES}
     print()
     for policy, sweep in sweeps.items():
         points = ", ".join(f"{p.rate:.3g}{'+' if p.passed else '-'}" for p in sweep.points)
@@ -118,6 +119,6 @@ def test_device_band_pools_three_replays(bench, specs):
     assert "device_band" not in alone.summary
     assert run.report.met == (not run.report.misses)
     # a capacity judged over the band is no higher than one judged as timed
-    coarse = {"tolerance": 0.25, "max_points": 6}  # (a fine search of both takes most of a minute on a CPU)
+    coarse = {"tolerance": 0.5, "max_points": 6}  # as above (a fine search of both takes most of a minute on a CPU)
     judged = banded.capacity("mux", specs, RATE, **coarse).capacity
     assert judged <= bench.capacity("mux", specs, RATE, **coarse).capacity

@@ -57,7 +57,8 @@ def cluster():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     url = deploy(engine, settings)
     yield url, engine
-    serve.shutdown()
+    # the local cluster this fixture started goes down whole with Ray, Serve's actors with it (serve.shutdown() first
+    # would only stop them one by one, gracefully, for seconds more)
     ray.shutdown()
 
 
@@ -143,7 +144,7 @@ def test_a_replica_killed_mid_stream(cluster):
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=180) as client:
             # 4 seats in the cluster, 8 requests: some stream, some wait in a replica's queue (not started)
-            tasks = [asyncio.ensure_future(_stream(client, {"prompt": f"request {i}", "max_tokens": 400, **LONG}))
+            tasks = [asyncio.ensure_future(_stream(client, {"prompt": f"request {i}", "max_tokens": 200, **LONG}))
                      for i in range(8)]
             victim = None
             while victim is None:
@@ -173,8 +174,9 @@ def test_a_replica_killed_mid_stream(cluster):
 def test_autoscaling_up_under_load_and_down_when_idle(cluster):
     url, engine = cluster
     serve.delete(APP_NAME)
-    settings = ClusterSettings(replicas=1, min_replicas=1, max_replicas=2, target_queue=2, upscale_delay=1,
-                               downscale_delay=2, replica_cpus=0.5, routing_stats_period=0.2)
+    # no delays: the scaling waits only for the load the autoscaler averages over its look-back window
+    settings = ClusterSettings(replicas=1, min_replicas=1, max_replicas=2, target_queue=2, upscale_delay=0,
+                               downscale_delay=0, replica_cpus=0.5, routing_stats_period=0.2)
     serve.run(build_app(engine, settings), name=APP_NAME, route_prefix="/", blocking=False)
     _wait(lambda: _running(APP_NAME) == 1, 120, "the autoscaled app to start with one replica")
 

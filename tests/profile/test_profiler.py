@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import appliance.profile.calibrate as calibrate
+import appliance.profile.profiler as profiler
 from appliance.cli.main import app
 from appliance.config import Config
 from appliance.engine.compile import cache_dir
@@ -151,8 +153,10 @@ def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path
                (p.kind, p.sms, p.new, p.reused, p.batch, p.context))
 
 
-def test_calibration_replays_under_chunked_and_measures_serving_against_the_profile(timer, tmp_path):
+def test_calibration_replays_under_chunked_and_measures_serving_against_the_profile(timer, tmp_path, monkeypatch):
     # (on the CPU the engine is not multiplexed: only the chunked replay runs; tests/gpu/test_profile_mux.py has mux)
+    # the serial replay idles after each request it replays alone (0.2 s each); a shorter idle keeps them alone
+    monkeypatch.setattr(calibrate, "SERIAL_IDLE_S", 0.02)
     points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
     result = run_profile(timer, points, tmp_path / "p.json", model_name="tiny", budget_s=300,
                          started=time.perf_counter())
@@ -232,7 +236,11 @@ def test_profile_command_rejects_bad_flags(args, message, tmp_path):
     assert result.exit_code == 2 and message in result.output
 
 
-def test_profile_command_calibrates_on_another_trace(tmp_path):
+def test_profile_command_calibrates_on_another_trace(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "SERIAL_IDLE_S", 0.02)  # as above: the idle after each request replayed alone
+    # the command's wiring, not the revisits themselves (the test of run_profile counts those): one more run of each
+    # short point is enough for their spread to be reported
+    monkeypatch.setattr(profiler, "REVISITS", 1)
     out = tmp_path / "p.json"
     result = CliRunner().invoke(app, [
         "profile", "--out", str(out), "--device", "cpu", "--no-progress", "--budget-minutes", "3",

@@ -1,5 +1,5 @@
-"""Fixtures starting a real `muxd serve` process per test module (scripts/live_server.py drives it; the checks of
-scripts/reliability.py run here in small sizes)."""
+"""Fixtures starting a real `muxd serve` process per test module, or one per session that modules of the same flags
+share (scripts/live_server.py drives it; the checks of scripts/reliability.py run here in small sizes)."""
 from __future__ import annotations
 
 import sys
@@ -27,6 +27,25 @@ def serve(request, tmp_path_factory):
 
     yield start
     for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_serve(request, tmp_path_factory):
+    """Like `serve`, for modules that only send requests to a server of common flags: one process per set of flags
+    for the whole session (stopped at its end), so that modules asking for the same flags share it."""
+    started: dict[tuple[str, ...], ServerProcess] = {}
+
+    def start(*args: str) -> ServerProcess:
+        if args not in started:
+            model = request.config.getoption("--serve-model")
+            server = ServerProcess(["--model", model, *args], tmp_path_factory.mktemp("server") / "server.log")
+            started[args] = server
+            server.wait_ready()
+        return started[args]
+
+    yield start
+    for server in started.values():
         server.stop()
 
 

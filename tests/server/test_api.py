@@ -11,8 +11,8 @@ from appliance.model_zoo.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    return serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+def server(shared_serve):
+    return shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 
 
 

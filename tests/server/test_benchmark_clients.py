@@ -23,8 +23,8 @@ def _tool(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    return serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+def server(shared_serve):
+    return shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -37,7 +37,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complete
 def test_guidellm_constant_rate(server, tmp_path):
     result = tmp_path / "guidellm.json"
     _run([_tool("guidellm"), "run", "--backend", f"kind=openai_http,target={server.url}",
-          "--profile", "kind=constant,rate=4", "--constraint", "kind=max_requests,count=8",
+          "--profile", "kind=constant,rate=16", "--constraint", "kind=max_requests,count=8",
           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
           "--tokenizer", f"kind=huggingface_auto,model={EMBEDDED_MODEL_DIR}",
           "--output", f"kind=json,path={result}", "--disable-console-interactive"], tmp_path)
@@ -54,7 +54,7 @@ def test_aiperf_goodput(server, tmp_path):
     out_dir = tmp_path / "aiperf"
     _run([_tool("aiperf"), "profile", "--model", "muxd-embedded", "--url", server.url, "--endpoint-type", "chat",
           "--streaming", "--tokenizer", str(EMBEDDED_MODEL_DIR), "--isl", "32", "--osl", "8", "--request-count", "8",
-          "--request-rate", "4", "--random-seed", "1", "--extra-inputs", "ignore_eos:true",  # exactly --osl tokens
+          "--request-rate", "16", "--random-seed", "1", "--extra-inputs", "ignore_eos:true",  # exactly --osl tokens
           "--goodput",
           "time_to_first_token:60000 inter_token_latency:60000", "--output-artifact-dir", str(out_dir),
           "--no-auto-plot"], tmp_path)

@@ -13,7 +13,7 @@ from soak import SOAK_FLAGS, soak  # noqa: E402
 
 def test_mixed_traffic_leaves_nothing_behind(serve):
     server = serve(*SOAK_FLAGS)
-    figures = soak(server, seconds=8, windows=2, burst_every_s=3, burst_size=20, sample_every_s=4)
+    figures = soak(server, seconds=6, windows=2, burst_every_s=2, burst_size=20, sample_every_s=3)
     statuses = figures["by_status"]
     assert figures["server_errors_5xx"] == 0, figures["by_kind_and_status"]
     assert set(figures["probe_statuses"]) <= {200, 429}, figures["probe_statuses"]  # a burst may fill every place

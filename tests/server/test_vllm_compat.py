@@ -12,8 +12,8 @@ from appliance.server.metrics import VLLM_ITL_BUCKETS, VLLM_TTFT_BUCKETS
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    return serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+def server(shared_serve):
+    return shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 
 
 
