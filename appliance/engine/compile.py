@@ -35,6 +35,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "muxd"
 
 
+def use_cache_dirs() -> None:
+    """Inductor's cache and Triton's binaries (Inductor's kernels and muxd's own: decode attention, rotary + K/V
+    write) under muxd's cache directory, so that a container keeping it starts warm; a directory the user chose
+    stays. Importing torch._dynamo already set TORCHINDUCTOR_CACHE_DIR to torch's default (/tmp/torchinductor_USER):
+    that one counts as not chosen."""
+    inductor = cache_dir() / "inductor"
+    inductor.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, _torch_default_inductor_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
+
+
+def _torch_default_inductor_dir() -> str | None:
+    try:  # defers: torch's private helper (2.5 and later), where it exists
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
 def compile_layers(model: DecoderForCausalLM) -> bool:
     """Compile every decoder layer in place; returns False (and logs why) when torch.compile cannot run here."""
     device = next(model.parameters()).device
@@ -42,12 +62,7 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     if reason:
         log.warning("torch.compile is unavailable (%s); running the model eagerly", reason)
         return False
-    inductor_dir = cache_dir() / "inductor"
-    inductor_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
-    # Triton's binaries beside it (Inductor's kernels and muxd's own: decode attention, rotary + K/V write), not in
-    # ~/.triton: a container that keeps muxd's cache directory starts warm
-    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
+    use_cache_dirs()
     # a model adds 4 compiled variants of DecoderLayer.forward (2 residual variants x 2 compilers; the single-token
     # one per shape and dtype): room for the several models a process may build (tests), before Dynamo runs eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
