@@ -15,10 +15,8 @@ from appliance.engine.request import SamplingParams
 
 
 def test_compile_caches_go_to_muxds_cache_directory_unless_chosen(tmp_path, monkeypatch):
-    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's default: that one moves under muxd's cache
-    directory (where a container keeps it); a directory the user set stays, for Triton's cache too."""
-    import torch._dynamo  # noqa: F401  (what sets torch's default)
-
+    """Importing torch._dynamo (this module did) sets TORCHINDUCTOR_CACHE_DIR to torch's default: that one moves under
+    muxd's cache directory (where a container keeps it); a directory the user set stays, for Triton's cache too."""
     monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path / "cache"))
     default = _torch_default_inductor_dir()
     assert default is not None
