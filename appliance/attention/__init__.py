@@ -43,8 +43,7 @@ DECODE_KERNELS = ("auto", "flashinfer")
 __all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "DECODE_KERNELS", "ForwardContext",
            "TorchAttention", "forward_context", "flashinfer_unsupported", "make_backend", "new_workspace",
            "page_layout", "paged_attention", "resolve_backend_name", "rms_norm", "rope_paged_attention", "rotate",
-           "set_layer",
-           "uses_triton_decode", "write_kv"]
+           "set_layer", "uses_triton_decode", "write_kv"]
 
 
 def flashinfer_unsupported(cfg: AttentionShape, dtype: torch.dtype, device: torch.device) -> str | None:
