@@ -11,6 +11,7 @@ from appliance.attention import triton_decode
 from appliance.attention.context import (
     AttentionBackend,
     ForwardContext,
+    current_context,
     forward_context,
     paged_attention,
     rope_paged_attention,
@@ -41,9 +42,9 @@ BACKEND_NAMES = ("auto", "flashinfer", "torch")
 DECODE_KERNELS = ("auto", "flashinfer")
 
 __all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "DECODE_KERNELS", "ForwardContext",
-           "TorchAttention", "forward_context", "flashinfer_unsupported", "make_backend", "new_workspace",
-           "page_layout", "paged_attention", "resolve_backend_name", "rms_norm", "rope_paged_attention", "rotate",
-           "set_layer", "uses_triton_decode", "write_kv"]
+           "TorchAttention", "current_context", "forward_context", "flashinfer_unsupported", "make_backend",
+           "new_workspace", "page_layout", "paged_attention", "resolve_backend_name", "rms_norm",
+           "rope_paged_attention", "rotate", "set_layer", "uses_triton_decode", "write_kv"]
 
 
 def flashinfer_unsupported(cfg: AttentionShape, dtype: torch.dtype, device: torch.device) -> str | None:

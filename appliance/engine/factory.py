@@ -129,10 +129,11 @@ class _Builder:
         cfg, model, mcfg = self.config, self.model, self.model.config
         sched_cfg, cache_cfg, rt = cfg.scheduler, cfg.cache, cfg.runtime
         # before compile and warm-up: a sliding window shorter than the context is refused at once
-        mcfg.check_max_model_len(cfg.model.max_model_len or mcfg.max_model_len)
+        max_len = cfg.model.max_model_len or mcfg.max_model_len
+        mcfg.check_max_model_len(max_len)
         fused = self.cuda and rt.fused_rope and resolve_backend_name(rt.attention_backend, mcfg, self.dtype,
                                                                       self.device) == "flashinfer"
-        model.rotate_in_attention((cfg.model.max_model_len or mcfg.max_model_len) if fused else None)
+        model.rotate_in_attention(max_len if fused else None)
         compiled = False
         if rt.compile if rt.compile is not None else self.cuda:
             compiled = compile_layers(model)

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, set_layer
+from appliance.attention import (AttentionBackend, AttentionMetadata, ForwardContext, current_context, forward_context,
+                                 set_layer)
 from appliance.engine.graphs import CAPTURE_MODE, quiet_capture
 from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.llama import DecoderForCausalLM
@@ -46,7 +47,6 @@ class PrefillGraphs:
             self.out = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         self.inputs: list[torch.Tensor] = []  # attention's row inputs (q, k, v or a fused QKV), sized at warm-up
         self._calls: dict[int, tuple] = {}  # per layer: how the captures call its attention (`_cut`)
-        self._layer = 0  # the layer capturing
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # per size: [before attn 0, after attn 0, ...]
         self._capturing: list[torch.cuda.CUDAGraph] | None = None
         self.capture_seconds = 0.0
@@ -96,7 +96,6 @@ class PrefillGraphs:
         hidden, residual = self.hidden[:size], self.residual[:size]
         for i, layer in enumerate(layers):
             set_layer(i)
-            self._layer = i
             if capture:
                 self._begin()
             h, r = layer(positions, hidden, None if i == 0 else residual)
@@ -133,7 +132,7 @@ class PrefillGraphs:
             else:
                 buffer[:size].copy_(x)
                 fixed.append(buffer)
-        layer = self._layer  # the rest (e.g. a layer's q/k norm weights) may differ by layer
+        layer = current_context().layer  # the rest (e.g. a layer's q/k norm weights) may differ by layer
         self._calls[layer] = (attend, fixed, rest)
         self._end()
         out = self._attend(size, layer)
