@@ -13,6 +13,7 @@ from appliance.bench.sweep import SweepResult, find_capacity
 from appliance.config import SchedulerSettings
 from appliance.engine.planners.registry import build_planner, tune_chunk_budget
 from appliance.model_zoo.config import ModelConfig
+from appliance.predictor.host import HostModel
 from appliance.predictor.predictor import Predictor
 from appliance.predictor.roofline import DeviceSpec
 from appliance.slo.attainment import ContractReport, evaluate
@@ -57,6 +58,7 @@ class SimulatedBench:
     host_spread: float = 0.0  # each simulated prefill launch takes a lognormal multiple (this sigma) of its time
     device_spread: float = 0.0  # judge each replay over the GPU this much slower, as timed and this much faster
     save_steps: bool = False  # each replay's summary holds the step and prefill-launch logs of its replay as timed
+    host: HostModel | None = None  # the simulated host (None: the planner's host model, as its predictor has it)
     _prompts: dict = field(default_factory=dict, repr=False)  # shared by the replays of one trace
     _runs: dict = field(default_factory=dict, repr=False)
 
@@ -65,7 +67,8 @@ class SimulatedBench:
         if policy == "chunked" and options.chunk_budget is None:
             # the baseline as the papers tuned it: the largest budget whose step meets TBT on an idle GPU, found on
             # the machine itself (here: the step timer)
-            budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms, host=self.predictor.host)
+            budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms,
+                                       host=self.host or self.predictor.host)
             options = dataclasses.replace(options, chunk_budget=budget)
         # each replay starts from the profile, as a fresh server does: what one replay learns online stays there
         return build_planner(options, self.contract, copy.deepcopy(self.predictor))
@@ -127,7 +130,8 @@ class SimulatedBench:
         The rest of the summary (throughput, planner) is the replay as timed."""
         if rate is not None:
             specs = wl.retime(list(specs), rate=rate)
-        host = self.predictor.host.scaled(1.0 + self.host_error) if self.host_error else self.predictor.host
+        host = self.host or self.predictor.host
+        host = host.scaled(1.0 + self.host_error) if self.host_error else host
         replays = []
         for speed in self.speeds:
             planner = self.planner(policy)

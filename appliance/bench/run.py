@@ -77,6 +77,7 @@ class BenchOptions:
     device_spread: float = 0.05         # --simulate: each point judged over the GPU this much slower/faster too
     host_error: float = 0.0             # --simulate: the simulated host is (1 + this) x slower than modelled
     host_spread: float = 0.2            # --simulate: sigma of the lognormal spread of prefill launches' host time
+    planner_prior: bool = False         # --simulate: the planner starts from the roofline prior, the clock profiled
 
     @property
     def model_or_default(self) -> str:

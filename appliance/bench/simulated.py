@@ -12,7 +12,7 @@ from rich.table import Table
 
 from appliance.bench.capacity import PolicyRun, SimulatedBench, kv_pages
 from appliance.bench.run import BenchOptions, load_workload, model_dir, shape
-from appliance.bench.simulate import SimConfig
+from appliance.bench.simulate import ServingClock, SimConfig
 from appliance.bench.sweep import SweepResult
 from appliance.config import POLICIES, Config
 from appliance.config_flags import parse_serve_args
@@ -21,6 +21,7 @@ from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
 from appliance.predictor.catalog import find_profile
+from appliance.predictor.predictor import Predictor
 from appliance.predictor.profile import load_predictor
 from appliance.predictor.roofline import DEVICES, DeviceSpec, device_spec
 from appliance.slo.contract import Contract, default_contract
@@ -55,10 +56,20 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
         device = device_spec(gpu)
     except ConfigError:
         device = DEVICES["h100"]
+    truth = host = None
+    if opts.planner_prior:  # the GPU and host as profiled; the planner knows only the prior, as a server without one
+        if predictor.source == Predictor.prior(model, device).source:
+            raise ConfigError(f"--planner-prior plans with the roofline prior against a profiled GPU, and there is no "
+                              f"profile of this model on {gpu}: give --profile")
+        truth, host = ServingClock(predictor), predictor.host
+        predictor = Predictor.prior(model, device)
+        predictor.host = predictor.host.with_loop(host.overlapped).with_graphs(host.graph_rows)
+    clocked = truth.predictor if truth is not None else predictor
     serving = ", ".join(f"{k} {v:.1f} ms" if k == "mixed_floor" else f"{k} x{v:.2f}"
-                        for k, v in sorted(predictor.serving.items()))
-    notes = [f"clock and planner: {predictor.source}" + (f"; the clock runs serving-calibrated ({serving})"
-                                                          if serving else ""), *predictor.notes,
+                        for k, v in sorted(clocked.serving.items()))
+    clock = (f"clock: {clocked.source}; planner: {predictor.source} (--planner-prior)" if truth is not None
+             else f"clock and planner: {predictor.source}")
+    notes = [clock + (f"; the clock runs serving-calibrated ({serving})" if serving else ""), *clocked.notes,
              f"contract {contract.name!r}: p{contract.slo_for(None).tbt_percentile:g} TBT "
              f"{contract.slo_for(None).tbt_ms:g} ms, attainment {contract.attainment:.0%}"]
     if tp > 1:
@@ -97,7 +108,7 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     return SimulatedBench(contract, predictor, sim, options=options,
                           device_error=opts.device_error, host_error=opts.host_error,
                           host_spread=opts.host_spread, device_spread=opts.device_spread,
-                          save_steps=opts.save_steps), model, notes
+                          save_steps=opts.save_steps, truth=truth, host=host), model, notes
 
 
 def sim_config(serve: Config, model: ModelConfig, device: DeviceSpec) -> SimConfig:

@@ -145,7 +145,8 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                                  "--slo and search its capacity.",
                                               rich_help_panel=_T)], False),
     "profile": (Annotated[Optional[Path], typer.Option(help="--simulate: latency profile of --model on --gpu "
-                                                            "(default: the roofline prior).",
+                                                            "(default: as `muxd serve` finds one: cached by `muxd "
+                                                            "profile`, or shipped; else the roofline prior).",
                                                        rich_help_panel=_T)], None),
     "gpu": (Annotated[str, typer.Option(help="--simulate: the GPU to plan for (h100, h200).", rich_help_panel=_T)],
             "h100"),
@@ -168,6 +169,13 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                        "fitted launch times on an H200, 0.17-0.22; a busy H100 host "
                                                        "showed 0.46); the planner is not told; 0: the model's time.",
                                                   rich_help_panel=_T)], 0.2),
+    "planner_prior": (Annotated[bool, typer.Option("--planner-prior", help="--simulate: the planner starts from "
+                                                                           "the roofline prior, as `muxd serve` "
+                                                                           "does where no profile exists for the "
+                                                                           "model and GPU, while the simulated GPU "
+                                                                           "and host run the profile: what mux "
+                                                                           "keeps before `muxd profile`.",
+                                                   rich_help_panel=_T)], False),
     "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
                                               rich_help_panel=_O)], True),
 }
