@@ -236,6 +236,8 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
     if kw["max_idle"] is not None and kw["max_idle"] < 0:
         raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
+    if kw["planner_prior"] and not kw["simulate"]:
+        raise ConfigError("--planner-prior plans a simulated replay from the roofline prior: give --simulate")
     if kw["save_steps"] and not (kw["in_process"] or kw["simulate"]):
         raise ConfigError("--save-steps logs the engine's steps in this process: give --in-process (or --simulate)")
     if kw["in_process"] and kw["endpoint"] == "chat":

@@ -56,9 +56,13 @@ def test_simulate_refuses_what_it_cannot_do():
                          (["--slo", str(SLO), "--host-error", "11"], "--host-error must be in"),
                          (["--slo", str(SLO), "--host-spread", "3"], "--host-spread must be in"),
                          (["--slo", str(SLO), "--device-spread", "0.5"], "--device-spread must be in"),
-                         (["--slo", str(SLO), "--device-spread", "-0.1"], "--device-spread must be in")):
+                         (["--slo", str(SLO), "--device-spread", "-0.1"], "--device-spread must be in"),
+                         (["--slo", str(SLO), "--planner-prior", "--profile", str(ROOT / "no-such-profile.json")],
+                          "no profile of this model")):
         result = runner.invoke(app, base + extra, env={"COLUMNS": "200"})
         assert result.exit_code != 0 and words in result.output, result.output
+    result = runner.invoke(app, [w for w in base if w != "--simulate"] + ["--planner-prior"], env={"COLUMNS": "200"})
+    assert result.exit_code != 0 and "--planner-prior plans a simulated replay" in result.output, result.output
 
 
 
