@@ -67,8 +67,7 @@ class SimulatedBench:
         if policy == "chunked" and options.chunk_budget is None:
             # the baseline as the papers tuned it: the largest budget whose step meets TBT on an idle GPU, found on
             # the machine itself (here: the step timer)
-            budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms,
-                                       host=self.host or self.predictor.host)
+            budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms, host=self.host_model)
             options = dataclasses.replace(options, chunk_budget=budget)
         # each replay starts from the profile, as a fresh server does: what one replay learns online stays there
         return build_planner(options, self.contract, copy.deepcopy(self.predictor))
@@ -95,6 +94,11 @@ class SimulatedBench:
                 hi = mid - 1
         self.options = dataclasses.replace(options, chunk_budget=lo * step)
         return lo * step
+
+    @property
+    def host_model(self) -> HostModel:
+        """The simulated host: `host` where given, else the planner's model of it."""
+        return self.host or self.predictor.host
 
     @property
     def timer(self) -> StepTimer:
@@ -130,8 +134,7 @@ class SimulatedBench:
         The rest of the summary (throughput, planner) is the replay as timed."""
         if rate is not None:
             specs = wl.retime(list(specs), rate=rate)
-        host = self.host or self.predictor.host
-        host = host.scaled(1.0 + self.host_error) if self.host_error else host
+        host = self.host_model.scaled(1.0 + self.host_error) if self.host_error else self.host_model
         replays = []
         for speed in self.speeds:
             planner = self.planner(policy)

@@ -58,12 +58,13 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
         device = DEVICES["h100"]
     truth = host = None
     if opts.planner_prior:  # the GPU and host as profiled; the planner knows only the prior, as a server without one
-        if predictor.source == Predictor.prior(model, device).source:
+        prior = Predictor.prior(model, device)
+        if predictor.source == prior.source:
             raise ConfigError(f"--planner-prior plans with the roofline prior against a profiled GPU, and there is no "
                               f"profile of this model on {gpu}: give --profile")
         truth, host = ServingClock(predictor), predictor.host
-        predictor = Predictor.prior(model, device)
-        predictor.host = predictor.host.with_loop(host.overlapped).with_graphs(host.graph_rows)
+        prior.host = prior.host.with_loop(host.overlapped).with_graphs(host.graph_rows)
+        predictor = prior
     clocked = truth.predictor if truth is not None else predictor
     serving = ", ".join(f"{k} {v:.1f} ms" if k == "mixed_floor" else f"{k} x{v:.2f}"
                         for k, v in sorted(clocked.serving.items()))
