@@ -12,87 +12,15 @@ from __future__ import annotations
 
 import torch
 
-_kernel = None
-
 
 def _triton_kernel():
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, ROW: tl.constexpr,
-                            BLOCK: tl.constexpr):
-            row = tl.program_id(0)
-            slot = tl.load(slot_ptr + row).to(tl.int64)
-            offs = tl.arange(0, BLOCK)
-            mask = offs < ROW
-            k = tl.load(k_ptr + row * stride_k + offs, mask=mask)
-            v = tl.load(v_ptr + row * stride_v + offs, mask=mask)
-            tl.store(kc_ptr + slot * ROW + offs, k, mask=mask)
-            tl.store(vc_ptr + slot * ROW + offs, v, mask=mask)
-
-        _kernel = write_kv_kernel
-    return _kernel
-
-
-_rope_kernel = None
+    from .kv_write_kernels import write_kv_kernel  # defers Triton
+    return write_kv_kernel
 
 
 def _triton_rope_kernel():
-    global _rope_kernel
-    if _rope_kernel is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def rope_write_kv_kernel(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr,
-                                 stride_qkv, positions, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr,
-                                 NORM: tl.constexpr):
-            # one program per (row, KV head): the group's query heads, then its K and V head
-            row, kv_head = tl.program_id(0), tl.program_id(1)
-            dim = 2 * HALF
-            dtype = q_ptr.dtype.element_ty
-            pos = tl.minimum(tl.load(pos_ptr + row).to(tl.int64), positions - 1)
-            d = tl.arange(0, HALF)
-            cos = tl.load(table_ptr + pos * 2 * dim + d).to(tl.float32)[None, :]  # table [positions, 2, dim]
-            sin = tl.load(table_ptr + pos * 2 * dim + dim + d).to(tl.float32)[None, :]
-            src = qkv_ptr + row * stride_qkv
-            g = tl.arange(0, GROUP_PAD)[:, None]
-            heads = kv_head * GROUP + g
-            mask = (g < GROUP) & (d[None, :] < HALF)
-            x1 = tl.load(src + heads * dim + d[None, :], mask=mask).to(tl.float32)
-            x2 = tl.load(src + heads * dim + HALF + d[None, :], mask=mask).to(tl.float32)
-            if NORM:  # RMSNorm of each head (as the layers' RMSNorm rounds: normalised, weighted, each in dtype)
-                r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / dim + eps)[:, None]
-                w1 = tl.load(qw_ptr + d).to(tl.float32)[None, :]
-                w2 = tl.load(qw_ptr + HALF + d).to(tl.float32)[None, :]
-                x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-                x2 = ((x2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-            dst = q_ptr + row * HEADS * dim + heads * dim + d[None, :]
-            tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-            tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
-            slot = tl.load(slot_ptr + row).to(tl.int64)
-            k_src = src + (HEADS + kv_head) * dim + d[None, :]
-            k1 = tl.load(k_src).to(tl.float32)
-            k2 = tl.load(k_src + HALF).to(tl.float32)
-            if NORM:
-                r = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / dim + eps)[:, None]
-                w1 = tl.load(kw_ptr + d).to(tl.float32)[None, :]
-                w2 = tl.load(kw_ptr + HALF + d).to(tl.float32)[None, :]
-                k1 = ((k1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-                k2 = ((k2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-            k_dst = kc_ptr + (slot * KV_HEADS + kv_head) * dim + d[None, :]
-            tl.store(k_dst, (k1 * cos - k2 * sin).to(kc_ptr.dtype.element_ty))
-            tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(kc_ptr.dtype.element_ty))
-            full = tl.arange(0, 2 * HALF)
-            v = tl.load(src + (HEADS + KV_HEADS + kv_head) * dim + full)
-            tl.store(vc_ptr + (slot * KV_HEADS + kv_head) * dim + full, v)
-
-        _rope_kernel = rope_write_kv_kernel
-    return _rope_kernel
+    from .kv_write_kernels import rope_write_kv_kernel  # defers Triton
+    return rope_write_kv_kernel
 
 
 def apply_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
