@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -84,10 +85,17 @@ class GrammarCompiler:
                 compiled = compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises plain errors for schemas it cannot express
             raise RequestError(f"{spec.param}: the JSON schema cannot be used for constrained decoding: "
-                               f"{str(exc).strip()[:300]}", spec.param, UNUSABLE_SCHEMA) from None
+                               f"{compiler_message(exc)}", spec.param, UNUSABLE_SCHEMA) from None
         return Matcher(xgr.GrammarMatcher(compiled))
 
 
+def compiler_message(exc: Exception) -> str:
+    """What the grammar compiler says is wrong, without the time and source location it prefixes its C++ errors
+    with ("[06:49:12] /project/cpp/json_schema_converter.cc:4944: Unsupported type ...")."""
+    return _SOURCE_PREFIX.sub("", str(exc).strip())[:300]
+
+
+_SOURCE_PREFIX = re.compile(r"^(\[[\d:.]+\]\s*)?\S+\.(cc|cpp|h):\d+:\s*")
 _batch_matcher: Any = None
 _apply_backend = "auto"
 _bitmasks: dict[tuple, torch.Tensor] = {}  # (device, bitmask words) -> the reused host bitmask

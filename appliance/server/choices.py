@@ -1,13 +1,14 @@
-"""The engine requests of one API request (one per choice) as one stream of (choice index, output).
+"""The engine requests of one API request (one per choice, of one prompt or a batch) as one stream of (choice
+index, output).
 
-With n > 1 and the prefix cache on, the first choice is submitted alone and the others once its first token is out:
-by then its prompt's full pages are in the prefix cache, so the prompt is prefilled once. Each choice feeds the
-latency metrics; closing the stream (client gone, error) aborts every choice still running.
+With n > 1 and the prefix cache on, each prompt's first choice is submitted alone and its others once its first
+token is out: by then the prompt's full pages are in the prefix cache, so each prompt is prefilled once. Each choice
+feeds the latency metrics; closing the stream (client gone, error) aborts every choice still running.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
 
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import Request, RequestOutput
@@ -17,40 +18,43 @@ _END = object()
 
 
 class Choices:
+    """`requests` are the choices of one prompt or of a batch of prompts, `group` to a prompt (prompt p's are the
+    indices p * group ...; None: one prompt)."""
+
     def __init__(self, engine: AsyncEngine, requests: list[Request], metrics: Metrics,
-                 share_prefill: bool = True) -> None:
+                 share_prefill: bool = True, group: int | None = None) -> None:
         self.engine, self.requests, self.metrics = engine, requests, metrics
-        self.share_prefill = share_prefill and len(requests) > 1
         self.n = len(requests)
-        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self.group = group or self.n
+        self.share_prefill = share_prefill and self.group > 1
+        self._streams: dict[int, AsyncIterator[RequestOutput]] = {}
         self._timers = [TokenTimer(metrics) for _ in requests]
-        self._last: list[RequestOutput | None] = [None] * self.n
         self._tasks: list[asyncio.Task] = []
         self._queue: asyncio.Queue = asyncio.Queue()
 
     async def start(self) -> None:
-        """Submit the first choice (and the others unless they wait for its prefill); raises what refuses it."""
-        self._streams.append(await self.engine.submit(self.requests[0]))
-        if not self.share_prefill:
-            await self._submit_rest()
+        """Submit each prompt's first choice (and the others unless they wait for its prefill); raises what refuses
+        one, with every choice already submitted aborted."""
+        first = range(0, self.n, self.group) if self.share_prefill else range(self.n)
+        await self._submit(first)
 
-    async def _submit_rest(self) -> None:
+    async def _submit(self, indices: Iterable[int]) -> list[int]:
+        done = []
         try:
-            for request in self.requests[len(self._streams):]:
-                self._streams.append(await self.engine.submit(request))
+            for i in indices:
+                self._streams[i] = await self.engine.submit(self.requests[i])
+                done.append(i)
         except BaseException:
             await self.aclose()
             raise
+        return done
 
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._merged()
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if self.share_prefill:
-            first = await self._streams[0].__anext__()  # its prompt's pages are cached once this arrives
-            yield self._seen(0, first)
-            await self._submit_rest()
-        self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self._streams)]
+        waiting = set(self._streams) if self.share_prefill else set()  # leaders whose prompt is not yet cached
+        self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in self._streams.items()]
         running = len(self._tasks)
         while running:
             index, item = await self._queue.get()
@@ -59,6 +63,11 @@ class Choices:
             elif isinstance(item, BaseException):
                 raise item
             else:
+                if index in waiting:  # its prompt's pages are cached once this arrives: the others reuse them
+                    waiting.discard(index)
+                    rest = await self._submit(range(index + 1, index + self.group))
+                    self._tasks += [asyncio.ensure_future(self._pump(i, self._streams[i])) for i in rest]
+                    running += len(rest)
                 yield self._seen(index, item)
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
@@ -83,5 +92,5 @@ class Choices:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for stream in self._streams:
+        for stream in self._streams.values():
             await stream.aclose()  # type: ignore[attr-defined]

@@ -41,12 +41,16 @@ class Choice:
         return "".join(self.parts)
 
 
-def best(choices: list[Choice], n: int) -> list[Choice]:
-    """The n choices of highest total log-probability (best_of), renumbered from 0."""
-    ranked = sorted(choices, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[:n]
-    for i, c in enumerate(ranked):
-        c.index = i
-    return ranked
+def best(choices: list[Choice], n: int, group: int) -> list[Choice]:
+    """Of each prompt's `group` choices (indices p * group ...), the n of highest total log-probability (best_of),
+    renumbered p * n ...."""
+    kept = []
+    for start in range(0, len(choices), group):
+        ranked = sorted(choices[start:start + group], key=lambda c: -sum(lp.logprob for lp in c.logprobs))[:n]
+        for i, c in enumerate(ranked):
+            c.index = start // group * n + i
+        kept += ranked
+    return kept
 
 
 async def replay(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -55,12 +59,17 @@ async def replay(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutpu
             yield c.index, out
 
 
-def usage_of(choices: list[Choice]) -> r.Usage:
-    """The prompt counted once, the outputs of every choice added up."""
-    outs = [c.last for c in choices if c.last is not None]
-    prompt = outs[0].num_prompt_tokens if outs else 0
-    cached = max((o.num_cached_tokens for o in outs), default=0)
-    return r.Usage.of(prompt, sum(o.num_output_tokens for o in outs), cached)
+def usage_of(choices: list[Choice], group: int | None = None) -> r.Usage:
+    """Each prompt counted once (its choices are the indices p * group ...; None: one prompt), the outputs of every
+    choice added up."""
+    group = group or max(len(choices), 1)
+    prompt = cached = output = 0
+    for start in range(0, len(choices), group):
+        outs = [c.last for c in choices[start:start + group] if c.last is not None]
+        prompt += outs[0].num_prompt_tokens if outs else 0
+        cached += max((o.num_cached_tokens for o in outs), default=0)
+        output += sum(o.num_output_tokens for o in outs)
+    return r.Usage.of(prompt, output, cached)
 
 
 class _Format:
@@ -85,19 +94,23 @@ class _Format:
 
 
 class CompletionFormat(_Format):
+    """Choice i of a batch of prompts answers prompt i // n (n: the choices returned per prompt)."""
+
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p.CompletionRequest,
-                 prompt_ids: list[int]) -> None:
+                 prompt_ids: list[list[int]]) -> None:
         super().__init__(rid, model, tokenizer)
         self.logprobs = body.logprobs
-        self.prompt_ids = prompt_ids
-        prompt = body.single_prompt()
-        self.echo = "" if not body.echo else prompt if isinstance(prompt, str) else (
-            tokenizer.decode(prompt_ids) if tokenizer else "")
+        self.prompt_ids, self.per_prompt = prompt_ids, body.num_choices
+        self.echoes = [("" if not body.echo else prompt if isinstance(prompt, str) else (
+            tokenizer.decode(ids) if tokenizer else "")) for prompt, ids in zip(body.prompts(), prompt_ids)]
         self._offsets: dict[int, int] = {}
 
+    def _prompt(self, index: int) -> int:
+        return index // self.per_prompt
+
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
-        echo = self.echo if not choice.started else ""
-        logprobs = self._logprobs(choice.index, out.prompt_logprobs if not choice.started and self.echo else None,
+        echo = self.echoes[self._prompt(choice.index)] if not choice.started else ""
+        logprobs = self._logprobs(choice.index, out.prompt_logprobs if not choice.started and echo else None,
                                   out.logprobs or [])
         if not (echo or out.new_text or out.finished or logprobs or out.new_token_ids and self.tokenizer is None):
             return []
@@ -107,9 +120,12 @@ class CompletionFormat(_Format):
         return [r.CompletionResponse(id=self.rid, model=self.model, choices=[body], usage=usage)]
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
-        bodies = [r.CompletionChoice(index=c.index, text=self.echo + c.text, finish_reason=c.last.finish_reason,
-                                     logprobs=self._logprobs(c.index, c.prompt_logprobs if self.echo else None,
-                                                             c.logprobs)) for c in choices]
+        bodies = []
+        for c in choices:
+            echo = self.echoes[self._prompt(c.index)]
+            bodies.append(r.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.last.finish_reason,
+                                             logprobs=self._logprobs(c.index, c.prompt_logprobs if echo else None,
+                                                                     c.logprobs)))
         return r.CompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage)
 
     def _logprobs(self, index: int, prompt: list[TokenLogprob | None] | None,
@@ -120,7 +136,7 @@ class CompletionFormat(_Format):
         offset = self._offsets.get(index, 0)
         entries: list[tuple[int, TokenLogprob | None]] = []
         if prompt is not None:
-            entries += list(zip(self.prompt_ids, prompt))
+            entries += list(zip(self.prompt_ids[self._prompt(index)], prompt))
         entries += [(lp.token_id, lp) for lp in tokens]
         for token_id, lp in entries:
             text = self.token(token_id)

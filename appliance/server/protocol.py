@@ -70,6 +70,8 @@ StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterV
 Count = bounded_int(ge=1)
 TopK = bounded_int(ge=-1, le=MAX_TOP_K)
 MAX_N = 64  # choices per request
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_SEQUENCES = 1024  # prompts x choices generated for one request
 CONFLICT = "conflicting_fields"  # the error code of fields that contradict each other (no JSON Schema can say it)
 Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
@@ -207,8 +209,8 @@ class _SamplingRequest(BaseModel):
 def _prompt_type(token_id: Any) -> Any:
     one_text = Annotated[Text, Field(min_length=1)]
     ids = Annotated[list[token_id], Field(min_length=1)]
-    return (one_text | ids | Annotated[list[one_text], Field(min_length=1, max_length=1)]
-            | Annotated[list[ids], Field(min_length=1, max_length=1)])
+    return (one_text | ids | Annotated[list[one_text], Field(min_length=1, max_length=MAX_PROMPTS)]
+            | Annotated[list[ids], Field(min_length=1, max_length=MAX_PROMPTS)])
 
 
 Prompt = _prompt_type(TokenId)
@@ -253,15 +255,15 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value and all(isinstance(x, str) for x in value):
-            return cls._one(value)
+            return cls._batch(value)
         if isinstance(value, list) and value and all(isinstance(x, list) for x in value):
-            return cls._one([cls._ids(x) for x in value])
+            return cls._batch([cls._ids(x) for x in cls._batch(value)])
         return cls._ids(value)
 
     @staticmethod
-    def _one(prompts: list[Any]) -> list[Any]:
-        if len(prompts) != 1:
-            raise ValueError(f"holds {len(prompts)} prompts; send one prompt per request")
+    def _batch(prompts: list[Any]) -> list[Any]:
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"holds {len(prompts)} prompts; at most {MAX_PROMPTS} a request")
         return prompts
 
     @classmethod
@@ -269,15 +271,23 @@ class CompletionRequest(_SamplingRequest):
         ids = [_as_token_id(x) for x in value] if isinstance(value, list) and value else [None]
         if None in ids:
             raise ValueError("must be a non-empty string, a non-empty list of token ids (integers >= 0, not "
-                             f"booleans), or a list holding one of those; got {_preview(value)}")
+                             f"booleans), or a list of those; got {_preview(value)}")
         if cls.vocab_size is not None and max(ids) >= cls.vocab_size:
             raise ValueError(f"token id {max(ids)} is outside the vocabulary [0, {cls.vocab_size})")
         return ids
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request, unwrapped from a batch of one."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of strings or of token-id lists)."""
         p = self.prompt
-        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
+        return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+
+    @model_validator(mode="after")
+    def _bounded_batch(self) -> "CompletionRequest":
+        prompts, each = len(self.prompts()), self.num_generated
+        if prompts * each > MAX_SEQUENCES:
+            raise RequestError(f"{prompts} prompts x {each} choices make {prompts * each} sequences; at most "
+                               f"{MAX_SEQUENCES} a request", "prompt", CONFLICT)
+        return self
 
 
 class TextPart(BaseModel):

@@ -58,7 +58,9 @@ class OpenAIServing:
         self.check_model(body.model)
         rid = r.new_id("cmpl")
         requests = await self._off_loop(self._completion_requests, body, rid)
-        fmt = CompletionFormat(rid, self.model_name, self.tokenizer, body, requests[0].prompt_token_ids)
+        each = body.num_generated
+        fmt = CompletionFormat(rid, self.model_name, self.tokenizer, body,
+                               [q.prompt_token_ids for q in requests[::each]])
         return await self._serve(body, requests, http, fmt)
 
     async def chat(self, body: p.ChatCompletionRequest, http: HTTPRequest):
@@ -84,9 +86,14 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _completion_requests(self, body: p.CompletionRequest, rid: str) -> list[Request]:
-        prompt = body.single_prompt()
-        ids = self._encode(prompt, True, "prompt") if isinstance(prompt, str) else list(prompt)
-        return self._make(body, ids, body.max_tokens, rid)
+        """Each prompt's choices in turn (prompt i's are choices i * num_generated ...)."""
+        prompts = body.prompts()
+        requests: list[Request] = []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            ids = self._encode(prompt, True, param) if isinstance(prompt, str) else list(prompt)
+            requests += self._make(body, ids, body.max_tokens, rid, first=len(requests))
+        return requests
 
     def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> list[Request]:
         chat = self._render(body)
@@ -130,13 +137,15 @@ class OpenAIServing:
                                f"its {len(text.encode())} bytes make at least {at_least} tokens", param,
                                CONTEXT_LENGTH_EXCEEDED)
 
-    def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str) -> list[Request]:
-        """One engine request per choice (ids rid, rid-1, ...; choice i samples with seed + i)."""
+    def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str,
+              first: int = 0) -> list[Request]:
+        """One engine request per choice of one prompt (ids rid, rid-1, ... counted from `first`; choice i samples
+        with seed + i)."""
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
         n = body.num_generated
-        return [self.engine.make_request(ids, body.sampling_params(max_tokens, i), request_id=rid if i == 0 else
-                                         f"{rid}-{i}") for i in range(n)]
+        return [self.engine.make_request(ids, body.sampling_params(max_tokens, i), request_id=rid if first + i == 0
+                                         else f"{rid}-{first + i}") for i in range(n)]
 
     def _tokenizer(self):
         if self.tokenizer is None:
@@ -148,11 +157,13 @@ class OpenAIServing:
         slo_class = self._slo_class(body, http)
         for request in requests:
             request.slo_class = slo_class
-        choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill)
+        each = body.num_generated  # choices generated per prompt
+        choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill, group=each)
         await choices.start()  # the first choice is accepted (or refused: 429) before any byte is sent
-        ranked = body.num_choices < len(requests)  # best_of > n
+        ranked = body.num_choices < each  # best_of > n
+        prompt_tokens = sum(q.num_prompt_tokens for q in requests[::each])
         if body.stream and not ranked:
-            return StreamingResponse(self._sse(choices, choices.n, fmt, body, requests[0].num_prompt_tokens),
+            return StreamingResponse(self._sse(choices, choices.n, fmt, body, prompt_tokens, group=each),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self._collect(choices, keep=ranked))
         gone = asyncio.ensure_future(_wait_disconnect(http))
@@ -164,12 +175,12 @@ class OpenAIServing:
                 "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
         gone.cancel()
         states = collect.result()  # raises what ended the request early (engine error, shutdown)
-        usage = usage_of(states)
+        usage = usage_of(states, each)
         if ranked:
-            states = best(states, body.num_choices)
+            states = best(states, body.num_choices, each)
         if body.stream:  # best_of: the winners, streamed once every candidate is done
-            return StreamingResponse(self._sse(replay(states), len(states), fmt, body,
-                                               requests[0].num_prompt_tokens, usage),
+            return StreamingResponse(self._sse(replay(states), len(states), fmt, body, prompt_tokens, usage,
+                                               group=body.num_choices),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return JSONResponse(fmt.final(states, usage).model_dump())
 
@@ -192,19 +203,24 @@ class OpenAIServing:
         return states
 
     async def _sse(self, outputs: Any, n: int, fmt: Any, body: p._SamplingRequest, prompt_tokens: int,
-                   usage: r.Usage | None = None) -> AsyncIterator[str]:
-        """`outputs`: (choice index, output) pairs, live or replayed; `usage`: the total when it is known."""
+                   usage: r.Usage | None = None, group: int | None = None) -> AsyncIterator[str]:
+        """`outputs`: (choice index, output) pairs, live or replayed; `usage`: the total when it is known; `group`:
+        the choices of one prompt (a batch of prompts; None: one prompt)."""
         states = [Choice(i) for i in range(n)]
         continuous = body.continuous_usage
+
+        def so_far() -> r.Usage:  # every prompt counted, answered yet or not
+            u = usage_of(states, group)
+            return r.Usage.of(prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
         try:
             for event in fmt.first(n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
                 yield _event(event)
             async for index, out in outputs:
                 states[index].add(out)
-                for event in fmt.chunk(states[index], out, usage_of(states) if continuous else None):
+                for event in fmt.chunk(states[index], out, so_far() if continuous else None):
                     yield _event(event)
             if body.include_usage:
-                yield _event(fmt.usage_chunk(usage or usage_of(states)))
+                yield _event(fmt.usage_chunk(usage or so_far()))
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error travels as an event
             yield sse_error(exc)
         finally:

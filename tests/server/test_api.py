@@ -183,6 +183,14 @@ def test_bad_input_gets_400_with_openai_error_body(server, endpoint, body, param
     assert error["param"] == param
 
 
+def test_an_unusable_schema_is_named_without_the_compilers_source_location(server):
+    schema = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    error = error_of(httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}))
+    assert error["code"] == "invalid_json_schema"
+    assert error["message"].endswith('constrained decoding: Unsupported type "nonsense"'), error["message"]
+
+
 @pytest.mark.parametrize("raw, param", [
     (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
     (b'{"prompt": "hi", "temperature": Infinity}', "temperature"),

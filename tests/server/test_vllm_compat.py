@@ -1,5 +1,5 @@
 """What vLLM users' clients and dashboards rely on, against a real `muxd serve`: vLLM's metric names, usage on every
-chunk, /tokenize, /detokenize, /version."""
+chunk, /tokenize, /detokenize, /version, a batch of prompts in one completions request."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.model_zoo.tokenizer import Tokenizer
 from appliance.server.metrics import VLLM_ITL_BUCKETS, VLLM_TTFT_BUCKETS
 
 
@@ -16,6 +17,11 @@ def server(shared_serve):
     return shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
 
 
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served_dir):
+    return Tokenizer(served_dir)
 
 
 def _vllm_samples(server) -> dict[str, list]:
@@ -179,3 +185,55 @@ def test_best_of_returns_the_likeliest(client, model_name):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert [texts[0], texts[1]] == [c.text for c in best.choices]
+
+
+def test_a_batch_of_prompts_answers_each_as_its_own_request(client, model_name, tokenizer):
+    """Prompt p's choices are indices p * n ... (as vLLM and OpenAI number them); each prompt is answered as it is
+    alone (greedy), with its own echo; usage counts every prompt once."""
+    prompts = ["def main():", "import os", "class Point:"]
+    kw = dict(model=model_name, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=q, echo=True, logprobs=1, **kw) for q in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, echo=True, logprobs=1, **kw)
+    assert sorted(c.index for c in batch.choices) == list(range(6))
+    for c in batch.choices:
+        single = alone[c.index // 2].choices[0]
+        assert c.text == single.text and c.text.startswith(prompts[c.index // 2])
+        assert c.logprobs.tokens == single.logprobs.tokens
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 6 * 5
+    ids = [tokenizer.encode(q) for q in prompts]
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert [c.text for c in sorted(by_ids.choices, key=lambda c: c.index)] == \
+        [a.choices[0].text[len(q):] for a, q in zip(alone, prompts)]
+    streamed = client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                         **kw)
+    texts, usage = {}, None
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text[len(prompts[c.index // 2]):] for c in batch.choices}
+    assert usage.prompt_tokens == batch.usage.prompt_tokens and usage.completion_tokens == 30
+    long = ["batch_a = 1\n" * 8, "batch_b = [2]\n" * 6]  # a full 16-token page or more each, not sent before
+    shared = client.completions.create(prompt=long, n=2, **kw)
+    full_pages = sum(a.usage.prompt_tokens // 16 * 16 for a in
+                     (client.completions.create(prompt=q, **kw) for q in long))
+    assert shared.usage.prompt_tokens_details.cached_tokens >= full_pages > 0  # each prompt prefilled once
+
+
+def test_a_batch_of_prompts_with_best_of_ranks_each_prompt_apart(client, model_name):
+    kw = dict(model=model_name, max_tokens=4, temperature=1.0, seed=5, logprobs=0, extra_body={"ignore_eos": True})
+    prompts = ["import", "def"]
+    best = client.completions.create(prompt=prompts, n=1, best_of=3, **kw)
+    assert sorted(c.index for c in best.choices) == [0, 1]
+    for c in best.choices:
+        alone = client.completions.create(prompt=prompts[c.index], n=1, best_of=3, **kw)
+        assert c.text == alone.choices[0].text
+    assert best.usage.completion_tokens == 2 * 3 * 4
+
+
+def test_a_batch_too_large_is_refused_naming_the_prompt(server, model_name):
+    for body in ({"prompt": ["x"] * 257}, {"prompt": ["x"] * 20, "n": 64}, {"prompt": [[1], [2], "x"]}):
+        response = httpx.post(server.url + "/v1/completions", json={"model": model_name, **body}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt", response.text
