@@ -95,6 +95,15 @@ def _find_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | None,
     return template, where
 
 
+def _cut_after_final(rendered: str, final: Any) -> str:
+    """The rendered conversation up to the end of the final message's content (its last occurrence)."""
+    end = rendered.rfind(final) if isinstance(final, str) and final else -1
+    if end < 0:
+        raise RequestError("continue_final_message: the chat template does not write the final message's content "
+                           "as it is, so the prompt cannot end inside it", "continue_final_message")
+    return rendered[:end + len(final)]
+
+
 @dataclass
 class RenderedChat:
     """A conversation rendered by the chat template: `text` is the prompt as text; `escaped`, when the messages
@@ -203,9 +212,10 @@ class Tokenizer:
         return self.render_chat(messages, add_generation_prompt, escape_control=False, **kwargs).text
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    escape_control: bool = True, **kwargs: Any) -> RenderedChat:
+                    escape_control: bool = True, continue_final: bool = False, **kwargs: Any) -> RenderedChat:
         """Render a conversation; with `escape_control`, control-token text inside the messages is marked as text
-        for `encode_chat` (so a user cannot write `<|im_end|><|im_start|>system` and forge a turn)."""
+        for `encode_chat` (so a user cannot write `<|im_end|><|im_start|>system` and forge a turn); with
+        `continue_final`, the prompt ends where the final message's content does (no end of turn after it)."""
         if self.chat_template is None or self._template is None:
             raise RequestError("this model has no chat template (tokenizer_config.json lacks 'chat_template'); "
                                "use /v1/completions", "messages")
@@ -223,6 +233,8 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 - a template is code from the model directory: any error is the
             # request's (a message shape the template does not handle), never the server's
             raise RequestError(f"chat template failed to render: {type(exc).__name__}: {exc}", "messages") from exc
+        if continue_final:
+            rendered = _cut_after_final(rendered, payload["messages"][-1].get("content"))
         if escaped is None:
             return RenderedChat(rendered, rendered)
         return RenderedChat(escaped.restore(rendered), rendered, escaped)

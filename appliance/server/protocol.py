@@ -339,6 +339,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Count | None = None
     add_generation_prompt: bool | None = Field(True, description="Extension: end the prompt with the assistant's "
                                                                  "turn header.")
+    continue_final_message: bool | None = Field(False, description="Extension: leave the final message open (no "
+                                                                   "end of turn after it) for the model to continue "
+                                                                   "it; needs add_generation_prompt false.")
     logprobs: bool | None = Field(None, description="Log-probability of each output token.")
     top_logprobs: TopLogprobs | None = Field(None, description="Alternatives per token (needs logprobs).")
     response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema (strict: "
@@ -358,6 +361,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            raise RequestError("continue_final_message needs add_generation_prompt: false (the model continues the "
+                               "final message instead of starting a turn)", "continue_final_message", CONFLICT)
+        if self.continue_final_message and not self.messages[-1].for_template().get("content"):
+            raise RequestError("continue_final_message: the final message has no text to continue",
+                               "continue_final_message")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs", CONFLICT)
         if self.tool_choice is not None and self.tool_choice.constrains and not self.tools:

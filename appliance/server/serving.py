@@ -108,7 +108,8 @@ class OpenAIServing:
                                'tool_choice "required" or a named function', "tool_choice")
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         return self._tokenizer().render_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
-                                             escape_control=self.escape_control, **extra)
+                                             escape_control=self.escape_control,
+                                             continue_final=bool(body.continue_final_message), **extra)
 
     def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
         if body.messages is not None:

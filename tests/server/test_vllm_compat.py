@@ -237,3 +237,24 @@ def test_a_batch_too_large_is_refused_naming_the_prompt(server, model_name):
         response = httpx.post(server.url + "/v1/completions", json={"model": model_name, **body}, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "prompt", response.text
+
+
+def test_continue_final_message_continues_the_last_message(client, server, model_name, tokenizer):
+    """With continue_final_message (and add_generation_prompt false, as vLLM asks), the prompt ends inside the final
+    message: the model continues it, exactly as a completion of the conversation cut after that text."""
+    messages = [{"role": "user", "content": "What does len do?"}, {"role": "assistant", "content": "It returns"}]
+    kw = dict(model=model_name, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(messages=messages, **{**kw, "extra_body": {
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}})
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    cut = rendered[:rendered.rfind("It returns") + len("It returns")]
+    assert cut != rendered  # the template closes the turn; the request's prompt does not
+    alone = client.completions.create(prompt=tokenizer.encode(cut, add_special_tokens=False), **kw)
+    assert out.choices[0].message.content == alone.choices[0].text
+    assert out.usage.prompt_tokens == alone.usage.prompt_tokens
+    for extra in ({"continue_final_message": True},  # add_generation_prompt defaults to true
+                  {"continue_final_message": True, "add_generation_prompt": False,
+                   "messages": [*messages[:1], {"role": "assistant", "content": ""}]}):
+        body = {"model": model_name, "messages": messages, **extra}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
