@@ -334,6 +334,17 @@ class ChatMessage(BaseModel):
         return out
 
 
+def check_continue_final(continue_final: bool | None, add_generation_prompt: bool | None,
+                         messages: list[ChatMessage]) -> None:
+    """continue_final_message needs add_generation_prompt false and a final message with text (as vLLM)."""
+    if continue_final and add_generation_prompt is not False:
+        raise RequestError("continue_final_message needs add_generation_prompt: false (the model continues the "
+                           "final message instead of starting a turn)", "continue_final_message", CONFLICT)
+    if continue_final and not messages[-1].for_template().get("content"):
+        raise RequestError("continue_final_message: the final message has no text to continue",
+                           "continue_final_message")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
@@ -361,12 +372,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
-        if self.continue_final_message and self.add_generation_prompt is not False:
-            raise RequestError("continue_final_message needs add_generation_prompt: false (the model continues the "
-                               "final message instead of starting a turn)", "continue_final_message", CONFLICT)
-        if self.continue_final_message and not self.messages[-1].for_template().get("content"):
-            raise RequestError("continue_final_message: the final message has no text to continue",
-                               "continue_final_message")
+        check_continue_final(self.continue_final_message, self.add_generation_prompt, self.messages)
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs", CONFLICT)
         if self.tool_choice is not None and self.tool_choice.constrains and not self.tools:

@@ -115,7 +115,8 @@ class OpenAIServing:
         if body.messages is not None:
             tok = self._tokenizer()
             chat = tok.render_chat([m.for_template() for m in body.messages],
-                                   add_generation_prompt=body.add_generation_prompt, escape_control=self.escape_control)
+                                   add_generation_prompt=body.add_generation_prompt, escape_control=self.escape_control,
+                                   continue_final=body.continue_final_message)
             self._check_text(chat.text, "messages", limit=False)
             return tok.encode_chat(chat)
         return self._encode(body.prompt, body.add_special_tokens, "prompt", limit=False)

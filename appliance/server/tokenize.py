@@ -6,7 +6,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from appliance.errors import RequestError
-from appliance.server.protocol import ChatMessage, Text, TokenId, bounded_int
+from appliance.server.protocol import ChatMessage, Text, TokenId, bounded_int, check_continue_final
 
 
 class TokenizeRequest(BaseModel):
@@ -20,12 +20,15 @@ class TokenizeRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send either prompt or messages", "prompt")
+        if self.messages is not None:
+            check_continue_final(self.continue_final_message, self.add_generation_prompt, self.messages)
         return self
 
 

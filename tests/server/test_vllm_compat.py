@@ -252,6 +252,9 @@ def test_continue_final_message_continues_the_last_message(client, server, model
     alone = client.completions.create(prompt=tokenizer.encode(cut, add_special_tokens=False), **kw)
     assert out.choices[0].message.content == alone.choices[0].text
     assert out.usage.prompt_tokens == alone.usage.prompt_tokens
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                        "continue_final_message": True}).json()["tokens"]
+    assert tokens == tokenizer.encode(cut, add_special_tokens=False)
     for extra in ({"continue_final_message": True},  # add_generation_prompt defaults to true
                   {"continue_final_message": True, "add_generation_prompt": False,
                    "messages": [*messages[:1], {"role": "assistant", "content": ""}]}):
