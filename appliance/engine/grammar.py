@@ -24,8 +24,8 @@ UNUSABLE_SCHEMA = "invalid_json_schema"  # the error code of a schema the gramma
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What the output must be: `json_object` (any JSON object) or `json_schema` (`schema`, JSON text), and the field
-    of the request it came from (for error messages)."""
+    """What the output must be: `json_object` (any JSON object), `json_schema` (`schema`, JSON text), `regex` or
+    `ebnf` (`schema`, the expression or grammar), and the field of the request it came from (for error messages)."""
 
     kind: str
     schema: str = ""
@@ -81,11 +81,17 @@ class GrammarCompiler:
         try:
             if spec.kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.schema)
+            elif spec.kind == "ebnf":
+                compiled = compiler.compile_grammar(spec.schema)
             else:
                 compiled = compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises plain errors for schemas it cannot express
-            raise RequestError(f"{spec.param}: the JSON schema cannot be used for constrained decoding: "
-                               f"{compiler_message(exc)}", spec.param, UNUSABLE_SCHEMA) from None
+            what = {"regex": "the regular expression", "ebnf": "the choices"}.get(spec.kind, "the JSON schema")
+            code = UNUSABLE_SCHEMA if spec.kind.startswith("json") else "invalid_value"
+            raise RequestError(f"{spec.param}: {what} cannot be used for constrained decoding: "
+                               f"{compiler_message(exc)}", spec.param, code) from None
         return Matcher(xgr.GrammarMatcher(compiled))
 
 

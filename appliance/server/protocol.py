@@ -32,7 +32,7 @@ from appliance.engine.request import (
     SamplingParams,
 )
 from appliance.errors import RequestError
-from appliance.server.structured import ResponseFormat
+from appliance.server.structured import GuidedChoice, GuidedJson, ResponseFormat, StructuredOutputs, guided_grammar
 from appliance.server.tools import ToolChoice, ToolsRequest
 
 
@@ -137,6 +137,14 @@ class _SamplingRequest(BaseModel):
                                                                                  "than min_p times the likeliest.")
     min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
                                                                    "before this many tokens.")
+    guided_json: GuidedJson | None = Field(None, description="Extension (vLLM): the output is JSON following this "
+                                                             "schema.")
+    guided_regex: str | None = Field(None, description="Extension (vLLM): the output matches this regular "
+                                                       "expression.")
+    guided_choice: GuidedChoice | None = Field(None, description="Extension (vLLM): the output is one of these "
+                                                                 "strings.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="Extension (vLLM): one of json, regex, "
+                                                                           "choice, as the guided_ fields.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -195,7 +203,7 @@ class _SamplingRequest(BaseModel):
         return None
 
     def grammar(self) -> GrammarSpec | None:
-        return None
+        return guided_grammar(self.guided_json, self.guided_regex, self.guided_choice, self.structured_outputs)
 
     @property
     def include_usage(self) -> bool:
@@ -392,9 +400,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def grammar(self) -> GrammarSpec | None:
+        guided = super().grammar()
         if self.tools and self.tool_choice is not None and self.tool_choice.constrains:
-            return self.tool_choice.grammar(self.tools, self.parallel_tool_calls is not False)
-        return self.response_format.grammar() if self.response_format is not None else None
+            spec, other = self.tool_choice.grammar(self.tools, self.parallel_tool_calls is not False), "tool_choice"
+        else:
+            spec = self.response_format.grammar() if self.response_format is not None else None
+            other = "response_format"
+        if guided is not None and spec is not None:
+            raise RequestError(f"{guided.param} and {other} both constrain the output; send one", guided.param,
+                               CONFLICT)
+        return guided or spec
 
     @property
     def active_tools(self) -> ToolsRequest | None:

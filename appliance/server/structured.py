@@ -1,4 +1,6 @@
-"""The `response_format` of a chat request (text, json_object, json_schema) and the grammar each asks for."""
+"""The `response_format` of a chat request (text, json_object, json_schema), vLLM's structured-output fields
+(`guided_json`, `guided_regex`, `guided_choice`, and `structured_outputs` with `json`, `regex`, `choice`), and the
+grammar each asks for."""
 from __future__ import annotations
 
 import json
@@ -7,6 +9,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from appliance.engine.grammar import GrammarSpec
+from appliance.errors import RequestError
+
+GuidedJson = dict[str, Any] | str
+GuidedChoice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
 
 
 class JsonSchemaFormat(BaseModel):
@@ -46,3 +52,44 @@ def _format_tag(value: Any) -> str | None:
 ResponseFormat = Annotated[Annotated[PlainFormat, Tag("plain-format")] | Annotated[SchemaFormat, Tag("schema-format")],
                            Discriminator(_format_tag, custom_error_type="response_format_type",
                                          custom_error_message='type must be "text", "json_object" or "json_schema"')]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (one of json, regex, choice)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: GuidedJson | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: GuidedChoice | None = None
+
+
+def guided_grammar(json_schema: GuidedJson | None, regex: str | None, choice: list[str] | None,
+                   outputs: StructuredOutputs | None) -> GrammarSpec | None:
+    """The grammar of vLLM's structured-output fields (None when the request sets none); RequestError when it sets
+    more than one, or JSON that is not a schema."""
+    given = [(name, value) for name, value in (("guided_json", json_schema), ("guided_regex", regex),
+                                               ("guided_choice", choice)) if value is not None]
+    if outputs is not None:
+        given += [(f"structured_outputs.{name}", value) for name, value in (
+            ("json", outputs.json_), ("regex", outputs.regex), ("choice", outputs.choice)) if value is not None]
+        if not given or given[-1][0].startswith("guided"):
+            raise RequestError("structured_outputs needs one of json, regex, choice", "structured_outputs")
+    if len(given) > 1:
+        raise RequestError(f"{' and '.join(n for n, _ in given)} each constrain the output; send one", given[1][0],
+                           "conflicting_fields")
+    if not given:
+        return None
+    param, value = given[0]
+    if param.endswith("json"):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise RequestError(f"{param}: not JSON ({exc.msg})", param) from None
+        if not isinstance(value, dict):
+            raise RequestError(f"{param}: a JSON schema is an object", param)
+        return GrammarSpec("json_schema", json.dumps(value), param)
+    if param.endswith("regex"):
+        return GrammarSpec("regex", value, param)
+    return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c) for c in value), param)

@@ -87,3 +87,32 @@ def test_tools_with_auto_choice_on_a_model_without_a_call_format(client, model_n
     none = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="none",
                                           max_tokens=8, seed=5)
     assert none.choices[0].finish_reason in ("stop", "length")
+
+
+def test_vllm_guided_fields_constrain_the_output(client, model_name, server):
+    """vLLM's guided_json, guided_regex, guided_choice (and structured_outputs) on completions and chat; more than one
+    constraint, or one the compiler cannot use, is a 400 naming the field."""
+    import re
+
+    import httpx
+
+    kw = dict(model=model_name, prompt="x", n=3, seed=4, temperature=1.0, max_tokens=40)
+    choices = client.completions.create(**kw, extra_body={"guided_choice": ["red", "green", "blue"]}).choices
+    assert {c.text for c in choices} <= {"red", "green", "blue"} and all(c.finish_reason == "stop" for c in choices)
+    for c in client.completions.create(**kw, extra_body={"guided_regex": "[0-9]{3}-[a-c]+"}).choices:
+        assert re.fullmatch("[0-9]{3}-[a-c]+", c.text) or c.finish_reason == "length", c.text
+    for c in client.completions.create(**{**kw, "max_tokens": 200}, extra_body={"guided_json": WEATHER}).choices:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), WEATHER)
+    chat = client.chat.completions.create(model=model_name, messages=ASK, max_tokens=10,
+                                          extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert chat.choices[0].message.content in ("yes", "no")
+    for body, param in (({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+                        ({"guided_regex": "[0-9"}, "guided_regex"),
+                        ({"guided_json": "{not json"}, "guided_json"),
+                        ({"structured_outputs": {}}, "structured_outputs")):
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", **body}, timeout=120)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": ASK, "guided_regex": "a", "response_format": {"type": "json_object"}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "guided_regex", response.text
