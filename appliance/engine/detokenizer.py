@@ -11,8 +11,12 @@ _CONTEXT = 5  # prompt tokens decoded along with the output so leading spaces/me
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        """include_stop: a matched stop string stays in the text (cut after it); skip_special_tokens: special
+        tokens are left out of the text (as vLLM's defaults)."""
         self.tok = tokenizer
+        self.include_stop, self.skip_special = include_stop, skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop = stop
@@ -25,8 +29,8 @@ class Detokenizer:
         if not visible:
             return False
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset:])
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         start = len(self.text)
@@ -38,18 +42,19 @@ class Detokenizer:
         if not self.stop:
             return False
         begin = max(0, new_from - self.hold)
-        hits = [i for i in (self.text.find(s, begin) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, begin), s) for s in self.stop) if i >= 0]
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        at, stop = min(hits)
+        self.text = self.text[:at + len(stop) if self.include_stop else at]
         return True
 
     def flush(self) -> None:
         """At the end: release bytes still waiting for a continuation (shown as U+FFFD)."""
         if self.read_offset >= len(self.ids):
             return
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        tail = self.tok.decode(self.ids[self.prefix_offset:])[len(prefix):]
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+        tail = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)[len(prefix):]
         if tail:
             start = len(self.text)
             self.text += tail

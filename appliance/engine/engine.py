@@ -95,8 +95,9 @@ class Engine:
         """Queue a validated request, after the admission checks (engine/admission.py)."""
         self.admission.check(request)
         if self.tokenizer is not None:
-            self._detok[request.request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids,
-                                                          request.sampling.stop)
+            sampling = request.sampling
+            self._detok[request.request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids, sampling.stop,
+                                                          sampling.include_stop_str, sampling.skip_special_tokens)
         if request.matcher is not None or request.sampling.penalised:  # their masks and penalties read the output
             self._eager.add(request.request_id)
         self.scheduler.add(request)

@@ -43,6 +43,8 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: no top-k cut
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str: bool = False  # a matched stop string stays at the end of the output
+    skip_special_tokens: bool = True  # special tokens are left out of the output text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one

@@ -137,6 +137,10 @@ class _SamplingRequest(BaseModel):
                                                                                  "than min_p times the likeliest.")
     min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
                                                                    "before this many tokens.")
+    include_stop_str_in_output: bool | None = Field(False, description="Extension (vLLM): keep the stop string "
+                                                                       "that ended the output at its end.")
+    skip_special_tokens: bool | None = Field(True, description="Extension (vLLM): leave special tokens out of the "
+                                                               "text.")
     guided_json: GuidedJson | None = Field(None, description="Extension (vLLM): the output is JSON following this "
                                                              "schema.")
     guided_regex: str | None = Field(None, description="Extension (vLLM): the output matches this regular "
@@ -172,6 +176,8 @@ class _SamplingRequest(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             seed=None if self.seed is None else self.seed + choice, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
+            include_stop_str=bool(self.include_stop_str_in_output), skip_special_tokens=self.skip_special_tokens
+            is not False,
             min_p=self.min_p or 0.0, min_tokens=min(self.min_tokens or 0, max_tokens),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,

@@ -53,6 +53,18 @@ def test_stop_string_cuts_text_and_is_never_streamed(text_checkpoint):
     assert not any("S" in p for p in pieces)
 
 
+def test_stop_string_kept_with_include_stop_and_special_tokens_shown_when_asked(text_checkpoint):
+    tok = Tokenizer(text_checkpoint)
+    ids = tok.encode("stop here STOP now and then", add_special_tokens=False)
+    pieces, hit = stream_text(Detokenizer(tok, [], ["never", "STOP", "here S"], include_stop=True), ids)
+    assert hit and "".join(pieces) == "stop here S"  # the earliest match, kept
+    special = sorted(tok.eos_token_ids)[:1]
+    assert special, "the test checkpoint has an end-of-sequence token"
+    shown, _ = stream_text(Detokenizer(tok, [], [], skip_special_tokens=False), ids[:2] + special)
+    hidden, _ = stream_text(Detokenizer(tok, [], []), ids[:2] + special)
+    assert "".join(shown) == "".join(hidden) + tok.decode(special, skip_special_tokens=False)
+
+
 def test_stop_strings_and_stop_token_ids_end_generation(engine):
     prompt = "The quick brown fox"
     free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -261,3 +261,18 @@ def test_continue_final_message_continues_the_last_message(client, server, model
         body = {"model": model_name, "messages": messages, **extra}
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
+
+
+def test_include_stop_str_in_output_and_skip_special_tokens(client, model_name, tokenizer):
+    kw = dict(model=model_name, prompt="def main():", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    free = client.completions.create(**kw).choices[0].text
+    stop = free[5:7]  # text the greedy output writes
+    cut = client.completions.create(**kw, stop=[stop]).choices[0].text
+    kept = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}},
+                                     stop=[stop]).choices[0].text
+    assert kept == cut + stop and free.startswith(kept)
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    forced = dict(model=model_name, prompt="x", max_tokens=3, logit_bias={str(eos): 100})
+    hidden = client.completions.create(**forced, extra_body={"ignore_eos": True}).choices[0].text
+    shown = client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert hidden == "" and shown.choices[0].text == 3 * tokenizer.decode([eos], skip_special_tokens=False) != ""
