@@ -327,8 +327,10 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
                 result.rows.append(bench.decode(batch, context, overlap=False))
     eager = bench.decode(1, contexts[0], graphs=False)
     result.rows.append(eager)
-    graph_row = next(r for r in result.rows if r.kind == "decode" and r.label == f"decode b=1 ctx={contexts[0]}")
-    result.extras["graph_speedup_b1"] = eager.ms / graph_row.ms
+    graph_row = next((r for r in result.rows if r.kind == "decode" and r.label == f"decode b=1 ctx={contexts[0]}"
+                      and r.ms), None)
+    if graph_row is not None and eager.ms:  # (batches without one row: no graph row to compare with)
+        result.extras["graph_speedup_b1"] = eager.ms / graph_row.ms
     for new, cached in prefills:
         result.rows.append(bench.prefill(new, cached))
     if engine.runner.graphs is not None:
