@@ -7,8 +7,11 @@ sequence) is compiled on CUDA in Inductor's max-autotune mode (without its CUDA 
 coordinate-descent tuning turns the matrix-vector products into fused, tuned reductions (no split-K, the norm before
 each projection in the same kernel), so a one-row decode step reads the weights faster. Its tuning runs once, in the
 engine's warm-up (tens of seconds on an H200), and is cached. Other token counts keep the dynamic graph and cuBLAS:
-max-autotune's GEMM templates made decode at 8, 64 and 128 rows slower on an H200, not faster. Inductor's
-and Triton's caches live under muxd's cache directory, so a second start reuses the generated kernels, their tuned
+max-autotune's GEMM templates made decode at 8, 64 and 128 rows slower on an H200, not faster. In the dynamic
+graph the output projection and the residual add stay apart (`residual_add_apart`): Inductor would make them one addmm,
+which ATen runs on CUDA as a copy of the residual into the output and a GEMM that adds it (a copy kernel a layer);
+apart, the add joins the next norm's kernel, and the projection is rounded before the add, as transformers does it.
+Inductor's and Triton's caches live under muxd's cache directory, so a second start reuses the generated kernels, their tuned
 configurations and the binaries of muxd's own Triton kernels.
 """
 from __future__ import annotations
@@ -66,7 +69,8 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     # a model adds 4 compiled variants of DecoderLayer.forward (2 residual variants x 2 compilers; the single-token
     # one per shape and dtype): room for the several models a process may build (tests), before Dynamo runs eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    dynamic = torch.compile(DecoderLayer.forward, dynamic=True)
+    dynamic = torch.compile(DecoderLayer.forward, dynamic=True,
+                            options={"post_grad_custom_post_pass": residual_add_apart()})
     one_token = torch.compile(DecoderLayer.forward, dynamic=False,
                               mode="max-autotune-no-cudagraphs" if device.type == "cuda" else None)
     for layer in model.model.layers:
@@ -79,3 +83,39 @@ def _dispatch(dynamic, one_token, layer: DecoderLayer, positions: torch.Tensor, 
     """A layer's forward: the single-token graph for one row, the dynamic graph for any other count."""
     compiled = one_token if hidden.shape[0] == 1 else dynamic
     return compiled(layer, positions, hidden, residual)
+
+
+@functools.lru_cache(maxsize=None)
+def residual_add_apart():
+    """An Inductor post-grad pass: `addmm(r, a, b)` whose r is a whole matrix (not a broadcast bias) becomes
+    `mm(a, b) + r` again, so that Inductor fuses the add into the kernel that reads the sum next (the norm), instead
+    of ATen copying r into the GEMM's output first."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # defers Inductor (1 s)
+
+    class ResidualAddApart(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            aten = torch.ops.aten
+            for node in list(graph.nodes):
+                if node.op != "call_function" or node.target is not aten.addmm.default or node.kwargs \
+                        or len(node.args) != 3:
+                    continue
+                r, a, b = node.args
+                values = [getattr(n, "meta", {}).get("val") for n in (r, a, b, node)]
+                if any(not isinstance(v, torch.Tensor) for v in values) or values[0].shape != values[3].shape:
+                    continue
+                try:  # the product's fake value, which Inductor's lowering reads (none: leave the addmm)
+                    product = aten.mm.default(values[1], values[2])
+                except Exception:  # noqa: BLE001 - whatever fake propagation cannot do, the addmm stays
+                    continue
+                with graph.inserting_before(node):
+                    mm = graph.call_function(aten.mm.default, (a, b))
+                    mm.meta["val"] = product
+                    add = graph.call_function(aten.add.Tensor, (mm, r))
+                    add.meta["val"] = values[3]
+                node.replace_all_uses_with(add)
+                graph.erase_node(node)
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__,))
+
+    return ResidualAddApart()

@@ -57,3 +57,30 @@ def test_compiled_layers_are_shared_and_match_eager(tmp_path, monkeypatch):
     assert counters["stats"]["unique_graphs"] == 4
     assert (tmp_path / "cache" / "inductor").is_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+
+
+def test_the_residual_add_stays_out_of_the_projection(tmp_path, monkeypatch):
+    """Inductor turns `linear(x, w) + r` into one addmm (on CUDA, a copy of r, then a GEMM adding it); with muxd's
+    post-grad pass the GEMM stays plain and the add joins the kernel that reads the sum (here the norm), same values."""
+    from torch._inductor.utils import run_and_get_code
+
+    from appliance.engine.compile import residual_add_apart
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def block(x, w, r):
+        h = torch.nn.functional.linear(x, w) + r
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6), h
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, r = (torch.randn(shape, generator=gen) for shape in ((6, 32), (48, 32), (6, 48)))
+    expected = block(x, w, r)
+    codes = {}
+    for name, options in (("fused", {}), ("apart", {"post_grad_custom_post_pass": residual_add_apart()})):
+        torch._dynamo.reset()
+        out, code = run_and_get_code(torch.compile(block, dynamic=True, options=options), x, w, r)
+        codes[name] = "\n".join(code)
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want)
+    assert "addmm" in codes["fused"]  # what Inductor does by itself (the pass has something to undo)
+    assert "addmm" not in codes["apart"] and "extern_kernels.mm(" in codes["apart"]
