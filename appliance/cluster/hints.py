@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 CHUNK_BYTES = 128      # about 32 tokens of English text
@@ -81,21 +81,44 @@ def prompt_of(path: str, body: dict[str, Any]) -> str | list[int] | None:
     return None
 
 
+def prompts_of(path: str, body: dict[str, Any]) -> list[str | list[int]] | None:
+    """The prompts of a /v1/completions batch (two or more strings or token-id lists); None for any other body."""
+    prompt = body.get("prompt") if not path.endswith("/chat/completions") else None
+    if not isinstance(prompt, list) or len(prompt) < 2 or not all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
+        return None
+    return prompt
+
+
 def hints_for(path: str, body: dict[str, Any], slo_header: str | None = None, origin: str = "") -> RoutingHints:
-    """The routing hints of one /v1/completions or /v1/chat/completions body."""
-    prompt = prompt_of(path, body)
+    """The routing hints of one /v1/completions or /v1/chat/completions body. A batch of prompts counts the tokens
+    of all of them, and its prefix is the chain its prompts share (what a replica's cache saves each of them)."""
     slo_class = slo_header if slo_header is not None else body.get("slo_class")
     slo_class = slo_class if isinstance(slo_class, str) else None
+    batch = prompts_of(path, body)
+    if batch is not None:
+        each = [_prompt_hints(p) for p in batch]
+        shared = each[0].prefix
+        for h in each[1:]:
+            shared = shared[:matched_chunks(h.prefix, set(shared))]
+        chunk = each[0].chunk_tokens if len({h.chunk_tokens for h in each}) == 1 else 0.0
+        return RoutingHints(shared if chunk else (), sum(h.tokens for h in each), chunk, slo_class, origin)
+    prompt = prompt_of(path, body)
     if prompt is None:
         return RoutingHints(slo_class=slo_class, origin=origin)
+    return replace(_prompt_hints(prompt), slo_class=slo_class, origin=origin)
+
+
+def _prompt_hints(prompt: str | list[int]) -> RoutingHints:
+    """Prefix chain and token estimate of one prompt (text or token ids)."""
     if isinstance(prompt, str):
         data = prompt.encode("utf-8", "surrogatepass")
         chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data) - CHUNK_BYTES + 1, CHUNK_BYTES)]
         return RoutingHints(chain_hashes(chunks), max(1, round(len(data) / BYTES_PER_TOKEN)),
-                            CHUNK_BYTES / BYTES_PER_TOKEN, slo_class, origin)
+                            CHUNK_BYTES / BYTES_PER_TOKEN)
     ids = [prompt[i:i + CHUNK_IDS] for i in range(0, len(prompt) - CHUNK_IDS + 1, CHUNK_IDS)]
     chunks = [b"".join(t.to_bytes(4, "little", signed=True) for t in chunk) for chunk in ids]
-    return RoutingHints(chain_hashes(chunks), len(prompt), float(CHUNK_IDS), slo_class, origin)
+    return RoutingHints(chain_hashes(chunks), len(prompt), float(CHUNK_IDS))
 
 
 def matched_chunks(prefix: tuple[str, ...], held: Any) -> int:

@@ -130,3 +130,16 @@ def test_near_equal_scores_are_equals_wherever_they_fall():
                   prefill_fixed_ms=0.0)
     cold = report("cold", backlog_ms=4.8, ttft_targets=target, prefill_ms_per_token=0.0, prefill_fixed_ms=0.0)
     assert Scorer().rank([cold, warm], hints)[0].replica == "warm"
+
+
+def test_a_batch_of_prompts_counts_all_their_tokens_and_keeps_the_prefix_they_share():
+    one = hints_for("/v1/completions", {"prompt": LONG + "What is 2+2?"})
+    batch = hints_for("/v1/completions", {"prompt": [LONG + "What is 2+2?", LONG + "Name a colour."]}, "gold")
+    assert batch.tokens == one.tokens + hints_for("/v1/completions", {"prompt": LONG + "Name a colour."}).tokens
+    assert batch.prefix and set(batch.prefix) <= set(one.prefix) and batch.slo_class == "gold"
+    assert matched_chunks(batch.prefix, set(one.prefix)) == len(batch.prefix)  # the whole shared chain is held there
+    ids = hints_for("/v1/completions", {"prompt": [list(range(100)), list(range(40))]})
+    assert ids.tokens == 140 and len(ids.prefix) == 1  # one whole chunk of 32 ids in common
+    mixed = hints_for("/v1/completions", {"prompt": [LONG, list(range(100))]})
+    assert mixed.tokens > 100 and mixed.prefix == ()  # text and ids share no chain
+    assert hints_for("/v1/completions", {"prompt": [LONG, 5]}).tokens == 0  # the replica answers the bad body
