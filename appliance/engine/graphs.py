@@ -122,7 +122,7 @@ class DecodeGraphs:
             ids = resolve(ids, self.token_buffer)
         hidden = model.embed(ids)
         hidden, residual = model.forward_layers(positions, hidden, None, 0, model.num_layers)
-        self.logits[:size].copy_(model.compute_logits(hidden, residual))
+        model.compute_logits(hidden, residual, out=self.logits[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -70,13 +70,17 @@ class DecoderForCausalLM(nn.Module):
             hidden, residual = self.model.layers[i](positions, hidden, residual)
         return hidden, residual
 
-    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """Final norm and LM head for the given rows (typically each sequence's last token) -> fp32 logits."""
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head for the given rows (typically each sequence's last token) -> fp32 logits, written
+        into `out` (fp32, [rows, vocab]) where given: the conversion is then the copy itself, one kernel."""
         hidden = self.model.norm(hidden) if residual is None else self.model.norm(hidden, residual)[0]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.config.tp_size == 1:
-            return nn.functional.linear(hidden, weight).float()
-        return vocab_logits(hidden, weight, self.config.vocab_size).float()
+            logits = nn.functional.linear(hidden, weight)
+        else:
+            logits = vocab_logits(hidden, weight, self.config.vocab_size)
+        return logits.float() if out is None else out.copy_(logits)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Whole model on a flat token batch (inside a forward context) -> fp32 logits for every row."""

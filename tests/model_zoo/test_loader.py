@@ -62,6 +62,10 @@ def test_sharded_checkpoint_and_bf16_dtype(tmp_path):
     assert sharded.config.dtype == torch.bfloat16 and sharded.lm_head.weight.dtype == torch.bfloat16
     assert load_model(tmp_path / "sharded", dtype="float32").lm_head.weight.dtype == torch.float32
     assert whole.lm_head.weight.dtype == torch.float32
+    hidden, residual = (torch.randn(3, sharded.config.hidden_size, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.full((3, sharded.config.vocab_size), float("nan"))
+    written = sharded.compute_logits(hidden, residual, out=out)  # (as a decode graph writes its fp32 buffer)
+    assert written is out and torch.equal(out, sharded.compute_logits(hidden, residual))
 
 
 def test_tied_embeddings_share_the_embedding(tmp_path):
