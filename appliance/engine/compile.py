@@ -59,7 +59,8 @@ def _torch_default_inductor_dir() -> str | None:
 
 
 def compile_layers(model: DecoderForCausalLM) -> bool:
-    """Compile every decoder layer in place; returns False (and logs why) when torch.compile cannot run here."""
+    """Compile every decoder layer and the final norm in place; returns False (and logs why) when torch.compile
+    cannot run here."""
     device = next(model.parameters()).device
     reason = compile_unavailable_reason(device)
     if reason:
@@ -75,6 +76,8 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
                               mode="max-autotune-no-cudagraphs" if device.type == "cuda" else None)
     for layer in model.model.layers:
         layer.forward = functools.partial(_dispatch, dynamic, one_token, layer)
+    # the final norm (and the last residual add) in one kernel, where eagerly it is eight small ones
+    model.model.norm.forward = torch.compile(model.model.norm.forward, dynamic=True)
     return True
 
 

@@ -41,7 +41,8 @@ def test_fast_path_greedy_equals_torch_backend(copy_model):
         full = p + c.token_ids
         assert full[PERIOD:] == full[:-PERIOD]
     assert engine.runner.graphs.replays > 0
-    assert counters["stats"]["unique_graphs"] <= 4  # one compiled layer serves every layer and batch size
+    # one compiled layer serves every layer and batch size (4 graphs), and the final norm 2 more
+    assert counters["stats"]["unique_graphs"] <= 6
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
