@@ -5,7 +5,7 @@ sizes and contexts. Each figure is one layer's call, timed as a CUDA graph of `-
 KV (as a decode graph replays them, so that no call finds the last one's KV in L2), against the bytes it must read.
 
     PYTHONPATH=. python tests/gpu/decode_attention_bench.py [--batches 1,4,16,64,128] [--contexts 1024,8192]
-        [--heads 32] [--kv-heads 8] [--head-dim 128] [--layers 32] [--json OUT]
+        [--heads 32] [--kv-heads 8] [--head-dim 128] [--layers 32] [--json OUT] [--scatter]
         [--triton-tilings SPLITS:PAGES_PER_BLOCK:WARPS,...]   (more columns: the Triton kernel tiled otherwise)
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--max-kv-gib", type=float, default=40.0, help="skip points whose KV would exceed this")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--scatter", action="store_true", help="pages in random order, as a served pool hands them out "
+                    "(default: each row's pages in order)")
     ap.add_argument("--triton-tilings", default="", help="extra Triton columns, e.g. 16:4:4,32:2:4 (splits, pages "
                     "per block, warps; splits 0: the kernel's choice for the batch)")
     args = ap.parse_args()
@@ -61,7 +63,8 @@ def main() -> None:
             kv = [torch.randn(2, pages, PAGE, kvh, d, dtype=dt, device=dev) for _ in range(layers)]  # as muxd's pool
             q = torch.randn(batch, h, d, dtype=dt, device=dev)
             indptr = torch.arange(0, pages + 1, pages_per, dtype=torch.int32)
-            indices = torch.arange(pages, dtype=torch.int32)
+            order = torch.randperm if args.scatter else torch.arange
+            indices = order(pages, dtype=torch.int32)
             last = torch.full((batch,), ctx - (pages_per - 1) * PAGE, dtype=torch.int32)
             floor_us = kv_bytes / layers / bw * 1e6  # one layer's KV read at the copy's rate (bytes moved per second)
             row = {"batch": batch, "context": ctx, "floor_us": floor_us}
