@@ -105,7 +105,7 @@ def test_any_text_as_slo_contract_is_a_contract_or_a_contract_error(text):
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "stream_options", "n", "logprobs", "tools", "response_format", "user", "stop_token_ids", "slo_class",
-          "unknown"]
+          "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids", "priority", "echo", "unknown"]
 
 
 @given(body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), chat=st.booleans())

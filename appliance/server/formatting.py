@@ -73,17 +73,43 @@ def usage_of(choices: list[Choice], group: int | None = None) -> r.Usage:
 
 
 class _Format:
-    def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p._SamplingRequest) -> None:
         self.rid, self.model, self.tokenizer = rid, model, tokenizer
+        self.as_ids = bool(body.return_tokens_as_token_ids)
+        self.prompt_top = body.prompt_logprobs if body.returns_prompt_logprobs else None
         self._token_text: dict[int, str] = {}
 
-    def token(self, token_id: int) -> str:
+    def text(self, token_id: int) -> str:
+        """The token's text ('token_id:<id>' without a tokenizer)."""
         text = self._token_text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else \
                 f"token_id:{token_id}"
             self._token_text[token_id] = text
         return text
+
+    def token(self, token_id: int) -> str:
+        """The token as log-probabilities name it: its text, or 'token_id:<id>' (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
+    def prompt_logprobs(self, choice: Choice) -> list[dict[str, r.PromptLogprob] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice (when asked for): null for the first prompt token, then for each token
+        its id (as a string) and the top alternatives' -> {logprob, rank, decoded_token}."""
+        if self.prompt_top is None or choice.last is None:
+            return None
+        entries = _prompt_entries(choice.prompt_logprobs, choice.last.num_prompt_tokens)
+        decoded = self.text if self.tokenizer else (lambda _: None)
+        out: list[dict[str, r.PromptLogprob] | None] = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): r.PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                        decoded_token=decoded(lp.token_id))}
+            for rank, (t, v) in enumerate(lp.top[:self.prompt_top], start=1):
+                entry.setdefault(str(t), r.PromptLogprob(logprob=v, rank=rank, decoded_token=decoded(t)))
+            out.append(entry)
+        return out
 
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
         return []
@@ -97,21 +123,29 @@ class CompletionFormat(_Format):
     """Choice i of a batch of prompts answers prompt i // n (n: the choices returned per prompt)."""
 
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p.CompletionRequest,
-                 prompt_ids: list[list[int]]) -> None:
-        super().__init__(rid, model, tokenizer)
-        self.logprobs = body.logprobs
+                 prompt_ids: list[list[int]], cut: list[bool] | None = None) -> None:
+        """`cut`: which prompts truncate_prompt_tokens shortened (their echo is the text of the tokens kept)."""
+        super().__init__(rid, model, tokenizer, body)
+        self.logprobs, self.echo = body.logprobs, bool(body.echo)
         self.prompt_ids, self.per_prompt = prompt_ids, body.num_choices
-        self.echoes = [("" if not body.echo else prompt if isinstance(prompt, str) else (
-            tokenizer.decode(ids) if tokenizer else "")) for prompt, ids in zip(body.prompts(), prompt_ids)]
+        cut = cut or [False] * len(prompt_ids)
+        self.echoes = [self._echo_text(prompt, ids, shortened) if self.echo else ""
+                       for prompt, ids, shortened in zip(body.prompts(), prompt_ids, cut)]
         self._offsets: dict[int, int] = {}
+
+    def _echo_text(self, prompt: str | list[int], ids: list[int], shortened: bool) -> str:
+        """The prompt as sent, or the text of the tokens it was given as or cut to."""
+        if isinstance(prompt, str) and not shortened:
+            return prompt
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def _prompt(self, index: int) -> int:
         return index // self.per_prompt
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
-        echo = self.echoes[self._prompt(choice.index)] if not choice.started else ""
-        logprobs = self._logprobs(choice.index, out.prompt_logprobs if not choice.started and echo else None,
-                                  out.logprobs or [])
+        echoed = self.echo and not choice.started
+        echo = self.echoes[self._prompt(choice.index)] if echoed else ""
+        logprobs = self._logprobs(choice.index, out.prompt_logprobs if echoed else None, out.logprobs or [], echoed)
         if not (echo or out.new_text or out.finished or logprobs or out.new_token_ids and self.tokenizer is None):
             return []
         choice.started = True
@@ -124,27 +158,29 @@ class CompletionFormat(_Format):
         for c in choices:
             echo = self.echoes[self._prompt(c.index)]
             bodies.append(r.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.last.finish_reason,
-                                             logprobs=self._logprobs(c.index, c.prompt_logprobs if echo else None,
-                                                                     c.logprobs)))
+                                             logprobs=self._logprobs(c.index, c.prompt_logprobs if self.echo else None,
+                                                                     c.logprobs, self.echo),
+                                             prompt_logprobs=self.prompt_logprobs(c)))
         return r.CompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage)
 
-    def _logprobs(self, index: int, prompt: list[TokenLogprob | None] | None,
-                  tokens: list[TokenLogprob]) -> r.CompletionLogprobs | None:
+    def _logprobs(self, index: int, prompt: list[TokenLogprob | None] | None, tokens: list[TokenLogprob],
+                  echoed: bool = False) -> r.CompletionLogprobs | None:
+        """`echoed`: the prompt's tokens come first (with `prompt`, their log-probabilities)."""
         if self.logprobs is None:
             return None
         out = r.CompletionLogprobs()
         offset = self._offsets.get(index, 0)
         entries: list[tuple[int, TokenLogprob | None]] = []
-        if prompt is not None:
-            entries += list(zip(self.prompt_ids[self._prompt(index)], prompt))
+        if echoed:
+            ids = self.prompt_ids[self._prompt(index)]
+            entries += list(zip(ids, _prompt_entries(prompt, len(ids))))
         entries += [(lp.token_id, lp) for lp in tokens]
         for token_id, lp in entries:
-            text = self.token(token_id)
-            out.tokens.append(text)
+            out.tokens.append(self.token(token_id))
             out.token_logprobs.append(lp.logprob if lp else None)
-            out.top_logprobs.append({self.token(t): v for t, v in lp.top} if lp else None)
-            out.text_offset.append(offset)
-            offset += len(text)
+            out.top_logprobs.append({self.token(t): v for t, v in lp.top[:self.logprobs]} if lp else None)
+            out.text_offset.append(offset)  # offsets in the text, whatever names the tokens
+            offset += len(self.text(token_id))
         self._offsets[index] = offset
         return out
 
@@ -152,7 +188,7 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p.ChatCompletionRequest,
                  parser: str) -> None:
-        super().__init__(rid, model, tokenizer)
+        super().__init__(rid, model, tokenizer, body)
         self.logprobs = bool(body.logprobs)
         tools = body.active_tools
         self.choice: ToolChoiceValue | None = None
@@ -224,7 +260,9 @@ class ChatFormat(_Format):
                 r.ToolCallOut(id=t.id, function=r.FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             bodies.append(r.ChatChoice(index=c.index, message=message, finish_reason=reason,
                                        logprobs=self._logprobs(c.logprobs, final=True)))
-        return r.ChatCompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage)
+        first = next((c for c in choices if c.last is not None), None)  # every choice has the same prompt
+        return r.ChatCompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage,
+                                        prompt_logprobs=self.prompt_logprobs(first) if first else None)
 
     def _logprobs(self, tokens: list[TokenLogprob], final: bool = False) -> r.ChatLogprobs | None:
         if not self.logprobs or (not tokens and not final):
@@ -232,9 +270,15 @@ class ChatFormat(_Format):
         return r.ChatLogprobs(content=[self._entry(lp) for lp in tokens])
 
     def _entry(self, lp: TokenLogprob) -> r.TokenLogprobOut:
-        text = self.token(lp.token_id)
-        return r.TokenLogprobOut(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=[
-            r.TopLogprob(token=self.token(t), logprob=v, bytes=list(self.token(t).encode())) for t, v in lp.top])
+        """`bytes` are the token text's UTF-8 bytes, also when `token` is 'token_id:<id>'."""
+        return r.TokenLogprobOut(token=self.token(lp.token_id), logprob=lp.logprob,
+                                 bytes=list(self.text(lp.token_id).encode()), top_logprobs=[
+            r.TopLogprob(token=self.token(t), logprob=v, bytes=list(self.text(t).encode())) for t, v in lp.top])
+
+
+def _prompt_entries(prompt: list[TokenLogprob | None] | None, n: int) -> list[TokenLogprob | None]:
+    """A prompt's log-probabilities, or n nulls when the engine reported none (a prompt of one token has none)."""
+    return prompt if prompt is not None else [None] * n
 
 
 def _deltas(calls: list[ToolCall]) -> list[r.ToolCallDelta]:

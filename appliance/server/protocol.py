@@ -78,10 +78,13 @@ TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
 # these by default, so they must not be refused.
-OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto")}
+OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
+                                           "priority": (0,)}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "functions": "the deprecated functions API is not implemented; send tools",
-        "function_call": "the deprecated functions API is not implemented; send tool_choice"}
+        "function_call": "the deprecated functions API is not implemented; send tool_choice",
+        "priority": "muxd schedules first come, first served within each SLO class, as vLLM's default policy; "
+                    "slo_class sets the class"}
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -149,6 +152,16 @@ class _SamplingRequest(BaseModel):
                                                                  "strings.")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (vLLM): one of json, regex, "
                                                                            "choice, as the guided_ fields.")
+    truncate_prompt_tokens: Literal[-1] | Count | None = Field(
+        None, description="Extension (vLLM): keep only the prompt's last k tokens (after the chat template); -1: as "
+                          "many as the context leaves room for beside max_tokens.")
+    prompt_logprobs: TopLogprobs | None = Field(None, description="Extension (vLLM): each prompt token's "
+                                                                  "log-probability, its rank and this many "
+                                                                  "alternatives (not with stream, except 0).")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="Extension (vLLM): tokens in log-probabilities written as 'token_id:<id>'.")
+    priority: Int | None = Field(0, json_schema_extra=_off_enum("priority"),
+                                 description="Extension (vLLM): only 0 (first come, first served).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -156,6 +169,16 @@ class _SamplingRequest(BaseModel):
         """The count first, in words (a union would answer a long list with 'should be a valid string')."""
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"holds {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        return value
+
+    @field_validator("truncate_prompt_tokens", mode="before")
+    @classmethod
+    def _truncation(cls, value: Any) -> Any:
+        """One message for every wrong value (the union would answer 0 with 'should be -1')."""
+        value = _integral(value)
+        if value is not None and (type(value) is not int or value < 1 and value != -1):
+            raise ValueError("must be an integer >= 1 (keep the prompt's last k tokens) or -1 (as many as the context "
+                             "allows)")
         return value
 
     @model_validator(mode="after")
@@ -166,6 +189,9 @@ class _SamplingRequest(BaseModel):
                 why = _WHY.get(name, "muxd does not implement it")
                 allowed = " or ".join(repr(v) for v in off)
                 raise RequestError(f"{name}={value!r} is not supported ({why}); leave it out or send {allowed}", name)
+        if self.stream and self.prompt_logprobs:  # as vLLM: no stream chunk carries them
+            raise RequestError("prompt_logprobs are not returned when streaming; send stream: false, or "
+                               "prompt_logprobs 0 or null", "prompt_logprobs", CONFLICT)
         return self
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
@@ -181,7 +207,7 @@ class _SamplingRequest(BaseModel):
             min_p=self.min_p or 0.0, min_tokens=min(self.min_tokens or 0, max_tokens),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.prompt_logprobs(),
+            logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
             grammar=self.grammar())
 
     @property
@@ -205,8 +231,17 @@ class _SamplingRequest(BaseModel):
     def token_logprobs(self) -> int | None:
         return None
 
-    def prompt_logprobs(self) -> int | None:
-        return None
+    @property
+    def returns_prompt_logprobs(self) -> bool:
+        """The response carries `prompt_logprobs` (never a stream, as vLLM)."""
+        return self.prompt_logprobs is not None and not self.stream
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes (None: no prompt log-probabilities)."""
+        return self.prompt_logprobs if self.returns_prompt_logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     def grammar(self) -> GrammarSpec | None:
         return guided_grammar(self.guided_json, self.guided_regex, self.guided_choice, self.structured_outputs)
@@ -259,8 +294,10 @@ class CompletionRequest(_SamplingRequest):
             return 0  # ranking needs each token's log-probability
         return self.logprobs
 
-    def prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+    def engine_prompt_logprobs(self) -> int | None:
+        """Echo with logprobs shows the prompt tokens' too: the more alternatives of the two."""
+        wanted = [k for k in (super().engine_prompt_logprobs(), self.logprobs if self.echo else None) if k is not None]
+        return max(wanted, default=None)
 
     @field_validator("prompt", mode="before")
     @classmethod

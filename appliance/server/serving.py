@@ -57,10 +57,10 @@ class OpenAIServing:
     async def completion(self, body: p.CompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         rid = r.new_id("cmpl")
-        requests = await self._off_loop(self._completion_requests, body, rid)
+        requests, cut = await self._off_loop(self._completion_requests, body, rid)
         each = body.num_generated
         fmt = CompletionFormat(rid, self.model_name, self.tokenizer, body,
-                               [q.prompt_token_ids for q in requests[::each]])
+                               [q.prompt_token_ids for q in requests[::each]], cut)
         return await self._serve(body, requests, http, fmt)
 
     async def chat(self, body: p.ChatCompletionRequest, http: HTTPRequest):
@@ -85,20 +85,37 @@ class OpenAIServing:
     async def _off_loop(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _completion_requests(self, body: p.CompletionRequest, rid: str) -> list[Request]:
-        """Each prompt's choices in turn (prompt i's are choices i * num_generated ...)."""
+    def _completion_requests(self, body: p.CompletionRequest, rid: str) -> tuple[list[Request], list[bool]]:
+        """Each prompt's choices in turn (prompt i's are choices i * num_generated ...), and for each prompt whether
+        truncate_prompt_tokens cut it."""
         prompts = body.prompts()
+        keep = self._keep(body)
         requests: list[Request] = []
+        cut: list[bool] = []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-            ids = self._encode(prompt, True, param) if isinstance(prompt, str) else list(prompt)
-            requests += self._make(body, ids, body.max_tokens, rid, first=len(requests))
-        return requests
+            ids = self._encode(prompt, True, param, limit=keep is None) if isinstance(prompt, str) else list(prompt)
+            cut.append(keep is not None and len(ids) > keep)
+            requests += self._make(body, ids[-keep:] if keep else ids, body.max_tokens, rid, first=len(requests))
+        return requests, cut
 
     def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> list[Request]:
+        keep = self._keep(body)
         chat = self._render(body)
-        self._check_text(chat.text, "messages")
-        return self._make(body, self._tokenizer().encode_chat(chat), body.requested_max_tokens(), rid)
+        self._check_text(chat.text, "messages", limit=keep is None)
+        ids = self._tokenizer().encode_chat(chat)
+        return self._make(body, ids[-keep:] if keep else ids, body.requested_max_tokens(), rid)
+
+    def _keep(self, body: p._SamplingRequest) -> int | None:
+        """The prompt tokens truncate_prompt_tokens keeps, the last ones (None: all); -1 keeps as many as the context
+        leaves room for beside max_tokens (or one token when max_tokens is not given)."""
+        k = body.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens={k} is more than this model's context of "
+                               f"{self.max_model_len} tokens", "truncate_prompt_tokens", CONTEXT_LENGTH_EXCEEDED)
+        if k == -1:
+            return max(1, self.max_model_len - (body.requested_max_tokens() or 1))
+        return k
 
     def _render(self, body: p.ChatCompletionRequest) -> RenderedChat:
         messages = [m.for_template() for m in body.messages]

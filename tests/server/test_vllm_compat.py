@@ -276,3 +276,172 @@ def test_include_stop_str_in_output_and_skip_special_tokens(client, model_name, 
     hidden = client.completions.create(**forced, extra_body={"ignore_eos": True}).choices[0].text
     shown = client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
     assert hidden == "" and shown.choices[0].text == 3 * tokenizer.decode([eos], skip_special_tokens=False) != ""
+
+
+def _post(server, endpoint: str, body: dict) -> dict:
+    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server, model_name, tokenizer):
+    """The request is answered as if its prompt were its last k tokens: same text, same log-probabilities, the echo of
+    those tokens, usage counting them; each prompt of a batch is cut; -1 keeps what the context leaves."""
+    prompt = "def main():\n    total = 0\n    for i in range(10):\n"
+    ids = tokenizer.encode(prompt)
+    kw = dict(model=model_name, max_tokens=4, temperature=0, echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    cut = client.completions.create(prompt=prompt, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                            "truncate_prompt_tokens": 5}})
+    alone = client.completions.create(prompt=ids[-5:], **kw)
+    assert len(ids) > 5 and cut.usage.prompt_tokens == 5 == alone.usage.prompt_tokens
+    assert cut.choices[0].text == alone.choices[0].text
+    assert cut.choices[0].text.startswith(tokenizer.decode(ids[-5:])) and not cut.choices[0].text.startswith("def")
+    assert cut.choices[0].logprobs.tokens == alone.choices[0].logprobs.tokens
+    assert cut.choices[0].logprobs.token_logprobs == alone.choices[0].logprobs.token_logprobs
+    whole = client.completions.create(prompt=prompt, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                              "truncate_prompt_tokens": 500}})
+    assert whole.usage.prompt_tokens == len(ids) and whole.choices[0].text.startswith(prompt)  # not cut: as sent
+    other = "import os\nimport sys\nprint(os.getcwd())\n"
+    batch = client.completions.create(prompt=[prompt, other], **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 3}})
+    singles = [client.completions.create(prompt=p[-3:], **kw) for p in (ids, tokenizer.encode(other))]
+    assert batch.usage.prompt_tokens == 6
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [s.choices[0].text for s in singles]
+    long = "word " * 600  # over the context of 512 tokens
+    body = {"model": model_name, "prompt": long, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 400
+    fitted = _post(server, "completions", {**body, "truncate_prompt_tokens": -1})
+    assert fitted["usage"]["prompt_tokens"] == 512 - 4 and fitted["usage"]["completion_tokens"] == 4
+
+
+def test_truncate_prompt_tokens_in_chat_cuts_the_rendered_prompt(client, server, model_name):
+    messages = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital?"}]
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    kw = dict(model=model_name, max_tokens=5, temperature=0)
+    out = client.chat.completions.create(messages=messages, **kw, extra_body={"ignore_eos": True,
+                                                                               "truncate_prompt_tokens": 6})
+    alone = client.completions.create(prompt=rendered[-6:], **kw, extra_body={"ignore_eos": True})
+    assert len(rendered) > 6 and out.usage.prompt_tokens == 6
+    assert out.choices[0].message.content == alone.choices[0].text
+    fitted = client.chat.completions.create(messages=[{"role": "user", "content": "word " * 600}], **kw,
+                                            extra_body={"ignore_eos": True, "truncate_prompt_tokens": -1})
+    assert fitted.usage.prompt_tokens == 512 - 5 and fitted.usage.completion_tokens == 5
+
+
+def test_return_tokens_as_token_ids(client, server, model_name, tokenizer):
+    """Tokens in log-probabilities are 'token_id:<id>' (the text offsets and chat's bytes stay the text's), with the
+    same values as the text-named ones."""
+    prompt = "def main():"
+    ids = tokenizer.encode(prompt)
+    kw = dict(model=model_name, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    plain = _post(server, "completions", {**kw, "ignore_eos": True})["choices"][0]["logprobs"]
+    named = _post(server, "completions", {**kw, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = named["choices"][0]["logprobs"]
+    out_ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    assert all(t.startswith("token_id:") for t in lp["tokens"]) and out_ids[:len(ids)] == ids
+    assert [tokenizer.decode([t], skip_special_tokens=False) for t in out_ids] == plain["tokens"]
+    assert named["choices"][0]["text"] == prompt + "".join(plain["tokens"][len(ids):])
+    assert lp["token_logprobs"] == plain["token_logprobs"] and lp["text_offset"] == plain["text_offset"]
+    for tops, plain_tops in zip(lp["top_logprobs"][1:], plain["top_logprobs"][1:]):
+        assert all(k.startswith("token_id:") for k in tops)
+        assert sorted(tops.values()) == pytest.approx(sorted(plain_tops.values()))
+    streamed = client.completions.create(**{**kw, "echo": False}, stream=True,
+                                         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    tokens = [t for chunk in streamed for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == lp["tokens"][len(ids):]
+    chat = dict(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+                logprobs=True, top_logprobs=2, ignore_eos=True)
+    text_named = _post(server, "chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    id_named = _post(server, "chat/completions", {**chat, "return_tokens_as_token_ids": True})
+    content = id_named["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(text_named) == 4
+    for entry, plain_entry in zip(content, text_named):
+        token_id = int(entry["token"].removeprefix("token_id:"))
+        assert tokenizer.decode([token_id], skip_special_tokens=False) == plain_entry["token"]
+        assert entry["bytes"] == plain_entry["bytes"] == list(plain_entry["token"].encode())
+        assert entry["logprob"] == pytest.approx(plain_entry["logprob"])
+        assert [t["token"].startswith("token_id:") for t in entry["top_logprobs"]] == [True, True]
+        assert [t["bytes"] for t in entry["top_logprobs"]] == [t["bytes"] for t in plain_entry["top_logprobs"]]
+
+
+def test_prompt_logprobs_as_vllm_returns_them(client, server, model_name, tokenizer):
+    """vLLM's shape: null for the first prompt token, then {token id: {logprob, rank, decoded_token}} of the token and
+    the top alternatives; the numbers are echo + logprobs' numbers; chat puts them on the response."""
+    prompt = "def main():\n    return"
+    ids = tokenizer.encode(prompt)
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    out = _post(server, "completions", {**body, "echo": True, "logprobs": 2, "prompt_logprobs": 2})
+    choice = out["choices"][0]
+    pl, echo = choice["prompt_logprobs"], choice["logprobs"]
+    assert len(pl) == len(ids) == out["usage"]["prompt_tokens"] and pl[0] is None
+    for i, entry in enumerate(pl[1:], start=1):
+        actual = entry[str(ids[i])]
+        assert actual["logprob"] == echo["token_logprobs"][i] and actual["rank"] >= 1
+        assert actual["decoded_token"] == tokenizer.decode([ids[i]], skip_special_tokens=False)
+        assert list(entry)[0] == str(ids[i]) and len(entry) in (2, 3)  # the token first, then the top 2
+        top = sorted((v["rank"], v["logprob"]) for v in entry.values() if v["rank"] <= 2)
+        assert [rank for rank, _ in top] == [1, 2]
+        assert sorted(echo["top_logprobs"][i].values(), reverse=True) == [v for _, v in top]
+    only = _post(server, "completions", {**body, "prompt_logprobs": 0, "n": 2})
+    for c in only["choices"]:
+        assert c["prompt_logprobs"][0] is None
+        assert [list(e) for e in c["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+        assert [e[str(t)]["logprob"] for e, t in zip(c["prompt_logprobs"][1:], ids[1:])] == \
+            echo["token_logprobs"][1:len(ids)]
+    assert _post(server, "completions", body)["choices"][0]["prompt_logprobs"] is None
+    cut = _post(server, "completions", {**body, "prompt_logprobs": 1, "truncate_prompt_tokens": 4})
+    assert len(cut["choices"][0]["prompt_logprobs"]) == 4 == cut["usage"]["prompt_tokens"]
+    one = _post(server, "completions", {**body, "prompt": ids[:1], "prompt_logprobs": 1, "echo": True,
+                                        "logprobs": 1})["choices"][0]
+    assert one["prompt_logprobs"] == [None] and one["logprobs"]["token_logprobs"][0] is None
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    chat = _post(server, "chat/completions", {**{k: v for k, v in body.items() if k != "prompt"},
+                                              "messages": messages, "prompt_logprobs": 1})
+    as_completion = _post(server, "completions", {**body, "prompt": rendered, "prompt_logprobs": 1})
+    assert len(chat["prompt_logprobs"]) == len(rendered) == chat["usage"]["prompt_tokens"]
+    assert [list(e) if e else e for e in chat["prompt_logprobs"]] == \
+        [list(e) if e else e for e in as_completion["choices"][0]["prompt_logprobs"]]
+    for mine, theirs in zip(chat["prompt_logprobs"][1:], as_completion["choices"][0]["prompt_logprobs"][1:]):
+        assert [v["logprob"] for v in mine.values()] == pytest.approx([v["logprob"] for v in theirs.values()],
+                                                                      abs=1e-4)
+    assert _post(server, "chat/completions", {"model": model_name, "messages": messages,
+                                              "max_tokens": 2})["prompt_logprobs"] is None
+    streamed = httpx.post(server.url + "/v1/completions", json={**body, "stream": True, "prompt_logprobs": 0})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")  # 0 streams, as vLLM
+    assert "prompt_logprobs" not in streamed.text
+
+
+def test_priority_zero_is_accepted_and_others_refused(server, model_name):
+    for endpoint, base in (("completions", {"prompt": "hi"}), ("chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}]})):
+        body = {"model": model_name, "max_tokens": 2, **base}
+        assert _post(server, endpoint, {**body, "priority": 0})["usage"]["completion_tokens"] >= 1
+        for value in (1, -1):
+            response = httpx.post(f"{server.url}/v1/{endpoint}", json={**body, "priority": value}, timeout=60)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "priority", response.text
+            assert "first come, first served" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "invalid_value"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "invalid_value"),
+    ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens", "invalid_value"),
+    ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens", "invalid_value"),
+    ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens", "context_length_exceeded"),  # over max_model_len
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "invalid_value"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "invalid_value"),
+    ({"prompt_logprobs": "2"}, "prompt_logprobs", "invalid_value"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "conflicting_fields"),
+    ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids", "invalid_value"),
+    ({"priority": 2.5}, "priority", "invalid_value"),
+])
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_bad_vllm_extension_values_are_refused_naming_the_field(server, model_name, endpoint, extra, param, code):
+    base = {"prompt": "hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(f"{server.url}/v1/{endpoint}", json={"model": model_name, "max_tokens": 2, **base, **extra},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, code), error
+    assert param in error["message"]
