@@ -68,7 +68,10 @@ def test_a_profile_refuses_a_critical_path_coefficient_without_its_plan(tmp_path
     path = tmp_path / "p.json"
     save_profile(profile, path)
     raw = json.loads(path.read_text())
-    assert len(raw["prefill"]["52"]) == 7
+    # (a, b, c, d, h, q, w): every term, the critical path's last (which of them a fit keeps is the fit's business)
+    raw["prefill"]["52"] = [0.5, 0.01, 1e-6, 1e-7, 1.0, 0.2, 0.003]
+    path.write_text(json.dumps(raw))
+    assert read_profile(path).prefill_plan == PLAN.to_dict()  # with its plan, the profile reads
     raw["prefill_plan"] = None
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="critical-path coefficient but the profile has no prefill_plan"):
