@@ -39,7 +39,7 @@ class AttentionShape(Protocol):
 
 
 BACKEND_NAMES = ("auto", "flashinfer", "torch")
-DECODE_KERNELS = ("auto", "flashinfer")
+DECODE_KERNELS = ("auto", "flashinfer", "triton")
 
 __all__ = ["AttentionBackend", "AttentionShape", "AttentionMetadata", "DECODE_KERNELS", "ForwardContext",
            "TorchAttention", "current_context", "forward_context", "flashinfer_unsupported", "make_backend",
@@ -78,11 +78,13 @@ def resolve_backend_name(name: str, cfg: AttentionShape, dtype: torch.dtype, dev
 
 def uses_triton_decode(decode_kernel: str, cfg: AttentionShape, graph_batch_size: int | None,
                        page_size: int) -> bool:
-    """Whether a CUDA-graph decode batch of `graph_batch_size` rows runs muxd's Triton decode kernel: with
-    decode_kernel 'auto', up to `triton_decode.MAX_BATCH` rows, where the kernel takes the model's shape."""
+    """Whether a CUDA-graph decode batch of `graph_batch_size` rows runs muxd's Triton decode kernels, where they take
+    the model's shape: with decode_kernel 'auto', up to `triton_decode.MAX_BATCH` rows; with 'triton', every graph
+    batch (beyond MAX_BATCH rows, the balanced kernel)."""
     if decode_kernel not in DECODE_KERNELS:
         raise ConfigError(f"decode kernel {decode_kernel!r} is unknown; choose one of {', '.join(DECODE_KERNELS)}")
-    return (decode_kernel == "auto" and graph_batch_size is not None and graph_batch_size <= triton_decode.MAX_BATCH
+    limit = {"auto": triton_decode.MAX_BATCH, "triton": float("inf")}.get(decode_kernel, 0)
+    return (graph_batch_size is not None and graph_batch_size <= limit
             and triton_decode.unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size) is None)
 
 

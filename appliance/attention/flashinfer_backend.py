@@ -9,7 +9,8 @@ share a workspace share a ring of such buffers, used in turn (`PlanStaging`: two
 behind queued prefill), so that the next step's plan, made while the current step runs, never rewrites a buffer
 whose copy has not run yet, and never waits for a busy stream to reach it.
 A graph instance made with `triton_decode` runs muxd's own split-KV decode kernel (attention/triton_decode.py)
-instead of flashinfer's decode: faster at a few rows, where decode attention is bound by latency.
+instead of flashinfer's decode: faster at a few rows, where decode attention is bound by latency; beyond
+`MAX_BATCH` rows, its balanced form.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from appliance.attention.kv_write import rope_write_kv, write_kv
 from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.pinned import PinnedRing, Ring
-from appliance.attention.triton_decode import TritonDecode
+from appliance.attention.triton_decode import MAX_BATCH, BalancedTritonDecode, TritonDecode
 
 if TYPE_CHECKING:  # the package's __init__ imports this module lazily
     from appliance.attention import AttentionShape
@@ -138,8 +139,8 @@ class FlashInferAttention:
         if triton_decode:
             if graph_batch_size is None:
                 raise ValueError("the Triton decode kernel serves CUDA-graph batches (give graph_batch_size)")
-            self.triton = TritonDecode(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, graph_batch_size,
-                                       max_pages, device)
+            kind = TritonDecode if graph_batch_size <= MAX_BATCH else BalancedTritonDecode
+            self.triton = kind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, graph_batch_size, max_pages, device)
             self.decode = None
         elif graph_batch_size is None:
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")

@@ -6,6 +6,11 @@ program reads a run of that row's pages with its whole GQA group of query heads 
 (row, head) merges the splits' partial softmaxes. The grid is fixed by the batch size, and each program finds its
 pages from the row's length on the device (a split covers at least `PAGES_PER_BLOCK` pages; splits past the row's
 end do nothing), so a graph captured once serves any context and the host plans nothing but one index copy.
+
+`BalancedTritonDecode` serves larger batches (`--decode-kernel triton`): the host cuts the batch's rows into work
+items of about equal pages (`balance`: a short row is one item, a long one several), one program per (KV head, item)
+on a grid fixed by the batch size, and the last item of a cut row to finish merges its partials, so one launch a
+layer serves any mix of lengths.
 """
 from __future__ import annotations
 
@@ -21,7 +26,12 @@ MAX_BATCH = 8          # graph batches up to this many rows use the kernel (meas
 PAGES_PER_BLOCK = 4    # pages one program reads per loop iteration, and the least a split covers
 NUM_WARPS = 4
 
+BALANCED_WAVES = 4       # programs a balanced plan aims at, in SMs' worth
+BALANCED_MIN_PAGES = 8   # the least pages a work item of a cut row covers
+BALANCED_MAX_SPLITS = 32  # items a row is cut into at most (a power of two: the merge's tile)
+
 _kernels = None
+_balanced = None
 
 
 def splits_for(batch: int) -> int:
@@ -77,14 +87,7 @@ class TritonDecode:
         self._staging = PinnedRing(torch.int32, pinned=device.type == "cuda")
 
     def plan(self, m: AttentionMetadata) -> None:
-        if m.num_seqs != self.batch or not m.decode_only:
-            raise RuntimeError(f"the Triton decode of {self.batch} rows got {m.num_seqs} sequences "
-                               f"of {m.num_tokens} tokens")
-        if len(m.kv_indices) > len(self.indices):
-            raise RuntimeError(f"the batch lists {len(m.kv_indices)} pages; the decode holds {len(self.indices)}")
-        packed, _ = self._staging.stage([m.kv_indptr, m.seq_lens, np.asarray(m.kv_indices, dtype=np.int32)])
-        self.index[:len(packed)].copy_(packed, non_blocking=True)
-        self._staging.done()
+        _copy_plan(self, m, [m.kv_indptr, m.seq_lens, np.asarray(m.kv_indices, dtype=np.int32)])
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [batch, H, D]; k/v cache [pages, page_size, Hkv, D] of one layer -> [batch, H, D]."""
@@ -101,3 +104,91 @@ class TritonDecode:
                                    out.stride(1), D=self.head_dim, PAGE=page, PPB=self.pages_per_block,
                                    SPLITS=self.splits)
         return out
+
+
+def balance(npages: np.ndarray, target: int, capacity: int, min_pages: int = BALANCED_MIN_PAGES,
+            max_splits: int = BALANCED_MAX_SPLITS) -> np.ndarray:
+    """Work items [capacity, 5] (row, first page, end page, the row's first item, the row's items; -1 past the last
+    item) cutting rows of `npages` pages into about `target` items of equal pages: each row into round(pages /
+    chunk) items (at least one, at most max_splits) of chunk >= min_pages pages."""
+    npages = np.asarray(npages, dtype=np.int64)
+    chunk = max(min_pages, -(-int(npages.sum()) // max(target, 1)))
+    while True:
+        splits = np.clip(np.rint(npages / chunk).astype(np.int64), 1, max_splits)
+        if splits.sum() <= capacity:
+            break
+        chunk *= 2
+    per = -(-npages // splits)
+    rows = np.repeat(np.arange(len(npages)), splits)
+    start = np.cumsum(splits) - splits
+    k = np.arange(int(splits.sum())) - start[rows]
+    p0 = k * per[rows]
+    items = np.full((capacity, 5), -1, dtype=np.int32)
+    items[:len(rows)] = np.stack([rows, p0, np.minimum(p0 + per[rows], npages[rows]), start[rows], splits[rows]], 1)
+    return items
+
+
+class BalancedTritonDecode:
+    """Decode attention of a fixed number of rows (a CUDA-graph batch size) in one launch, its rows cut into work
+    items of about equal pages on the host at each `plan()` (one index copy, stream-ordered); `run()` is what a
+    graph captures."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
+                 device: torch.device, sm_count: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
+                 num_warps: int = NUM_WARPS) -> None:
+        """sm_count: the GPU's (the device's when None; 132 off CUDA), which sets the items a plan aims at."""
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.group_pad = max(16, 1 << (self.group - 1).bit_length())  # the query tile's rows (tl.dot takes >= 16)
+        if sm_count is None:
+            sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+                else 132
+        self.target = max(1, -(-BALANCED_WAVES * sm_count // num_kv_heads))
+        self.batch, self.capacity = batch, self.target + 2 * batch
+        self.pages_per_block, self.num_warps = pages_per_block, num_warps
+        # [indptr (batch + 1) | seq_lens (batch) | items (capacity x 5) | page indices (max_pages)], one copy a plan
+        items = 5 * self.capacity
+        self.index = torch.zeros(2 * batch + 1 + items + max(max_pages, batch), dtype=torch.int32, device=device)
+        self.indptr = self.index[:batch + 1]
+        self.seq_lens = self.index[batch + 1:2 * batch + 1]
+        self.items = self.index[2 * batch + 1:2 * batch + 1 + items]
+        self.indices = self.index[2 * batch + 1 + items:]
+        slots = self.capacity * num_kv_heads * self.group_pad  # partials [item, KV head, group]
+        self.partial_out = torch.empty(slots * head_dim, dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty(slots, dtype=torch.float32, device=device)
+        # items of each (row, KV head) done so far; the row's last resets it to zero
+        self.counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
+        self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
+        self._staging = PinnedRing(torch.int32, pinned=device.type == "cuda")
+
+    def plan(self, m: AttentionMetadata) -> None:
+        items = balance(-(-np.asarray(m.seq_lens, dtype=np.int64) // m.page_size), self.target, self.capacity)
+        _copy_plan(self, m, [m.kv_indptr, m.seq_lens, items.ravel(), np.asarray(m.kv_indices, dtype=np.int32)])
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [batch, H, D]; k/v cache [pages, page_size, Hkv, D] of one layer -> [batch, H, D]."""
+        global _balanced
+        if _balanced is None:
+            from appliance.attention.triton_decode_kernels import decode_balanced  # defers Triton
+
+            _balanced = decode_balanced
+        out = torch.empty_like(q)
+        _balanced[(self.num_kv_heads, self.capacity)](
+            q, k_cache, v_cache, self.indptr, self.indices, self.seq_lens, self.items, self.partial_out,
+            self.partial_lse, self.counts, out, self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), G=self.group, GP=self.group_pad,
+            D=self.head_dim, PAGE=k_cache.shape[1], PPB=self.pages_per_block, MAX_SPLITS=BALANCED_MAX_SPLITS,
+            num_warps=self.num_warps)
+        return out
+
+
+def _copy_plan(dec: TritonDecode | BalancedTritonDecode, m: AttentionMetadata, arrays: list[np.ndarray]) -> None:
+    """Check a decode batch against a graph decode's sizes and copy its layout (`arrays`, packed in the order of the
+    decode's index buffer) there without waiting."""
+    if m.num_seqs != dec.batch or not m.decode_only:
+        raise RuntimeError(f"the Triton decode of {dec.batch} rows got {m.num_seqs} sequences of {m.num_tokens} tokens")
+    if len(m.kv_indices) > len(dec.indices):
+        raise RuntimeError(f"the batch lists {len(m.kv_indices)} pages; the decode holds {len(dec.indices)}")
+    packed, _ = dec._staging.stage(arrays)
+    dec.index[:len(packed)].copy_(packed, non_blocking=True)
+    dec._staging.done()

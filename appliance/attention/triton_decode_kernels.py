@@ -1,5 +1,6 @@
-"""The Triton kernels of muxd's split-KV decode (attention/triton_decode.py owns the layout and the launches);
-imported on first use, so that the package imports without Triton."""
+"""The Triton kernels of muxd's split-KV decode and of its balanced form for larger batches
+(attention/triton_decode.py owns the layouts and the launches); imported on first use, so that the package imports
+without Triton."""
 import triton
 import triton.language as tl
 
@@ -13,24 +14,11 @@ def _span(seq_len, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_ptr, plse_ptr, scale_log2,
-                   stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
-                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-                   SPLITS: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    num_heads = tl.num_programs(1) * G
-    seq_len = tl.load(seqlen_ptr + b)
-    first = tl.load(indptr_ptr + b)
-    npages, per, used = _span(seq_len, PAGE, PPB, SPLITS)
-    p0 = s * per
-    p1 = tl.minimum(p0 + per, npages)
-    g = tl.arange(0, GP)
+def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2, stride_kp, stride_kt, stride_kh,
+            GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr):
+    """The online softmax of the query tile q [GP, D] over one KV head's pages [p0, p1) of a row (PPB pages a
+    step): its running max m, sum l and unnormalised output acc."""
     d = tl.arange(0, D)
-    qmask = g < G
-    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qmask[:, None],
-                other=0.0)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -52,6 +40,30 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
         v = tl.load(v_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
         m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_ptr, plse_ptr, scale_log2,
+                   stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+                   SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    num_heads = tl.num_programs(1) * G
+    seq_len = tl.load(seqlen_ptr + b)
+    first = tl.load(indptr_ptr + b)
+    npages, per, used = _span(seq_len, PAGE, PPB, SPLITS)
+    p0 = s * per
+    p1 = tl.minimum(p0 + per, npages)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    qmask = g < G
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qmask[:, None],
+                other=0.0)
+    m, l, acc = _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2, stride_kp, stride_kt,
+                        stride_kh, GP, D, PAGE, PPB)
     row = b * num_heads + h * G + g
     keep = qmask & (s + g * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
     safe = tl.where(l == 0.0, 1.0, l)
@@ -76,3 +88,55 @@ def decode_merge(po_ptr, plse_ptr, seqlen_ptr, o_ptr, stride_ob, stride_oh, D: t
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def decode_balanced(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, items_ptr, po_ptr, plse_ptr, count_ptr,
+                    o_ptr, scale_log2, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_ob, stride_oh,
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
+                    MAX_SPLITS: tl.constexpr):
+    # one program per (KV head, work item); an item is a run of one row's pages [p0, p1), planned on the host so
+    # that items carry about equal work. A row of one item writes its output; a row cut into n items leaves n
+    # partial softmaxes, and the last of its programs to finish (a counter per row and KV head) merges them
+    h = tl.program_id(0)
+    it = tl.program_id(1)
+    num_kv_heads = tl.num_programs(0)
+    b = tl.load(items_ptr + it * 5)
+    if b >= 0:  # items past the plan's count are -1
+        p0 = tl.load(items_ptr + it * 5 + 1)
+        p1 = tl.load(items_ptr + it * 5 + 2)
+        base = tl.load(items_ptr + it * 5 + 3)  # the row's first item
+        n = tl.load(items_ptr + it * 5 + 4)     # the row's items
+        seq_len = tl.load(seqlen_ptr + b)
+        first = tl.load(indptr_ptr + b)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        qmask = g < G
+        q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qmask[:, None],
+                    other=0.0)
+        m, l, acc = _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2, stride_kp,
+                            stride_kt, stride_kh, GP, D, PAGE, PPB)
+        safe = tl.where(l == 0.0, 1.0, l)
+        if n <= 1:
+            tl.store(o_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
+                     (acc / safe[:, None]).to(o_ptr.dtype.element_ty), mask=qmask[:, None])
+        else:
+            # partials [item, KV head, GP, D] and their log-sum-exps [item, KV head, GP] (G rows used)
+            slot = it * num_kv_heads + h
+            tl.store(po_ptr + (slot * GP + g)[:, None] * D + d[None, :], acc / safe[:, None], mask=qmask[:, None])
+            tl.store(plse_ptr + slot * GP + g, m + tl.log2(safe), mask=qmask)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            done = tl.atomic_add(count_ptr + b * num_kv_heads + h, 1, sem="acq_rel")
+            if done == n - 1:  # the row's last item: the others' partials are visible
+                tl.debug_barrier()
+                sp = tl.arange(0, MAX_SPLITS)
+                live = sp < n
+                slots = (base + sp) * num_kv_heads + h
+                for j in tl.static_range(G):  # each query head: the row's partials in one tile
+                    lse = tl.load(plse_ptr + slots * GP + j, mask=live, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.exp2(lse - tl.max(lse, 0))  # an item not the row's weighs 0
+                    part = tl.load(po_ptr + (slots * GP + j)[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                                   cache_modifier=".cg")
+                    total = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+                    tl.store(o_ptr + b * stride_ob + (h * G + j) * stride_oh + d, total.to(o_ptr.dtype.element_ty))
+                tl.atomic_xchg(count_ptr + b * num_kv_heads + h, 0)

@@ -13,19 +13,19 @@ import pytest
 import torch
 
 from appliance.attention import AttentionMetadata, page_layout, uses_triton_decode
-from appliance.attention.triton_decode import MAX_BATCH, TritonDecode, splits_for, unsupported
+from appliance.attention.triton_decode import MAX_BATCH, TritonDecode, balance, splits_for, unsupported
 from appliance.errors import ConfigError
 
 pytest.importorskip("triton")
 
-CHECK = textwrap.dedent("""
+# a batch of rows of `lens` tokens over pages in random order, its new K/V written, and the torch reference's output
+BATCH = textwrap.dedent("""
     import numpy as np, torch
     from appliance.attention import AttentionMetadata, TorchAttention, page_layout
-    from appliance.attention.triton_decode import TritonDecode
     PAGE, D = 16, 32
-    gen = torch.Generator().manual_seed(0)
-    for heads, kv_heads, lens in [(8, 2, [1024]), (4, 4, [1, 37, 300]), (7, 1, [513, 16]), (8, 2, [20, 1])]:
-        pages, order, used = [], torch.randperm(200, generator=gen).numpy().astype(np.int32), 0
+
+    def batch(heads, kv_heads, lens, gen, pool=300):
+        pages, order, used = [], torch.randperm(pool, generator=gen).numpy().astype(np.int32), 0
         for n in lens:
             k = -(-n // PAGE)
             pages.append(order[used:used + k])
@@ -34,13 +34,21 @@ CHECK = textwrap.dedent("""
         qo, kv_indptr, kv_indices, last, _, slots = page_layout(ends - 1, ends, pages, PAGE)
         meta = AttentionMetadata(qo, kv_indptr, kv_indices, last, ends.astype(np.int32), PAGE,
                                  torch.from_numpy(slots))
-        cache = torch.randn(2, 201, PAGE, kv_heads, D, generator=gen)
+        cache = torch.randn(2, pool + 1, PAGE, kv_heads, D, generator=gen)
         q = torch.randn(len(lens), heads, D, generator=gen)
         k, v = (torch.randn(len(lens), kv_heads, D, generator=gen) for _ in range(2))
         expected = TorchAttention().forward(q, k, v, cache.clone(), meta)  # writes the new K/V, then attends
+        TorchAttention().forward(q, k, v, cache, meta)  # the same K/V write
+        return meta, cache, q, expected
+""")
+
+CHECK = BATCH + textwrap.dedent("""
+    from appliance.attention.triton_decode import TritonDecode
+    gen = torch.Generator().manual_seed(0)
+    for heads, kv_heads, lens in [(8, 2, [1024]), (4, 4, [1, 37, 300]), (7, 1, [513, 16]), (8, 2, [20, 1])]:
+        meta, cache, q, expected = batch(heads, kv_heads, lens, gen, pool=200)
         dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"))
         dec.plan(meta)
-        TorchAttention().forward(q, k, v, cache, meta)  # the same K/V write
         out = dec.run(q, cache[0], cache[1])
         err = (out - expected).abs().max().item()
         print(heads, kv_heads, lens, dec.splits, err)
@@ -56,6 +64,51 @@ def test_kernel_matches_the_torch_reference_in_the_interpreter():
     result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("ok")
+
+
+BALANCED = BATCH + textwrap.dedent("""
+    from appliance.attention.triton_decode import BalancedTritonDecode
+    gen = torch.Generator().manual_seed(1)
+    for heads, kv_heads, lens, sms in [(8, 2, [1024, 3, 40, 700, 1], 4), (4, 4, [17, 300, 16], 2),
+                                       (7, 1, [513, 33], 1), (8, 2, [20, 1, 64], 64)]:
+        meta, cache, q, expected = batch(heads, kv_heads, lens, gen)
+        dec = BalancedTritonDecode(heads, kv_heads, D, len(lens), 300, torch.device("cpu"), sm_count=sms)
+        dec.plan(meta)
+        cut = int((dec.items.view(-1, 5)[:, 4] > 1).sum())
+        for _ in range(2):  # the merging item leaves its counter at zero for the next launch
+            out = dec.run(q, cache[0], cache[1])
+            err = (out - expected).abs().max().item()
+            print(heads, kv_heads, lens, sms, cut, err)
+            assert err < 1e-4, (heads, kv_heads, lens, err)
+            assert not dec.counts.any()
+    print("ok")
+""")
+
+
+def test_balanced_kernel_matches_the_torch_reference_in_the_interpreter():
+    """The balanced form: rows of 1 to 1,024 tokens cut into work items for GPUs of 1 to 64 SMs (long rows into
+    several items merged in the kernel, short ones whole), GQA groups of 4, 1 and 7, pages in random order."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", BALANCED], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("ok")
+    cuts = [int(line.split()[-2]) for line in result.stdout.splitlines()[:-1]]
+    assert max(cuts) > 1 and min(cuts) == 0  # some plans cut rows, one cut none
+
+
+def test_balanced_plans_cut_long_rows_into_equal_items():
+    items = balance(np.array([65] * 63 + [2048, 1]), target=66, capacity=66 + 2 * 65)
+    used = items[items[:, 0] >= 0]
+    assert (items[len(used):] == -1).all()
+    rows, n = used[:, 0], used[:, 4]
+    assert (n[rows < 63] == 1).all() and (n[rows == 64] == 1).all()  # short rows whole
+    long = used[rows == 63]
+    assert len(long) == long[0, 4] > 8 and (long[:, 3] == np.flatnonzero(rows == 63)[0]).all()
+    assert long[0, 1] == 0 and long[-1, 2] == 2048 and (long[1:, 1] == long[:-1, 2]).all()  # the row, in order
+    size = long[:, 2] - long[:, 1]
+    assert (size[:-1] == size[0]).all() and 0 < size[-1] <= size[0]  # equal items, the last no longer
+    assert len(balance(np.full(256, 4000), target=66, capacity=66 + 512)) == 66 + 512  # capped at the capacity
+    assert (balance(np.full(256, 4000), target=66, capacity=66 + 512)[:, 4] <= 32).all()
 
 
 def test_splits_shrink_as_rows_grow():
@@ -75,6 +128,8 @@ def test_which_backends_run_it():
     assert not uses_triton_decode("auto", cfg, MAX_BATCH + 1, 16)
     assert not uses_triton_decode("auto", cfg, None, 16)  # eager backends keep flashinfer
     assert not uses_triton_decode("flashinfer", cfg, 1, 16)
+    assert uses_triton_decode("triton", cfg, 1, 16) and uses_triton_decode("triton", cfg, 256, 16)  # balanced beyond 8
+    assert not uses_triton_decode("triton", cfg, None, 16)
     assert not uses_triton_decode("auto", SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=96), 1, 16)
     with pytest.raises(ConfigError, match="decode kernel 'fast' is unknown"):
         uses_triton_decode("fast", cfg, 1, 16)

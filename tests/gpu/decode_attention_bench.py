@@ -1,8 +1,9 @@
-"""Decode attention alone, per kernel choice: flashinfer's tensor-core path (its prefill kernel, muxd's choice for
-GQA groups of 4 and more), the same with the KV split disabled, the CUDA-core decode kernel, and muxd's Triton
-split-KV decode (attention/triton_decode.py, which graph batches up to its MAX_BATCH run), at several batch
-sizes and contexts. Each figure is one layer's call, timed as a CUDA graph of `--layers` calls over distinct layers'
-KV (as a decode graph replays them, so that no call finds the last one's KV in L2), against the bytes it must read.
+"""Decode attention alone, per kernel choice: flashinfer's tensor-core path (its prefill kernel, muxd's choice for GQA
+groups of 4 and more), the same with the KV split disabled, the CUDA-core decode kernel, muxd's Triton split-KV
+decode (attention/triton_decode.py, which graph batches up to its MAX_BATCH run) and its balanced form
+(`--decode-kernel triton` beyond MAX_BATCH rows), at several batch sizes and contexts. Each figure is one layer's
+call, timed as a CUDA graph of `--layers` calls over distinct layers' KV (as a decode graph replays them, so that no
+call finds the last one's KV in L2), against the bytes it must read.
 
     PYTHONPATH=. python tests/gpu/decode_attention_bench.py [--batches 1,4,16,64,128] [--contexts 1024,8192]
         [--heads 32] [--kv-heads 8] [--head-dim 128] [--layers 32] [--json OUT] [--scatter]
@@ -37,7 +38,7 @@ def main() -> None:
     import numpy as np
 
     from appliance.attention import AttentionMetadata
-    from appliance.attention.triton_decode import NUM_WARPS, PAGES_PER_BLOCK, TritonDecode
+    from appliance.attention.triton_decode import NUM_WARPS, PAGES_PER_BLOCK, BalancedTritonDecode, TritonDecode
     from appliance.bench.ceilings import time_cuda
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -47,7 +48,8 @@ def main() -> None:
     copy = None
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {h} heads, {kvh} KV heads, dim {d}")
     variants = {"tensor cores": (True, False), "tensor cores, no KV split": (True, True),
-                "CUDA cores": (False, False), "muxd Triton": (0, PAGES_PER_BLOCK, NUM_WARPS)}
+                "CUDA cores": (False, False), "muxd Triton": (0, PAGES_PER_BLOCK, NUM_WARPS),
+                "muxd balanced": ()}
     for tiling in filter(None, args.triton_tilings.split(",")):
         variants[f"Triton {tiling}"] = tuple(int(x) for x in tiling.split(":"))
     rows = []
@@ -69,6 +71,12 @@ def main() -> None:
             floor_us = kv_bytes / layers / bw * 1e6  # one layer's KV read at the copy's rate (bytes moved per second)
             row = {"batch": batch, "context": ctx, "floor_us": floor_us}
             for name, choice in variants.items():
+                if not choice:  # the balanced form (--decode-kernel triton beyond 8 rows), planned as graphs plan it
+                    dec = BalancedTritonDecode(h, kvh, d, batch, pages, dev)
+                    dec.plan(AttentionMetadata(np.arange(batch + 1, dtype=np.int32), indptr.numpy(), indices.numpy(),
+                                               last.numpy(), np.full(batch, ctx, np.int32), PAGE, None))
+                    row[name] = _graph_us(time_cuda, lambda: [dec.run(q, layer[0], layer[1]) for layer in kv], layers)
+                    continue
                 if len(choice) == 3:  # muxd's kernel, planned as its graph backends plan it
                     splits, ppb, warps = choice
                     dec = TritonDecode(h, kvh, d, batch, pages, dev, splits=splits or None, pages_per_block=ppb,

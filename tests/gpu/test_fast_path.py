@@ -2,6 +2,7 @@
 on a small model trained to continue periodic sequences (confident predictions that need attention to be right)."""
 from __future__ import annotations
 
+import pytest
 from copy_model import PERIOD, periodic_prompt
 from torch._dynamo.utils import counters
 
@@ -46,8 +47,10 @@ def test_fast_path_greedy_equals_torch_backend(copy_model):
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
-def test_graphs_and_eager_decode_agree_at_every_batch_size(copy_model):
-    engine = fast(copy_model)
+@pytest.mark.parametrize("decode_kernel", ["auto", "triton"])
+def test_graphs_and_eager_decode_agree_at_every_batch_size(copy_model, decode_kernel):
+    """(triton: the 16-row graph runs muxd's balanced decode attention)"""
+    engine = fast(copy_model, decode_kernel=decode_kernel)
     prompts = [periodic_prompt(seed, 25 + seed) for seed in range(11)]  # 11 rows: padded to a captured 16
     with_graphs = engine.generate(prompts, GREEDY)
     engine.runner.use_graphs = False

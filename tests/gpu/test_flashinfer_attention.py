@@ -100,13 +100,13 @@ def test_cuda_graph_decode_wrapper_matches_eager(heads, kv_heads):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (28, 4), (8, 8), (64, 8)])
-@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("rows", [1, 5, 8, 24, 64, 128])
 def test_triton_graph_decode_matches_flashinfer(heads, kv_heads, rows):
-    """muxd's Triton decode (small graph batches), captured once on padding rows and replayed on batches of 1 to
-    8,200 tokens a row, equals flashinfer's eager decode."""
+    """muxd's Triton decode (graph batches; beyond 8 rows the balanced form), captured once on padding rows and
+    replayed twice on batches of 1 to 8,200 tokens a row, equals flashinfer's eager decode."""
     gen = torch.Generator().manual_seed(rows * 100 + heads)
     cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=DIM)
-    num_pages = 16 * 520
+    num_pages = 16 * 520 + rows * 70
     cache = torch.randn(2, num_pages + 1, PAGE, kv_heads, DIM, generator=gen).to("cuda", torch.bfloat16)
     triton_fi = FlashInferAttention(cfg, torch.bfloat16, torch.device("cuda"), graph_batch_size=rows,
                                     max_pages=num_pages + 1, triton_decode=True)
@@ -122,7 +122,10 @@ def test_triton_graph_decode_matches_flashinfer(heads, kv_heads, rows):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_fi.forward(q, k, v, cache, static)
-    for lens in ([1] * rows, torch.randint(1, 8200, (rows,), generator=gen).tolist()):
+    long_rows = min(rows, 16)  # the others' lengths up to 1,100 (more rows than the pool holds long ones)
+    mixed = torch.cat([torch.randint(1, 8200, (long_rows,), generator=gen),
+                       torch.randint(1, 1100, (rows - long_rows,), generator=gen)])
+    for lens in ([1] * rows, mixed[torch.randperm(rows, generator=gen)].tolist()):
         ends = np.array(lens, np.int64)
         qo2, indptr2, indices2, last2, _, slots2 = page_layout(ends - 1, ends, random_pages(ends, num_pages, gen),
                                                                PAGE)
@@ -133,6 +136,9 @@ def test_triton_graph_decode_matches_flashinfer(heads, kv_heads, rows):
         expected_cache = cache.clone()
         triton_fi.prepare(meta)
         graph.replay()
+        first = out.clone()
+        graph.replay()  # again: the balanced form's counters were left at zero
+        assert torch.equal(out, first)
         eager = FlashInferAttention(cfg, torch.bfloat16, torch.device("cuda"))
         eager.prepare(meta)
         expected = eager.forward(q, k, v, expected_cache, meta)
