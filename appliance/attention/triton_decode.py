@@ -153,7 +153,7 @@ class BalancedTritonDecode:
         self.seq_lens = self.index[batch + 1:2 * batch + 1]
         self.items = self.index[2 * batch + 1:2 * batch + 1 + items]
         self.indices = self.index[2 * batch + 1 + items:]
-        slots = self.capacity * num_kv_heads * self.group_pad  # partials [item, KV head, group]
+        slots = self.capacity * num_kv_heads * self.group  # partials [item, KV head, query head of the group]
         self.partial_out = torch.empty(slots * head_dim, dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(slots, dtype=torch.float32, device=device)
         # items of each (row, KV head) done so far; the row's last resets it to zero

@@ -121,10 +121,10 @@ def decode_balanced(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, it
             tl.store(o_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
                      (acc / safe[:, None]).to(o_ptr.dtype.element_ty), mask=qmask[:, None])
         else:
-            # partials [item, KV head, GP, D] and their log-sum-exps [item, KV head, GP] (G rows used)
+            # partials [item, KV head, G, D] and their log-sum-exps [item, KV head, G]
             slot = it * num_kv_heads + h
-            tl.store(po_ptr + (slot * GP + g)[:, None] * D + d[None, :], acc / safe[:, None], mask=qmask[:, None])
-            tl.store(plse_ptr + slot * GP + g, m + tl.log2(safe), mask=qmask)
+            tl.store(po_ptr + (slot * G + g)[:, None] * D + d[None, :], acc / safe[:, None], mask=qmask[:, None])
+            tl.store(plse_ptr + slot * G + g, m + tl.log2(safe), mask=qmask)
             tl.debug_barrier()  # every thread's partial is written before the counter moves
             done = tl.atomic_add(count_ptr + b * num_kv_heads + h, 1, sem="acq_rel")
             if done == n - 1:  # the row's last item: the others' partials are visible
@@ -133,9 +133,9 @@ def decode_balanced(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, it
                 live = sp < n
                 slots = (base + sp) * num_kv_heads + h
                 for j in tl.static_range(G):  # each query head: the row's partials in one tile
-                    lse = tl.load(plse_ptr + slots * GP + j, mask=live, other=float("-inf"), cache_modifier=".cg")
+                    lse = tl.load(plse_ptr + slots * G + j, mask=live, other=float("-inf"), cache_modifier=".cg")
                     w = tl.exp2(lse - tl.max(lse, 0))  # an item not the row's weighs 0
-                    part = tl.load(po_ptr + (slots * GP + j)[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                    part = tl.load(po_ptr + (slots * G + j)[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
                                    cache_modifier=".cg")
                     total = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
                     tl.store(o_ptr + b * stride_ob + (h * G + j) * stride_oh + d, total.to(o_ptr.dtype.element_ty))
