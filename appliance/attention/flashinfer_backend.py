@@ -139,8 +139,12 @@ class FlashInferAttention:
         if triton_decode:
             if graph_batch_size is None:
                 raise ValueError("the Triton decode kernel serves CUDA-graph batches (give graph_batch_size)")
-            kind = TritonDecode if graph_batch_size <= MAX_BATCH else BalancedTritonDecode
-            self.triton = kind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, graph_batch_size, max_pages, device)
+            shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, graph_batch_size, max_pages, device)
+            if graph_batch_size <= MAX_BATCH:
+                self.triton = TritonDecode(*shape)
+            else:  # its partials in the shared float workspace (the graphs of one stream never overlap)
+                self.triton = BalancedTritonDecode(*shape, scratch=None if workspaces is None else
+                                                   workspaces.float_buffer)
             self.decode = None
         elif graph_batch_size is None:
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")

@@ -68,9 +68,10 @@ class TritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
                  device: torch.device, splits: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
-                 num_warps: int = NUM_WARPS) -> None:
+                 num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None) -> None:
         """splits (a power of two; default `splits_for(batch)`), pages_per_block and num_warps: the tiling, which
-        tests/gpu/decode_attention_bench.py can sweep."""
+        tests/gpu/decode_attention_bench.py can sweep; scratch: a device buffer the partials may live in
+        (`partials`)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.batch, self.splits = batch, splits or splits_for(batch)
@@ -80,9 +81,7 @@ class TritonDecode:
         self.indptr = self.index[:batch + 1]
         self.seq_lens = self.index[batch + 1:2 * batch + 1]
         self.indices = self.index[2 * batch + 1:]
-        self.partial_out = torch.empty(batch * num_heads * self.splits * head_dim, dtype=torch.float32,
-                                       device=device)
-        self.partial_lse = torch.empty(batch * num_heads * self.splits, dtype=torch.float32, device=device)
+        self.partial_out, self.partial_lse = partials(batch * num_heads * self.splits, head_dim, device, scratch)
         self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         self._staging = PinnedRing(torch.int32, pinned=device.type == "cuda")
 
@@ -135,8 +134,9 @@ class BalancedTritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
                  device: torch.device, sm_count: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
-                 num_warps: int = NUM_WARPS) -> None:
-        """sm_count: the GPU's (the device's when None; 132 off CUDA), which sets the items a plan aims at."""
+                 num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None) -> None:
+        """sm_count: the GPU's (the device's when None; 132 off CUDA), which sets the items a plan aims at; scratch: a
+        device buffer the partials may live in (`partials`)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.group_pad = max(16, 1 << (self.group - 1).bit_length())  # the query tile's rows (tl.dot takes >= 16)
@@ -153,9 +153,9 @@ class BalancedTritonDecode:
         self.seq_lens = self.index[batch + 1:2 * batch + 1]
         self.items = self.index[2 * batch + 1:2 * batch + 1 + items]
         self.indices = self.index[2 * batch + 1 + items:]
-        slots = self.capacity * num_kv_heads * self.group  # partials [item, KV head, query head of the group]
-        self.partial_out = torch.empty(slots * head_dim, dtype=torch.float32, device=device)
-        self.partial_lse = torch.empty(slots, dtype=torch.float32, device=device)
+        # partials [item, KV head, query head of the group]
+        self.partial_out, self.partial_lse = partials(self.capacity * num_kv_heads * self.group, head_dim, device,
+                                                      scratch)
         # items of each (row, KV head) done so far; the row's last resets it to zero
         self.counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
         self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
@@ -180,6 +180,20 @@ class BalancedTritonDecode:
             D=self.head_dim, PAGE=k_cache.shape[1], PPB=self.pages_per_block, MAX_SPLITS=BALANCED_MAX_SPLITS,
             num_warps=self.num_warps)
         return out
+
+
+def partials(rows: int, head_dim: int, device: torch.device,
+             scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 buffers for `rows` partial outputs [rows * head_dim] and their log-sum-exps [rows]: views of `scratch`
+    (bytes on the device, e.g. the float workspace that graph backends of one stream share, as their replays never
+    overlap) where it holds them, else their own."""
+    need = rows * (head_dim + 1)
+    if scratch is not None and scratch.device == torch.device(device) and scratch.numel() * scratch.element_size() \
+            >= 4 * need and scratch.is_contiguous():
+        floats = scratch.view(-1)[:4 * need].view(torch.float32)
+        return floats[:rows * head_dim], floats[rows * head_dim:need]
+    return (torch.empty(rows * head_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device))
 
 
 def _copy_plan(dec: TritonDecode | BalancedTritonDecode, m: AttentionMetadata, arrays: list[np.ndarray]) -> None:

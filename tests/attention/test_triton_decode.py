@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from appliance.attention import AttentionMetadata, page_layout, uses_triton_decode
-from appliance.attention.triton_decode import MAX_BATCH, TritonDecode, balance, splits_for, unsupported
+from appliance.attention.triton_decode import MAX_BATCH, TritonDecode, balance, partials, splits_for, unsupported
 from appliance.errors import ConfigError
 
 pytest.importorskip("triton")
@@ -72,7 +72,10 @@ BALANCED = BATCH + textwrap.dedent("""
     for heads, kv_heads, lens, sms in [(8, 2, [1024, 3, 40, 700, 1], 4), (4, 4, [17, 300, 16], 2),
                                        (7, 1, [513, 33], 1), (8, 2, [20, 1, 64], 64)]:
         meta, cache, q, expected = batch(heads, kv_heads, lens, gen)
-        dec = BalancedTritonDecode(heads, kv_heads, D, len(lens), 300, torch.device("cpu"), sm_count=sms)
+        scratch = torch.zeros(1 << 20, dtype=torch.uint8) if sms == 2 else None  # partials in a shared buffer
+        dec = BalancedTritonDecode(heads, kv_heads, D, len(lens), 300, torch.device("cpu"), sm_count=sms,
+                                   scratch=scratch)
+        assert scratch is None or dec.partial_out.data_ptr() == scratch.data_ptr()
         dec.plan(meta)
         cut = int((dec.items.view(-1, 5)[:, 4] > 1).sum())
         for _ in range(2):  # the merging item leaves its counter at zero for the next launch
@@ -109,6 +112,15 @@ def test_balanced_plans_cut_long_rows_into_equal_items():
     assert (size[:-1] == size[0]).all() and 0 < size[-1] <= size[0]  # equal items, the last no longer
     assert len(balance(np.full(256, 4000), target=66, capacity=66 + 512)) == 66 + 512  # capped at the capacity
     assert (balance(np.full(256, 4000), target=66, capacity=66 + 512)[:, 4] <= 32).all()
+
+
+def test_partials_live_in_the_scratch_buffer_that_holds_them():
+    scratch = torch.zeros(4 * 10 * 33, dtype=torch.uint8)
+    out, lse = partials(10, 32, torch.device("cpu"), scratch)
+    assert out.data_ptr() == scratch.data_ptr() and lse.data_ptr() == scratch.data_ptr() + 4 * 320
+    assert (out.numel(), lse.numel(), out.dtype) == (320, 10, torch.float32)
+    out, lse = partials(11, 32, torch.device("cpu"), scratch)  # too small: buffers of their own
+    assert out.data_ptr() != scratch.data_ptr() and (out.numel(), lse.numel()) == (352, 11)
 
 
 def test_splits_shrink_as_rows_grow():
