@@ -77,8 +77,23 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     for layer in model.model.layers:
         layer.forward = functools.partial(_dispatch, dynamic, one_token, layer)
     # the final norm (and the last residual add) in one kernel, where eagerly it is eight small ones
-    model.model.norm.forward = torch.compile(model.model.norm.forward, dynamic=True)
+    norm = model.model.norm
+    norm.forward = functools.partial(_final_norm, torch.compile(_add_norm, dynamic=True), norm)
     return True
+
+
+def _add_norm(norm, hidden: torch.Tensor, residual: torch.Tensor):
+    """What is compiled: a function of its own, not RMSNorm.forward, whose code object (where Dynamo keeps compiled
+    code) every norm shares: compiled as a method, it grew two more graphs for calls without a residual on a GPU."""
+    return type(norm).forward(norm, hidden, residual)
+
+
+def _final_norm(compiled, norm, hidden: torch.Tensor, residual: torch.Tensor | None = None):
+    """The final norm's forward: compiled with the residual add (one graph for one row, one for any other count);
+    without a residual (no layer ran before it) eagerly, as no step's latency depends on that case."""
+    if residual is None:
+        return type(norm).forward(norm, hidden)
+    return compiled(norm, hidden, residual)
 
 
 def _dispatch(dynamic, one_token, layer: DecoderLayer, positions: torch.Tensor, hidden: torch.Tensor,
