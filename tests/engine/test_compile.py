@@ -56,6 +56,15 @@ def test_compiled_layers_are_shared_and_match_eager(tmp_path, monkeypatch):
     # first layer (no residual yet) and the rest, each for one token and for a symbolic count: 8 layers, 4 graphs;
     # the final norm, for one token and for a symbolic count: 2 more
     assert counters["stats"]["unique_graphs"] == 6
+    # the final norm without a residual runs eagerly (no graph more), with one as its two graphs, same values
+    norm = compiled.runner.model.model.norm
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():  # as the engine's tensors: compiled code guards on the dispatch keys
+        for rows in (1, 5):
+            x, r = (torch.randn(rows, norm.weight.numel(), generator=gen) for _ in range(2))
+            assert torch.equal(norm(x), type(norm).forward(norm, x))
+            torch.testing.assert_close(norm(x, r)[0], type(norm).forward(norm, x, r)[0])
+    assert counters["stats"]["unique_graphs"] == 6
     assert (tmp_path / "cache" / "inductor").is_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
 
