@@ -23,10 +23,15 @@ def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2,
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     n = tl.arange(0, PPB * PAGE)
+    # each step's page numbers are read one step ahead, so that the K/V reads wait for no index read
+    ahead = p0 + n // PAGE
+    page_ahead = tl.load(indices_ptr + first + ahead, mask=ahead < p1, other=0)
     for p in range(p0, p1, PPB):  # empty for a split past the row's end
         page_local = p + n // PAGE
         in_split = page_local < p1
-        page = tl.load(indices_ptr + first + page_local, mask=in_split, other=0).to(tl.int64)
+        page = page_ahead.to(tl.int64)
+        ahead = page_local + PPB
+        page_ahead = tl.load(indices_ptr + first + ahead, mask=ahead < p1, other=0)
         tok = page_local * PAGE + n % PAGE
         valid = in_split & (tok < seq_len)
         off = page * stride_kp + (n % PAGE) * stride_kt + h * stride_kh
@@ -129,14 +134,20 @@ def decode_balanced(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, it
             done = tl.atomic_add(count_ptr + b * num_kv_heads + h, 1, sem="acq_rel")
             if done == n - 1:  # the row's last item: the others' partials are visible
                 tl.debug_barrier()
-                sp = tl.arange(0, MAX_SPLITS)
-                live = sp < n
-                slots = (base + sp) * num_kv_heads + h
-                for j in tl.static_range(G):  # each query head: the row's partials in one tile
-                    lse = tl.load(plse_ptr + slots * G + j, mask=live, other=float("-inf"), cache_modifier=".cg")
-                    w = tl.exp2(lse - tl.max(lse, 0))  # an item not the row's weighs 0
-                    part = tl.load(po_ptr + (slots * G + j)[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                m = tl.full([GP], float("-inf"), tl.float32)
+                l = tl.zeros([GP], tl.float32)
+                acc = tl.zeros([GP, D], tl.float32)
+                for k in range(n):  # the row's partials, merged one at a time (a few registers, any count)
+                    rows = ((base + k) * num_kv_heads + h) * G + g
+                    lse = tl.load(plse_ptr + rows, mask=qmask, other=0.0, cache_modifier=".cg")
+                    part = tl.load(po_ptr + rows[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0,
                                    cache_modifier=".cg")
-                    total = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-                    tl.store(o_ptr + b * stride_ob + (h * G + j) * stride_oh + d, total.to(o_ptr.dtype.element_ty))
+                    m_new = tl.maximum(m, lse)
+                    alpha = tl.exp2(m - m_new)
+                    w = tl.exp2(lse - m_new)
+                    l = l * alpha + w
+                    acc = acc * alpha[:, None] + part * w[:, None]
+                    m = m_new
+                tl.store(o_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
+                         (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=qmask[:, None])
                 tl.atomic_xchg(count_ptr + b * num_kv_heads + h, 0)

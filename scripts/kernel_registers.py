@@ -1,0 +1,70 @@
+"""Registers, spills and shared memory of muxd's decode-attention Triton kernels, compiled for a CUDA architecture
+without a GPU (Triton's bundled ptxas and cuobjdump), and the programs of 4 warps one SM then holds at once. A
+memory-bound kernel hides its loads' latency with the programs resident on an SM: fewer registers, more programs.
+
+    python scripts/kernel_registers.py [--arch 90] [--warps 4] [--group 4] [--pages-per-block 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+REGISTERS_PER_SM = 65536
+PTR = "*bf16"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--pages-per-block", type=int, default=4)
+    args = ap.parse_args()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from appliance.attention import triton_decode_kernels as kernels
+
+    target = GPUTarget("cuda", args.arch, 32)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    gp = max(16, 1 << (args.group - 1).bit_length())
+    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PPB": args.pages_per_block}
+    cases = {
+        "decode_partial": (kernels.decode_partial, ["*", "*", "*", "*i32", "*i32", "*i32", "*fp32", "*fp32", "fp32",
+                                                    "i32", "i32", "i64", "i64", "i64"], {"SPLITS": 16}),
+        "decode_merge": (kernels.decode_merge, ["*fp32", "*fp32", "*i32", "*", "i32", "i32"], {"SPLITS": 16}),
+        "decode_balanced": (kernels.decode_balanced, ["*", "*", "*", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32",
+                                                      "*i32", "*", "fp32", "i32", "i32", "i64", "i64", "i64", "i32",
+                                                      "i32"], {"MAX_SPLITS": 32}),
+    }
+    print(f"| kernel (sm_{args.arch}, {args.warps} warps) | registers | spill bytes | shared KB | programs an SM |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, (fn, types, extra) in cases.items():
+        params = list(fn.arg_names)
+        consts = {k: v for k, v in {**shape, **extra}.items() if k in params}
+        runtime = [p for p in params if p not in consts]
+        signature = {p: (PTR if t == "*" else t) for p, t in zip(runtime, types)}
+        signature.update({p: "constexpr" for p in consts})
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
+                                  options={"num_warps": args.warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True,
+                                   check=True).stdout
+        fields = dict(kv.split(":") for line in usage.splitlines() if "REG:" in line for kv in line.split())
+        regs, stack = int(fields["REG"]), int(fields["STACK"])
+        per_program = -(-regs // 8) * 8 * 32 * args.warps  # registers are allocated per warp, 8 at a time
+        print(f"| {name} | {regs} | {stack} | {compiled.metadata.shared / 1024:.1f} | "
+              f"{REGISTERS_PER_SM // per_program} |")
+
+
+if __name__ == "__main__":
+    main()
