@@ -42,7 +42,7 @@ def main() -> None:
         "decode_merge": (kernels.decode_merge, ["*fp32", "*fp32", "*i32", "*", "i32", "i32"], {"SPLITS": 16}),
         "decode_balanced": (kernels.decode_balanced, ["*", "*", "*", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32",
                                                       "*i32", "*", "fp32", "i32", "i32", "i64", "i64", "i64", "i32",
-                                                      "i32"], {"MAX_SPLITS": 32}),
+                                                      "i32"], {}),
     }
     print(f"| kernel (sm_{args.arch}, {args.warps} warps) | registers | spill bytes | shared KB | programs an SM |")
     print("| --- | ---: | ---: | ---: | ---: |")

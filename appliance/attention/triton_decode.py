@@ -28,7 +28,7 @@ NUM_WARPS = 4
 
 BALANCED_WAVES = 4       # programs a balanced plan aims at, in SMs' worth
 BALANCED_MIN_PAGES = 8   # the least pages a work item of a cut row covers
-BALANCED_MAX_SPLITS = 32  # items a row is cut into at most (a power of two: the merge's tile)
+BALANCED_MAX_SPLITS = 32  # items a row is cut into at most
 
 _kernels = None
 _balanced = None
@@ -134,16 +134,19 @@ class BalancedTritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
                  device: torch.device, sm_count: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
-                 num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None) -> None:
-        """sm_count: the GPU's (the device's when None; 132 off CUDA), which sets the items a plan aims at; scratch: a
-        device buffer the partials may live in (`partials`)."""
+                 num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None, waves: int = BALANCED_WAVES,
+                 min_pages: int = BALANCED_MIN_PAGES) -> None:
+        """sm_count: the GPU's (the device's when None; 132 off CUDA), which with `waves` (programs in SMs' worth)
+        sets the items a plan aims at; min_pages: the least pages an item of a cut row covers; scratch: a device
+        buffer the partials may live in (`partials`)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.group_pad = max(16, 1 << (self.group - 1).bit_length())  # the query tile's rows (tl.dot takes >= 16)
         if sm_count is None:
             sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
                 else 132
-        self.target = max(1, -(-BALANCED_WAVES * sm_count // num_kv_heads))
+        self.target = max(1, -(-waves * sm_count // num_kv_heads))
+        self.min_pages = min_pages
         self.batch, self.capacity = batch, self.target + 2 * batch
         self.pages_per_block, self.num_warps = pages_per_block, num_warps
         # [indptr (batch + 1) | seq_lens (batch) | items (capacity x 5) | page indices (max_pages)], one copy a plan
@@ -162,7 +165,8 @@ class BalancedTritonDecode:
         self._staging = PinnedRing(torch.int32, pinned=device.type == "cuda")
 
     def plan(self, m: AttentionMetadata) -> None:
-        items = balance(-(-np.asarray(m.seq_lens, dtype=np.int64) // m.page_size), self.target, self.capacity)
+        items = balance(-(-np.asarray(m.seq_lens, dtype=np.int64) // m.page_size), self.target, self.capacity,
+                        self.min_pages)
         _copy_plan(self, m, [m.kv_indptr, m.seq_lens, items.ravel(), np.asarray(m.kv_indices, dtype=np.int32)])
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -177,8 +181,7 @@ class BalancedTritonDecode:
             q, k_cache, v_cache, self.indptr, self.indices, self.seq_lens, self.items, self.partial_out,
             self.partial_lse, self.counts, out, self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), G=self.group, GP=self.group_pad,
-            D=self.head_dim, PAGE=k_cache.shape[1], PPB=self.pages_per_block, MAX_SPLITS=BALANCED_MAX_SPLITS,
-            num_warps=self.num_warps)
+            D=self.head_dim, PAGE=k_cache.shape[1], PPB=self.pages_per_block, num_warps=self.num_warps)
         return out
 
 

@@ -98,8 +98,7 @@ def decode_merge(po_ptr, plse_ptr, seqlen_ptr, o_ptr, stride_ob, stride_oh, D: t
 @triton.jit
 def decode_balanced(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, items_ptr, po_ptr, plse_ptr, count_ptr,
                     o_ptr, scale_log2, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_ob, stride_oh,
-                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-                    MAX_SPLITS: tl.constexpr):
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr):
     # one program per (KV head, work item); an item is a run of one row's pages [p0, p1), planned on the host so
     # that items carry about equal work. A row of one item writes its output; a row cut into n items leaves n
     # partial softmaxes, and the last of its programs to finish (a counter per row and KV head) merges them

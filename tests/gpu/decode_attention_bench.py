@@ -8,6 +8,7 @@ call finds the last one's KV in L2), against the bytes it must read.
     PYTHONPATH=. python tests/gpu/decode_attention_bench.py [--batches 1,4,16,64,128] [--contexts 1024,8192]
         [--heads 32] [--kv-heads 8] [--head-dim 128] [--layers 32] [--json OUT] [--scatter]
         [--triton-tilings SPLITS:PAGES_PER_BLOCK:WARPS,...]   (more columns: the Triton kernel tiled otherwise)
+        [--balanced-tilings WAVES:MIN_PAGES:PAGES_PER_BLOCK:WARPS,...]   (more columns: the balanced form otherwise)
 """
 from __future__ import annotations
 
@@ -33,12 +34,15 @@ def main() -> None:
                     "(default: each row's pages in order)")
     ap.add_argument("--triton-tilings", default="", help="extra Triton columns, e.g. 16:4:4,32:2:4 (splits, pages "
                     "per block, warps; splits 0: the kernel's choice for the batch)")
+    ap.add_argument("--balanced-tilings", default="", help="extra balanced columns, e.g. 2:8:4:4,4:4:4:4 (programs "
+                    "a plan aims at in SMs' worth, least pages of a cut row's item, pages per block, warps)")
     args = ap.parse_args()
     import flashinfer
     import numpy as np
 
     from appliance.attention import AttentionMetadata
-    from appliance.attention.triton_decode import NUM_WARPS, PAGES_PER_BLOCK, BalancedTritonDecode, TritonDecode
+    from appliance.attention.triton_decode import (BALANCED_MIN_PAGES, BALANCED_WAVES, NUM_WARPS, PAGES_PER_BLOCK,
+                                                   BalancedTritonDecode, TritonDecode)
     from appliance.bench.ceilings import time_cuda
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -52,6 +56,8 @@ def main() -> None:
                 "muxd balanced": ()}
     for tiling in filter(None, args.triton_tilings.split(",")):
         variants[f"Triton {tiling}"] = tuple(int(x) for x in tiling.split(":"))
+    for tiling in filter(None, args.balanced_tilings.split(",")):
+        variants[f"balanced {tiling}"] = ("balanced", *(int(x) for x in tiling.split(":")))
     rows = []
     print("| batch | context | " + " | ".join(f"{v} us" for v in variants) + " | KV floor us |")
     print("| ---: | ---: |" + " ---: |" * (len(variants) + 1))
@@ -71,8 +77,11 @@ def main() -> None:
             floor_us = kv_bytes / layers / bw * 1e6  # one layer's KV read at the copy's rate (bytes moved per second)
             row = {"batch": batch, "context": ctx, "floor_us": floor_us}
             for name, choice in variants.items():
-                if not choice:  # the balanced form (--decode-kernel triton beyond 8 rows), planned as graphs plan it
-                    dec = BalancedTritonDecode(h, kvh, d, batch, pages, dev)
+                if not choice or choice[0] == "balanced":  # the balanced form, planned as graphs plan it
+                    waves, min_pages, ppb, warps = choice[1:] if choice else (BALANCED_WAVES, BALANCED_MIN_PAGES,
+                                                                              PAGES_PER_BLOCK, NUM_WARPS)
+                    dec = BalancedTritonDecode(h, kvh, d, batch, pages, dev, waves=waves, min_pages=min_pages,
+                                               pages_per_block=ppb, num_warps=warps)
                     dec.plan(AttentionMetadata(np.arange(batch + 1, dtype=np.int32), indptr.numpy(), indices.numpy(),
                                                last.numpy(), np.full(batch, ctx, np.int32), PAGE, None))
                     row[name] = _graph_us(time_cuda, lambda: [dec.run(q, layer[0], layer[1]) for layer in kv], layers)
