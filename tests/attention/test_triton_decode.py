@@ -69,12 +69,14 @@ def test_kernel_matches_the_torch_reference_in_the_interpreter():
 BALANCED = BATCH + textwrap.dedent("""
     from appliance.attention.triton_decode import BalancedTritonDecode
     gen = torch.Generator().manual_seed(1)
-    for heads, kv_heads, lens, sms in [(8, 2, [1024, 3, 40, 700, 1], 4), (4, 4, [17, 300, 16], 2),
-                                       (7, 1, [513, 33], 1), (8, 2, [20, 1, 64], 64)]:
+    for heads, kv_heads, lens, sms, tiling in [
+            (8, 2, [1024, 3, 40, 700, 1], 4, {}), (4, 4, [17, 300, 16], 2, {}), (7, 1, [513, 33], 1, {}),
+            (8, 2, [20, 1, 64], 64, {}),
+            (8, 2, [200, 90, 5], 8, dict(waves=6, min_pages=2, pages_per_block=2))]:  # another tiling
         meta, cache, q, expected = batch(heads, kv_heads, lens, gen)
         scratch = torch.zeros(1 << 20, dtype=torch.uint8) if sms == 2 else None  # partials in a shared buffer
         dec = BalancedTritonDecode(heads, kv_heads, D, len(lens), 300, torch.device("cpu"), sm_count=sms,
-                                   scratch=scratch)
+                                   scratch=scratch, **tiling)
         assert scratch is None or dec.partial_out.data_ptr() == scratch.data_ptr()
         dec.plan(meta)
         cut = int((dec.items.view(-1, 5)[:, 4] > 1).sum())
