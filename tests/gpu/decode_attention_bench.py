@@ -53,7 +53,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {h} heads, {kvh} KV heads, dim {d}")
     variants = {"tensor cores": (True, False), "tensor cores, no KV split": (True, True),
                 "CUDA cores": (False, False), "muxd Triton": (0, PAGES_PER_BLOCK, NUM_WARPS),
-                "muxd balanced": ()}
+                "muxd balanced": ("balanced", BALANCED_WAVES, BALANCED_MIN_PAGES, PAGES_PER_BLOCK, NUM_WARPS)}
     for tiling in filter(None, args.triton_tilings.split(",")):
         variants[f"Triton {tiling}"] = tuple(int(x) for x in tiling.split(":"))
     for tiling in filter(None, args.balanced_tilings.split(",")):
@@ -77,9 +77,8 @@ def main() -> None:
             floor_us = kv_bytes / layers / bw * 1e6  # one layer's KV read at the copy's rate (bytes moved per second)
             row = {"batch": batch, "context": ctx, "floor_us": floor_us}
             for name, choice in variants.items():
-                if not choice or choice[0] == "balanced":  # the balanced form, planned as graphs plan it
-                    waves, min_pages, ppb, warps = choice[1:] if choice else (BALANCED_WAVES, BALANCED_MIN_PAGES,
-                                                                              PAGES_PER_BLOCK, NUM_WARPS)
+                if choice[0] == "balanced":  # the balanced form, planned as graphs plan it
+                    waves, min_pages, ppb, warps = choice[1:]
                     dec = BalancedTritonDecode(h, kvh, d, batch, pages, dev, waves=waves, min_pages=min_pages,
                                                pages_per_block=ppb, num_warps=warps)
                     dec.plan(AttentionMetadata(np.arange(batch + 1, dtype=np.int32), indptr.numpy(), indices.numpy(),
