@@ -227,10 +227,10 @@ class RuntimeSettings:
     device: str = flag("auto", "auto, cpu, cuda or cuda:N.")
     attention_backend: str = flag("auto", "auto (flashinfer on CUDA where it supports the model, else torch), "
                                   "flashinfer or torch.")
-    decode_kernel: str = flag("auto", "Attention kernel of CUDA-graph decode steps: auto (muxd's Triton split-KV "
-                              "kernel for batches of up to 8 rows, flashinfer's beyond), flashinfer (everywhere) or "
-                              "triton (muxd's everywhere: beyond 8 rows its balanced form, rows cut into work items "
-                              "of equal pages).")
+    decode_kernel: str = flag("auto", "Attention kernel of CUDA-graph decode steps: auto (muxd's Triton kernels "
+                              "where they take the model's shape: split-KV up to 8 rows, beyond them rows cut into "
+                              "work items of equal pages; else flashinfer's), flashinfer, or triton (muxd's, and "
+                              "an error where the shape does not suit them).")
     decode_blas: str = flag("cublaslt", "BLAS library of the CUDA-graph decode steps' GEMMs: cublaslt (measured "
                             "0.5-3 % faster at decode's rows) or cublas (torch's default, which prefill keeps).")
     fused_rope: bool = flag(True, "With the flashinfer backend, one kernel rotates q and k (after Qwen3's q/k "

@@ -1,8 +1,9 @@
 """Registers, spills and shared memory of muxd's decode-attention Triton kernels, compiled for a CUDA architecture
-without a GPU (Triton's bundled ptxas and cuobjdump), and the programs of 4 warps one SM then holds at once. A
-memory-bound kernel hides its loads' latency with the programs resident on an SM: fewer registers, more programs.
+without a GPU (Triton's bundled ptxas and cuobjdump), and the programs one SM then holds at once. A memory-bound
+kernel hides its loads' latency with the programs resident on an SM: fewer registers, more programs. Each kernel is
+tiled as muxd launches it unless --warps or --pages-per-block says otherwise.
 
-    python scripts/kernel_registers.py [--arch 90] [--warps 4] [--group 4] [--pages-per-block 4]
+    python scripts/kernel_registers.py [--arch 90] [--warps W] [--group 4] [--pages-per-block P]
 """
 from __future__ import annotations
 
@@ -21,39 +22,44 @@ PTR = "*bf16"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
-    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--warps", type=int, default=None, help="warps a program (default: each kernel's own)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--pages-per-block", type=int, default=4)
+    ap.add_argument("--pages-per-block", type=int, default=None, help="pages a loop (default: each kernel's own)")
     args = ap.parse_args()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from appliance.attention import triton_decode as tiling
     from appliance.attention import triton_decode_kernels as kernels
 
     target = GPUTarget("cuda", args.arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     gp = max(16, 1 << (args.group - 1).bit_length())
-    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PPB": args.pages_per_block}
-    cases = {
+    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16}
+    split = (args.warps or tiling.NUM_WARPS, args.pages_per_block or tiling.PAGES_PER_BLOCK)
+    cases = {  # name: kernel, runtime argument types, (warps, pages a loop), other constants
         "decode_partial": (kernels.decode_partial, ["*", "*", "*", "*i32", "*i32", "*i32", "*fp32", "*fp32", "fp32",
-                                                    "i32", "i32", "i64", "i64", "i64"], {"SPLITS": 16}),
-        "decode_merge": (kernels.decode_merge, ["*fp32", "*fp32", "*i32", "*", "i32", "i32"], {"SPLITS": 16}),
+                                                    "i32", "i32", "i64", "i64", "i64"], split, {"SPLITS": 16}),
+        "decode_merge": (kernels.decode_merge, ["*fp32", "*fp32", "*i32", "*", "i32", "i32"],
+                         (args.warps or 4, split[1]), {"SPLITS": 16}),  # launched with Triton's default warps
         "decode_balanced": (kernels.decode_balanced, ["*", "*", "*", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32",
                                                       "*i32", "*", "fp32", "i32", "i32", "i64", "i64", "i64", "i32",
-                                                      "i32"], {}),
+                                                      "i32"],
+                            (args.warps or tiling.BALANCED_WARPS,
+                             args.pages_per_block or tiling.BALANCED_PAGES_PER_BLOCK), {}),
     }
-    print(f"| kernel (sm_{args.arch}, {args.warps} warps) | registers | spill bytes | shared KB | programs an SM |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, (fn, types, extra) in cases.items():
+    print(f"| kernel (sm_{args.arch}) | warps | pages a loop | registers | spill bytes | shared KB | programs an SM |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (fn, types, (warps, ppb), extra) in cases.items():
         params = list(fn.arg_names)
-        consts = {k: v for k, v in {**shape, **extra}.items() if k in params}
+        consts = {k: v for k, v in {**shape, "PPB": ppb, **extra}.items() if k in params}
         runtime = [p for p in params if p not in consts]
         signature = {p: (PTR if t == "*" else t) for p, t in zip(runtime, types)}
         signature.update({p: "constexpr" for p in consts})
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
-                                  options={"num_warps": args.warps})
+                                  options={"num_warps": warps})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
@@ -61,8 +67,8 @@ def main() -> None:
                                    check=True).stdout
         fields = dict(kv.split(":") for line in usage.splitlines() if "REG:" in line for kv in line.split())
         regs, stack = int(fields["REG"]), int(fields["STACK"])
-        per_program = -(-regs // 8) * 8 * 32 * args.warps  # registers are allocated per warp, 8 at a time
-        print(f"| {name} | {regs} | {stack} | {compiled.metadata.shared / 1024:.1f} | "
+        per_program = -(-regs // 8) * 8 * 32 * warps  # registers are allocated per warp, 8 at a time
+        print(f"| {name} | {warps} | {ppb} | {regs} | {stack} | {compiled.metadata.shared / 1024:.1f} | "
               f"{REGISTERS_PER_SM // per_program} |")
 
 

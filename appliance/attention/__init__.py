@@ -78,22 +78,25 @@ def resolve_backend_name(name: str, cfg: AttentionShape, dtype: torch.dtype, dev
 
 def uses_triton_decode(decode_kernel: str, cfg: AttentionShape, graph_batch_size: int | None,
                        page_size: int) -> bool:
-    """Whether a CUDA-graph decode batch of `graph_batch_size` rows runs muxd's Triton decode kernels, where they take
-    the model's shape: with decode_kernel 'auto', up to `triton_decode.MAX_BATCH` rows; with 'triton', every graph
-    batch (beyond MAX_BATCH rows, the balanced kernel)."""
+    """Whether a CUDA-graph decode batch of `graph_batch_size` rows runs muxd's Triton decode kernels (the split-KV
+    one up to `triton_decode.MAX_BATCH` rows, the balanced one beyond): with decode_kernel 'auto', where they take
+    the model's shape; with 'triton', always (a shape they cannot take is an error); with 'flashinfer', never."""
     if decode_kernel not in DECODE_KERNELS:
         raise ConfigError(f"decode kernel {decode_kernel!r} is unknown; choose one of {', '.join(DECODE_KERNELS)}")
-    limit = {"auto": triton_decode.MAX_BATCH, "triton": float("inf")}.get(decode_kernel, 0)
-    return (graph_batch_size is not None and graph_batch_size <= limit
-            and triton_decode.unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size) is None)
+    if graph_batch_size is None or decode_kernel == "flashinfer":
+        return False
+    reason = triton_decode.unsupported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
+    if reason and decode_kernel == "triton":
+        raise ConfigError(f"--decode-kernel triton cannot serve this model: {reason}; use --decode-kernel auto")
+    return reason is None
 
 
 def make_backend(name: str, cfg: AttentionShape, dtype: torch.dtype, device: torch.device, *,
                  graph_batch_size: int | None = None, max_pages: int = 0, shared_workspace=None,
                  decode_kernel: str = "auto", page_size: int = 16) -> AttentionBackend:
     """A backend instance; `graph_batch_size` makes one whose decode path can be captured in a CUDA graph (with
-    decode_kernel 'auto', small ones run muxd's Triton decode kernel). Backends given the same `shared_workspace`
-    (from `new_workspace`) must never run concurrently."""
+    decode_kernel 'auto', muxd's Triton decode kernels where they take the model's shape). Backends given the same
+    `shared_workspace` (from `new_workspace`) must never run concurrently."""
     name = resolve_backend_name(name, cfg, dtype, device)
     if name == "torch":
         return TorchAttention()

@@ -8,9 +8,9 @@ fixed (`use_cuda_graph=True`) so that only `run()` is captured and `plan()` refr
 share a workspace share a ring of such buffers, used in turn (`PlanStaging`: two, more while a plan's copy waits
 behind queued prefill), so that the next step's plan, made while the current step runs, never rewrites a buffer
 whose copy has not run yet, and never waits for a busy stream to reach it.
-A graph instance made with `triton_decode` runs muxd's own split-KV decode kernel (attention/triton_decode.py)
-instead of flashinfer's decode: faster at a few rows, where decode attention is bound by latency; beyond
-`MAX_BATCH` rows, its balanced form.
+A graph instance made with `triton_decode` runs muxd's own decode kernels (attention/triton_decode.py) instead of
+flashinfer's decode: the split-KV kernel up to `MAX_BATCH` rows (faster at a few rows, where decode attention is bound
+by latency), beyond them its balanced form.
 """
 from __future__ import annotations
 

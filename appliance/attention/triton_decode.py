@@ -1,4 +1,5 @@
-"""muxd's own paged decode attention for small CUDA-graph batches: a split-KV kernel in Triton.
+"""muxd's own paged decode attention for CUDA-graph batches, in Triton: a split-KV kernel for a few rows, a balanced
+one beyond.
 
 At a few rows, decode attention is bound by latency, not bandwidth: flashinfer's decode, planned for the batch on
 the host, takes about 11 us a layer for a 1k context whose bytes take 1 us (H200). Here each (row, KV head, split)
@@ -7,10 +8,11 @@ program reads a run of that row's pages with its whole GQA group of query heads 
 pages from the row's length on the device (a split covers at least `PAGES_PER_BLOCK` pages; splits past the row's
 end do nothing), so a graph captured once serves any context and the host plans nothing but one index copy.
 
-`BalancedTritonDecode` serves larger batches (`--decode-kernel triton`): the host cuts the batch's rows into work
-items of about equal pages (`balance`: a short row is one item, a long one several), one program per (KV head, item)
-on a grid fixed by the batch size, and the last item of a cut row to finish merges its partials, so one launch a
-layer serves any mix of lengths.
+`BalancedTritonDecode` serves larger batches: the host cuts the batch's rows into work items of about equal pages
+(`balance`: a short row is one item, a long one several), one program per (KV head, item) on a grid fixed by the
+batch size, and the last item of a cut row to finish merges its partials, so one launch a layer serves any mix of
+lengths. It aims at `BALANCED_WAVES` programs an SM: a whole number of rounds of the
+programs an SM holds at once (3 at 142 registers a thread), so no nearly empty last round.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ import torch
 from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.pinned import PinnedRing
 
-MAX_BATCH = 8          # graph batches up to this many rows use the kernel (measured faster than flashinfer there)
-PAGES_PER_BLOCK = 4    # pages one program reads per loop iteration, and the least a split covers
-NUM_WARPS = 4
+MAX_BATCH = 8          # graph batches up to this many rows run the split-KV kernel, larger ones the balanced one
+PAGES_PER_BLOCK = 2    # pages one program reads per loop iteration, and the least a split covers
+NUM_WARPS = 2          # (156 registers a thread: 6 programs an SM; measured faster than 4 warps x 4 pages at 1-8 rows)
 
-BALANCED_WAVES = 4       # programs a balanced plan aims at, in SMs' worth
+BALANCED_PAGES_PER_BLOCK = 4
+BALANCED_WARPS = 4
+BALANCED_WAVES = 6       # programs a balanced plan aims at, in SMs' worth (two rounds of the 3 an SM holds)
 BALANCED_MIN_PAGES = 8   # the least pages a work item of a cut row covers
 BALANCED_MAX_SPLITS = 32  # items a row is cut into at most
 
@@ -133,8 +137,9 @@ class BalancedTritonDecode:
     graph captures."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
-                 device: torch.device, sm_count: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
-                 num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None, waves: int = BALANCED_WAVES,
+                 device: torch.device, sm_count: int | None = None,
+                 pages_per_block: int = BALANCED_PAGES_PER_BLOCK, num_warps: int = BALANCED_WARPS,
+                 scratch: torch.Tensor | None = None, waves: int = BALANCED_WAVES,
                  min_pages: int = BALANCED_MIN_PAGES) -> None:
         """sm_count: the GPU's (the device's when None; 132 off CUDA), which with `waves` (programs in SMs' worth)
         sets the items a plan aims at; min_pages: the least pages an item of a cut row covers; scratch: a device

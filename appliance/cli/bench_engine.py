@@ -58,8 +58,8 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         iters: int = typer.Option(20, help="Timed decode steps per row."),
         attention_backend: str = typer.Option("auto", help="auto, flashinfer or torch."),
         decode_kernel: str = typer.Option("auto", help="Attention kernel of graph decode steps: auto (muxd's Triton "
-                                          "kernel up to 8 rows, flashinfer's beyond), flashinfer or "
-                                          "triton (muxd's balanced form beyond 8 rows)."),
+                                          "kernels where they take the model's shape, else flashinfer's), "
+                                          "flashinfer, or triton (muxd's, else an error)."),
         decode_blas: str = typer.Option("cublaslt", help="BLAS library of the decode graphs: cublaslt or cublas."),
         fused_rope: bool = typer.Option(True, "--fused-rope/--no-fused-rope", help="One kernel rotates q and k and "
                                         "writes K/V (flashinfer backend); off: the compiled layers rotate."),

@@ -52,7 +52,7 @@ class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, attention_backend: str = "auto",
                  max_rows: int = 1024, decode_kernel: str = "auto", decode_blas: str = "cublaslt") -> None:
         """max_rows: the most tokens one step samples (one per running request: at least --max-num-seqs);
-        decode_kernel: which kernel small CUDA-graph decode batches run (attention.uses_triton_decode);
+        decode_kernel: which attention kernels CUDA-graph decode batches run (attention.uses_triton_decode);
         decode_blas: the BLAS library of the decode graphs' GEMMs (config.DECODE_BLAS)."""
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.data.device

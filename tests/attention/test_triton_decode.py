@@ -138,13 +138,14 @@ def test_unsupported_shapes_are_named():
 
 def test_which_backends_run_it():
     cfg = SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=128)
-    assert uses_triton_decode("auto", cfg, 1, 16) and uses_triton_decode("auto", cfg, MAX_BATCH, 16)
-    assert not uses_triton_decode("auto", cfg, MAX_BATCH + 1, 16)
-    assert not uses_triton_decode("auto", cfg, None, 16)  # eager backends keep flashinfer
+    for kernel in ("auto", "triton"):  # split-KV up to MAX_BATCH rows, balanced beyond
+        assert all(uses_triton_decode(kernel, cfg, b, 16) for b in (1, MAX_BATCH, MAX_BATCH + 1, 256))
+        assert not uses_triton_decode(kernel, cfg, None, 16)  # eager backends keep flashinfer
     assert not uses_triton_decode("flashinfer", cfg, 1, 16)
-    assert uses_triton_decode("triton", cfg, 1, 16) and uses_triton_decode("triton", cfg, 256, 16)  # balanced beyond 8
-    assert not uses_triton_decode("triton", cfg, None, 16)
-    assert not uses_triton_decode("auto", SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=96), 1, 16)
+    odd = SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=96)
+    assert not uses_triton_decode("auto", odd, 1, 16)
+    with pytest.raises(ConfigError, match="--decode-kernel triton cannot serve this model: head_dim 96"):
+        uses_triton_decode("triton", odd, 1, 16)
     with pytest.raises(ConfigError, match="decode kernel 'fast' is unknown"):
         uses_triton_decode("fast", cfg, 1, 16)
 

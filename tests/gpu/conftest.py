@@ -1,4 +1,6 @@
 """GPU tests: marked `gpu` and skipped where CUDA is unavailable."""
+import gc
+
 import pytest
 import torch
 
@@ -20,3 +22,13 @@ def copy_model(tmp_path_factory):
 
     return train_copy_model(tmp_path_factory.mktemp("copy-model"))
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_gpu_memory():
+    """Each test module hands the memory its engines left in torch's cache back to the driver when it ends: a server
+    that a later module starts sizes its KV cache from the device's free memory (as vLLM does)."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

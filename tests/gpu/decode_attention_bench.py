@@ -41,8 +41,9 @@ def main() -> None:
     import numpy as np
 
     from appliance.attention import AttentionMetadata
-    from appliance.attention.triton_decode import (BALANCED_MIN_PAGES, BALANCED_WAVES, NUM_WARPS, PAGES_PER_BLOCK,
-                                                   BalancedTritonDecode, TritonDecode)
+    from appliance.attention.triton_decode import (BALANCED_MIN_PAGES, BALANCED_PAGES_PER_BLOCK, BALANCED_WARPS,
+                                                   BALANCED_WAVES, NUM_WARPS, PAGES_PER_BLOCK, BalancedTritonDecode,
+                                                   TritonDecode)
     from appliance.bench.ceilings import time_cuda
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -53,7 +54,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {h} heads, {kvh} KV heads, dim {d}")
     variants = {"tensor cores": (True, False), "tensor cores, no KV split": (True, True),
                 "CUDA cores": (False, False), "muxd Triton": (0, PAGES_PER_BLOCK, NUM_WARPS),
-                "muxd balanced": ("balanced", BALANCED_WAVES, BALANCED_MIN_PAGES, PAGES_PER_BLOCK, NUM_WARPS)}
+                "muxd balanced": ("balanced", BALANCED_WAVES, BALANCED_MIN_PAGES, BALANCED_PAGES_PER_BLOCK,
+                                  BALANCED_WARPS)}
     for tiling in filter(None, args.triton_tilings.split(",")):
         variants[f"Triton {tiling}"] = tuple(int(x) for x in tiling.split(":"))
     for tiling in filter(None, args.balanced_tilings.split(",")):

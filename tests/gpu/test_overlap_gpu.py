@@ -12,6 +12,7 @@ import pytest
 from copy_model import PERIOD, periodic_prompt
 from spies import step_through
 
+from appliance.attention.triton_decode import MAX_BATCH
 from appliance.config import Config
 from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
@@ -221,23 +222,29 @@ def test_preemption_under_a_small_kv_cache(copy_model):
     assert any(pending)
 
 
-def test_plans_take_pinned_buffers_in_turn(fast):
-    """The flashinfer decode graphs of one stream share one staging ring, the Triton ones (small batches) stage
-    through pinned rings of their own, and the overlapped loop used each buffer of the ring it planned through."""
+def test_plans_take_pinned_buffers_in_turn(fast, copy_model):
+    """muxd's Triton decode graphs (the default) stage their plans through pinned rings of their own, and with
+    --decode-kernel flashinfer the flashinfer decode graphs of one stream share one staging ring; the overlapped loop
+    used each buffer of the ring it planned through."""
+    prompt = periodic_prompt(30, 40)
+
+    def requests(engine: Engine, rows: int) -> dict[int, list[Request]]:
+        return {0: [engine.make_request(prompt, SamplingParams(max_tokens=6, temperature=0)) for _ in range(rows)]}
+
     backends = {size: backend for size, (_, backend) in fast.runner.graphs._graphs.items()}
-    shared = [b for b in backends.values() if b.triton is None]
-    assert shared and any(b.triton is not None for b in backends.values())
+    assert all(b.triton is not None for b in backends.values())
+    for rows in (1, MAX_BATCH + 1):  # the split-KV kernel, then the balanced one
+        drive(fast, True, requests(fast, rows))
+        ring = backends[min(s for s in backends if s >= rows)].triton._staging.ring
+        assert all(e is not None for e in ring.events) and all(b.is_pinned() for b in ring.items)
+    engine = build(copy_model, decode_kernel="flashinfer")
+    shared = [backend for _, backend in engine.runner.graphs._graphs.values()]
+    assert shared and all(b.triton is None for b in shared)
     assert len({id(b.staging) for b in shared}) == 1
     staging = shared[0].staging
     assert all(b.is_pinned() for b in staging.buffers)
     for backend in shared:
         assert backend.decode._pin_memory_int_workspace_buffer.data_ptr() in {b.data_ptr() for b in staging.buffers}
-    prompt = periodic_prompt(30, 40)
-    drive(fast, True, {0: [fast.make_request(prompt, SamplingParams(max_tokens=6, temperature=0))]})
-    ring = backends[1].triton._staging.ring  # one row: the Triton decode
-    assert all(e is not None for e in ring.events) and all(b.is_pinned() for b in ring.items)
-    rows = max(s for s, b in backends.items() if b.triton is not None) + 1  # the smallest flashinfer graph's batch
-    drive(fast, True, {0: [fast.make_request(prompt, SamplingParams(max_tokens=6, temperature=0))
-                           for _ in range(rows)]})
+    drive(engine, True, requests(engine, 3))
     assert len(staging.ring.events) >= 2 and all(e is not None for e in staging.ring.events)
     assert all(b is not None and b.is_pinned() for b in staging.buffers)
