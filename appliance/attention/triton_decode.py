@@ -11,8 +11,8 @@ end do nothing), so a graph captured once serves any context and the host plans 
 `BalancedTritonDecode` serves larger batches: the host cuts the batch's rows into work items of about equal pages
 (`balance`: a short row is one item, a long one several), one program per (KV head, item) on a grid fixed by the
 batch size, and the last item of a cut row to finish merges its partials, so one launch a layer serves any mix of
-lengths. It aims at `BALANCED_WAVES` programs an SM: a whole number of rounds of the
-programs an SM holds at once (3 at 142 registers a thread), so no nearly empty last round.
+lengths. It aims at `BALANCED_WAVES` programs an SM: a whole number of rounds of the programs an SM holds at once, so
+no nearly empty last round.
 """
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ from appliance.attention.pinned import PinnedRing
 
 MAX_BATCH = 8          # graph batches up to this many rows run the split-KV kernel, larger ones the balanced one
 PAGES_PER_BLOCK = 2    # pages one program reads per loop iteration, and the least a split covers
-NUM_WARPS = 2          # (156 registers a thread: 6 programs an SM; measured faster than 4 warps x 4 pages at 1-8 rows)
+NUM_WARPS = 2          # (measured faster than 4 warps x 4 pages at 1-8 rows)
+PROGRAMS_PER_SM = 6    # programs of the split kernel an SM holds at once (156 registers a thread at 2 warps)
 
 BALANCED_PAGES_PER_BLOCK = 4
 BALANCED_WARPS = 4
-BALANCED_WAVES = 6       # programs a balanced plan aims at, in SMs' worth (two rounds of the 3 an SM holds)
+BALANCED_PROGRAMS_PER_SM = 3  # programs of the balanced kernel an SM holds at once (142 registers a thread)
+BALANCED_WAVES = 6       # programs a balanced plan aims at, in SMs' worth (two rounds of what an SM holds)
 BALANCED_MIN_PAGES = 8   # the least pages a work item of a cut row covers
 BALANCED_MAX_SPLITS = 32  # items a row is cut into at most
 

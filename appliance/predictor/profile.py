@@ -73,7 +73,7 @@ class ProfileFile(_Model):
     decode: dict[str, list[float]]    # SM count -> e, f, g[, k: per token on the kernel's critical path]
     mixed: list[float] | None = None  # a', b', c', e', d', h' of a mixed step on all SMs (None: not measured)
     # what the decode attention kernel's plan depended on (decode_plan.py); None: k is not fitted
-    decode_plan: dict[str, int | list[int]] | None = None
+    decode_plan: dict[str, int | str | list[int]] | None = None
     # one layer's GEMM time per prefill partition at the row buckets prefill launches are padded to (gemm_table.py);
     # None: no padding, q is not fitted
     gemm: dict[str, int | list[int] | dict[str, list[float]]] | None = None
@@ -147,7 +147,7 @@ class ProfileFile(_Model):
         """Each kernel block parses into its class (decode_plan.py, prefill_plan.py, gemm_table.py) with positive
         sizes."""
         kind, needs, sizes = {
-            "decode_plan": (DecodePlan, "total_sms, kv_heads, page_size (and graph_sizes)",
+            "decode_plan": (DecodePlan, "total_sms, kv_heads, page_size (and graph_sizes, kernel)",
                             ("total_sms", "kv_heads", "page_size")),
             "prefill_plan": (PrefillPlan, "total_sms and qo_heads (and tile_q)", ("total_sms", "qo_heads", "tile_q")),
             "gemm": (GemmTable, "rows (ascending bucket sizes) and ms (per SM count, a time per bucket), and "

@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from appliance.attention import uses_triton_decode
 from appliance.engine.engine import Engine
 from appliance.engine.graphs import capture_sizes
 from appliance.engine.partitions import Partition
@@ -52,13 +53,17 @@ class StepTimer:
 
     @property
     def decode_plan(self) -> DecodePlan | None:
-        """What the decode attention kernel plans from, where the engine runs flashinfer's tensor-core decode (the
-        kernel the critical-path term models, decode_plan.py); None for any other decode."""
-        runner = self.engine.runner
-        if not self.cuda or not getattr(runner.backend, "decode_tensor_cores", False):
+        """What the decode attention kernels plan from, where the engine's decode graphs run muxd's Triton kernels or
+        it decodes with flashinfer's tensor-core decode (the kernels the critical-path term models, decode_plan.py);
+        None for any other decode."""
+        runner, page_size = self.engine.runner, self.engine.kv_cache.page_size
+        triton = runner.graphs is not None and uses_triton_decode(runner.decode_kernel, self.engine.model.config, 1,
+                                                                  page_size)
+        if not self.cuda or not (triton or getattr(runner.backend, "decode_tensor_cores", False)):
             return None
         sizes = tuple(capture_sizes(self.engine.max_graph_batch)) if runner.graphs is not None else ()
-        return DecodePlan(self.sm_count, self.engine.model.config.num_kv_heads, self.engine.kv_cache.page_size, sizes)
+        return DecodePlan(self.sm_count, self.engine.model.config.num_kv_heads, page_size, sizes,
+                          "triton" if triton else "flashinfer")
 
     @property
     def prefill_plan(self) -> PrefillPlan | None:

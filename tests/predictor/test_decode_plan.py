@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from appliance.attention import triton_decode
 from appliance.engine.graphs import capture_sizes
 from appliance.errors import ConfigError
 from appliance.predictor.decode_plan import DecodePlan
@@ -112,3 +113,74 @@ def test_the_closed_form_matches_the_plan_replayed_chunk_by_chunk():
             sms = int(rng.choice([16, 32, 48, 64, 96, plan.total_sms]))
             assert plan.critical_tokens(load(batch, context), sms) == replay(plan, batch, context, sms), \
                 (plan, batch, context, sms)
+
+
+H200_TRITON = DecodePlan(132, 8, 16, tuple(capture_sizes(256)), "triton")
+
+
+def test_muxd_kernels_run_their_own_plans_on_graph_batches():
+    # one request of 1,024 tokens (64 pages): the split kernel's 64 splits of at least 2 pages, 32 in use, 256
+    # programs; all 132 SMs hold 6 each (one wave of 2 pages), 16 SMs 96 (three waves)
+    assert H200_TRITON.critical_tokens(load(1, 1024), 132) == 2 * 16
+    assert H200_TRITON.critical_tokens(load(1, 1024), 16) == 3 * 2 * 16
+    # 64 requests of 4,096 tokens (256 pages): the balanced plan aims at 99 items a KV head (6 SMs' worth of
+    # programs), so chunks of 166 pages cut each row in two: 1,024 programs of 128 pages, 3 a SM at once
+    assert H200_TRITON.critical_tokens(load(64, 4096), 132) == 3 * 128 * 16
+    assert H200_TRITON.critical_tokens(load(64, 4096), 64) == 6 * 128 * 16
+    # past the largest graph the eager step runs flashinfer's decode
+    assert H200_TRITON.critical_tokens(load(300, 2048), 132) == H200.critical_tokens(load(300, 2048), 132)
+    assert DecodePlan.from_dict(H200_TRITON.to_dict()) == H200_TRITON
+    assert DecodePlan.from_dict({"total_sms": 132, "kv_heads": 8, "page_size": 16}).kernel == "flashinfer"
+    with pytest.raises(ValueError, match="decode kernel 'cutlass' is not one of flashinfer, triton"):
+        DecodePlan(132, 8, 16, kernel="cutlass")
+
+
+def replay_triton(plan: DecodePlan, batch: int, context: int, sms: int) -> int:
+    """muxd's kernels program by program: each row's splits (or the balanced plan's items) for every KV head, the
+    longest first in waves of the programs the SMs hold."""
+    graph = next(s for s in plan.graph_sizes if s >= batch)
+    pages = [math.ceil(context / plan.page_size)] * batch + [1] * (graph - batch)
+    if graph <= triton_decode.MAX_BATCH:
+        splits = triton_decode.splits_for(graph)
+        runs = []
+        for p in pages:
+            per = max(-(-p // splits), triton_decode.PAGES_PER_BLOCK)
+            runs += [min(per, p - s * per) for s in range(splits) if s * per < p]
+        slots = triton_decode.PROGRAMS_PER_SM * sms
+    else:
+        target = -(-triton_decode.BALANCED_WAVES * plan.total_sms // plan.kv_heads)
+        items = triton_decode.balance(np.array(pages), target, target + 2 * graph)
+        runs = [int(e - b) for row, b, e, _, _ in items if row >= 0]
+        slots = triton_decode.BALANCED_PROGRAMS_PER_SM * sms
+    programs = sorted((r for r in runs for _ in range(plan.kv_heads)), reverse=True)
+    return plan.page_size * sum(programs[::slots])
+
+
+def test_muxd_kernels_closed_form_matches_their_programs_replayed():
+    rng = np.random.default_rng(11)
+    for plan in (H200_TRITON, DecodePlan(78, 4, 16, (1, 2, 4, 8, 16, 32), "triton")):
+        for i in range(150):
+            batch = int(rng.integers(1, plan.graph_sizes[-1] + 1))
+            context = int(rng.integers(2, 200 if i % 4 == 0 else 40000))
+            sms = int(rng.choice([16, 32, 48, 64, 96, plan.total_sms]))
+            assert plan.critical_tokens(load(batch, context), sms) == replay_triton(plan, batch, context, sms), \
+                (plan, batch, context, sms)
+
+
+def test_a_profile_names_the_kernel_its_plan_models(tmp_path):
+    raw = json.loads(Path("docs/data/profile-llama-3.1-8b-h200-2026-11-22.json").read_text())
+    raw["decode"]["64"] = raw["decode"]["64"] + [1e-4]
+    path = tmp_path / "p.json"
+    raw["decode_plan"] = H200_TRITON.to_dict()
+    path.write_text(json.dumps(raw))
+    triton = read_profile(path).predictor(32, "profile")
+    raw["decode_plan"] = H200.to_dict()
+    path.write_text(json.dumps(raw))
+    flashinfer = read_profile(path).predictor(32, "profile")
+    # 22 requests of 15,096 tokens on 64 SMs: flashinfer's plan runs two waves of whole requests, muxd's balanced
+    # plan shorter items in whole rounds
+    assert triton.decode_ms(load(22, 15096), 64) < flashinfer.decode_ms(load(22, 15096), 64)
+    raw["decode_plan"]["kernel"] = "cutlass"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="decode kernel 'cutlass' is not one of flashinfer, triton"):
+        read_profile(path)
