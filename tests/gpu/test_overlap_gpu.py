@@ -229,7 +229,7 @@ def test_plans_take_pinned_buffers_in_turn(fast, copy_model):
     prompt = periodic_prompt(30, 40)
 
     def requests(engine: Engine, rows: int) -> dict[int, list[Request]]:
-        return {0: [engine.make_request(prompt, SamplingParams(max_tokens=6, temperature=0)) for _ in range(rows)]}
+        return {0: [engine.make_request(prompt, SamplingParams(max_tokens=8, temperature=0)) for _ in range(rows)]}
 
     backends = {size: backend for size, (_, backend) in fast.runner.graphs._graphs.items()}
     assert all(b.triton is not None for b in backends.values())
