@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from appliance.attention import AttentionMetadata, page_layout, uses_triton_decode
-from appliance.attention.triton_decode import MAX_BATCH, TritonDecode, balance, partials, splits_for, unsupported
+from appliance.attention.triton_decode import (BALANCED_PROGRAMS_PER_SM, MAX_BATCH, PROGRAMS_PER_SM, TritonDecode,
+                                               balance, partials, splits_for, unsupported)
 from appliance.errors import ConfigError
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 # a batch of rows of `lens` tokens over pages in random order, its new K/V written, and the torch reference's output
 BATCH = textwrap.dedent("""
@@ -157,3 +158,20 @@ def test_plan_refuses_a_batch_it_was_not_made_for():
     meta = AttentionMetadata(qo, kv_indptr, kv_indices, last, ends.astype(np.int32), 16, torch.from_numpy(slots))
     with pytest.raises(RuntimeError, match="of 2 rows got 1 sequences"):
         dec.plan(meta)
+
+
+def test_the_kernels_fit_the_programs_per_sm_the_plans_assume(tmp_path):
+    """Compiled for an H100/H200 without a GPU (scripts/kernel_registers.py, Triton's own ptxas), each kernel as
+    launched holds at least the programs an SM that the balanced plan and the predictor's decode plan count on, and
+    spills nothing."""
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "scripts/kernel_registers.py"], env=env, capture_output=True, text=True,
+                            timeout=600, cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
+    assert result.returncode == 0, result.stdout + result.stderr
+    # | kernel | warps | pages a loop | registers | spill bytes | shared KB | programs an SM |
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in result.stdout.splitlines() if line.startswith("| decode_"))}
+    for name, least in (("decode_partial", PROGRAMS_PER_SM), ("decode_balanced", BALANCED_PROGRAMS_PER_SM)):
+        assert int(rows[name][5]) >= least and int(rows[name][3]) == 0, (name, rows[name])
