@@ -192,6 +192,10 @@ class _SamplingRequest(BaseModel):
         if self.stream and self.prompt_logprobs:  # as vLLM: no stream chunk carries them
             raise RequestError("prompt_logprobs are not returned when streaming; send stream: false, or "
                                "prompt_logprobs 0 or null", "prompt_logprobs", CONFLICT)
+        most = self.requested_max_tokens()
+        if self.min_tokens and most is not None and self.min_tokens > most:  # as vLLM
+            raise RequestError(f"min_tokens={self.min_tokens} is more than max_tokens={most}; raise max_tokens or "
+                               "lower min_tokens", "min_tokens", CONFLICT)
         return self
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
