@@ -174,7 +174,9 @@ def test_calibration_replays_under_chunked_and_measures_serving_against_the_prof
     # over MIN_STEPS steps; the mixed steps' floor where the profile fitted a mixed model (it depends on the timings)
     assert set(factors) <= {"decode", "prefill", "prefill_full", "mixed_floor"} and "decode" in factors
     assert any(s.get("mixed") and "pred_ms" in s for s in steps)  # it ran chunked prefill, predicted step by step
-    assert max(n + r for s in steps for n, r in s.get("items", ())) > 100  # both workloads' steps are in the fit
+    # both workloads' steps are in the fit: decode rows of the longer prompts hold over 100 cached tokens each (the
+    # first workload's at most 96); whether their prefills share a step with decode rows depends on the timings
+    assert max(s["ctx"] / s["decode"] for s in steps if s.get("decode") and "ctx" in s) > 100
     # the replays ran with the prefix cache on, as the server does (their computed pages were cached), and the
     # profiler's engine caches nothing again after them
     assert engine.pool.num_cached_pages > 0 and not engine.pool.enable_prefix_caching
