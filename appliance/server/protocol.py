@@ -200,6 +200,9 @@ class _SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's parameters for one choice (choice i of a seeded request samples with seed + i, as vLLM)."""
+        if (self.min_tokens or 0) > max_tokens:  # max_tokens left out: what the context leaves after the prompt
+            raise RequestError(f"min_tokens={self.min_tokens} is more than the {max_tokens} tokens the context leaves "
+                               "after the prompt", "min_tokens", CONFLICT)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -208,7 +211,7 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
             include_stop_str=bool(self.include_stop_str_in_output), skip_special_tokens=self.skip_special_tokens
             is not False,
-            min_p=self.min_p or 0.0, min_tokens=min(self.min_tokens or 0, max_tokens),
+            min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),

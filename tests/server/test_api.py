@@ -160,6 +160,7 @@ BAD_BODIES = [
     ("completions", {"prompt": "hi", "min_tokens": 4, "max_tokens": 3}, "min_tokens"),
     ("completions", {"prompt": "hi", "min_tokens": 17}, "min_tokens"),  # beyond the default max_tokens, 16
     ("chat/completions", {"messages": CHAT, "min_tokens": 9, "max_completion_tokens": 8}, "min_tokens"),
+    ("chat/completions", {"messages": CHAT, "min_tokens": 600}, "min_tokens"),  # more than the 512-token context leaves
     ("chat/completions", {"messages": CHAT, "logprobs": "yes"}, "logprobs"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
