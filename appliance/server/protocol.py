@@ -152,6 +152,8 @@ class _SamplingRequest(BaseModel):
                                                                  "strings.")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (vLLM): one of json, regex, "
                                                                            "choice, as the guided_ fields.")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema (strict: "
+                                                                     "the output follows the schema).")
     truncate_prompt_tokens: Literal[-1] | Count | None = Field(
         None, description="Extension (vLLM): keep only the prompt's last k tokens (after the chat template); -1: as "
                           "many as the context leaves room for beside max_tokens.")
@@ -251,7 +253,12 @@ class _SamplingRequest(BaseModel):
         return self.max_tokens
 
     def grammar(self) -> GrammarSpec | None:
-        return guided_grammar(self.guided_json, self.guided_regex, self.guided_choice, self.structured_outputs)
+        guided = guided_grammar(self.guided_json, self.guided_regex, self.guided_choice, self.structured_outputs)
+        spec = self.response_format.grammar() if self.response_format is not None else None
+        if guided is not None and spec is not None:
+            raise RequestError(f"{guided.param} and response_format both constrain the output; send one",
+                               guided.param, CONFLICT)
+        return guided or spec
 
     @property
     def include_usage(self) -> bool:
@@ -413,8 +420,6 @@ class ChatCompletionRequest(_SamplingRequest):
                                                                    "it; needs add_generation_prompt false.")
     logprobs: bool | None = Field(None, description="Log-probability of each output token.")
     top_logprobs: TopLogprobs | None = Field(None, description="Alternatives per token (needs logprobs).")
-    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema (strict: "
-                                                                     "the output follows the schema).")
     tools: ToolsRequest | None = None
     tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), '
                                                              '"required", or {"type": "function", "function": '
@@ -450,16 +455,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def grammar(self) -> GrammarSpec | None:
-        guided = super().grammar()
-        if self.tools and self.tool_choice is not None and self.tool_choice.constrains:
-            spec, other = self.tool_choice.grammar(self.tools, self.parallel_tool_calls is not False), "tool_choice"
-        else:
-            spec = self.response_format.grammar() if self.response_format is not None else None
-            other = "response_format"
-        if guided is not None and spec is not None:
-            raise RequestError(f"{guided.param} and {other} both constrain the output; send one", guided.param,
+        spec = super().grammar()
+        if not (self.tools and self.tool_choice is not None and self.tool_choice.constrains):
+            return spec
+        if spec is not None:  # (response_format with a forcing tool_choice is refused by the validator)
+            raise RequestError(f"{spec.param} and tool_choice both constrain the output; send one", spec.param,
                                CONFLICT)
-        return guided or spec
+        return self.tool_choice.grammar(self.tools, self.parallel_tool_calls is not False)
 
     @property
     def active_tools(self) -> ToolsRequest | None:

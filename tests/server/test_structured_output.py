@@ -49,6 +49,20 @@ def test_nested_json_schema_outputs_all_validate(client, model_name):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_completions_take_response_format_too(client, model_name):
+    """As vLLM's completions do: json_schema and json_object; one constraint a request."""
+    out = client.completions.create(model=model_name, prompt="A person as JSON: ", n=2, seed=3, max_tokens=200,
+                                    extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                        "name": "person", "schema": PERSON}}})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), PERSON)
+    out = client.completions.create(model=model_name, prompt="JSON: ", seed=4, max_tokens=200,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    if out.choices[0].finish_reason == "stop":  # (a random tiny model may write one string until max_tokens)
+        assert isinstance(json.loads(out.choices[0].text), dict)
+
+
 def test_json_object(client, model_name):
     out = client.chat.completions.create(model=model_name, messages=ASK, n=4, seed=2, max_tokens=200,
                                          response_format={"type": "json_object"})
@@ -110,7 +124,8 @@ def test_vllm_guided_fields_constrain_the_output(client, model_name, server):
     for body, param in (({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
                         ({"guided_regex": "[0-9"}, "guided_regex"),
                         ({"guided_json": "{not json"}, "guided_json"),
-                        ({"structured_outputs": {}}, "structured_outputs")):
+                        ({"structured_outputs": {}}, "structured_outputs"),
+                        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex")):
         response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", **body}, timeout=120)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     response = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
