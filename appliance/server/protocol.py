@@ -194,6 +194,9 @@ class _SamplingRequest(BaseModel):
         if self.stream and self.prompt_logprobs:  # as vLLM: no stream chunk carries them
             raise RequestError("prompt_logprobs are not returned when streaming; send stream: false, or "
                                "prompt_logprobs 0 or null", "prompt_logprobs", CONFLICT)
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
+            raise RequestError("stream_options apply only when streaming; send stream: true, or leave them out",
+                               "stream_options", CONFLICT)
         most = self.requested_max_tokens()
         if self.min_tokens and most is not None and self.min_tokens > most:  # as vLLM
             raise RequestError(f"min_tokens={self.min_tokens} is more than max_tokens={most}; raise max_tokens or "

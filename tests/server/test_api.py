@@ -140,6 +140,7 @@ BAD_BODIES = [
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True, "chunk_usage": True}},
      "stream_options.chunk_usage"),
     ("completions", {"prompt": "hi", "top_k": 2**63}, "top_k"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # not streaming
     # unknown fields and options muxd does not implement are refused, naming the field
     ("completions", {"prompt": "hi", "temprature": 0.5}, "temprature"),
     ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {}}, "chat_template_kwargs"),
