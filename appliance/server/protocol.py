@@ -197,17 +197,14 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
             raise RequestError("stream_options apply only when streaming; send stream: true, or leave them out",
                                "stream_options", CONFLICT)
-        most = self.requested_max_tokens()
-        if self.min_tokens and most is not None and self.min_tokens > most:  # as vLLM
-            raise RequestError(f"min_tokens={self.min_tokens} is more than max_tokens={most}; raise max_tokens or "
-                               "lower min_tokens", "min_tokens", CONFLICT)
         return self
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's parameters for one choice (choice i of a seeded request samples with seed + i, as vLLM)."""
-        if (self.min_tokens or 0) > max_tokens:  # max_tokens left out: what the context leaves after the prompt
-            raise RequestError(f"min_tokens={self.min_tokens} is more than the {max_tokens} tokens the context leaves "
-                               "after the prompt", "min_tokens", CONFLICT)
+        if (self.min_tokens or 0) > max_tokens:  # as vLLM (max_tokens left out: what the context leaves)
+            most = (f"max_tokens={max_tokens}" if self.requested_max_tokens() is not None
+                    else f"the {max_tokens} tokens the context leaves after the prompt")
+            raise RequestError(f"min_tokens={self.min_tokens} is more than {most}", "min_tokens", CONFLICT)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,

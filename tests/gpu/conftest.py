@@ -23,7 +23,6 @@ def copy_model(tmp_path_factory):
     return train_copy_model(tmp_path_factory.mktemp("copy-model"))
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def release_gpu_memory():
     """Each test module hands the memory its engines left in torch's cache back to the driver when it ends: a server
