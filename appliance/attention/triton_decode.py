@@ -133,6 +133,13 @@ def balance(npages: np.ndarray, target: int, capacity: int, min_pages: int = BAL
     return items
 
 
+def balanced_sizes(waves: int, sm_count: int, num_kv_heads: int, batch: int) -> tuple[int, int]:
+    """The items a balanced plan of `batch` rows aims at (`waves` programs an SM, over the KV heads) and the items
+    its grid holds (the aim and two more a row: the room `balance` may take beyond it)."""
+    target = max(1, -(-waves * sm_count // num_kv_heads))
+    return target, target + 2 * batch
+
+
 class BalancedTritonDecode:
     """Decode attention of a fixed number of rows (a CUDA-graph batch size) in one launch, its rows cut into work
     items of about equal pages on the host at each `plan()` (one index copy, stream-ordered); `run()` is what a
@@ -152,9 +159,9 @@ class BalancedTritonDecode:
         if sm_count is None:
             sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
                 else 132
-        self.target = max(1, -(-waves * sm_count // num_kv_heads))
+        self.target, self.capacity = balanced_sizes(waves, sm_count, num_kv_heads, batch)
         self.min_pages = min_pages
-        self.batch, self.capacity = batch, self.target + 2 * batch
+        self.batch = batch
         self.pages_per_block, self.num_warps = pages_per_block, num_warps
         # [indptr (batch + 1) | seq_lens (batch) | items (capacity x 5) | page indices (max_pages)], one copy a plan
         items = 5 * self.capacity

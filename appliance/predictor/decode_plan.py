@@ -108,9 +108,8 @@ def _triton_critical_pages(batch: int, pages: int, graph: int, heads: int, total
         groups = [(batch * (used - 1) * heads, per), (batch * heads, pages - (used - 1) * per),
                   ((graph - batch) * heads, 1)]
         return _waves(groups, td.PROGRAMS_PER_SM * sms)
-    target = max(1, math.ceil(td.BALANCED_WAVES * total_sms / heads))
-    items = td.balance(np.array([pages] * batch + [1] * (graph - batch)), target, target + 2 * graph,
-                       td.BALANCED_MIN_PAGES)
+    target, capacity = td.balanced_sizes(td.BALANCED_WAVES, total_sms, heads, graph)
+    items = td.balance(np.array([pages] * batch + [1] * (graph - batch)), target, capacity, td.BALANCED_MIN_PAGES)
     items = items[items[:, 0] >= 0]
     lengths, counts = np.unique(items[:, 2] - items[:, 1], return_counts=True)
     return _waves([(int(c) * heads, int(n)) for n, c in zip(lengths[::-1], counts[::-1])],
