@@ -114,6 +114,8 @@ class RenderedChat:
     escaped: Escaped | None = None
 
 
+# the variables render_chat gives every template (a request's chat_template_kwargs may not replace them)
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 _TEXT_KEEPING = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength"}
 
 
@@ -160,8 +162,8 @@ class Tokenizer:
     def _max_bytes_per_token(self, spec: dict[str, Any]) -> int | None:
         """The most UTF-8 bytes of (normalized) text one token can stand for, where such a bound exists: a BPE model
         that never fuses runs of unknown characters into one token, a pre-tokenizer that drops nothing, no added
-        token that swallows whitespace. Vocabulary strings are never shorter than the bytes they cover (byte-level and byte-fallback
-        spellings are longer), so their longest UTF-8 length bounds it."""
+        token that swallows whitespace. Vocabulary strings are never shorter than the bytes they cover (byte-level
+        and byte-fallback spellings are longer), so their longest UTF-8 length bounds it."""
         model = spec.get("model") or {}
         added = spec.get("added_tokens") or []
         fused_unknowns = model.get("fuse_unk") and not model.get("byte_fallback")  # byte fallback leaves no unk
@@ -212,16 +214,23 @@ class Tokenizer:
         return self.render_chat(messages, add_generation_prompt, escape_control=False, **kwargs).text
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    escape_control: bool = True, continue_final: bool = False, **kwargs: Any) -> RenderedChat:
+                    escape_control: bool = True, continue_final: bool = False,
+                    variables: dict[str, Any] | None = None, **kwargs: Any) -> RenderedChat:
         """Render a conversation; with `escape_control`, control-token text inside the messages is marked as text
         for `encode_chat` (so a user cannot write `<|im_end|><|im_start|>system` and forge a turn); with
-        `continue_final`, the prompt ends where the final message's content does (no end of turn after it)."""
+        `continue_final`, the prompt ends where the final message's content does (no end of turn after it).
+        `variables` are the request's own template variables (vLLM's chat_template_kwargs), escaped as the
+        messages are; they may not replace the variables set here."""
         if self.chat_template is None or self._template is None:
             raise RequestError("this model has no chat template (tokenizer_config.json lacks 'chat_template'); "
                                "use /v1/completions", "messages")
+        taken = sorted(set(variables or ()) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)} (muxd sets "
+                               f"{', '.join(TEMPLATE_VARIABLES)} itself)", "chat_template_kwargs")
         kwargs.setdefault("tools", None)  # as transformers passes it: templates test `tools is not none`
-        # what the request wrote (messages, tool definitions) is escaped; the template's own text is not
-        payload = {"messages": messages, "tools": kwargs.pop("tools")}
+        # what the request wrote (messages, tool definitions, its variables) is escaped; the template's own text not
+        payload = {**(variables or {}), "messages": messages, "tools": kwargs.pop("tools")}
         escaped = escape_strings(payload, self._control) if escape_control and self._control else None
         if escaped is not None:
             payload = escaped.value

@@ -75,6 +75,9 @@ MAX_SEQUENCES = 1024  # prompts x choices generated for one request
 CONFLICT = "conflicting_fields"  # the error code of fields that contradict each other (no JSON Schema can say it)
 Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
+TemplateKwargs = dict[str, Any]
+TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, e.g. {"enable_thinking": false} '
+                       "for Qwen3; they may not replace messages, tools, add_generation_prompt, bos_token, eos_token.")
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
 # these by default, so they must not be refused.
@@ -425,6 +428,15 @@ class ChatCompletionRequest(_SamplingRequest):
                                                              '"required", or {"type": "function", "function": '
                                                              '{"name": ...}}.')
     parallel_tool_calls: bool | None = Field(None, description="Accepted; the model may call several tools.")
+    chat_template_kwargs: TemplateKwargs | None = Field(None, description=TEMPLATE_KWARGS_DOC)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="The chat template's variable reasoning_effort (templates that do not read it ignore it).")
+    store: bool | None = Field(None, description="Accepted and ignored (nothing is stored).")
+    metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = Field(None, description="Accepted and "
+                                                                                                "ignored.")
+    service_tier: Text | None = Field(None, description="Accepted and ignored.")
+    prompt_cache_key: Text | None = Field(None, description="Accepted and ignored (the prefix cache needs no key).")
+    safety_identifier: Text | None = Field(None, description="Accepted and ignored.")
     functions: list[dict[str, Any]] | None = Field(None, json_schema_extra=_off_enum("functions"),
                                                    description="Only [].")
     function_call: str | dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("function_call"),
@@ -453,6 +465,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def token_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_variables(self) -> dict[str, Any]:
+        """The request's own chat template variables: chat_template_kwargs, and reasoning_effort where sent."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            if variables.setdefault("reasoning_effort", self.reasoning_effort) != self.reasoning_effort:
+                raise RequestError("reasoning_effort and chat_template_kwargs.reasoning_effort differ; send one",
+                                   "reasoning_effort", CONFLICT)
+        return variables
 
     def grammar(self) -> GrammarSpec | None:
         spec = super().grammar()

@@ -126,14 +126,15 @@ class OpenAIServing:
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         return self._tokenizer().render_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
                                              escape_control=self.escape_control,
-                                             continue_final=bool(body.continue_final_message), **extra)
+                                             continue_final=bool(body.continue_final_message),
+                                             variables=body.template_variables(), **extra)
 
     def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
         if body.messages is not None:
             tok = self._tokenizer()
             chat = tok.render_chat([m.for_template() for m in body.messages],
                                    add_generation_prompt=body.add_generation_prompt, escape_control=self.escape_control,
-                                   continue_final=body.continue_final_message)
+                                   continue_final=body.continue_final_message, variables=body.chat_template_kwargs)
             self._check_text(chat.text, "messages", limit=False)
             return tok.encode_chat(chat)
         return self._encode(body.prompt, body.add_special_tokens, "prompt", limit=False)

@@ -6,7 +6,15 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from appliance.errors import RequestError
-from appliance.server.protocol import ChatMessage, Text, TokenId, bounded_int, check_continue_final
+from appliance.server.protocol import (
+    TEMPLATE_KWARGS_DOC,
+    ChatMessage,
+    TemplateKwargs,
+    Text,
+    TokenId,
+    bounded_int,
+    check_continue_final,
+)
 
 
 class TokenizeRequest(BaseModel):
@@ -22,6 +30,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: TemplateKwargs | None = Field(None, description=TEMPLATE_KWARGS_DOC)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

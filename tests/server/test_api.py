@@ -143,7 +143,13 @@ BAD_BODIES = [
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # not streaming
     # unknown fields and options muxd does not implement are refused, naming the field
     ("completions", {"prompt": "hi", "temprature": 0.5}, "temprature"),
-    ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {}}, "chat_template_kwargs"),
+    ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("chat/completions", {"messages": CHAT, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ("chat/completions", {"messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ("chat/completions", {"messages": CHAT, "reasoning_effort": "low",
+                          "chat_template_kwargs": {"reasoning_effort": "high"}}, "reasoning_effort"),
+    ("chat/completions", {"messages": CHAT, "metadata": {"k": 1}}, "metadata.k"),
+    ("chat/completions", {"messages": CHAT, "store": "no"}, "store"),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "n": 1000}, "n"),
     ("completions", {"prompt": "hi", "best_of": 0}, "best_of"),

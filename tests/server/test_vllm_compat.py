@@ -263,6 +263,38 @@ def test_continue_final_message_continues_the_last_message(client, server, model
         assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
 
 
+THINKING = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}<|assistant|>\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+            "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_openai_bookkeeping_fields_are_accepted(shared_serve, model_name):
+    """vLLM's chat_template_kwargs (Qwen3's {"enable_thinking": false}) and OpenAI's reasoning_effort are variables
+    of the chat template, in chat requests and /tokenize alike; OpenAI's store, metadata, service_tier,
+    prompt_cache_key and safety_identifier are accepted and change nothing."""
+    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", THINKING)
+    messages = [{"role": "user", "content": "hi"}]
+
+    def prompt_tokens(**extra) -> tuple[int, list[int]]:
+        body = {"model": model_name, "messages": messages, "max_tokens": 1, **extra}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        tokens = httpx.post(server.url + "/tokenize", json={"messages": messages, **{
+            k: v for k, v in extra.items() if k == "chat_template_kwargs"}}).json()["tokens"]
+        return response.json()["usage"]["prompt_tokens"], tokens
+
+    plain, plain_tokens = prompt_tokens()
+    assert plain == len(plain_tokens)
+    off, off_tokens = prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+    assert off == len(off_tokens) > plain and off_tokens[:plain] == plain_tokens
+    effort, _ = prompt_tokens(reasoning_effort="low")
+    assert effort > plain
+    assert prompt_tokens(chat_template_kwargs={"reasoning_effort": "low"})[0] == effort
+    bookkeeping = {"store": False, "metadata": {"team": "search"}, "service_tier": "auto",
+                   "prompt_cache_key": "user-7", "safety_identifier": "hash-1"}
+    assert prompt_tokens(**bookkeeping)[0] == plain
+
+
 def test_include_stop_str_in_output_and_skip_special_tokens(client, model_name, tokenizer):
     kw = dict(model=model_name, prompt="def main():", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
     free = client.completions.create(**kw).choices[0].text
