@@ -35,6 +35,7 @@ POLICY_CHOICES = ("auto", *POLICIES)  # auto: mux on a CUDA GPU, serial on a CPU
 DEFAULT_GRAPH_ROWS = 2048  # --prefill-graph-rows' default: the largest prefill launch replaying piecewise graphs
 SPATIAL_POLICIES = ("mux", "layerwise", "pdmux")  # the policies that run prefill and decode on disjoint SM partitions
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/tools.py reads each
+REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # server/reasoning.py reads each
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ki": 2**10,
@@ -315,6 +316,10 @@ class ServerSettings:
     tool_call_parser: str = flag("auto", "How tool calls are read from the output with tool_choice auto: hermes "
                                  "(<tool_call> blocks: Qwen 2.5/3), llama3_json (Llama 3.x), none, or auto (from the "
                                  "chat template).")
+    reasoning_parser: str = flag("none", "Return what a thinking model writes between <think> and </think> as the "
+                                 "chat message's `reasoning`, apart from its content (as vLLM's flag): qwen3 (Qwen3; "
+                                 "enable_thinking false in chat_template_kwargs turns thinking off), deepseek_r1, or "
+                                 "none.")
     enable_auto_tool_choice: bool = flag(True, "Let the model choose whether to call a tool (tool_choice auto); "
                                          "off: requests with tools and tool_choice auto get HTTP 400.")
 
@@ -331,6 +336,9 @@ class ServerSettings:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                               f"{self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                              f"{self.reasoning_parser!r}")
         if self.engine_restarts < 0 or not self.engine_restart_window > 0:
             raise ConfigError(f"--engine-restarts must be >= 0 and --engine-restart-window > 0 seconds, got "
                               f"{self.engine_restarts} and {self.engine_restart_window}")

@@ -12,6 +12,7 @@ from appliance.engine.request import RequestOutput, TokenLogprob
 from appliance.model_zoo.tokenizer import Tokenizer
 from appliance.server import protocol as p
 from appliance.server import responses as r
+from appliance.server.reasoning import ReasoningStream, split
 from appliance.server.tools import CallStream, ToolCall, ToolChoiceValue, forced_calls, parse_calls
 
 
@@ -187,7 +188,9 @@ class CompletionFormat(_Format):
 
 class ChatFormat(_Format):
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p.ChatCompletionRequest,
-                 parser: str) -> None:
+                 parser: str, thinking: bool | None = None) -> None:
+        """`thinking`: None without a reasoning parser (or where a grammar constrains the output), else whether the
+        output begins inside a think block (reasoning.opens_thinking)."""
         super().__init__(rid, model, tokenizer, body)
         self.logprobs = bool(body.logprobs)
         tools = body.active_tools
@@ -196,7 +199,9 @@ class ChatFormat(_Format):
         if tools:
             self.choice = body.tool_choice or ToolChoiceValue("auto")
             self.parser = parser if self.choice.mode == "auto" else "none"
+        self.thinking, self.show_reasoning = thinking, body.include_reasoning is not False
         self._calls: dict[int, CallStream] = {}
+        self._reasoning: dict[int, ReasoningStream] = {}
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         return r.ChatCompletionChunk(id=self.rid, model=self.model, choices=[], usage=usage)
@@ -209,9 +214,17 @@ class ChatFormat(_Format):
         delta = r.ChatDelta()
         mode = self.choice.mode if self.choice else "none"
         reason = out.finish_reason
+        text = out.new_text
+        if self.thinking is not None:
+            thoughts = self._reasoning.setdefault(choice.index, ReasoningStream(self.thinking))
+            reasoning, text = thoughts.feed(text)
+            if out.finished:
+                more_reasoning, more_text = thoughts.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+            delta.reasoning = (reasoning or None) if self.show_reasoning else None
         if mode == "auto" and self.parser != "none":
             stream = self._calls.setdefault(choice.index, CallStream(self.parser))
-            delta.content = stream.feed(out.new_text) or None
+            delta.content = stream.feed(text) or None
             if out.finished:
                 rest, calls = stream.finish()
                 delta.content = ((delta.content or "") + rest) or None
@@ -230,10 +243,10 @@ class ChatFormat(_Format):
                 if calls:
                     delta.tool_calls, reason = _deltas(calls), "tool_calls"
         else:
-            delta.content = out.new_text or None
+            delta.content = text or None
         logprobs = self._logprobs(out.logprobs or [])
-        if delta.content is None and delta.tool_calls is None and not out.finished and logprobs is None and not (
-                out.new_token_ids and self.tokenizer is None):
+        if delta.content is None and delta.tool_calls is None and delta.reasoning is None and not out.finished and \
+                logprobs is None and not (out.new_token_ids and self.tokenizer is None):
             return []
         choice.started = True
         return [r.ChatCompletionChunk(id=self.rid, model=self.model, usage=usage, choices=[r.ChatChunkChoice(
@@ -243,20 +256,24 @@ class ChatFormat(_Format):
         bodies = []
         for c in choices:
             content: str | None = c.text
+            reasoning: str | None = None
+            if self.thinking is not None:
+                reasoning, content = split(c.text, self.thinking)
+                reasoning, content = (reasoning or None) if self.show_reasoning else None, content or None
             calls: list[ToolCall] = []
             reason = c.last.finish_reason
             mode = self.choice.mode if self.choice else "none"
-            if mode == "auto" and self.parser != "none":
+            if mode == "auto" and self.parser != "none" and content:
                 stream = CallStream(self.parser)
-                stream.feed(c.text)
+                stream.feed(content)
                 _, calls = stream.finish()
                 if calls:
-                    content = _content_before_calls(c.text, self.parser)
+                    content = _content_before_calls(content, self.parser)
             elif mode in ("named", "required"):
                 calls, content = forced_calls(c.text, self.choice), None
             if calls and mode != "named":
                 reason = "tool_calls"
-            message = r.ChatMessageOut(content=content, tool_calls=[
+            message = r.ChatMessageOut(content=content, reasoning=reasoning, tool_calls=[
                 r.ToolCallOut(id=t.id, function=r.FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             bodies.append(r.ChatChoice(index=c.index, message=message, finish_reason=reason,
                                        logprobs=self._logprobs(c.logprobs, final=True)))

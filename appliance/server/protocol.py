@@ -377,6 +377,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     refusal: Text | None = None
+    reasoning: Text | None = None  # an earlier answer's, as --reasoning-parser returned it
+    reasoning_content: Text | None = None  # the same by its older name, which templates read (Qwen3's)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -390,6 +392,8 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         out = self.model_dump(exclude_none=True)
+        if self.reasoning is not None:
+            out.setdefault("reasoning_content", self.reasoning)
         if isinstance(self.content, list):
             out["content"] = "".join(part.text for part in self.content)
         for call in out.get("tool_calls") or []:  # templates write the arguments as JSON themselves (as vLLM)
@@ -429,6 +433,8 @@ class ChatCompletionRequest(_SamplingRequest):
                                                              '{"name": ...}}.')
     parallel_tool_calls: bool | None = Field(None, description="Accepted; the model may call several tools.")
     chat_template_kwargs: TemplateKwargs | None = Field(None, description=TEMPLATE_KWARGS_DOC)
+    include_reasoning: bool | None = Field(True, description="Extension (vLLM): false leaves the reasoning out "
+                                                             "(with --reasoning-parser).")
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
         None, description="The chat template's variable reasoning_effort (templates that do not read it ignore it).")
     store: bool | None = Field(None, description="Accepted and ignored (nothing is stored).")

@@ -28,6 +28,7 @@ from appliance.server.choices import Choices
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
 from appliance.server.metrics import Metrics
+from appliance.server.reasoning import opens_thinking
 from appliance.server.tools import detect_parser
 
 
@@ -43,6 +44,7 @@ class OpenAIServing:
         self.auto_tools = config.server.enable_auto_tool_choice
         self.tool_parser = detect_parser(self.tokenizer.chat_template if self.tokenizer else None,
                                          config.server.tool_call_parser)
+        self.reasoning_parser = config.server.reasoning_parser
         self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="muxd-prep")
 
     def shutdown(self) -> None:
@@ -66,9 +68,9 @@ class OpenAIServing:
     async def chat(self, body: p.ChatCompletionRequest, http: HTTPRequest):
         self.check_model(body.model)
         rid = r.new_id("chatcmpl")
-        requests = await self._off_loop(self._chat_requests, body, rid)
+        requests, thinking = await self._off_loop(self._chat_requests, body, rid)
         return await self._serve(body, requests, http, ChatFormat(rid, self.model_name, self.tokenizer, body,
-                                                                   self.tool_parser))
+                                                                   self.tool_parser, thinking))
 
     async def tokenize(self, body: t.TokenizeRequest) -> r.TokenizeResponse:
         self.check_model(body.model)
@@ -99,12 +101,16 @@ class OpenAIServing:
             requests += self._make(body, ids[-keep:] if keep else ids, body.max_tokens, rid, first=len(requests))
         return requests, cut
 
-    def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> list[Request]:
+    def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> tuple[list[Request], bool | None]:
+        """The request's choices, and whether its output begins inside a think block (None: no reasoning split,
+        without --reasoning-parser or where a grammar constrains the output)."""
         keep = self._keep(body)
         chat = self._render(body)
         self._check_text(chat.text, "messages", limit=keep is None)
         ids = self._tokenizer().encode_chat(chat)
-        return self._make(body, ids[-keep:] if keep else ids, body.requested_max_tokens(), rid)
+        requests = self._make(body, ids[-keep:] if keep else ids, body.requested_max_tokens(), rid)
+        split = self.reasoning_parser != "none" and body.grammar() is None
+        return requests, opens_thinking(chat.text, self.reasoning_parser) if split else None
 
     def _keep(self, body: p._SamplingRequest) -> int | None:
         """The prompt tokens truncate_prompt_tokens keeps, the last ones (None: all); -1 keeps as many as the context

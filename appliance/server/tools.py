@@ -178,7 +178,7 @@ class CallStream:
         if at >= 0:
             self.calling = True
             return self._release(at)
-        return self._release(len(self.text) - _partial_suffix(self.text, "<tool_call>"))
+        return self._release(len(self.text) - partial_suffix(self.text, "<tool_call>"))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not shown yet, calls) at the end of the output."""
@@ -193,7 +193,7 @@ class CallStream:
         return out
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker` (held back: the marker may be arriving)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.model_zoo.tokenizer import Tokenizer
 from appliance.server.metrics import VLLM_ITL_BUCKETS, VLLM_TTFT_BUCKETS
+from appliance.server.reasoning import split
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +294,51 @@ def test_chat_template_kwargs_reach_the_template_and_openai_bookkeeping_fields_a
     bookkeeping = {"store": False, "metadata": {"team": "search"}, "service_tier": "auto",
                    "prompt_cache_key": "user-7", "safety_identifier": "hash-1"}
     assert prompt_tokens(**bookkeeping)[0] == plain
+
+
+OPENS_THINKING = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}<|assistant|>\n<think>\n"
+                  "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}")
+
+
+def test_reasoning_parser_splits_reasoning_from_content_in_bodies_and_streams(shared_serve, model_name):
+    """With --reasoning-parser qwen3 and a template that opens a think block, the output is reasoning until
+    </think>: the body's reasoning and content are the split of the text the same prompt completes to, the stream's
+    deltas add up to the body's; thinking turned off, include_reasoning false and a grammar leave content alone."""
+    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", OPENS_THINKING,
+                          "--reasoning-parser", "qwen3")
+    messages = [{"role": "user", "content": "Is 7 prime?"}]
+
+    def chat(**extra) -> dict:
+        body = {"model": model_name, "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                **extra}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        if not extra.get("stream"):
+            return response.json()["choices"][0]["message"]
+        deltas = [json.loads(line[6:])["choices"] for line in response.text.splitlines() if line.startswith("data: {")]
+        parts = [c[0]["delta"] for c in deltas if c]
+        joined = {k: "".join(d.get(k) or "" for d in parts) or None for k in ("reasoning", "content")}
+        return joined
+
+    def completed(**extra) -> str:
+        ids = httpx.post(server.url + "/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+        body = {"model": model_name, "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    thinking = chat()
+    reasoning, content = split(completed(), True)
+    assert (thinking["reasoning"], thinking["content"]) == (reasoning or None, content or None)
+    assert thinking["reasoning"]
+    assert chat(stream=True) == {"reasoning": thinking["reasoning"], "content": thinking["content"]}
+    hidden = chat(include_reasoning=False)
+    assert hidden["reasoning"] is None and hidden["content"] == thinking["content"]
+    off = chat(chat_template_kwargs={"enable_thinking": False})
+    assert off["reasoning"] is None
+    assert off["content"] == completed(chat_template_kwargs={"enable_thinking": False})
+    constrained = chat(response_format={"type": "json_object"})
+    assert constrained["reasoning"] is None and constrained["content"]
+    echoed = [*messages, {"role": "assistant", **thinking}, {"role": "user", "content": "Why?"}]
+    assert httpx.post(server.url + "/tokenize", json={"messages": echoed}).status_code == 200  # as clients send back
 
 
 def test_include_stop_str_in_output_and_skip_special_tokens(client, model_name, tokenizer):

@@ -1,0 +1,63 @@
+"""The reasoning split (`--reasoning-parser`): whole outputs and streams cut anywhere agree; where the output starts
+(the template's open think block, deepseek_r1's thinking first, an opening tag) decides what comes first."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from appliance.server.reasoning import ReasoningStream, opens_thinking, split
+
+
+@pytest.mark.parametrize("text, thinking, expected", [
+    ("<think>\nweigh it</think>\n\nYes.", False, ("\nweigh it", "\n\nYes.")),
+    ("\n<think>a</think>b", False, ("a", "b")),  # leading whitespace before the opening tag
+    ("weigh it</think>Yes.", True, ("weigh it", "Yes.")),  # the template opened the block
+    ("weigh it</think>Yes.", False, ("", "weigh it</think>Yes.")),  # no block open: all content
+    ("still thinking", True, ("still thinking", "")),  # cut before </think>
+    ("<think>still", False, ("still", "")),
+    ("Yes.", False, ("", "Yes.")),
+    ("<thin", False, ("", "<thin")),  # an opening tag that never completed is text
+    ("a</thi", True, ("a</thi", "")),
+    ("a</think>b</think>c", True, ("a", "b</think>c")),  # only the first closing tag ends thinking
+    ("", True, ("", "")),
+])
+def test_whole_outputs_split_at_the_first_closing_tag(text, thinking, expected):
+    assert split(text, thinking) == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_streams_cut_anywhere_give_the_whole_output_split(seed):
+    rng = random.Random(seed)
+    text = rng.choice(["", "<think>", " \n<think>"]) + "".join(
+        rng.choice(["a", " ", "<", "/", "think", ">", "</think>", "<think>", "\n"]) for _ in range(rng.randint(0, 30)))
+    thinking = rng.random() < 0.5
+    stream = ReasoningStream(thinking)
+    reasoning = content = ""
+    at = 0
+    while at < len(text):
+        step = rng.randint(1, 4)
+        r, c = stream.feed(text[at:at + step])
+        reasoning, content, at = reasoning + r, content + c, at + step
+    r, c = stream.finish()
+    assert (reasoning + r, content + c) == split(text, thinking), text
+
+
+def test_held_back_is_only_what_may_be_a_tag():
+    stream = ReasoningStream(thinking=True)
+    assert stream.feed("plan </th") == ("plan ", "")
+    assert stream.feed("ink>ok") == ("", "ok")
+    stream = ReasoningStream(thinking=False)
+    assert stream.feed("<th") == ("", "")
+    assert stream.feed("at") == ("", "<that")
+
+
+def test_where_the_output_starts():
+    qwen_on = "<|im_start|>assistant\n"
+    qwen_off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    qwen_thinking_template = "<|im_start|>assistant\n<think>\n"
+    assert not opens_thinking(qwen_on, "qwen3")  # the model writes <think> itself
+    assert not opens_thinking(qwen_off, "qwen3")
+    assert opens_thinking(qwen_thinking_template, "qwen3")
+    assert opens_thinking(qwen_off, "deepseek_r1")
+    assert not opens_thinking(qwen_thinking_template, "none")
