@@ -61,3 +61,35 @@ def test_where_the_output_starts():
     assert opens_thinking(qwen_thinking_template, "qwen3")
     assert opens_thinking(qwen_off, "deepseek_r1")
     assert not opens_thinking(qwen_thinking_template, "none")
+
+
+def test_tool_calls_after_the_reasoning_are_parsed_from_the_content():
+    """Qwen3 thinks, then calls a tool: the call is read from what follows </think>, streamed and whole alike."""
+    from appliance.engine.request import RequestOutput
+    from appliance.server.formatting import ChatFormat, Choice, usage_of
+    from appliance.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "weather?"}], "tools": [
+        {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]})
+    text = '<think>\nI should call it.</think>\n\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}' \
+           '\n</tool_call>'
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    fmt, choice = ChatFormat("id", "m", None, body, "hermes", thinking=False), Choice(0)
+    streamed = {"reasoning": "", "content": "", "calls": []}
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = RequestOutput("r", [1], piece, last, "stop" if last else None, 3, 0, i + 1)
+        choice.add(out)
+        for chunk in fmt.chunk(choice, out, None):
+            delta = chunk.choices[0].delta
+            streamed["reasoning"] += delta.reasoning or ""
+            streamed["content"] += delta.content or ""
+            streamed["calls"] += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+            reason = chunk.choices[0].finish_reason
+    assert streamed == {"reasoning": "\nI should call it.", "content": "\n\n",
+                        "calls": [("weather", '{"city": "Oslo"}')]} and reason == "tool_calls"
+    message = fmt.final([choice], usage_of([choice])).choices[0]
+    assert message.message.reasoning == "\nI should call it." and message.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.message.tool_calls] == [
+        ("weather", '{"city": "Oslo"}')]
+    assert message.message.content is None
