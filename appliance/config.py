@@ -22,7 +22,7 @@ from appliance.attention import BACKEND_NAMES, DECODE_KERNELS
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
-from appliance.model_zoo.tokenizer import read_tokenizer_config
+from appliance.model_zoo.tokenizer import read_sampling_defaults, read_tokenizer_config
 from appliance.predictor.profile import ProfileFile, read_profile
 from appliance.slo.contract import Contract, default_contract, load_contract
 
@@ -85,10 +85,18 @@ class ModelSettings:
     seed: Optional[int] = flag(None, "Seed the sampling generator once at start-up, as vLLM does: the same requests "
                                "in the same order sample the same tokens. A request's own 'seed' fixes its output "
                                "regardless.")
+    generation_config: str = flag("auto", "Defaults of the sampling fields a request leaves unset, as vLLM's flag: "
+                                  "auto takes the temperature, top_p, top_k, min_p, repetition_penalty and "
+                                  "max_new_tokens (as chat's max_tokens) that the model's generation_config.json "
+                                  "recommends; a directory, those of its generation_config.json; vllm, none "
+                                  "(temperature 1, no cuts, max_tokens what the context leaves).")
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
+            raise ConfigError(f"--generation-config must be auto, vllm or a directory holding a "
+                              f"generation_config.json, got {self.generation_config!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
         at_least(self, 2, "max_model_len")
@@ -96,6 +104,13 @@ class ModelSettings:
     @property
     def model_dir(self) -> Path:
         return EMBEDDED_MODEL_DIR if self.model == "embedded" else Path(self.model).expanduser()
+
+    @property
+    def generation_config_dir(self) -> Path | None:
+        """Where the sampling defaults come from (--generation-config); None: nowhere."""
+        if self.generation_config == "vllm":
+            return None
+        return self.model_dir if self.generation_config == "auto" else Path(self.generation_config).expanduser()
 
     @property
     def model_name(self) -> str:
@@ -417,7 +432,7 @@ class Config:
         """The checks that read files or the machine, before anything slow: the device (and GPUs enough for the
         ranks), the model directory and its config.json (and whether it splits across the ranks), the context length,
         the SLO contract, the weights (present, and each safetensors file whole), the tokenizer's special ids and chat
-        template. Returns the model's config as each rank runs it."""
+        template, the sampling defaults of generation_config.json. Returns the model's config as each rank runs it."""
         device = self.runtime.resolved_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device is available on this machine")
@@ -441,4 +456,6 @@ class Config:
             read_tokenizer_config(path, self.model.chat_template_source())
         elif self.model.chat_template is not None:
             raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
+        if self.model.generation_config_dir is not None:  # the recommended sampling is in range
+            read_sampling_defaults(self.model.generation_config_dir)
         return cfg

@@ -7,6 +7,7 @@ token count. What a directory says about its template and special ids is checked
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -78,6 +79,38 @@ def read_tokenizer_config(model_dir: Path, chat_template: str | None = None) -> 
         if source is not None else None
     return TokenizerConfig(_token_text(config.get("bos_token")), _token_text(config.get("eos_token")), source,
                            template, eos, bos[0] if bos else None)
+
+
+# generation_config.json's sampling fields -> (the request field they default, transformers' own default: a value
+# equal to it recommends nothing, as vLLM reads the file), checked as the request field would be
+_SAMPLING_FIELDS = {"temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0), "top_k": ("top_k", 50),
+                    "min_p": ("min_p", None), "repetition_penalty": ("repetition_penalty", 1.0),
+                    "max_new_tokens": ("max_tokens", None)}
+_SAMPLING_RANGES = {"temperature": (0, None), "top_p": (0, 1), "top_k": (-1, None), "min_p": (0, 1),
+                    "repetition_penalty": (0, None), "max_new_tokens": (1, None)}
+_ABOVE_LOW = ("top_p", "repetition_penalty")  # their lower bound is excluded
+
+
+def read_sampling_defaults(directory: Path) -> dict[str, float | int]:
+    """The request sampling defaults `directory/generation_config.json` recommends (vLLM's --generation-config):
+    request field -> value; ModelLoadError naming the field when one is not a number in its range."""
+    path = directory / "generation_config.json"
+    gen = _read_json(path)
+    out: dict[str, float | int] = {}
+    for field, (name, hf_default) in _SAMPLING_FIELDS.items():
+        value = gen.get(field)
+        if value is None or value == hf_default:
+            continue
+        low, high = _SAMPLING_RANGES[field]
+        integral = field in ("top_k", "max_new_tokens")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not (number and value >= low and (high is None or value <= high) and (not integral or value == int(value))
+                and not (field in _ABOVE_LOW and value == low)):
+            kind = "an integer" if integral else "a number"
+            bounds = (">" if field in _ABOVE_LOW else ">=") + f" {low}" + ("" if high is None else f" and <= {high}")
+            raise ModelLoadError(f"{path}: field {field!r} is {value!r}; expected {kind} {bounds}")
+        out[name] = int(value) if integral else float(value)
+    return out
 
 
 def _find_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | None, str]:

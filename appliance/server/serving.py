@@ -8,6 +8,7 @@ not stall /health or other streams. A stream that fails after it started ends wi
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
@@ -20,7 +21,7 @@ from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import Request
 from appliance.errors import ModelNotFoundError, RequestError
-from appliance.model_zoo.tokenizer import RenderedChat
+from appliance.model_zoo.tokenizer import RenderedChat, read_sampling_defaults
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server import tokenize as t
@@ -30,6 +31,8 @@ from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, be
 from appliance.server.metrics import Metrics
 from appliance.server.reasoning import opens_thinking
 from appliance.server.tools import detect_parser
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServing:
@@ -45,6 +48,11 @@ class OpenAIServing:
         self.tool_parser = detect_parser(self.tokenizer.chat_template if self.tokenizer else None,
                                          config.server.tool_call_parser)
         self.reasoning_parser = config.server.reasoning_parser
+        where = config.model.generation_config_dir
+        self.sampling_defaults = read_sampling_defaults(where) if where is not None else {}
+        if self.sampling_defaults:
+            logger.info("sampling defaults of requests that leave them unset, from %s: %s (--generation-config vllm: "
+                        "none)", where / "generation_config.json", self.sampling_defaults)
         self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="muxd-prep")
 
     def shutdown(self) -> None:
@@ -168,10 +176,12 @@ class OpenAIServing:
         """One engine request per choice of one prompt (ids rid, rid-1, ... counted from `first`; choice i samples
         with seed + i)."""
         if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - len(ids))
+            room = self.max_model_len - len(ids)
+            max_tokens = max(1, min(room, self.sampling_defaults.get("max_tokens", room)))
         n = body.num_generated
-        return [self.engine.make_request(ids, body.sampling_params(max_tokens, i), request_id=rid if first + i == 0
-                                         else f"{rid}-{first + i}") for i in range(n)]
+        return [self.engine.make_request(ids, body.sampling_params(max_tokens, i, self.sampling_defaults),
+                                         request_id=rid if first + i == 0 else f"{rid}-{first + i}")
+                for i in range(n)]
 
     def _tokenizer(self):
         if self.tokenizer is None:

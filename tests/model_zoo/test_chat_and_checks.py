@@ -14,7 +14,7 @@ from appliance.cli.main import app
 from appliance.config import Config
 from appliance.errors import ApplianceError
 from appliance.model_zoo.config import ModelConfig
-from appliance.model_zoo.tokenizer import Tokenizer
+from appliance.model_zoo.tokenizer import Tokenizer, read_sampling_defaults
 
 MESSAGES = [{"role": "system", "content": "Be <brief> & \"exact\": caf\u00e9 \u65e5\u672c"},
             {"role": "user", "content": "x", "name": "a&b"}]
@@ -98,6 +98,10 @@ def copy_model(src, dst):
      ["tokenizer_config.json: chat template: syntax error on line 1"]),
     ("generation_config.json", {"eos_token_id": "2"}, ["generation_config.json: field 'eos_token_id'", "'2'"]),
     ("generation_config.json", {"eos_token_id": [1, 2.5]}, ["field 'eos_token_id'", "2.5"]),
+    ("generation_config.json", {"temperature": -0.5}, ["generation_config.json: field 'temperature' is -0.5",
+                                                       "a number >= 0"]),
+    ("generation_config.json", {"top_k": 2.5}, ["field 'top_k' is 2.5", "an integer >= -1"]),
+    ("generation_config.json", {"top_p": 0}, ["field 'top_p' is 0", "> 0 and <= 1"]),
 ])
 def test_a_broken_tokenizer_config_fails_at_start_up(text_checkpoint, tmp_path, file, content, words):
     model = copy_model(text_checkpoint, tmp_path / "m")
@@ -108,6 +112,21 @@ def test_a_broken_tokenizer_config_fails_at_start_up(text_checkpoint, tmp_path, 
         assert word in str(info.value)
     result = CliRunner().invoke(app, ["serve", "--model", str(model)], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and words[0] in result.output and "serving" not in result.output, result.output
+
+
+def test_sampling_defaults_are_what_generation_config_recommends(tmp_path):
+    """As vLLM reads generation_config.json: the sampling fields it sets, except those at transformers' own
+    defaults (which recommend nothing); max_new_tokens becomes max_tokens."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0, "repetition_penalty": 1.0,
+        "max_new_tokens": 512, "eos_token_id": 2}))
+    assert read_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+                                                "max_tokens": 512}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 1.0, "top_k": 50, "top_p": 1}))
+    assert read_sampling_defaults(tmp_path) == {}
+    assert read_sampling_defaults(tmp_path / "elsewhere") == {}  # no file: no recommendation
+    with pytest.raises(ApplianceError, match="--generation-config must be auto, vllm or a directory"):
+        Config.flat(generation_config="no/such/dir")
 
 
 def test_a_truncated_checkpoint_fails_named_before_the_banner(text_checkpoint, tmp_path):

@@ -341,6 +341,28 @@ def test_reasoning_parser_splits_reasoning_from_content_in_bodies_and_streams(sh
     assert httpx.post(server.url + "/tokenize", json={"messages": echoed}).status_code == 200  # as clients send back
 
 
+def test_generation_config_sets_the_sampling_a_request_leaves_unset(shared_serve, model_name, tmp_path_factory):
+    """--generation-config DIR (and auto, the model's own file): its temperature and max_new_tokens stand in for a
+    request's unset temperature and max_tokens; what the request sets wins."""
+    where = tmp_path_factory.mktemp("generation")
+    (where / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--generation-config", str(where))
+
+    def chat(**extra) -> dict:
+        body = {"model": model_name, "messages": [{"role": "user", "content": "Count."}], "ignore_eos": True, **extra}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    unset = [chat() for _ in range(2)]
+    assert [u["usage"]["completion_tokens"] for u in unset] == [5, 5]
+    greedy = chat(temperature=0, max_tokens=5)["choices"][0]["message"]["content"]
+    assert [u["choices"][0]["message"]["content"] for u in unset] == [greedy, greedy]
+    assert chat(max_tokens=7)["usage"]["completion_tokens"] == 7
+    hot = {chat(temperature=2.0, seed=s)["choices"][0]["message"]["content"] for s in range(4)}
+    assert len(hot) > 1  # the request's own temperature
+
+
 def test_include_stop_str_in_output_and_skip_special_tokens(client, model_name, tokenizer):
     kw = dict(model=model_name, prompt="def main():", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
     free = client.completions.create(**kw).choices[0].text
