@@ -269,8 +269,15 @@ class RuntimeSettings:
                                   "tokens are read before the next is planned.")
     partition_granularity: int = flag(16, "Decode partitions are multiples of this many SMs (a multiple of 8 on "
                                       "Hopper).")
+    enforce_eager: bool = flag(False, "As vLLM's: every step eager, no CUDA graphs and no torch.compile (the same as "
+                               "--no-cuda-graph --no-compile).")
 
     def __post_init__(self) -> None:
+        if self.enforce_eager:
+            if self.compile:
+                raise ConfigError("--enforce-eager and --compile contradict each other; give one")
+            object.__setattr__(self, "cuda_graph", False)  # frozen: the one place a field follows another
+            object.__setattr__(self, "compile", False)
         if self.attention_backend not in BACKEND_NAMES:
             raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
                               f"got {self.attention_backend!r}")
@@ -365,8 +372,41 @@ class ServerSettings:
         return parse_size(self.max_request_bytes, "--max-request-bytes")
 
 
+@dataclass(frozen=True)
+class VllmFlags:
+    """`vllm serve` flags that muxd takes so that a vLLM command line starts it unchanged (hidden from --help): each
+    either asks for nothing muxd would do differently, or holds only at the value muxd works with, and anything else
+    is a ConfigError naming it."""
+
+    trust_remote_code: bool = flag(False, "Accepted: muxd runs no code from model directories.", hidden=True)
+    disable_log_requests: bool = flag(False, "Accepted: muxd does not log requests.", hidden=True)
+    disable_log_stats: bool = flag(False, "Accepted: muxd logs no statistics (they are at /metrics).", hidden=True)
+    enable_chunked_prefill: Optional[bool] = flag(None, "Accepted: --policy decides how prompts are cut (chunked "
+                                                  "is vLLM's way).", hidden=True)
+    swap_space: Optional[float] = flag(None, "Accepted: muxd preempts by recomputation, not by swapping to the "
+                                       "CPU.", hidden=True)
+    kv_cache_dtype: str = flag("auto", "Only auto: the KV cache keeps the model's dtype (--dtype).", hidden=True)
+    quantization: Optional[str] = flag(None, "Only unset: muxd serves unquantized checkpoints.", hidden=True)
+    tokenizer: Optional[str] = flag(None, "Only the model directory: muxd reads the tokenizer there.", hidden=True)
+    uvicorn_log_level: Optional[str] = flag(None, "The HTTP server's log level (default: --log-level).",
+                                            hidden=True)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: muxd keeps the KV cache in the model's dtype "
+                              "(--dtype); only auto is accepted")
+        if self.quantization is not None:
+            raise ConfigError(f"--quantization {self.quantization}: muxd serves unquantized checkpoints (bfloat16, "
+                              "float16, float32); leave it out")
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
+            raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "
+                              f"{self.uvicorn_log_level!r}")
+
+
 GROUPS: dict[str, type] = {"model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings,
-                           "runtime": RuntimeSettings, "parallel": ParallelSettings, "server": ServerSettings}
+                           "runtime": RuntimeSettings, "parallel": ParallelSettings, "server": ServerSettings,
+                           "vllm": VllmFlags}
 _FIELD_GROUP = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 
 
@@ -381,6 +421,7 @@ class Config:
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
+    vllm: VllmFlags = field(default_factory=VllmFlags)
 
     @classmethod
     def flat(cls, **values: Any) -> "Config":
@@ -456,6 +497,11 @@ class Config:
             read_tokenizer_config(path, self.model.chat_template_source())
         elif self.model.chat_template is not None:
             raise ConfigError("--chat-template needs a tokenizer; this model directory has no tokenizer.json")
+        tokenizer = self.vllm.tokenizer
+        if tokenizer is not None and tokenizer != self.model.model and \
+                Path(tokenizer).expanduser().resolve() != path.resolve():
+            raise ConfigError(f"--tokenizer {tokenizer}: muxd reads the tokenizer from the model directory "
+                              f"({path}); leave it out")
         if self.model.generation_config_dir is not None:  # the recommended sampling is in range
             read_sampling_defaults(self.model.generation_config_dir)
         return cfg

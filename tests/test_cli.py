@@ -66,6 +66,11 @@ def test_generate_chat_mode(text_checkpoint):
     (["--api-key", " "], "--api-key"),
     (["--chat-template", "no/such/file.jinja"], "no such file"),
     (["--chat-template", "{% for m in messages %}"], "syntax error on line 1"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: muxd keeps the KV cache in the model's dtype"),
+    (["--quantization", "awq"], "--quantization awq: muxd serves unquantized checkpoints"),
+    (["--tokenizer", "/some/other/dir"], "--tokenizer /some/other/dir: muxd reads the tokenizer from the model"),
+    (["--enforce-eager", "--compile"], "--enforce-eager and --compile contradict"),
+    (["--uvicorn-log-level", "loud"], "--uvicorn-log-level must be one of"),
     (["--model", str(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3.1-8b")],
      "--load-format dummy"),
 ])
@@ -105,6 +110,30 @@ def test_serve_flags_reach_the_server_config(text_checkpoint, monkeypatch, tmp_p
     inline = "{{ messages[0]['content'] }}"
     assert runner.invoke(app, ["serve", "--model", str(text_checkpoint), "--chat-template", inline]).exit_code == 0
     assert seen["cfg"].model.chat_template_source() == inline
+
+
+def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch):
+    """`vllm serve`'s common flags are taken: those that ask for nothing muxd does differently are accepted, and
+    --enforce-eager turns off CUDA graphs and torch.compile."""
+    seen = {}
+
+    def fake_create_app(cfg, on_fatal=None):
+        seen["cfg"] = cfg
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+    model = str(text_checkpoint)
+    result = runner.invoke(app, [
+        "serve", model, "--tokenizer", model, "--trust-remote-code", "--enforce-eager", "--disable-log-requests",
+        "--disable-log-stats", "--enable-chunked-prefill", "--swap-space", "4", "--kv-cache-dtype", "auto",
+        "--uvicorn-log-level", "warning", "--gpu-memory-utilization", "0.9", "--max-model-len", "256",
+        "--served-model-name", "m", "--generation-config", "vllm", "--reasoning-parser", "qwen3"])
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert (cfg.runtime.cuda_graph, cfg.runtime.compile, cfg.vllm.uvicorn_log_level) == (False, False, "warning")
+    assert (cfg.model.served_model_name, cfg.model.generation_config, cfg.server.reasoning_parser) == (
+        "m", "vllm", "qwen3")
+    assert "--trust-remote-code" not in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
 
 
 def test_seed_flag_makes_unseeded_sampling_repeat(text_checkpoint):
