@@ -99,11 +99,11 @@ def read_sampling_defaults(directory: Path) -> dict[str, float | int]:
     out: dict[str, float | int] = {}
     for field, (name, hf_default) in _SAMPLING_FIELDS.items():
         value = gen.get(field)
-        if value is None or value == hf_default:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if value is None or number and value == hf_default:
             continue
         low, high = _SAMPLING_RANGES[field]
         integral = field in ("top_k", "max_new_tokens")
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not (number and value >= low and (high is None or value <= high) and (not integral or value == int(value))
                 and not (field in _ABOVE_LOW and value == low)):
             kind = "an integer" if integral else "a number"

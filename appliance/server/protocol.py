@@ -206,24 +206,25 @@ class _SamplingRequest(BaseModel):
                         defaults: dict[str, float | int] | None = None) -> SamplingParams:
         """The engine's parameters for one choice (choice i of a seeded request samples with seed + i, as vLLM);
         `defaults` (request field -> value: the model's recommended sampling) stand in for the fields left unset."""
-        d = defaults or {}
-        if (self.min_tokens or 0) > max_tokens:  # as vLLM (max_tokens left out: what the context leaves)
+        if (self.min_tokens or 0) > max_tokens:  # as vLLM
             most = (f"max_tokens={max_tokens}" if self.requested_max_tokens() is not None
-                    else f"the {max_tokens} tokens the context leaves after the prompt")
+                    else f"the {max_tokens} tokens a request without max_tokens may generate here")
             raise RequestError(f"min_tokens={self.min_tokens} is more than {most}", "min_tokens", CONFLICT)
+
+        def unset_or(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return (defaults or {}).get(name, neutral) if value is None else value
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=max_tokens, temperature=d.get("temperature", 1.0) if self.temperature is None else
-            self.temperature, top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
-            top_k=d.get("top_k", -1) if self.top_k is None else self.top_k,
+            max_tokens=max_tokens, temperature=unset_or("temperature", 1.0), top_p=unset_or("top_p", 1.0),
+            top_k=unset_or("top_k", -1), min_p=unset_or("min_p", 0.0),
+            repetition_penalty=unset_or("repetition_penalty", 1.0),
             seed=None if self.seed is None else self.seed + choice, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
             include_stop_str=bool(self.include_stop_str_in_output), skip_special_tokens=self.skip_special_tokens
-            is not False,
-            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p, min_tokens=self.min_tokens or 0,
+            is not False, min_tokens=self.min_tokens or 0,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=d.get("repetition_penalty", 1.0) if self.repetition_penalty is None else
-            self.repetition_penalty,
             logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
             grammar=self.grammar())
 
