@@ -20,6 +20,7 @@ from appliance.server import tokenize as t
 from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
 from appliance.server.lifecycle import ServerState
+from appliance.server.responses_api import Event, ResponseObject, ResponsesRequest
 
 log = logging.getLogger("muxd.server")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -101,6 +102,11 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
         **openapi.errors(*openapi.GENERATE_ERRORS)})
     async def chat_completions(body: chat_body, request: Request):  # type: ignore[valid-type]
         return await state.require_ready().chat(body, request)
+
+    @app.post("/v1/responses", response_model=None, summary="OpenAI's Responses API, for text (as vLLM serves it).",
+              responses={**openapi.streamed(ResponseObject, Event), **openapi.errors(*openapi.GENERATE_ERRORS)})
+    async def responses(body: ResponsesRequest, request: Request):
+        return await state.require_ready().responses(body, chat_body, request)
 
     @app.get("/version", response_model=r.VersionResponse, summary="The muxd version.")
     async def version():

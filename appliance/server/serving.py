@@ -30,6 +30,7 @@ from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
 from appliance.server.metrics import Metrics
 from appliance.server.reasoning import opens_thinking
+from appliance.server.responses_api import Event, ResponsesFormat, ResponsesRequest, renamed
 from appliance.server.tools import detect_parser
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,18 @@ class OpenAIServing:
         requests, thinking = await self._off_loop(self._chat_requests, body, rid)
         return await self._serve(body, requests, http, ChatFormat(rid, self.model_name, self.tokenizer, body,
                                                                    self.tool_parser, thinking))
+
+    async def responses(self, body: ResponsesRequest, chat_body: type[p.ChatCompletionRequest], http: HTTPRequest):
+        """/v1/responses: the request runs as the chat request it amounts to (`chat_body`: this model's)."""
+        self.check_model(body.model)
+        chat = body.to_chat(chat_body)
+        rid = r.new_id("resp")
+        try:
+            requests, thinking = await self._off_loop(self._chat_requests, chat, rid)
+            return await self._serve(chat, requests, http, ResponsesFormat(rid, self.model_name, chat, body,
+                                                                           thinking))
+        except RequestError as exc:  # named as this request names the field
+            raise renamed(exc) from None
 
     async def tokenize(self, body: t.TokenizeRequest) -> r.TokenizeResponse:
         self.check_model(body.model)
@@ -266,7 +279,8 @@ class OpenAIServing:
 
 
 def _event(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+    kind = f"event: {model.type}\n" if isinstance(model, Event) else ""  # the Responses API names its events
+    return f"{kind}data: {model.model_dump_json(exclude_none=True)}\n\n"
 
 
 async def _wait_disconnect(http: HTTPRequest) -> None:

@@ -1,0 +1,117 @@
+"""OpenAI's Responses API (/v1/responses) against a real `muxd serve`: its bodies and every streamed event validate as
+the openai package's own types, its text is what the same chat request writes, reasoning comes as a reasoning item,
+and what it does not serve (stored responses, tools) is a 400 naming the field."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from pydantic import TypeAdapter
+
+openai_types = pytest.importorskip("openai.types.responses")
+EVENTS = TypeAdapter(openai_types.ResponseStreamEvent)
+
+OPENS_THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                  "<|assistant|>\n<think>\n")
+
+
+@pytest.fixture(scope="module")
+def server(shared_serve):
+    return shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+
+
+def respond(server, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+
+
+def events_of(response: httpx.Response) -> list:
+    lines = response.text.splitlines()
+    named = [line[7:] for line in lines if line.startswith("event: ")]
+    events = [EVENTS.validate_python(json.loads(line[6:])) for line in lines if line.startswith("data: {")]
+    assert named == [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def message_text(response) -> str:
+    return "".join(part.text for item in response.output if item.type == "message" for part in item.content)
+
+
+def test_a_response_is_the_chat_answer_as_openai_types(server, model_name, client):
+    chat = client.chat.completions.create(model=model_name, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}])
+    body = {"model": model_name, "input": "Say hi", "instructions": "Be brief.", "max_output_tokens": 6,
+            "temperature": 0, "store": False, "metadata": {"k": "v"}}
+    whole = respond(server, **body)
+    assert whole.status_code == 200, whole.text
+    response = openai_types.Response.model_validate(whole.json())
+    assert message_text(response) == chat.choices[0].message.content
+    length = chat.choices[0].finish_reason == "length"
+    assert response.status == ("incomplete" if length else "completed")
+    assert (response.incomplete_details.reason if length else response.incomplete_details) == (
+        "max_output_tokens" if length else None)
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+    events = events_of(respond(server, **body, stream=True))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == message_text(response)
+    assert [e.text for e in events if e.type == "response.output_text.done"] == [deltas]
+    assert events[-1].type == f"response.{response.status}" and message_text(events[-1].response) == deltas
+
+    sdk = client.responses.create(model=model_name, input=[{"role": "user", "content": "Say hi"}],
+                                  instructions="Be brief.", max_output_tokens=6, temperature=0)
+    assert sdk.output_text == deltas
+    streamed = list(client.responses.create(model=model_name, input="Say hi", instructions="Be brief.",
+                                            max_output_tokens=6, temperature=0, stream=True))
+    assert streamed[-1].response.output_text == deltas
+
+
+def test_conversations_and_formats_as_chat_takes_them(server, model_name):
+    first = respond(server, model=model_name, input="Hi", max_output_tokens=4, temperature=0).json()
+    follow = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}, *first["output"],
+              {"type": "message", "role": "user", "content": "And?"}]
+    assert respond(server, model=model_name, input=follow, max_output_tokens=4).status_code == 200
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = respond(server, model=model_name, input="JSON please", max_output_tokens=40, temperature=0,
+                          text={"format": {"type": "json_schema", "name": "a", "schema": schema, "strict": True}})
+    assert constrained.status_code == 200, constrained.text
+    text = message_text(openai_types.Response.model_validate(constrained.json()))
+    if constrained.json()["status"] == "completed":
+        assert isinstance(json.loads(text)["a"], int)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "slo_class": "gold"}, "slo_class"),
+    ({"input": "x", "temprature": 1}, "temprature"),
+])
+def test_what_is_not_served_is_a_400_naming_the_field(server, model_name, body, param):
+    response = respond(server, model=model_name, **body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_reasoning_is_an_item_before_the_message(shared_serve, model_name):
+    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", OPENS_THINKING,
+                          "--reasoning-parser", "qwen3")
+    body = {"model": model_name, "input": "Is 7 prime?", "max_output_tokens": 8, "temperature": 0}
+    response = openai_types.Response.model_validate(respond(server, **body).json())
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "message"] and response.output[0].content[0].text
+    events = events_of(respond(server, **body, stream=True))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == response.output[0].content[0].text
+    assert [item.type for item in events[-1].response.output] == kinds
+    hidden = respond(server, **body, reasoning={"effort": "low"}).json()
+    assert [item["type"] for item in hidden["output"]][-1] == "message"
