@@ -62,7 +62,15 @@ def _text_of(content: Any) -> str:
 def prompt_of(path: str, body: dict[str, Any]) -> str | list[int] | None:
     """The prompt of a completion or chat body as text or token ids; None when there is none to read (the replica
     answers the malformed body itself)."""
-    if path.endswith("/chat/completions"):
+    if path.endswith("/responses"):  # the Responses API: instructions, then input (a string or messages)
+        given = body.get("input")
+        messages = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        if not isinstance(messages, list):
+            return None
+        if isinstance(body.get("instructions"), str):
+            messages = [{"role": "system", "content": body["instructions"]}, *messages]
+        body = {"messages": messages}
+    if path.endswith(("/chat/completions", "/responses")):
         messages = body.get("messages")
         if not isinstance(messages, list):
             return None
@@ -83,7 +91,7 @@ def prompt_of(path: str, body: dict[str, Any]) -> str | list[int] | None:
 
 def prompts_of(path: str, body: dict[str, Any]) -> list[str | list[int]] | None:
     """The prompts of a /v1/completions batch (two or more strings or token-id lists); None for any other body."""
-    prompt = body.get("prompt") if not path.endswith("/chat/completions") else None
+    prompt = body.get("prompt") if path.endswith("/completions") and not path.endswith("/chat/completions") else None
     if not isinstance(prompt, list) or len(prompt) < 2 or not all(
             isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
         return None
@@ -91,8 +99,9 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[str | list[int]] | None:
 
 
 def hints_for(path: str, body: dict[str, Any], slo_header: str | None = None, origin: str = "") -> RoutingHints:
-    """The routing hints of one /v1/completions or /v1/chat/completions body. A batch of prompts counts the tokens
-    of all of them, and its prefix is the chain its prompts share (what a replica's cache saves each of them)."""
+    """The routing hints of one /v1/completions, /v1/chat/completions or /v1/responses body. A batch of prompts
+    counts the tokens of all of them, and its prefix is the chain its prompts share (what a replica's cache saves
+    each of them)."""
     slo_class = slo_header if slo_header is not None else body.get("slo_class")
     slo_class = slo_class if isinstance(slo_class, str) else None
     batch = prompts_of(path, body)

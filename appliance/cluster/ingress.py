@@ -26,7 +26,7 @@ from appliance.server.api import PROMETHEUS_TEXT
 from appliance.server.errors import install_handlers
 from appliance.server.gate import Gate, Traffic
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 REPLICA_HEADER = "x-muxd-replica"  # which replica answered (for operators and tests)
 

@@ -27,6 +27,9 @@ def test_prompts_that_share_a_prefix_share_its_chain_hashes():
     chat = hints_for("/v1/chat/completions", {"messages": [{"role": "system", "content": LONG},
                                                              {"role": "user", "content": "hi"}]})
     assert chat.prefix and chat.tokens > 500
+    responses = hints_for("/v1/responses", {"instructions": LONG, "input": "hi"})  # the same conversation
+    assert (responses.prefix, responses.tokens) == (chat.prefix, chat.tokens)
+    assert hints_for("/v1/responses", {"input": 5}).prefix == ()
     ids = hints_for("/v1/completions", {"prompt": list(range(100))})
     assert ids.tokens == 100 and len(ids.prefix) == 3
     assert hints_for("/v1/completions", {"prompt": 5}).prefix == ()  # the replica answers the bad body
