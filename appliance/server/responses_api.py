@@ -1,23 +1,23 @@
-"""OpenAI's Responses API (`POST /v1/responses`) for text, as vLLM serves it: a request of messages (or one string)
-becomes a chat request, runs as one, and its output comes back as a response object, or streamed as the Responses
-events (response.created ... response.completed). Reasoning (with --reasoning-parser) is a reasoning item before the
-message. Stored responses (previous_response_id, store-then-retrieve) and tools are not served: a request that needs
-them gets a 400 naming the field.
+"""OpenAI's Responses API (`POST /v1/responses`) for text and function tools, as vLLM serves it: the request becomes
+the chat request it amounts to (instructions a system message; input messages, function calls and their outputs the
+conversation; function tools the chat tools) and runs as one; what the chat request answers (reasoning, content,
+tool calls) comes back as the response's output items (a reasoning item, the message, function calls), whole or
+streamed as the Responses events (response.created ... response.completed). Stored responses (previous_response_id)
+and hosted tools (web search, files, ...) are not served: a request that needs them gets a 400 naming the field.
 """
 from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from appliance.engine.request import RequestOutput
 from appliance.errors import RequestError
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server.formatting import ChatFormat, Choice
-from appliance.server.reasoning import ReasoningStream, split
 
 
 class InputText(BaseModel):
@@ -26,6 +26,7 @@ class InputText(BaseModel):
     type: Literal["input_text", "output_text"]
     text: p.Text
     annotations: list[Any] | None = None  # output_text parts echoed back from an earlier response
+    logprobs: list[Any] | None = None
 
 
 class InputMessage(BaseModel):
@@ -42,6 +43,71 @@ class InputMessage(BaseModel):
     def for_chat(self) -> dict[str, Any]:
         text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
         return {"role": self.role, "content": text}
+
+
+class FunctionCallItem(BaseModel):
+    """A function call of an earlier response, echoed back."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function_call"]
+    call_id: p.Text
+    name: p.Text
+    arguments: p.Text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    """What a function call returned."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function_call_output"]
+    call_id: p.Text
+    output: p.Text
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningInputItem(BaseModel):
+    """The reasoning item of an earlier response, echoed back (templates drop earlier turns' reasoning: ignored)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[Any] | None = None
+    status: str | None = None
+    encrypted_content: str | None = None
+
+
+def _item_kind(value: Any) -> str:
+    return (value.get("type") or "message") if isinstance(value, dict) else "message"
+
+
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningInputItem, Tag("reasoning")]], Discriminator(_item_kind)]
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    name: p.Text
+    description: p.Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    name: p.Text
 
 
 class TextFormat(BaseModel):
@@ -69,12 +135,12 @@ class ReasoningConfig(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """The text subset of OpenAI's Responses request."""
+    """The text and function-tool subset of OpenAI's Responses request."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: p.Text | None = None
-    input: p.Text | Annotated[list[InputMessage], Field(min_length=1)]
+    input: p.Text | Annotated[list[InputItem], Field(min_length=1)]
     instructions: p.Text | None = Field(None, description="A system message before the input.")
     max_output_tokens: p.Count | None = None
     temperature: Annotated[p.Finite, Field(ge=0)] | None = None
@@ -83,12 +149,12 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = Field(None, description="format: text, json_object or json_schema (constrained "
                                                       "decoding); verbosity is accepted and ignored.")
     reasoning: ReasoningConfig | None = Field(None, description="effort: the chat template's reasoning_effort.")
+    tools: list[FunctionTool] | None = Field(None, description="Function tools (hosted tools are not served).")
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
     slo_class: p.Text | None = Field(None, description="Extension: the request class of the SLO contract.")
     previous_response_id: p.Text | None = Field(None, json_schema_extra={"enum": [None]},
                                                 description="Not served: muxd stores no responses.")
-    tools: list[Any] | None = Field(None, json_schema_extra={"enum": [[], None]}, description="Only [].")
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None
     truncation: Literal["disabled"] | None = Field(None, description="Only disabled: a prompt over the context is a "
                                                                      "400.")
     include: list[Any] | None = Field(None, json_schema_extra={"enum": [[], None]}, description="Only [].")
@@ -103,14 +169,22 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("input", mode="before")
     @classmethod
-    def _messages_only(cls, value: Any) -> Any:
-        """One clear message for an item that is not a message (a function call, its output, an image, ...)."""
+    def _served_items(cls, value: Any) -> Any:
+        """One clear message for an item muxd does not serve (an image, a hosted tool's call, ...)."""
         for i, item in enumerate(value if isinstance(value, list) else []):
-            kind = item.get("type") if isinstance(item, dict) else None
-            if kind not in (None, "message"):
-                raise RequestError(f"input items of type {kind!r} are not served on /v1/responses, which takes "
-                                   "messages of text (send tools and their results to /v1/chat/completions)",
-                                   f"input.{i}")
+            if _item_kind(item) not in ITEM_TYPES:
+                raise RequestError(f"input items of type {_item_kind(item)!r} are not served; muxd takes "
+                                   f"{', '.join(ITEM_TYPES)}", f"input.{i}")
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value if isinstance(value, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise RequestError(f"tools of type {kind!r} are not served; muxd takes function tools",
+                                   f"tools.{i}")
         return value
 
     def to_chat(self, chat_body: type[p.ChatCompletionRequest]) -> p.ChatCompletionRequest:
@@ -118,18 +192,21 @@ class ResponsesRequest(BaseModel):
         if self.previous_response_id is not None:
             raise RequestError("previous_response_id: muxd stores no responses; send the whole conversation in "
                                "input", "previous_response_id")
-        if self.tools:
-            raise RequestError("tools are not served on /v1/responses; use /v1/chat/completions with tools", "tools")
         if self.include:
             raise RequestError("include: no extra output is served; leave it out or send []", "include")
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + \
-            [m.for_chat() for m in items]
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream)}
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": bool(self.stream)}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
-                            ("top_p", self.top_p), ("slo_class", self.slo_class)):
+                            ("top_p", self.top_p), ("slo_class", self.slo_class),
+                            ("parallel_tool_calls", self.parallel_tool_calls)):
             if value is not None:
                 body[name] = value
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, NamedFunction):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
         fmt = self.text.format if self.text is not None else None
@@ -148,6 +225,26 @@ class ResponsesRequest(BaseModel):
             raise renamed(RequestError(f"{where}: {error['msg']}", str(error["loc"][0]))) from None
         except RequestError as exc:
             raise renamed(exc) from None
+
+    def _messages(self) -> list[dict[str, Any]]:
+        """The chat conversation: instructions, then the input's messages; a run of function calls is one assistant
+        message with those tool calls, and each call's output a tool message."""
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] \
+            if self.instructions is not None else []
+        for item in items:
+            if isinstance(item, InputMessage):
+                out.append(item.for_chat())
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
 
 
 # the chat request's fields -> the fields of this request they come from
@@ -174,7 +271,7 @@ class Event(BaseModel):
 
 
 class ResponseObject(BaseModel):
-    """A response (its `output`: a reasoning item, when there is reasoning, then the message)."""
+    """A response: its output items (reasoning, the message, function calls) and usage."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -187,20 +284,42 @@ class ResponseObject(BaseModel):
     usage: dict[str, Any] | None = None
 
 
+class _Item:
+    """One output item as it streams: its kind, its id, and its text (a call: its arguments)."""
+
+    def __init__(self, kind: str, item_id: str, name: str | None = None, call_id: str | None = None) -> None:
+        self.kind, self.id, self.name, self.call_id = kind, item_id, name, call_id
+        self.text = ""
+        self.done = False
+
+    def body(self, status: str) -> dict[str, Any]:
+        finished = status == "completed"
+        if self.kind == "reasoning":
+            return {"type": "reasoning", "id": self.id, "status": status, "summary": [],
+                    "content": [{"type": "reasoning_text", "text": self.text}] if finished else []}
+        if self.kind == "message":
+            return {"type": "message", "id": self.id, "role": "assistant", "status": status,
+                    "content": [_text_part(self.text)] if finished else []}
+        return {"type": "function_call", "id": self.id, "call_id": self.call_id, "name": self.name,
+                "arguments": self.text if finished else "", "status": status}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
 class ResponsesFormat(ChatFormat):
-    """The chat output of one response as a response object, or as Responses events: a reasoning item (with
-    reasoning) opened at its first text and closed at the message's, then the message, then the finished response."""
+    """The chat output of one response, as a response object or as Responses events: each chat delta's reasoning,
+    content and tool calls go to the item of their kind, opened at its first text and closed when the next opens."""
 
     def __init__(self, rid: str, model: str, chat: p.ChatCompletionRequest, request: ResponsesRequest,
-                 thinking: bool | None) -> None:
-        super().__init__(rid, model, None, chat, "none", thinking)
+                 parser: str, thinking: bool | None) -> None:
+        super().__init__(rid, model, None, chat, parser, thinking)
         self.request = request
         self.created = int(time.time())
         self.sequence = 0
-        self.kinds: list[str] = []  # the output items opened so far: "reasoning", then "message"
-        self.texts: list[str] = []
-        self.closed = 0  # items whose done events went out
-        self._split = ReasoningStream(thinking) if thinking is not None else None
+        self.items: list[_Item] = []
+        self.calls: dict[int, _Item] = {}  # a chat tool-call index -> its item
 
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
         pending = self._response("in_progress", [])
@@ -208,103 +327,110 @@ class ResponsesFormat(ChatFormat):
                 self._event("response.in_progress", response=pending)]
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
-        reasoning, content = "", out.new_text
-        if self._split is not None:
-            reasoning, content = self._split.feed(content)
-            if out.finished:
-                more_reasoning, more_content = self._split.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
         events: list[BaseModel] = []
-        if reasoning and self.show_reasoning:
-            if not self.kinds:
-                events += self._open("reasoning")
-            events.append(self._event("response.reasoning_text.delta", **self._where(), delta=reasoning))
-            self.texts[-1] += reasoning
-        if content or out.finished:
-            if not self.kinds or self.kinds[-1] != "message":
-                events += self._close() + self._open("message")
-            if content:
-                events.append(self._event("response.output_text.delta", **self._where(), delta=content,
-                                          logprobs=[]))
-                self.texts[-1] += content
+        for chunk in super().chunk(choice, out, None):
+            delta = chunk.choices[0].delta
+            if delta.reasoning:
+                events += self._add("reasoning", delta.reasoning)
+            if delta.content:
+                events += self._add("message", delta.content)
+            for call in delta.tool_calls or []:
+                if call.index not in self.calls:
+                    events += self._close()
+                    self.calls[call.index] = _Item("function_call", f"fc_{self.rid}_{call.index}",
+                                                   call.function.name, call.id)
+                    events += self._open(self.calls[call.index])
+                item = self.calls[call.index]
+                if call.function.arguments:
+                    item.text += call.function.arguments
+                    events.append(self._event("response.function_call_arguments.delta", item_id=item.id,
+                                              output_index=self.items.index(item), delta=call.function.arguments))
         if out.finished:
+            if all(item.kind == "reasoning" for item in self.items):  # no answer is an empty message
+                events += self._add("message", "")
             events += self._close()
             length = out.finish_reason == "length"
             done = self._response("incomplete" if length else "completed",
-                                  [self._item(i, "completed") for i in range(len(self.kinds))],
+                                  [item.body("completed") for item in self.items],
                                   r.Usage.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens),
                                   length)
             events.append(self._event("response.incomplete" if length else "response.completed", response=done))
         return events
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
-        choice = choices[0]
-        reasoning, content = split(choice.text, self.thinking) if self.thinking is not None else ("", choice.text)
-        self.kinds, self.texts = [], []
-        if reasoning and self.show_reasoning:
-            self.kinds.append("reasoning")
-            self.texts.append(reasoning)
-        self.kinds.append("message")
-        self.texts.append(content)
-        length = choice.last.finish_reason == "length"
-        return self._response("incomplete" if length else "completed",
-                              [self._item(i, "completed") for i in range(len(self.kinds))], usage, length)
+        chat = super().final(choices, usage).choices[0]
+        message = chat.message
+        items = [_Item("reasoning", f"rs_{self.rid}")] if message.reasoning else []
+        if message.content is not None or not message.tool_calls:
+            items.append(_Item("message", f"msg_{self.rid}"))
+        for i, call in enumerate(message.tool_calls):
+            items.append(_Item("function_call", f"fc_{self.rid}_{i}", call.function.name, call.id))
+        texts = {"reasoning": message.reasoning or "", "message": message.content or ""}
+        for item in items:
+            item.text = texts.get(item.kind, "")
+        for item, call in zip([i for i in items if i.kind == "function_call"], message.tool_calls):
+            item.text = call.function.arguments or ""
+        length = chat.finish_reason == "length"
+        return self._response("incomplete" if length else "completed", [i.body("completed") for i in items], usage,
+                              length)
 
     # ---- pieces ---------------------------------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> Event:
         self.sequence += 1
         return Event(type=kind, sequence_number=self.sequence - 1, **fields)
 
-    def _where(self) -> dict[str, Any]:
-        """The last item's place, as its delta and done events name it."""
-        index = len(self.kinds) - 1
-        return {"item_id": self._id(index), "output_index": index, "content_index": 0}
+    def _add(self, kind: str, text: str) -> list[BaseModel]:
+        """Text of a reasoning or message item: into the last item when it is of that kind, else a new one."""
+        events: list[BaseModel] = []
+        if not self.items or self.items[-1].kind != kind:
+            events += self._close()
+            events += self._open(_Item(kind, f"{'rs' if kind == 'reasoning' else 'msg'}_{self.rid}"))
+        item = self.items[-1]
+        item.text += text
+        if text:
+            where = {"item_id": item.id, "output_index": len(self.items) - 1, "content_index": 0}
+            if kind == "reasoning":
+                events.append(self._event("response.reasoning_text.delta", **where, delta=text))
+            else:
+                events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=[]))
+        return events
 
-    def _id(self, index: int) -> str:
-        return f"{'rs' if self.kinds[index] == 'reasoning' else 'msg'}_{self.rid}"
-
-    def _item(self, index: int, status: str) -> dict[str, Any]:
-        text, item = self.texts[index], {"id": self._id(index), "status": status}
-        if self.kinds[index] == "reasoning":
-            parts = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
-            return {**item, "type": "reasoning", "summary": [], "content": parts}
-        parts = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-        return {**item, "type": "message", "role": "assistant", "content": parts}
-
-    def _open(self, kind: str) -> list[BaseModel]:
-        self.kinds.append(kind)
-        self.texts.append("")
-        index = len(self.kinds) - 1
-        events = [self._event("response.output_item.added", output_index=index, item=self._item(index, "in_progress"))]
-        if kind == "message":
-            events.append(self._event("response.content_part.added", **self._where(),
-                                      part={"type": "output_text", "text": "", "annotations": []}))
+    def _open(self, item: _Item) -> list[BaseModel]:
+        self.items.append(item)
+        index = len(self.items) - 1
+        events = [self._event("response.output_item.added", output_index=index, item=item.body("in_progress"))]
+        if item.kind == "message":
+            events.append(self._event("response.content_part.added", item_id=item.id, output_index=index,
+                                      content_index=0, part=_text_part("")))
         return events
 
     def _close(self) -> list[BaseModel]:
         """The done events of the last item opened, unless they went out already."""
-        index = len(self.kinds) - 1
-        if index < self.closed:
+        if not self.items or self.items[-1].done:
             return []
-        self.closed = index + 1
-        text = self.texts[index]
-        if self.kinds[index] == "reasoning":
-            events = [self._event("response.reasoning_text.done", **self._where(), text=text)]
+        item, index = self.items[-1], len(self.items) - 1
+        item.done = True
+        where = {"item_id": item.id, "output_index": index}
+        if item.kind == "reasoning":
+            events = [self._event("response.reasoning_text.done", **where, content_index=0, text=item.text)]
+        elif item.kind == "message":
+            events = [self._event("response.output_text.done", **where, content_index=0, text=item.text,
+                                  logprobs=[]),
+                      self._event("response.content_part.done", **where, content_index=0, part=_text_part(item.text))]
         else:
-            events = [self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
-                      self._event("response.content_part.done", **self._where(),
-                                  part={"type": "output_text", "text": text, "annotations": []})]
-        return events + [self._event("response.output_item.done", output_index=index,
-                                     item=self._item(index, "completed"))]
+            events = [self._event("response.function_call_arguments.done", **where, name=item.name,
+                                  arguments=item.text)]
+        return events + [self._event("response.output_item.done", output_index=index, item=item.body("completed"))]
 
     def _response(self, status: str, output: list[dict[str, Any]], usage: r.Usage | None = None,
                   length: bool = False) -> ResponseObject:
         q = self.request
+        choice = q.tool_choice.model_dump() if isinstance(q.tool_choice, NamedFunction) else q.tool_choice or "auto"
         fields: dict[str, Any] = {
-            "parallel_tool_calls": q.parallel_tool_calls is not False, "tool_choice": q.tool_choice or "auto",
-            "tools": [], "temperature": q.temperature, "top_p": q.top_p, "max_output_tokens": q.max_output_tokens,
-            "instructions": q.instructions, "metadata": q.metadata or {},
-            "incomplete_details": {"reason": "max_output_tokens"} if length else None}
+            "parallel_tool_calls": q.parallel_tool_calls is not False, "tool_choice": choice,
+            "tools": [t.model_dump(exclude_none=True) for t in q.tools or []], "temperature": q.temperature,
+            "top_p": q.top_p, "max_output_tokens": q.max_output_tokens, "instructions": q.instructions,
+            "metadata": q.metadata or {}, "incomplete_details": {"reason": "max_output_tokens"} if length else None}
         if usage is not None:  # reasoning tokens are not counted apart from the output's
             fields["usage"] = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
                                "total_tokens": usage.total_tokens, "input_tokens_details": {

@@ -89,7 +89,7 @@ class OpenAIServing:
         try:
             requests, thinking = await self._off_loop(self._chat_requests, chat, rid)
             return await self._serve(chat, requests, http, ResponsesFormat(rid, self.model_name, chat, body,
-                                                                           thinking))
+                                                                           self.tool_parser, thinking))
         except RequestError as exc:  # named as this request names the field
             raise renamed(exc) from None
 

@@ -1,6 +1,7 @@
 """OpenAI's Responses API (/v1/responses) against a real `muxd serve`: its bodies and every streamed event validate as
 the openai package's own types, its text is what the same chat request writes, reasoning comes as a reasoning item,
-and what it does not serve (stored responses, tools) is a 400 naming the field."""
+function tools as function_call items, and what it does not serve (stored responses, hosted tools) is a 400 naming
+the field."""
 from __future__ import annotations
 
 import json
@@ -84,11 +85,47 @@ def test_conversations_and_formats_as_chat_takes_them(server, model_name):
         assert isinstance(json.loads(text)["a"], int)
 
 
+WEATHER = {"type": "function", "name": "weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_function_tools_call_and_take_their_outputs_back(server, model_name, client):
+    """A forced call comes as a function_call item (whole and streamed); the call and its output sent back as input
+    items make the conversation the chat request with the assistant's tool call and the tool's message makes."""
+    body = {"model": model_name, "input": "Weather in Oslo?", "tools": [WEATHER], "max_output_tokens": 60,
+            "temperature": 0, "tool_choice": {"type": "function", "name": "weather"}}
+    whole = openai_types.Response.model_validate(respond(server, **body).json())
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["weather"] and calls[0].call_id
+    if whole.status == "completed":
+        assert isinstance(json.loads(calls[0].arguments)["city"], str)
+    events = events_of(respond(server, **body, stream=True))
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == calls[0].arguments
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [args]
+    assert [i.type for i in events[-1].response.output] == [i.type for i in whole.output]
+
+    turn = [{"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}]
+    answered = respond(server, model=model_name, input=turn, tools=[WEATHER], max_output_tokens=5, temperature=0)
+    assert answered.status_code == 200, answered.text
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    chat = client.chat.completions.create(model=model_name, max_tokens=5, temperature=0, tools=[
+        {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}], messages=[
+        turn[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}])
+    assert answered.json()["usage"]["input_tokens"] == chat.usage.prompt_tokens
+    assert message_text(openai_types.Response.model_validate(answered.json())) == (
+        chat.choices[0].message.content or "")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0"),
+    ({"input": ["x", {"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input.1"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),  # no tools to call
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
