@@ -45,29 +45,29 @@ class InputMessage(BaseModel):
         return {"role": self.role, "content": text}
 
 
-class FunctionCallItem(BaseModel):
+class _CallItem(BaseModel):
+    """An input item about one function call (`call_id`), with the id and status a response gave it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    call_id: p.Text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_CallItem):
     """A function call of an earlier response, echoed back."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
     type: Literal["function_call"]
-    call_id: p.Text
     name: p.Text
     arguments: p.Text
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(_CallItem):
     """What a function call returned."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
     type: Literal["function_call_output"]
-    call_id: p.Text
     output: p.Text
-    id: str | None = None
-    status: str | None = None
 
 
 class ReasoningInputItem(BaseModel):
