@@ -20,6 +20,7 @@ from appliance.model_zoo.chat_template import compile_chat_template
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.tokenizer import Tokenizer
 from appliance.server.protocol import ChatCompletionRequest, bodies_for
+from appliance.server.responses_api import ResponsesRequest
 from appliance.slo.contract import Contract, parse_contract
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
@@ -106,7 +107,14 @@ def test_any_text_as_slo_contract_is_a_contract_or_a_contract_error(text):
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "stream_options", "n", "logprobs", "tools", "response_format", "user", "stop_token_ids", "slo_class",
           "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids", "priority", "echo", "min_tokens",
-          "unknown"]
+          "chat_template_kwargs", "reasoning_effort", "metadata", "include_reasoning", "unknown"]
+RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text",
+                    "reasoning", "tools", "tool_choice", "previous_response_id", "include", "truncation", "metadata",
+                    "slo_class", "unknown"]
+ITEM = st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output",
+                                                       "reasoning", "web_search_call"]),
+                              "role": st.sampled_from(["user", "assistant", "tool"]), "content": JSON,
+                              "call_id": JSON, "name": JSON, "arguments": JSON, "output": JSON})
 
 
 @given(body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), chat=st.booleans())
@@ -123,6 +131,21 @@ def test_any_json_body_validates_or_is_a_clean_error(body, chat):
         assert exc.param == "min_tokens"  # more than the context leaves: the only late refusal
         return
     params.validate()  # what the protocol accepts, the engine accepts too
+
+
+@given(body=st.dictionaries(st.sampled_from(RESPONSES_FIELDS), JSON, max_size=6),
+       items=st.lists(ITEM.map(lambda item: {k: v for k, v in item.items() if v is not None}), max_size=3))
+def test_any_responses_body_runs_as_a_chat_request_or_is_a_clean_error(body, items):
+    """/v1/responses bodies: valid ones become chat requests whose sampling the engine takes; the rest fail naming
+    what is wrong."""
+    _, chat_request = bodies_for(4096, ["default", "batch"])
+    if items:
+        body = {**body, "input": items}
+    try:
+        chat = ResponsesRequest.model_validate(body).to_chat(chat_request)
+    except (ValidationError, RequestError):
+        return
+    chat.sampling_params(16).validate()
 
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
