@@ -1,7 +1,7 @@
 """Property-based fuzzing of what users hand muxd: config.json (ModelConfig), the SLO contract YAML, request bodies
-(the pydantic protocol), chat templates and messages, and the tokenizer. Each may succeed or fail with muxd's own error naming
-what is wrong, never with anything else. The `reliability` hypothesis profile (tests/conftest.py; scripts/reliability.py fuzz)
-runs many more cases than the default `ci` one.
+(the pydantic protocol, chat and Responses), chat templates and messages, and the tokenizer. Each may succeed or fail
+with muxd's own error naming what is wrong, never with anything else. The `reliability` hypothesis profile
+(tests/conftest.py; scripts/reliability.py fuzz) runs many more cases than the default `ci` one.
 """
 from __future__ import annotations
 
