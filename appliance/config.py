@@ -390,6 +390,10 @@ class VllmFlags:
     tokenizer: Optional[str] = flag(None, "Only the model directory: muxd reads the tokenizer there.", hidden=True)
     uvicorn_log_level: Optional[str] = flag(None, "The HTTP server's log level (default: --log-level).",
                                             hidden=True)
+    pipeline_parallel_size: int = flag(1, "Only 1: muxd splits a model across GPUs by --tensor-parallel-size.",
+                                       "-pp", hidden=True)
+    data_parallel_size: int = flag(1, "Only 1: replicas are `muxd serve --replicas N` (or `muxd cluster`).", "-dp",
+                                   hidden=True)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -398,6 +402,12 @@ class VllmFlags:
         if self.quantization is not None:
             raise ConfigError(f"--quantization {self.quantization}: muxd serves unquantized checkpoints (bfloat16, "
                               "float16, float32); leave it out")
+        if self.pipeline_parallel_size != 1:
+            raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: muxd has no pipeline "
+                              "parallelism; split the model across the GPUs of a host with --tensor-parallel-size")
+        if self.data_parallel_size != 1:
+            raise ConfigError(f"--data-parallel-size {self.data_parallel_size}: muxd serves replicas with "
+                              "--replicas N (one engine per GPU, on Ray Serve), not data parallelism")
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
             raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "

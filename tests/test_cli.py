@@ -71,6 +71,8 @@ def test_generate_chat_mode(text_checkpoint):
     (["--tokenizer", "/some/other/dir"], "--tokenizer /some/other/dir: muxd reads the tokenizer from the model"),
     (["--enforce-eager", "--compile"], "--enforce-eager and --compile contradict"),
     (["--uvicorn-log-level", "loud"], "--uvicorn-log-level must be one of"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: muxd has no pipeline parallelism"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2: muxd serves replicas with --replicas N"),
     (["--model", str(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3.1-8b")],
      "--load-format dummy"),
 ])
@@ -127,7 +129,8 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
         "serve", model, "--tokenizer", model, "--trust-remote-code", "--enforce-eager", "--disable-log-requests",
         "--disable-log-stats", "--enable-chunked-prefill", "--swap-space", "4", "--kv-cache-dtype", "auto",
         "--uvicorn-log-level", "warning", "--gpu-memory-utilization", "0.9", "--max-model-len", "256",
-        "--served-model-name", "m", "--generation-config", "vllm", "--reasoning-parser", "qwen3"])
+        "--served-model-name", "m", "--generation-config", "vllm", "--reasoning-parser", "qwen3",
+        "--pipeline-parallel-size", "1", "--data-parallel-size", "1"])
     assert result.exit_code == 0, result.output
     cfg = seen["cfg"]
     assert (cfg.runtime.cuda_graph, cfg.runtime.compile, cfg.vllm.uvicorn_log_level) == (False, False, "warning")
