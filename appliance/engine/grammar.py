@@ -30,22 +30,36 @@ class GrammarSpec:
     kind: str
     schema: str = ""
     param: str = "response_format"
+    after: tuple[int, ...] = ()  # token ids the output must write before the grammar applies (the end of thinking)
 
 
 class Matcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar; with `after`, the output is free until it has written those tokens
+    (a reasoning model's </think>), and follows the grammar from there."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, after: tuple[int, ...] = ()) -> None:
         self._m = matcher
+        self._after = list(after)
+        self._recent: list[int] = []  # the output's last tokens while waiting for `after`
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (then nothing changed)."""
+        if self._after:
+            self._recent = (self._recent + [token])[-len(self._after):]
+            if self._recent == self._after:
+                self._after = []
+            return True
         return bool(self._m.accept_token(token))
 
     @property
     def terminated(self) -> bool:
         """The output is complete (the grammar accepted a stop token)."""
-        return bool(self._m.is_terminated())
+        return not self._after and bool(self._m.is_terminated())
+
+    @property
+    def constraining(self) -> bool:
+        """The next token is masked by the grammar (not waiting, not complete)."""
+        return not self._after and not self._m.is_terminated()
 
 
 class GrammarCompiler:
@@ -92,7 +106,7 @@ class GrammarCompiler:
             code = UNUSABLE_SCHEMA if spec.kind.startswith("json") else "invalid_value"
             raise RequestError(f"{spec.param}: {what} cannot be used for constrained decoding: "
                                f"{compiler_message(exc)}", spec.param, code) from None
-        return Matcher(xgr.GrammarMatcher(compiled))
+        return Matcher(xgr.GrammarMatcher(compiled), spec.after)
 
 
 def compiler_message(exc: Exception) -> str:

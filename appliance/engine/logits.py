@@ -29,8 +29,9 @@ def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] 
     if blocked:
         rows, cols = zip(*blocked)
         _index_put(logits, rows, cols, float("-inf"))
-    # (a grammar that ended since the row was launched: the request finished, this row's token is dropped)
-    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.matcher.terminated]
+    # (a grammar that ended since the row was launched: the request finished, this row's token is dropped; one
+    # waiting for the end of thinking masks nothing yet)
+    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.constraining]
     if constrained:
         apply_masks(logits, [reqs[i].matcher for i in constrained], constrained)
     return logits

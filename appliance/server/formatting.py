@@ -189,8 +189,8 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p.ChatCompletionRequest,
                  parser: str, thinking: bool | None = None) -> None:
-        """`thinking`: None without a reasoning parser (or where a grammar constrains the output), else whether the
-        output begins inside a think block (reasoning.opens_thinking)."""
+        """`thinking`: None without a reasoning parser (or where a grammar constrains the output from its first
+        token), else whether the output begins inside a think block (reasoning.opens_thinking)."""
         super().__init__(rid, model, tokenizer, body)
         self.logprobs = bool(body.logprobs)
         tools = body.active_tools

@@ -3,7 +3,9 @@ returned as the message's `reasoning`, apart from its answer (`content`), in who
 
 Where the output starts decides the split: inside a think block for deepseek_r1 (R1 thinks first, whether or not it
 writes the opening tag), and for qwen3 when the chat template left a block open in the prompt; an output that opens
-with <think> thinks in either case. Thinking ends at </think>; an output cut before it is all reasoning.
+with <think> thinks in either case. Thinking ends at </think>; an output cut before it is all reasoning. A grammar
+(structured output) of an output that starts in reasoning holds from </think> on (serving.py gives it those tokens to
+wait for); a tool call that a grammar forces is not split.
 """
 from __future__ import annotations
 

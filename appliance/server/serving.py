@@ -8,6 +8,7 @@ not stall /health or other streams. A stream that fails after it started ends wi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from appliance.server.choices import Choices
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
 from appliance.server.metrics import Metrics
-from appliance.server.reasoning import opens_thinking
+from appliance.server.reasoning import END, opens_thinking
 from appliance.server.responses_api import Event, ResponsesFormat, ResponsesRequest, renamed
 from appliance.server.tools import detect_parser
 
@@ -129,9 +130,13 @@ class OpenAIServing:
         chat = self._render(body)
         self._check_text(chat.text, "messages", limit=keep is None)
         ids = self._tokenizer().encode_chat(chat)
-        requests = self._make(body, ids[-keep:] if keep else ids, body.requested_max_tokens(), rid)
-        split = self.reasoning_parser != "none" and body.grammar() is None
-        return requests, opens_thinking(chat.text, self.reasoning_parser) if split else None
+        thinking = opens_thinking(chat.text, self.reasoning_parser) if self.reasoning_parser != "none" else None
+        forced = body.tool_choice is not None and body.tool_choice.constrains
+        if body.grammar() is not None and (forced or not thinking):
+            thinking = None  # the grammar holds from the first token: no think block to split off
+        after = tuple(self._tokenizer().encode(END, add_special_tokens=False)) if thinking else ()
+        requests = self._make(body, ids[-keep:] if keep else ids, body.requested_max_tokens(), rid, after=after)
+        return requests, thinking
 
     def _keep(self, body: p._SamplingRequest) -> int | None:
         """The prompt tokens truncate_prompt_tokens keeps, the last ones (None: all); -1 keeps as many as the context
@@ -185,16 +190,20 @@ class OpenAIServing:
                                CONTEXT_LENGTH_EXCEEDED)
 
     def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str,
-              first: int = 0) -> list[Request]:
+              first: int = 0, after: tuple[int, ...] = ()) -> list[Request]:
         """One engine request per choice of one prompt (ids rid, rid-1, ... counted from `first`; choice i samples
-        with seed + i)."""
+        with seed + i); `after`: the tokens a grammar waits for (the end of thinking)."""
         if max_tokens is None:
             room = self.max_model_len - len(ids)
             max_tokens = max(1, min(room, self.sampling_defaults.get("max_tokens", room)))
-        n = body.num_generated
-        return [self.engine.make_request(ids, body.sampling_params(max_tokens, i, self.sampling_defaults),
-                                         request_id=rid if first + i == 0 else f"{rid}-{first + i}")
-                for i in range(n)]
+        requests = []
+        for i in range(body.num_generated):
+            params = body.sampling_params(max_tokens, i, self.sampling_defaults)
+            if params.grammar is not None and after:
+                params.grammar = dataclasses.replace(params.grammar, after=after)
+            requests.append(self.engine.make_request(ids, params, request_id=rid if first + i == 0
+                                                     else f"{rid}-{first + i}"))
+        return requests
 
     def _tokenizer(self):
         if self.tokenizer is None:

@@ -259,6 +259,26 @@ def test_held_sampling_with_aborts_and_grammar_ends_at_every_step(text_checkpoin
     assert any(ended) and not all(ended)
 
 
+def test_a_grammar_after_thinking_frees_the_output_until_its_end(text_checkpoint):
+    """A grammar waiting for the end of a think block (`GrammarSpec.after`) masks nothing until the output has
+    written those tokens, then holds: the output is the free one up to them, then a boolean; in both loops."""
+    pytest.importorskip("xgrammar")
+    engine = engine_for(text_checkpoint, False, max_model_len=256)
+    free = engine.generate(["Tell me"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    end = tuple(free[2:4])  # what the free output writes at its third and fourth tokens stands for </think>
+    boolean = GrammarSpec("json_schema", json.dumps({"type": "boolean"}), after=end)
+
+    def make(engine):
+        return {0: [engine.make_request("Tell me", SamplingParams(max_tokens=30, temperature=0, grammar=boolean),
+                                        "r-think")]}
+
+    sync, overlapped = both(text_checkpoint, make, max_model_len=256)
+    assert overlapped == sync
+    tokens = [t for o in sync["r-think"] for t in o[0]]
+    assert tokens[:4] == list(free[:4]) and sync["r-think"][-1][2] == "stop"
+    assert engine.tokenizer.decode(tokens[4:]).strip() in ("true", "false")
+
+
 def test_a_pending_token_is_a_placeholder_read_on_the_device():
     r = Request("r", [5, 6, 7], SamplingParams())
     r.output_token_ids = [8]
