@@ -4,10 +4,12 @@ returned as the message's `reasoning`, apart from its answer (`content`), in who
 Where the output starts decides the split: inside a think block for deepseek_r1 (R1 thinks first, whether or not it
 writes the opening tag), and for qwen3 when the chat template left a block open in the prompt; an output that opens
 with <think> thinks in either case. Thinking ends at </think>; an output cut before it is all reasoning. A grammar
-(structured output) of an output that starts in reasoning holds from </think> on (serving.py gives it those tokens to
-wait for); a tool call that a grammar forces is not split.
+(structured output) holds from </think> on (`waits_for_thinking`; serving.py gives it those tokens to wait for),
+unless the prompt closed the think block; a tool call that a grammar forces is not split.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from appliance.server.tools import partial_suffix
 
@@ -19,6 +21,14 @@ def opens_thinking(prompt: str, parser: str) -> bool:
     if parser == "deepseek_r1":
         return True
     return parser == "qwen3" and prompt.rfind(START) > prompt.rfind(END)
+
+
+def waits_for_thinking(prompt: str, body: Any) -> bool:
+    """Whether a grammar of this chat request (with a reasoning parser) lets the output think first and holds from
+    </think> on, as vLLM's structured outputs do: unless the prompt closed the think block itself (Qwen3's
+    enable_thinking false) or the grammar forces a tool call."""
+    forced = body.tool_choice is not None and body.tool_choice.constrains
+    return not forced and not prompt.rstrip().endswith(END)
 
 
 class ReasoningStream:

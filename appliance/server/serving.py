@@ -30,7 +30,7 @@ from appliance.server.choices import Choices
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
 from appliance.server.metrics import Metrics
-from appliance.server.reasoning import END, opens_thinking
+from appliance.server.reasoning import END, opens_thinking, waits_for_thinking
 from appliance.server.responses_api import Event, ResponsesFormat, ResponsesRequest, renamed
 from appliance.server.tools import detect_parser
 
@@ -131,10 +131,12 @@ class OpenAIServing:
         self._check_text(chat.text, "messages", limit=keep is None)
         ids = self._tokenizer().encode_chat(chat)
         thinking = opens_thinking(chat.text, self.reasoning_parser) if self.reasoning_parser != "none" else None
-        forced = body.tool_choice is not None and body.tool_choice.constrains
-        if body.grammar() is not None and (forced or not thinking):
-            thinking = None  # the grammar holds from the first token: no think block to split off
-        after = tuple(self._tokenizer().encode(END, add_special_tokens=False)) if thinking else ()
+        after: tuple[int, ...] = ()
+        if body.grammar() is not None and thinking is not None:
+            if waits_for_thinking(chat.text, body):
+                after = tuple(self._tokenizer().encode(END, add_special_tokens=False))
+            else:
+                thinking = None  # the grammar holds from the first token: no think block to split off
         requests = self._make(body, ids[-keep:] if keep else ids, body.requested_max_tokens(), rid, after=after)
         return requests, thinking
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from appliance.server.reasoning import ReasoningStream, opens_thinking, split
+from appliance.server.reasoning import ReasoningStream, opens_thinking, split, waits_for_thinking
 
 
 @pytest.mark.parametrize("text, thinking, expected", [
@@ -61,6 +61,19 @@ def test_where_the_output_starts():
     assert opens_thinking(qwen_thinking_template, "qwen3")
     assert opens_thinking(qwen_off, "deepseek_r1")
     assert not opens_thinking(qwen_thinking_template, "none")
+
+
+def test_a_grammar_waits_for_thinking_unless_the_prompt_closed_it_or_a_call_is_forced():
+    from appliance.server.protocol import ChatCompletionRequest
+
+    ask = {"messages": [{"role": "user", "content": "JSON?"}], "response_format": {"type": "json_object"}}
+    plain = ChatCompletionRequest.model_validate(ask)
+    forced = ChatCompletionRequest.model_validate({**ask, "response_format": None, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    assert waits_for_thinking("<|im_start|>assistant\n", plain)  # Qwen3 thinks unless told not to
+    assert waits_for_thinking("<|im_start|>assistant\n<think>\n", plain)
+    assert not waits_for_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n", plain)  # enable_thinking off
+    assert not waits_for_thinking("<|im_start|>assistant\n", forced)
 
 
 def test_tool_calls_after_the_reasoning_are_parsed_from_the_content():
