@@ -1,5 +1,6 @@
 """Structured output: a request's grammar (any JSON, a JSON Schema) compiled by xgrammar, a matcher per request that
-follows its output, and the token masks that keep sampling inside the grammar.
+follows its output (from the end of a think block, when the request waits for one), and the token masks that keep
+sampling inside the grammar.
 
 The masks of a batch's constrained rows are filled on the host by xgrammar's threads right after the forward was
 launched (the device is busy meanwhile) and applied on the device in one kernel. Compiled grammars are cached by
