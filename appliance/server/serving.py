@@ -125,7 +125,7 @@ class OpenAIServing:
 
     def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> tuple[list[Request], bool | None]:
         """The request's choices, and whether its output begins inside a think block (None: no reasoning split,
-        without --reasoning-parser or where a grammar constrains the output)."""
+        without --reasoning-parser or where a grammar constrains the output from its first token)."""
         keep = self._keep(body)
         chat = self._render(body)
         self._check_text(chat.text, "messages", limit=keep is None)
