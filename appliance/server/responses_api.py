@@ -287,9 +287,9 @@ class ResponseObject(BaseModel):
 class _Item:
     """One output item as it streams: its kind, its id, and its text (a call: its arguments)."""
 
-    def __init__(self, kind: str, item_id: str, name: str | None = None, call_id: str | None = None) -> None:
-        self.kind, self.id, self.name, self.call_id = kind, item_id, name, call_id
-        self.text = ""
+    def __init__(self, kind: str, item_id: str, text: str = "", name: str | None = None,
+                 call_id: str | None = None) -> None:
+        self.kind, self.id, self.text, self.name, self.call_id = kind, item_id, text, name, call_id
         self.done = False
 
     def body(self, status: str) -> dict[str, Any]:
@@ -337,7 +337,7 @@ class ResponsesFormat(ChatFormat):
             for call in delta.tool_calls or []:
                 if call.index not in self.calls:
                     events += self._close()
-                    self.calls[call.index] = _Item("function_call", f"fc_{self.rid}_{call.index}",
+                    self.calls[call.index] = _Item("function_call", f"fc_{self.rid}_{call.index}", "",
                                                    call.function.name, call.id)
                     events += self._open(self.calls[call.index])
                 item = self.calls[call.index]
@@ -360,16 +360,11 @@ class ResponsesFormat(ChatFormat):
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
         chat = super().final(choices, usage).choices[0]
         message = chat.message
-        items = [_Item("reasoning", f"rs_{self.rid}")] if message.reasoning else []
+        items = [_Item("reasoning", f"rs_{self.rid}", message.reasoning)] if message.reasoning else []
         if message.content is not None or not message.tool_calls:
-            items.append(_Item("message", f"msg_{self.rid}"))
-        for i, call in enumerate(message.tool_calls):
-            items.append(_Item("function_call", f"fc_{self.rid}_{i}", call.function.name, call.id))
-        texts = {"reasoning": message.reasoning or "", "message": message.content or ""}
-        for item in items:
-            item.text = texts.get(item.kind, "")
-        for item, call in zip([i for i in items if i.kind == "function_call"], message.tool_calls):
-            item.text = call.function.arguments or ""
+            items.append(_Item("message", f"msg_{self.rid}", message.content or ""))
+        items += [_Item("function_call", f"fc_{self.rid}_{i}", call.function.arguments or "", call.function.name,
+                        call.id) for i, call in enumerate(message.tool_calls)]
         length = chat.finish_reason == "length"
         return self._response("incomplete" if length else "completed", [i.body("completed") for i in items], usage,
                               length)
