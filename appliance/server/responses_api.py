@@ -320,6 +320,7 @@ class ResponsesFormat(ChatFormat):
         self.sequence = 0
         self.items: list[_Item] = []
         self.calls: dict[int, _Item] = {}  # a chat tool-call index -> its item
+        self._blank = ""  # content of only whitespace, not sent yet
 
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
         pending = self._response("in_progress", [])
@@ -332,8 +333,11 @@ class ResponsesFormat(ChatFormat):
             delta = chunk.choices[0].delta
             if delta.reasoning:
                 events += self._add("reasoning", delta.reasoning)
-            if delta.content:
-                events += self._add("message", delta.content)
+            if delta.content:  # (blank text before a call is held: the whole answer has no message then)
+                self._blank += delta.content
+                if self._blank.strip():
+                    events += self._add("message", self._blank)
+                    self._blank = ""
             for call in delta.tool_calls or []:
                 if call.index not in self.calls:
                     events += self._close()
@@ -347,7 +351,9 @@ class ResponsesFormat(ChatFormat):
                                               output_index=self.items.index(item), delta=call.function.arguments))
         if out.finished:
             if all(item.kind == "reasoning" for item in self.items):  # no answer is an empty message
-                events += self._add("message", "")
+                events += self._add("message", self._blank)
+            elif self._blank and self.items[-1].kind == "message":
+                events += self._add("message", self._blank)
             events += self._close()
             length = out.finish_reason == "length"
             done = self._response("incomplete" if length else "completed",
@@ -365,7 +371,7 @@ class ResponsesFormat(ChatFormat):
             items.append(_Item("message", f"msg_{self.rid}", message.content or ""))
         items += [_Item("function_call", f"fc_{self.rid}_{i}", call.function.arguments or "", call.function.name,
                         call.id) for i, call in enumerate(message.tool_calls)]
-        length = chat.finish_reason == "length"
+        length = choices[0].last.finish_reason == "length"
         return self._response("incomplete" if length else "completed", [i.body("completed") for i in items], usage,
                               length)
 

@@ -152,3 +152,43 @@ def test_reasoning_is_an_item_before_the_message(shared_serve, model_name):
     assert [item.type for item in events[-1].response.output] == kinds
     hidden = respond(server, **body, reasoning={"effort": "low"}).json()
     assert [item["type"] for item in hidden["output"]][-1] == "message"
+
+
+@pytest.mark.parametrize("text", [
+    '<think>\nplan</think>\n\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    "<think>a</think>\n\nIt is sunny. \n",
+    "<think>cut short",
+    "  ",
+])
+def test_streamed_items_are_the_whole_response_items(text):
+    """Whatever the chat output holds (reasoning, blank text before a call, a call parsed from the model's own
+    format, text alone), the streamed events end with the items the whole response has."""
+    from appliance.engine.request import RequestOutput
+    from appliance.server.formatting import Choice, usage_of
+    from appliance.server.protocol import ChatCompletionRequest
+    from appliance.server.responses_api import ResponsesFormat, ResponsesRequest
+
+    request = ResponsesRequest.model_validate({"input": "weather?", "tools": [WEATHER]})
+    chat = request.to_chat(ChatCompletionRequest)
+
+    def run(stream: bool):
+        fmt, choice, events = ResponsesFormat("resp-1", "m", chat, request, "hermes", False), Choice(0), []
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            out = RequestOutput("r", [1], piece, last, "stop" if last else None, 3, 0, i + 1)
+            choice.add(out)
+            if stream:
+                events += [EVENTS.validate_python(e.model_dump(exclude_none=True))
+                           for e in fmt.chunk(choice, out, None)]
+        if stream:
+            return events
+        return openai_types.Response.model_validate(fmt.final([choice], usage_of([choice])).model_dump())
+
+    def items(response) -> list[dict]:  # (a call's id is drawn anew each time)
+        return [{**item.model_dump(), "call_id": None} for item in response.output]
+
+    events, whole = run(True), run(False)
+    assert items(events[-1].response) == items(whole)
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == [item.type for item in whole.output]
