@@ -420,7 +420,7 @@ def check_continue_final(continue_final: bool | None, add_generation_prompt: boo
                            "final message instead of starting a turn)", "continue_final_message", CONFLICT)
     if continue_final and not messages[-1].for_template().get("content"):
         raise RequestError("continue_final_message: the final message has no text to continue",
-                           "continue_final_message")
+                           "continue_final_message", CONFLICT)
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from appliance.engine.grammar import GrammarSpec
+from appliance.engine.grammar import UNUSABLE_SCHEMA, GrammarSpec
 from appliance.errors import RequestError
 
 GuidedJson = dict[str, Any] | str
@@ -86,9 +86,9 @@ def guided_grammar(json_schema: GuidedJson | None, regex: str | None, choice: li
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise RequestError(f"{param}: not JSON ({exc.msg})", param) from None
+                raise RequestError(f"{param}: not JSON ({exc.msg})", param, UNUSABLE_SCHEMA) from None
         if not isinstance(value, dict):
-            raise RequestError(f"{param}: a JSON schema is an object", param)
+            raise RequestError(f"{param}: a JSON schema is an object", param, UNUSABLE_SCHEMA)
         return GrammarSpec("json_schema", json.dumps(value), param)
     if param.endswith("regex"):
         return GrammarSpec("regex", value, param)
