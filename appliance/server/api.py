@@ -20,7 +20,7 @@ from appliance.server import tokenize as t
 from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
 from appliance.server.lifecycle import ServerState
-from appliance.server.responses_api import Event, ResponseObject, ResponsesRequest
+from appliance.server.responses_api import Event, ResponseObject, responses_body
 
 log = logging.getLogger("muxd.server")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -91,6 +91,7 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     vocab_size = ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json").vocab_size
     completion_body, chat_body = p.bodies_for(vocab_size, list(contract.classes))
     detokenize_body = t.detokenize_body(vocab_size)
+    response_body = responses_body(chat_body)
 
     @app.post("/v1/completions", response_model=None, responses={
         **openapi.streamed(r.CompletionResponse, r.CompletionResponse), **openapi.errors(*openapi.GENERATE_ERRORS)})
@@ -105,7 +106,7 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
 
     @app.post("/v1/responses", response_model=None, summary="OpenAI's Responses API, for text (as vLLM serves it).",
               responses={**openapi.streamed(ResponseObject, Event), **openapi.errors(*openapi.GENERATE_ERRORS)})
-    async def responses(body: ResponsesRequest, request: Request):
+    async def responses(body: response_body, request: Request):  # type: ignore[valid-type]
         return await state.require_ready().responses(body, chat_body, request)
 
     @app.get("/version", response_model=r.VersionResponse, summary="The muxd version.")

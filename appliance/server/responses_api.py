@@ -11,13 +11,23 @@ import re
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    create_model,
+    field_validator,
+)
 
 from appliance.engine.request import RequestOutput
 from appliance.errors import RequestError
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server.formatting import ChatFormat, Choice
+from appliance.server.tools import FunctionName
 
 
 class InputText(BaseModel):
@@ -97,7 +107,7 @@ class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
-    name: p.Text
+    name: FunctionName
     description: p.Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -107,7 +117,7 @@ class NamedFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
-    name: p.Text
+    name: FunctionName
 
 
 class TextFormat(BaseModel):
@@ -157,7 +167,9 @@ class ResponsesRequest(BaseModel):
                                                 description="Not served: muxd stores no responses.")
     truncation: Literal["disabled"] | None = Field(None, description="Only disabled: a prompt over the context is a "
                                                                      "400.")
-    include: list[Any] | None = Field(None, json_schema_extra={"enum": [[], None]}, description="Only [].")
+    include: list[Literal["reasoning.encrypted_content"]] | None = Field(
+        None, description="Only reasoning.encrypted_content, which needs nothing: reasoning items carry their text "
+                          "(clients that keep no stored responses send it).")
     store: bool | None = Field(None, description="Accepted; nothing is stored.")
     background: Literal[False] | None = None
     metadata: Annotated[dict[str, p.Text], Field(max_length=16)] | None = Field(None, description="Accepted and "
@@ -192,8 +204,6 @@ class ResponsesRequest(BaseModel):
         if self.previous_response_id is not None:
             raise RequestError("previous_response_id: muxd stores no responses; send the whole conversation in "
                                "input", "previous_response_id")
-        if self.include:
-            raise RequestError("include: no extra output is served; leave it out or send []", "include")
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": bool(self.stream)}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("slo_class", self.slo_class),
@@ -244,7 +254,18 @@ class ResponsesRequest(BaseModel):
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if not out:  # (no schema can say "an item that is not reasoning")
+            raise RequestError("input holds only reasoning items and there are no instructions: nothing to answer",
+                               "input", p.CONFLICT)
         return out
+
+
+def responses_body(chat_body: type[p.ChatCompletionRequest]) -> type[ResponsesRequest]:
+    """The Responses body of one served model: `slo_class` as its chat body's (one of the contract's classes)."""
+    slo_class = chat_body.model_fields["slo_class"]
+    return create_model("ResponsesRequest", __base__=ResponsesRequest, __doc__=ResponsesRequest.__doc__,
+                        slo_class=(slo_class.annotation, Field(None, description=slo_class.description,
+                                                               json_schema_extra=slo_class.json_schema_extra)))
 
 
 # the chat request's fields -> the fields of this request they come from

@@ -16,12 +16,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 from appliance.engine.grammar import GrammarSpec
 
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+FunctionName = Annotated[str, Field(pattern=_NAME)]
 
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: Annotated[str, Field(pattern=_NAME)]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -43,7 +43,7 @@ def test_a_response_is_the_chat_answer_as_openai_types(server, model_name, clien
     chat = client.chat.completions.create(model=model_name, max_tokens=6, temperature=0, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}])
     body = {"model": model_name, "input": "Say hi", "instructions": "Be brief.", "max_output_tokens": 6,
-            "temperature": 0, "store": False, "metadata": {"k": "v"}}
+            "temperature": 0, "store": False, "metadata": {"k": "v"}, "include": ["reasoning.encrypted_content"]}
     whole = respond(server, **body)
     assert whole.status_code == 200, whole.text
     response = openai_types.Response.model_validate(whole.json())
@@ -130,6 +130,9 @@ def test_function_tools_call_and_take_their_outputs_back(server, model_name, cli
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include.0"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing to answer
+    ({"input": "x", "tools": [{"type": "function", "name": "no spaces"}]}, "tools.0.name"),
     ({"input": "x", "slo_class": "gold"}, "slo_class"),
     ({"input": "x", "temprature": 1}, "temprature"),
 ])
