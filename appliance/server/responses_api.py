@@ -27,7 +27,7 @@ from appliance.errors import RequestError
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server.formatting import ChatFormat, Choice
-from appliance.server.tools import FunctionName
+from appliance.server.tools import FunctionDef, FunctionName
 
 
 class InputText(BaseModel):
@@ -103,14 +103,10 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("message")], Annotated[F
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionTool(FunctionDef):
+    """A function tool: chat's function definition, flat, with its type."""
 
     type: Literal["function"]
-    name: FunctionName
-    description: p.Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(BaseModel):
