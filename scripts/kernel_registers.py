@@ -37,7 +37,7 @@ def main() -> None:
     target = GPUTarget("cuda", args.arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     gp = max(16, 1 << (args.group - 1).bit_length())
-    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16}
+    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PDL": True}  # as launched on sm_90
     split = (args.warps or tiling.NUM_WARPS, args.pages_per_block or tiling.PAGES_PER_BLOCK)
     cases = {  # name: kernel, runtime argument types, (warps, pages a loop), other constants
         "decode_partial": (kernels.decode_partial, ["*", "*", "*", "*i32", "*i32", "*i32", "*fp32", "*fp32", "fp32",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from appliance.attention.pdl import launch_options
+
 
 def _triton_kernel():
     from .kv_write_kernels import write_kv_kernel  # defers Triton
@@ -82,7 +84,7 @@ def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
     _triton_rope_kernel()[(qkv.shape[0], kv_heads)](
         qkv, positions, cos_sin, slot_mapping, q, kv[0], kv[1], q_norm if norm else qkv, k_norm if norm else qkv,
         qkv.stride(0), cos_sin.shape[0], float(eps), HEADS=num_heads, KV_HEADS=kv_heads, GROUP=group,
-        GROUP_PAD=1 << (group - 1).bit_length(), HALF=dim // 2, NORM=norm)
+        GROUP_PAD=1 << (group - 1).bit_length(), HALF=dim // 2, NORM=norm, **launch_options(qkv.device, qkv.shape[0]))
     return q
 
 

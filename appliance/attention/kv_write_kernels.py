@@ -32,8 +32,12 @@ def head_rms_norm(x1, x2, w_ptr, d, eps, dtype: tl.constexpr, HALF: tl.constexpr
 @triton.jit
 def rope_write_kv_kernel(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr,
                          stride_qkv, positions, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+                         PDL: tl.constexpr = False):
     # one program per (row, KV head): the group's query heads, then its K and V head
+    if PDL:  # launched early (attention/pdl.py): wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row, kv_head = tl.program_id(0), tl.program_id(1)
     dim = 2 * HALF
     dtype = q_ptr.dtype.element_ty

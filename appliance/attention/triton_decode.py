@@ -21,6 +21,7 @@ import math
 import numpy as np
 import torch
 
+from appliance.attention.pdl import launch_options
 from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.pinned import PinnedRing
 
@@ -100,14 +101,15 @@ class TritonDecode:
         out = torch.empty_like(q)
         b = q.shape[0]
         page = k_cache.shape[1]
+        launch = launch_options(q.device, b)
         partial[(b, self.num_kv_heads, self.splits)](
             q, k_cache, v_cache, self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse,
             self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=self.head_dim, PAGE=page,
-            PPB=self.pages_per_block, SPLITS=self.splits, num_warps=self.num_warps)
+            PPB=self.pages_per_block, SPLITS=self.splits, num_warps=self.num_warps, **launch)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=self.head_dim, PAGE=page, PPB=self.pages_per_block,
-                                   SPLITS=self.splits)
+                                   SPLITS=self.splits, **launch)
         return out
 
 

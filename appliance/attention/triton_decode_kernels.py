@@ -52,7 +52,9 @@ def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2,
 def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-                   SPLITS: tl.constexpr):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (attention/pdl.py): wait for the kernel before
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -69,6 +71,8 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
                 other=0.0)
     m, l, acc = _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2, stride_kp, stride_kt,
                         stride_kh, GP, D, PAGE, PPB)
+    if PDL:  # the next kernel may launch now: its programs wait in SM slots these programs no longer need
+        tl.extra.cuda.gdc_launch_dependents()
     row = b * num_heads + h * G + g
     keep = qmask & (s + g * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
     safe = tl.where(l == 0.0, 1.0, l)
@@ -78,7 +82,10 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
 
 @triton.jit
 def decode_merge(po_ptr, plse_ptr, seqlen_ptr, o_ptr, stride_ob, stride_oh, D: tl.constexpr,
-                 PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
+                 PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (attention/pdl.py): wait for the kernel before, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     hq = tl.program_id(1)
     row = b * tl.num_programs(1) + hq

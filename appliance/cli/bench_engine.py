@@ -63,6 +63,8 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         decode_blas: str = typer.Option("cublaslt", help="BLAS library of the decode graphs: cublaslt or cublas."),
         fused_rope: bool = typer.Option(True, "--fused-rope/--no-fused-rope", help="One kernel rotates q and k and "
                                         "writes K/V (flashinfer backend); off: the compiled layers rotate."),
+        pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="Programmatic dependent launch of the compiled "
+                                 "layers' and muxd's Triton kernels (Hopper and later)."),
         compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile each layer."),
         cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
         async_scheduling: bool = typer.Option(True, "--async-scheduling/--no-async-scheduling",
@@ -103,7 +105,7 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                               max_model_len=max(max(n + c for n, c in pre), *ctx, *(c for _, c in profiled))
                               + iters + 64,
                               attention_backend=attention_backend, decode_kernel=decode_kernel, decode_blas=decode_blas,
-                              fused_rope=fused_rope,
+                              fused_rope=fused_rope, pdl=pdl,
                               compile=compile, cuda_graph=cuda_graph,
                               async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,

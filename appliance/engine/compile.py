@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from appliance.attention import pdl
 from appliance.engine.toolchain import compile_unavailable_reason
 from appliance.model_zoo.layers import DecoderLayer
 from appliance.model_zoo.llama import DecoderForCausalLM
@@ -72,8 +73,13 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     dynamic = torch.compile(DecoderLayer.forward, dynamic=True,
                             options={"post_grad_custom_post_pass": residual_add_apart()})
-    one_token = torch.compile(DecoderLayer.forward, dynamic=False,
-                              mode="max-autotune-no-cudagraphs" if device.type == "cuda" else None)
+    from torch._inductor import list_mode_options  # defers Inductor (1 s)
+
+    tuned = list_mode_options("max-autotune-no-cudagraphs") if device.type == "cuda" else {}
+    # the single-token graph's kernels launch with programmatic dependent launch where it is on (attention/pdl.py):
+    # Inductor waits in each kernel only before reading what the kernel before it wrote
+    launch = {"triton.enable_pdl": True} if pdl.active(device, rows=1) else {}
+    one_token = torch.compile(DecoderLayer.forward, dynamic=False, options={**tuned, **launch} or None)
     for layer in model.model.layers:
         layer.forward = functools.partial(_dispatch, dynamic, one_token, layer)
     # the final norm (and the last residual add) in one kernel, where eagerly it is eight small ones
