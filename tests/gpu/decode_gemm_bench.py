@@ -1,12 +1,15 @@
 """Decode GEMMs alone, per way of running them: each projection of the decoder (QKV, output, gate/up, down, the LM
 head) at several batch sizes, as cuBLAS runs it for the model (`F.linear`, weights stored out x in), with the weights
 stored in x out (`x @ w`, another cuBLAS kernel family), and, with `--autotune`, as Inductor's max-autotune picks
-among cuBLAS and its Triton templates. Each figure is one call, timed as a CUDA graph of `--layers` calls over
-distinct weights (as a decode graph replays them: no call finds its weights in L2), against the bytes it must move.
+among cuBLAS and its Triton templates; with `--reduction`, as Inductor's tuned reduction of the products (the form
+it gives a one-row product, here laid out [N, M] so that a program reads each weight row once for all rows); with
+`--skinny`, as the Triton candidate of skinny_gemm.py (checked against F.linear first). Each figure is one call,
+timed as a CUDA graph of `--layers` calls over distinct weights (as a decode graph replays them: no call finds its
+weights in L2), against the bytes it must move.
 
     PYTHONPATH=. python tests/gpu/decode_gemm_bench.py [--batches 1,8,32,64,128] [--layers 32] [--autotune 1,64]
-        [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8] [--head-dim 128] [--vocab 128256]
-        [--json OUT]
+        [--reduction 2,4,8] [--skinny 2,4,8,16] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8]
+        [--head-dim 128] [--vocab 128256] [--json OUT]
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--autotune", default="", help="batches to also time with Inductor's max-autotune (slow)")
+    ap.add_argument("--reduction", default="", help="batches to also time as Inductor's tuned reduction (slow)")
+    ap.add_argument("--skinny", default="", help="batches (up to 16) to also time with skinny_gemm.py's kernel")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)
@@ -62,6 +67,8 @@ def main() -> None:
     bw = measure_ceilings().copy_bytes_per_s  # the engine bench's ceiling: read + write of a 2 GiB copy
     batches = [int(b) for b in args.batches.split(",")]
     tuned = {int(b) for b in args.autotune.split(",") if b}
+    reduced = {int(b) for b in args.reduction.split(",") if b}
+    skinny = {int(b) for b in args.skinny.split(",") if b}
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s")
     rows = []
     for name, (k, n) in projections(args).items():
@@ -77,6 +84,20 @@ def main() -> None:
                 torch._dynamo.reset()
                 fn = torch.compile(lambda x_, w_: F.linear(x_, w_), mode="max-autotune-no-cudagraphs", dynamic=False)
                 ms["max-autotune"] = graph_ms(lambda i: fn(x, weights[i]), layers)
+            if b in reduced:
+                from torch._inductor import list_mode_options
+
+                torch._dynamo.reset()
+                fn = torch.compile(lambda x_, w_: (w_[:, None, :] * x_[None, :, :]).sum(-1).t(), dynamic=False,
+                                   options=list_mode_options("max-autotune-no-cudagraphs"))
+                torch.testing.assert_close(fn(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
+                ms["inductor reduction"] = graph_ms(lambda i: fn(x, weights[i]), layers)
+            if b in skinny:
+                from skinny_gemm import skinny_linear
+
+                torch.testing.assert_close(skinny_linear(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2,
+                                           atol=2e-2)
+                ms["triton skinny"] = graph_ms(lambda i: skinny_linear(x, weights[i]), layers)
             for variant, t in ms.items():
                 rows.append({"gemm": name, "in": k, "out": n, "batch": b, "variant": variant, "ms": t,
                              "floor_ms": floor, "ratio": t / floor})
