@@ -251,9 +251,9 @@ class RuntimeSettings:
                             "0.5-3 % faster at decode's rows) or cublas (torch's default, which prefill keeps).")
     fused_rope: bool = flag(True, "With the flashinfer backend, one kernel rotates q and k (after Qwen3's q/k "
                             "norms) and writes K/V (off: the compiled layer does, as before).")
-    pdl: bool = flag(True, "On Hopper and later GPUs, launch the compiled layers' and muxd's Triton kernels with "
-                     "programmatic dependent launch: each kernel's launch overlaps the end of the one before it "
-                     "(a one-row decode step runs about 300 kernels); off: plain launches.")
+    pdl: bool = flag(True, "On Hopper and later GPUs, launch the kernels of one-row steps (the single-token "
+                     "compiled graph's and muxd's Triton kernels) with programmatic dependent launch: each launch "
+                     "overlaps the end of the kernel before it; off: plain launches.")
     compile: Optional[bool] = flag(None, "torch.compile each decoder layer (default: on with CUDA, off on CPU).")
     cuda_graph: bool = flag(True, "Replay decode steps as CUDA graphs (CUDA with the flashinfer backend); off for "
                             "debugging.")

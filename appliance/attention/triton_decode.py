@@ -21,8 +21,8 @@ import math
 import numpy as np
 import torch
 
-from appliance.attention.pdl import launch_options
 from appliance.attention.metadata import AttentionMetadata
+from appliance.attention.pdl import launch_options
 from appliance.attention.pinned import PinnedRing
 
 MAX_BATCH = 8          # graph batches up to this many rows run the split-KV kernel, larger ones the balanced one

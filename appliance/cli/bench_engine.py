@@ -63,8 +63,8 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         decode_blas: str = typer.Option("cublaslt", help="BLAS library of the decode graphs: cublaslt or cublas."),
         fused_rope: bool = typer.Option(True, "--fused-rope/--no-fused-rope", help="One kernel rotates q and k and "
                                         "writes K/V (flashinfer backend); off: the compiled layers rotate."),
-        pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="Programmatic dependent launch of the compiled "
-                                 "layers' and muxd's Triton kernels (Hopper and later)."),
+        pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="Programmatic dependent launch of one-row steps' "
+                                 "kernels (Hopper and later)."),
         compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile each layer."),
         cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
         async_scheduling: bool = typer.Option(True, "--async-scheduling/--no-async-scheduling",
