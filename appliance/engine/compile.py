@@ -73,12 +73,13 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     dynamic = torch.compile(DecoderLayer.forward, dynamic=True,
                             options={"post_grad_custom_post_pass": residual_add_apart()})
-    from torch._inductor import list_mode_options  # defers Inductor (1 s)
+    from torch._inductor import config as inductor_config, list_mode_options  # defers Inductor (1 s)
 
     tuned = list_mode_options("max-autotune-no-cudagraphs") if device.type == "cuda" else {}
-    # the single-token graph's kernels launch with programmatic dependent launch where it is on (attention/pdl.py):
-    # Inductor waits in each kernel only before reading what the kernel before it wrote
-    launch = {"triton.enable_pdl": True} if pdl.active(device, rows=1) else {}
+    # the single-token graph's kernels launch with programmatic dependent launch where it is on (attention/pdl.py)
+    # and this Inductor has it: Inductor waits in each kernel only before reading what the kernel before it wrote
+    launch = {"triton.enable_pdl": True} if pdl.active(device, rows=1) and hasattr(inductor_config.triton,
+                                                                                    "enable_pdl") else {}
     one_token = torch.compile(DecoderLayer.forward, dynamic=False, options={**tuned, **launch} or None)
     for layer in model.model.layers:
         layer.forward = functools.partial(_dispatch, dynamic, one_token, layer)
