@@ -3,9 +3,10 @@ head) at several batch sizes, as cuBLAS runs it for the model (`F.linear`, weigh
 stored in x out (`x @ w`, another cuBLAS kernel family), and, with `--autotune`, as Inductor's max-autotune picks
 among cuBLAS and its Triton templates; with `--reduction`, as Inductor's tuned reduction of the products (the form
 it gives a one-row product, here laid out [N, M] so that a program reads each weight row once for all rows); with
-`--skinny`, as the Triton candidate of skinny_gemm.py (checked against F.linear first). Each figure is one call,
-timed as a CUDA graph of `--layers` calls over distinct weights (as a decode graph replays them: no call finds its
-weights in L2), against the bytes it must move.
+`--skinny`, as muxd's skinny GEMM (model_zoo/skinny.py, `--decode-blas triton`), plain and with programmatic
+dependent launch; each candidate checked against F.linear first. Each figure is one call, timed as a CUDA graph of
+`--layers` calls over distinct weights (as a decode graph replays them: no call finds its weights in L2), against the
+bytes it must move.
 
     PYTHONPATH=. python tests/gpu/decode_gemm_bench.py [--batches 1,8,32,64,128] [--layers 32] [--autotune 1,64]
         [--reduction 2,4,8] [--skinny 2,4,8,16] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8]
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--autotune", default="", help="batches to also time with Inductor's max-autotune (slow)")
     ap.add_argument("--reduction", default="", help="batches to also time as Inductor's tuned reduction (slow)")
-    ap.add_argument("--skinny", default="", help="batches (up to 16) to also time with skinny_gemm.py's kernel")
+    ap.add_argument("--skinny", default="", help="batches (up to 16) to also time with muxd's skinny GEMM")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)
@@ -93,7 +94,7 @@ def main() -> None:
                 torch.testing.assert_close(fn(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
                 ms["inductor reduction"] = graph_ms(lambda i: fn(x, weights[i]), layers)
             if b in skinny:
-                from skinny_gemm import skinny_linear
+                from appliance.model_zoo.skinny import skinny_linear
 
                 torch.testing.assert_close(skinny_linear(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2,
                                            atol=2e-2)

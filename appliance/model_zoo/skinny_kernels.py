@@ -1,10 +1,9 @@
-"""A candidate GEMM for decode steps of a few rows (2-16), for `decode_gemm_bench.py --skinny` to time against
-cuBLAS: out [M, N] = x [M, K] @ w [N, K]^T, each program one block of outputs over all M rows (padded to 16 for the
-tensor cores), the weight streamed once in tiles of BLOCK_N x BLOCK_K, tiles autotuned per shape on first use;
-optionally launched with programmatic dependent launch, its first weight tile read before it waits."""
+"""The Triton kernel behind `skinny.skinny_linear`: out [M, N] = x [M, K] @ w [N, K]^T for a few rows, each program
+one block of outputs over all M rows (padded to 16 for the tensor cores), the weight streamed once in tiles of
+BLOCK_N x BLOCK_K (autotuned per shape on first use); optionally launched with programmatic dependent launch, its
+first weight tile read before it waits. Imported only where it runs, so Triton stays optional elsewhere."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -39,17 +38,3 @@ def skinny_kernel(x_ptr, w_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(o_ptr + m[:, None] * stride_om + n[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=(m[:, None] < M) & (n[None, :] < N))
-
-
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """F.linear(x, w) without bias for x of at most 16 rows (contiguous rows, w [N, K] row-major); pdl: launched
-    with programmatic dependent launch (Hopper and later)."""
-    m, k = x.shape
-    n = w.shape[0]
-    if m > 16 or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"skinny_linear takes up to 16 contiguous rows, got {tuple(x.shape)}")
-    out = x.new_empty(m, n)
-    skinny_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), M_PAD=16, PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}))
-    return out
