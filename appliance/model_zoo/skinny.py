@@ -4,8 +4,9 @@ has 2 to `rows()` rows, and F.linear otherwise.
 
 `install(model)` routes the layers' QKV, output, gate/up and down projections of a single-rank model through the
 op for more than one row (one row keeps F.linear, which the single-token compiled graph turns into its tuned
-reductions); the decode graph capture turns the kernel on for its batches (`enabled`); everywhere else the op is
-F.linear. Autotuning runs on the first launch of each shape, which the capture's warm-up makes, outside capture.
+reductions); the decode graph capture turns the kernel on for its batches (`enabled`, with programmatic dependent
+launch where the engine's `--pdl` is on); everywhere else the op is F.linear. Not yet measured in the engine: opt-in.
+Autotuning runs on the first launch of each shape, which the capture's warm-up makes, outside capture.
 """
 from __future__ import annotations
 
