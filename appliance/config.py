@@ -26,7 +26,7 @@ from appliance.model_zoo.tokenizer import read_sampling_defaults, read_tokenizer
 from appliance.predictor.profile import ProfileFile, read_profile
 from appliance.slo.contract import Contract, default_contract, load_contract
 
-DECODE_BLAS = ("cublaslt", "cublas", "triton")  # --decode-blas: the library the decode graphs' GEMMs come from
+DECODE_BLAS = ("cublaslt", "cublas")  # --decode-blas: the library the decode graphs' GEMMs come from
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
@@ -248,9 +248,7 @@ class RuntimeSettings:
                               "work items of equal pages; else flashinfer's), flashinfer, or triton (muxd's, and "
                               "an error where the shape does not suit them).")
     decode_blas: str = flag("cublaslt", "BLAS library of the CUDA-graph decode steps' GEMMs: cublaslt (measured "
-                            "0.5-3 % faster at decode's rows), cublas (torch's default, which prefill keeps) or "
-                            "triton (muxd's skinny GEMM at 2-16 rows, cuBLASLt beyond; a candidate, not yet measured "
-                            "in the engine).")
+                            "0.5-3 % faster at decode's rows) or cublas (torch's default, which prefill keeps).")
     fused_rope: bool = flag(True, "With the flashinfer backend, one kernel rotates q and k (after Qwen3's q/k "
                             "norms) and writes K/V (off: the compiled layer does, as before).")
     pdl: bool = flag(True, "On Hopper and later GPUs, launch the kernels of one-row steps (the single-token "

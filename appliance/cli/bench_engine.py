@@ -60,8 +60,7 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
         decode_kernel: str = typer.Option("auto", help="Attention kernel of graph decode steps: auto (muxd's Triton "
                                           "kernels where they take the model's shape, else flashinfer's), "
                                           "flashinfer, or triton (muxd's, else an error)."),
-        decode_blas: str = typer.Option("cublaslt", help="BLAS library of the decode graphs: cublaslt, cublas "
-                                        "or triton (muxd's skinny GEMM at 2-16 rows)."),
+        decode_blas: str = typer.Option("cublaslt", help="BLAS library of the decode graphs: cublaslt or cublas."),
         fused_rope: bool = typer.Option(True, "--fused-rope/--no-fused-rope", help="One kernel rotates q and k and "
                                         "writes K/V (flashinfer backend); off: the compiled layers rotate."),
         pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="Programmatic dependent launch of one-row steps' "

@@ -28,7 +28,6 @@ from appliance.engine.runner import ModelRunner
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.tp_executor import FollowerExecutor, FollowerRunner, LeaderExecutor
 from appliance.errors import ConfigError
-from appliance.model_zoo import skinny
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model, resolve_model_dir
 from appliance.model_zoo.tokenizer import Tokenizer
@@ -136,8 +135,6 @@ class _Builder:
                                                                       self.device) == "flashinfer"
         model.rotate_in_attention(max_len if fused else None)
         pdl.set_enabled(rt.pdl)
-        if rt.decode_blas == "triton" and self.cuda and mcfg.tp_size == 1:
-            skinny.install(model)  # before compile: the layers trace muxd::linear
         compiled = False
         if rt.compile if rt.compile is not None else self.cuda:
             compiled = compile_layers(model)

@@ -20,11 +20,9 @@ import numpy as np
 import torch
 
 from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, page_layout
-from appliance.attention import pdl
 from appliance.attention.pinned import PinnedRing
 from appliance.engine.batch import HostBatch, resolve
 from appliance.engine.kv_cache import KVCache
-from appliance.model_zoo import skinny
 from appliance.model_zoo.llama import DecoderForCausalLM
 
 log = logging.getLogger("muxd.graphs")
@@ -49,14 +47,11 @@ def quiet_capture() -> Iterator[None]:
 
 @contextlib.contextmanager
 def blas_library(name: str) -> Iterator[None]:
-    """torch's preferred BLAS library within the block (read at each GEMM's call: captured graphs keep it); `triton`:
-    muxd's skinny GEMM for launches of up to 16 rows (model_zoo/skinny.py, where installed; with programmatic
-    dependent launch where it is on), cuBLASLt beyond."""
+    """torch's preferred BLAS library within the block (read at each GEMM's call: captured graphs keep it)."""
     before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt" if name == "triton" else name)
+    torch.backends.cuda.preferred_blas_library(name)
     try:
-        with skinny.enabled(pdl=pdl.active(torch.device("cuda"))) if name == "triton" else contextlib.nullcontext():
-            yield
+        yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
 

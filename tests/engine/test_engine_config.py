@@ -31,7 +31,7 @@ def test_pool_from_memory_budget(llama_checkpoint):
     (dict(max_num_seqs=0), "--max-num-seqs must be >= 1"),
     (dict(attention_backend="flash"), "--attention-backend must be one of"),
     (dict(decode_kernel="fast"), "--decode-kernel must be one of auto, flashinfer, triton, got 'fast'"),
-    (dict(decode_blas="cutlass"), "--decode-blas must be one of cublaslt, cublas, triton, got 'cutlass'"),
+    (dict(decode_blas="cutlass"), "--decode-blas must be one of cublaslt, cublas, got 'cutlass'"),
     (dict(partition_granularity=12), "multiple of 8"),
 ])
 def test_bad_engine_config(llama_checkpoint, settings, message):

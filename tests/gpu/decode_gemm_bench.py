@@ -2,15 +2,13 @@
 head) at several batch sizes, as cuBLAS runs it for the model (`F.linear`, weights stored out x in), with the weights
 stored in x out (`x @ w`, another cuBLAS kernel family), and, with `--autotune`, as Inductor's max-autotune picks
 among cuBLAS and its Triton templates; with `--reduction`, as Inductor's tuned reduction of the products (the form
-it gives a one-row product, here laid out [N, M] so that a program reads each weight row once for all rows); with
-`--skinny`, as muxd's skinny GEMM (model_zoo/skinny.py, `--decode-blas triton`), plain and with programmatic
-dependent launch; each candidate checked against F.linear first. Each figure is one call, timed as a CUDA graph of
-`--layers` calls over distinct weights (as a decode graph replays them: no call finds its weights in L2), against the
-bytes it must move.
+it gives a one-row product, here laid out [N, M] so that a program reads each weight row once for all rows; checked
+against F.linear first). Each figure is one call, timed as a CUDA graph of `--layers` calls over distinct weights (as
+a decode graph replays them: no call finds its weights in L2), against the bytes it must move.
 
     PYTHONPATH=. python tests/gpu/decode_gemm_bench.py [--batches 1,8,32,64,128] [--layers 32] [--autotune 1,64]
-        [--reduction 2,4,8] [--skinny 2,4,8,16] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8]
-        [--head-dim 128] [--vocab 128256] [--json OUT]
+        [--reduction 2,4,8] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8] [--head-dim 128]
+        [--vocab 128256] [--json OUT]
 """
 from __future__ import annotations
 
@@ -51,7 +49,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--autotune", default="", help="batches to also time with Inductor's max-autotune (slow)")
     ap.add_argument("--reduction", default="", help="batches to also time as Inductor's tuned reduction (slow)")
-    ap.add_argument("--skinny", default="", help="batches (up to 16) to also time with muxd's skinny GEMM")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)
@@ -69,7 +66,6 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     tuned = {int(b) for b in args.autotune.split(",") if b}
     reduced = {int(b) for b in args.reduction.split(",") if b}
-    skinny = {int(b) for b in args.skinny.split(",") if b}
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s")
     rows = []
     for name, (k, n) in projections(args).items():
@@ -93,16 +89,6 @@ def main() -> None:
                                    options=list_mode_options("max-autotune-no-cudagraphs"))
                 torch.testing.assert_close(fn(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
                 ms["inductor reduction"] = graph_ms(lambda i: fn(x, weights[i]), layers)
-            if b in skinny:
-                from appliance.model_zoo.skinny import skinny_linear
-
-                torch.testing.assert_close(skinny_linear(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2,
-                                           atol=2e-2)
-                ms["triton skinny"] = graph_ms(lambda i: skinny_linear(x, weights[i]), layers)
-                try:  # with programmatic dependent launch: each call's first weight reads overlap the last's end
-                    ms["triton skinny pdl"] = graph_ms(lambda i: skinny_linear(x, weights[i], pdl=True), layers)
-                except Exception as e:  # noqa: BLE001 - a Triton or driver without PDL: the other figures stand
-                    print(f"triton skinny pdl: {e!r}"[:300])
             for variant, t in ms.items():
                 rows.append({"gemm": name, "in": k, "out": n, "batch": b, "variant": variant, "ms": t,
                              "floor_ms": floor, "ratio": t / floor})

@@ -2,8 +2,6 @@
 on a small model trained to continue periodic sequences (confident predictions that need attention to be right)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 from copy_model import PERIOD, periodic_prompt
 from torch._dynamo.utils import counters
@@ -92,14 +90,3 @@ def test_fast_path_frees_every_page_after_aborts(copy_model):
         engine.step()
     assert engine.pool.num_free_pages == engine.pool.num_pages
     assert not engine.runner.batches._mirrors
-
-
-def test_skinny_gemm_decode_equals_torch_backend(copy_model):
-    """`--decode-blas triton`: the decode graphs of 2-16 rows run the projections as muxd's skinny GEMM."""
-    engine, ref = fast(copy_model, decode_blas="triton"), reference(copy_model)
-    assert isinstance(engine.model.model.layers[0].mlp.down_proj.forward, functools.partial)
-    prompts = [periodic_prompt(seed, 25 + 3 * seed) for seed in range(5)]  # 5 rows: the 8-row graph
-    out = engine.generate(prompts, GREEDY)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ref.generate(prompts, GREEDY)]
-    assert engine.runner.graphs.replays > 0
-    assert engine.pool.num_free_pages == engine.pool.num_pages
