@@ -1,9 +1,12 @@
 """Registers, spills and shared memory of muxd's decode-attention Triton kernels, compiled for a CUDA architecture
 without a GPU (Triton's bundled ptxas and cuobjdump), and the programs one SM then holds at once. A memory-bound
-kernel hides its loads' latency with the programs resident on an SM: fewer registers, more programs. Each kernel is
-tiled as muxd launches it unless --warps or --pages-per-block says otherwise.
+kernel hides its loads' latency with the programs resident on an SM and the K/V tiles each has in flight (Triton
+pipelines the page loop: `--stages` - 1 tiles ahead, each in shared memory); registers and shared memory both bound
+the programs. Each kernel is compiled as a launch specializes it (pointers and strides divisible by 16: without that
+Triton cannot pipeline the loads) and tiled as muxd launches it unless --warps, --pages-per-block or --stages says
+otherwise.
 
-    python scripts/kernel_registers.py [--arch 90] [--warps W] [--group 4] [--pages-per-block P]
+    python scripts/kernel_registers.py [--arch 90] [--warps W] [--group 4] [--pages-per-block P] [--stages S]
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 REGISTERS_PER_SM = 65536
+SHARED_KB_PER_SM = 228  # sm_80 and sm_90 (H100, H200): 228 KB an SM, of which each resident program reserves 1 KB
 PTR = "*bf16"
 
 
@@ -26,6 +30,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--pages-per-block", type=int, default=None, help="pages a loop (default: each kernel's own)")
+    ap.add_argument("--stages", type=int, default=None, help="software-pipelining stages of the page loop "
+                    "(default: each kernel's own)")
     args = ap.parse_args()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -38,28 +44,34 @@ def main() -> None:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     gp = max(16, 1 << (args.group - 1).bit_length())
     shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PDL": True}  # as launched on sm_90
-    split = (args.warps or tiling.NUM_WARPS, args.pages_per_block or tiling.PAGES_PER_BLOCK)
+    split = (args.warps or tiling.NUM_WARPS, args.pages_per_block or tiling.PAGES_PER_BLOCK,
+             args.stages or tiling.NUM_STAGES)
     cases = {  # name: kernel, runtime argument types, (warps, pages a loop), other constants
         "decode_partial": (kernels.decode_partial, ["*", "*", "*", "*i32", "*i32", "*i32", "*fp32", "*fp32", "fp32",
                                                     "i32", "i32", "i64", "i64", "i64"], split, {"SPLITS": 16}),
         "decode_merge": (kernels.decode_merge, ["*fp32", "*fp32", "*i32", "*", "i32", "i32"],
-                         (args.warps or 4, split[1]), {"SPLITS": 16}),  # launched with Triton's default warps
+                         (args.warps or 4, split[1], args.stages or 3), {"SPLITS": 16}),  # Triton's defaults
         "decode_balanced": (kernels.decode_balanced, ["*", "*", "*", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32",
                                                       "*i32", "*", "fp32", "i32", "i32", "i64", "i64", "i64", "i32",
                                                       "i32"],
                             (args.warps or tiling.BALANCED_WARPS,
-                             args.pages_per_block or tiling.BALANCED_PAGES_PER_BLOCK), {}),
+                             args.pages_per_block or tiling.BALANCED_PAGES_PER_BLOCK,
+                             args.stages or tiling.BALANCED_STAGES), {}),
     }
-    print(f"| kernel (sm_{args.arch}) | warps | pages a loop | registers | spill bytes | shared KB | programs an SM |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, (fn, types, (warps, ppb), extra) in cases.items():
+    print(f"| kernel (sm_{args.arch}) | warps | pages a loop | stages | registers | spill bytes | shared KB | "
+          "programs an SM |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (fn, types, (warps, ppb, stages), extra) in cases.items():
         params = list(fn.arg_names)
         consts = {k: v for k, v in {**shape, "PPB": ppb, **extra}.items() if k in params}
         runtime = [p for p in params if p not in consts]
         signature = {p: (PTR if t == "*" else t) for p, t in zip(runtime, types)}
         signature.update({p: "constexpr" for p in consts})
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target,
-                                  options={"num_warps": warps})
+        # as a launch specializes them: muxd's pointers and strides are multiples of 16 (scalars and flags are not)
+        aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+                   if p in runtime and (signature[p].startswith("*") or p.startswith("stride"))}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned),
+                                  target=target, options={"num_warps": warps, "num_stages": stages})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
@@ -68,8 +80,9 @@ def main() -> None:
         fields = dict(kv.split(":") for line in usage.splitlines() if "REG:" in line for kv in line.split())
         regs, stack = int(fields["REG"]), int(fields["STACK"])
         per_program = -(-regs // 8) * 8 * 32 * warps  # registers are allocated per warp, 8 at a time
-        print(f"| {name} | {warps} | {ppb} | {regs} | {stack} | {compiled.metadata.shared / 1024:.1f} | "
-              f"{REGISTERS_PER_SM // per_program} |")
+        shared_kb = compiled.metadata.shared / 1024
+        programs = min(REGISTERS_PER_SM // per_program, int(SHARED_KB_PER_SM // (shared_kb + 1)))
+        print(f"| {name} | {warps} | {ppb} | {stages} | {regs} | {stack} | {shared_kb:.1f} | {programs} |")
 
 
 if __name__ == "__main__":

@@ -28,11 +28,15 @@ from appliance.attention.pinned import PinnedRing
 MAX_BATCH = 8          # graph batches up to this many rows run the split-KV kernel, larger ones the balanced one
 PAGES_PER_BLOCK = 2    # pages one program reads per loop iteration, and the least a split covers
 NUM_WARPS = 2          # (measured faster than 4 warps x 4 pages at 1-8 rows)
-PROGRAMS_PER_SM = 6    # programs of the split kernel an SM holds at once (156 registers a thread at 2 warps)
+NUM_STAGES = 3         # Triton's software pipelining of the page loop: 2 tiles of K/V in flight a program
+PROGRAMS_PER_SM = 6    # programs of the split kernel an SM holds at once (156 registers a thread at 2 warps; 37 KB
+                       # of shared memory at 3 stages)
 
 BALANCED_PAGES_PER_BLOCK = 4
 BALANCED_WARPS = 4
-BALANCED_PROGRAMS_PER_SM = 3  # programs of the balanced kernel an SM holds at once (142 registers a thread)
+BALANCED_STAGES = 3
+BALANCED_PROGRAMS_PER_SM = 3  # programs of the balanced kernel an SM holds at once (70 KB of shared memory at 3
+                              # stages; 126-142 registers a thread)
 BALANCED_WAVES = 6       # programs a balanced plan aims at, in SMs' worth (two rounds of what an SM holds)
 BALANCED_MIN_PAGES = 8   # the least pages a work item of a cut row covers
 BALANCED_MAX_SPLITS = 32  # items a row is cut into at most
@@ -75,14 +79,15 @@ class TritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
                  device: torch.device, splits: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
-                 num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None) -> None:
-        """splits (a power of two; default `splits_for(batch)`), pages_per_block and num_warps: the tiling, which
-        tests/gpu/decode_attention_bench.py can sweep; scratch: a device buffer the partials may live in
-        (`partials`)."""
+                 num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None,
+                 num_stages: int = NUM_STAGES) -> None:
+        """splits (a power of two; default `splits_for(batch)`), pages_per_block, num_warps and num_stages (the
+        page loop's pipelining depth): the tiling, which tests/gpu/decode_attention_bench.py can sweep; scratch: a
+        device buffer the partials may live in (`partials`)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.batch, self.splits = batch, splits or splits_for(batch)
-        self.pages_per_block, self.num_warps = pages_per_block, num_warps
+        self.pages_per_block, self.num_warps, self.num_stages = pages_per_block, num_warps, num_stages
         # [indptr (batch + 1) | seq_lens (batch) | page indices (max_pages)], filled by one copy a plan
         self.index = torch.zeros(2 * batch + 1 + max(max_pages, batch), dtype=torch.int32, device=device)
         self.indptr = self.index[:batch + 1]
@@ -106,7 +111,8 @@ class TritonDecode:
             q, k_cache, v_cache, self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse,
             self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=self.head_dim, PAGE=page,
-            PPB=self.pages_per_block, SPLITS=self.splits, num_warps=self.num_warps, **launch)
+            PPB=self.pages_per_block, SPLITS=self.splits, num_warps=self.num_warps, num_stages=self.num_stages,
+            **launch)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=self.head_dim, PAGE=page, PPB=self.pages_per_block,
                                    SPLITS=self.splits, **launch)
@@ -151,7 +157,7 @@ class BalancedTritonDecode:
                  device: torch.device, sm_count: int | None = None,
                  pages_per_block: int = BALANCED_PAGES_PER_BLOCK, num_warps: int = BALANCED_WARPS,
                  scratch: torch.Tensor | None = None, waves: int = BALANCED_WAVES,
-                 min_pages: int = BALANCED_MIN_PAGES) -> None:
+                 min_pages: int = BALANCED_MIN_PAGES, num_stages: int = BALANCED_STAGES) -> None:
         """sm_count: the GPU's (the device's when None; 132 off CUDA), which with `waves` (programs in SMs' worth)
         sets the items a plan aims at; min_pages: the least pages an item of a cut row covers; scratch: a device
         buffer the partials may live in (`partials`)."""
@@ -164,7 +170,7 @@ class BalancedTritonDecode:
         self.target, self.capacity = balanced_sizes(waves, sm_count, num_kv_heads, batch)
         self.min_pages = min_pages
         self.batch = batch
-        self.pages_per_block, self.num_warps = pages_per_block, num_warps
+        self.pages_per_block, self.num_warps, self.num_stages = pages_per_block, num_warps, num_stages
         # [indptr (batch + 1) | seq_lens (batch) | items (capacity x 5) | page indices (max_pages)], one copy a plan
         items = 5 * self.capacity
         self.index = torch.zeros(2 * batch + 1 + items + max(max_pages, batch), dtype=torch.int32, device=device)
@@ -197,7 +203,8 @@ class BalancedTritonDecode:
             q, k_cache, v_cache, self.indptr, self.indices, self.seq_lens, self.items, self.partial_out,
             self.partial_lse, self.counts, out, self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), G=self.group, GP=self.group_pad,
-            D=self.head_dim, PAGE=k_cache.shape[1], PPB=self.pages_per_block, num_warps=self.num_warps)
+            D=self.head_dim, PAGE=k_cache.shape[1], PPB=self.pages_per_block, num_warps=self.num_warps,
+            num_stages=self.num_stages)
         return out
 
 

@@ -7,8 +7,10 @@ call finds the last one's KV in L2), against the bytes it must read.
 
     PYTHONPATH=. python tests/gpu/decode_attention_bench.py [--batches 1,4,16,64,128] [--contexts 1024,8192]
         [--heads 32] [--kv-heads 8] [--head-dim 128] [--layers 32] [--json OUT] [--scatter]
-        [--triton-tilings SPLITS:PAGES_PER_BLOCK:WARPS,...]   (more columns: the Triton kernel tiled otherwise)
-        [--balanced-tilings WAVES:MIN_PAGES:PAGES_PER_BLOCK:WARPS,...]   (more columns: the balanced form otherwise)
+        [--triton-tilings SPLITS:PAGES_PER_BLOCK:WARPS[:STAGES],...]   (more columns: the Triton kernel tiled otherwise)
+        [--balanced-tilings WAVES:MIN_PAGES:PAGES_PER_BLOCK:WARPS[:STAGES],...]   (more columns: the balanced form)
+STAGES: the software-pipelining depth of the kernel's page loop (tiles in flight + 1; `scripts/kernel_registers.py
+--stages S` shows what it costs in shared memory and programs an SM).
 """
 from __future__ import annotations
 
@@ -32,18 +34,20 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--scatter", action="store_true", help="pages in random order, as a served pool hands them out "
                     "(default: each row's pages in order)")
-    ap.add_argument("--triton-tilings", default="", help="extra Triton columns, e.g. 16:4:4,32:2:4 (splits, pages "
-                    "per block, warps; splits 0: the kernel's choice for the batch)")
-    ap.add_argument("--balanced-tilings", default="", help="extra balanced columns, e.g. 2:8:4:4,4:4:4:4 (programs "
-                    "a plan aims at in SMs' worth, least pages of a cut row's item, pages per block, warps)")
+    ap.add_argument("--triton-tilings", default="", help="extra Triton columns, e.g. 16:4:4,32:2:4,0:2:2:4 (splits, "
+                    "pages per block, warps, optionally pipelining stages; splits 0: the kernel's choice for the "
+                    "batch)")
+    ap.add_argument("--balanced-tilings", default="", help="extra balanced columns, e.g. 2:8:4:4,4:4:4:4:2 (programs "
+                    "a plan aims at in SMs' worth, least pages of a cut row's item, pages per block, warps, optionally "
+                    "pipelining stages)")
     args = ap.parse_args()
     import flashinfer
     import numpy as np
 
     from appliance.attention import AttentionMetadata
-    from appliance.attention.triton_decode import (BALANCED_MIN_PAGES, BALANCED_PAGES_PER_BLOCK, BALANCED_WARPS,
-                                                   BALANCED_WAVES, NUM_WARPS, PAGES_PER_BLOCK, BalancedTritonDecode,
-                                                   TritonDecode)
+    from appliance.attention.triton_decode import (BALANCED_MIN_PAGES, BALANCED_PAGES_PER_BLOCK, BALANCED_STAGES,
+                                                   BALANCED_WARPS, BALANCED_WAVES, NUM_STAGES, NUM_WARPS,
+                                                   PAGES_PER_BLOCK, BalancedTritonDecode, TritonDecode)
     from appliance.bench.ceilings import time_cuda
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -53,13 +57,15 @@ def main() -> None:
     copy = None
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {h} heads, {kvh} KV heads, dim {d}")
     variants = {"tensor cores": (True, False), "tensor cores, no KV split": (True, True),
-                "CUDA cores": (False, False), "muxd Triton": (0, PAGES_PER_BLOCK, NUM_WARPS),
+                "CUDA cores": (False, False), "muxd Triton": (0, PAGES_PER_BLOCK, NUM_WARPS, NUM_STAGES),
                 "muxd balanced": ("balanced", BALANCED_WAVES, BALANCED_MIN_PAGES, BALANCED_PAGES_PER_BLOCK,
-                                  BALANCED_WARPS)}
+                                  BALANCED_WARPS, BALANCED_STAGES)}
     for tiling in filter(None, args.triton_tilings.split(",")):
-        variants[f"Triton {tiling}"] = tuple(int(x) for x in tiling.split(":"))
+        fields = [int(x) for x in tiling.split(":")]
+        variants[f"Triton {tiling}"] = (*fields, NUM_STAGES)[:4]
     for tiling in filter(None, args.balanced_tilings.split(",")):
-        variants[f"balanced {tiling}"] = ("balanced", *(int(x) for x in tiling.split(":")))
+        fields = [int(x) for x in tiling.split(":")]
+        variants[f"balanced {tiling}"] = ("balanced", *(*fields, BALANCED_STAGES)[:5])
     rows = []
     print("| batch | context | " + " | ".join(f"{v} us" for v in variants) + " | KV floor us |")
     print("| ---: | ---: |" + " ---: |" * (len(variants) + 1))
@@ -80,17 +86,17 @@ def main() -> None:
             row = {"batch": batch, "context": ctx, "floor_us": floor_us}
             for name, choice in variants.items():
                 if choice[0] == "balanced":  # the balanced form, planned as graphs plan it
-                    waves, min_pages, ppb, warps = choice[1:]
+                    waves, min_pages, ppb, warps, stages = choice[1:]
                     dec = BalancedTritonDecode(h, kvh, d, batch, pages, dev, waves=waves, min_pages=min_pages,
-                                               pages_per_block=ppb, num_warps=warps)
+                                               pages_per_block=ppb, num_warps=warps, num_stages=stages)
                     dec.plan(AttentionMetadata(np.arange(batch + 1, dtype=np.int32), indptr.numpy(), indices.numpy(),
                                                last.numpy(), np.full(batch, ctx, np.int32), PAGE, None))
                     row[name] = _graph_us(time_cuda, lambda: [dec.run(q, layer[0], layer[1]) for layer in kv], layers)
                     continue
-                if len(choice) == 3:  # muxd's kernel, planned as its graph backends plan it
-                    splits, ppb, warps = choice
+                if len(choice) == 4:  # muxd's kernel, planned as its graph backends plan it
+                    splits, ppb, warps, stages = choice
                     dec = TritonDecode(h, kvh, d, batch, pages, dev, splits=splits or None, pages_per_block=ppb,
-                                       num_warps=warps)
+                                       num_warps=warps, num_stages=stages)
                     dec.plan(AttentionMetadata(np.arange(batch + 1, dtype=np.int32), indptr.numpy(), indices.numpy(),
                                                last.numpy(), np.full(batch, ctx, np.int32), PAGE, None))
                     row[name] = _graph_us(time_cuda, lambda: [dec.run(q, layer[0], layer[1]) for layer in kv], layers)
