@@ -23,6 +23,7 @@ from appliance.attention import (AttentionBackend, AttentionMetadata, ForwardCon
                                  set_layer)
 from appliance.engine.graphs import CAPTURE_MODE, quiet_capture
 from appliance.engine.kv_cache import KVCache
+from appliance.model_zoo.layers import settle
 from appliance.model_zoo.llama import DecoderForCausalLM
 
 log = logging.getLogger("muxd.graphs")
@@ -99,7 +100,7 @@ class PrefillGraphs:
             if capture:
                 self._begin()
             h, r = layer(positions, hidden, None if i == 0 else residual)
-            hidden.copy_(h)
+            hidden.copy_(settle(h, hidden.dtype))  # a layer's output may be partial products (SplitKLinear)
             residual.copy_(r)
             if capture:
                 self._end()

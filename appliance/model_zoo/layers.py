@@ -1,5 +1,6 @@
 """Building blocks shared by every decoder in the zoo: RMSNorm with fused residual add, rotary embedding (its maths
-in rope.py), merged linear layers, gated MLP, paged self-attention and the decoder layer.
+in rope.py), merged linear layers, the split-K output projections, gated MLP, paged self-attention and the decoder
+layer.
 
 Inputs are flat token batches ([num_tokens, hidden]); attention reads its batch layout from the forward context.
 Under tensor parallelism (a config from `ModelConfig.sharded`) each layer holds rank `rank`'s share, Megatron-style:
@@ -26,10 +27,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        """norm(x), or with a residual: (norm(x + residual), x + residual); x may be a SplitKLinear's partial
+        products, summed here (in the kernel that adds and normalises)."""
         if residual is None:
             return self._norm(x)
-        x = x + residual
+        x = settle(x, residual.dtype) + residual
         return self._norm(x), x
 
 
@@ -84,13 +86,59 @@ class MergedLinear(nn.Linear):
                 if getattr(self, kind) is not None}
 
 
+class SplitKLinear(nn.Linear):
+    """A linear layer that reduces over many input features into few (the output and down projections). Compiled on
+    a GPU for 2 to `SPLIT_K_MAX_ROWS` rows, it returns its product as `SPLIT_K` fp32 partial products over slices of
+    the input features, [SPLIT_K, rows, out], one batched GEMM, for the reader to sum (`settle`, which the next
+    norm fuses into its kernel): cuBLAS would split K there too, but then sums the partials in a kernel of its own.
+    Otherwise (one row, more rows, eager, CPU) a plain linear layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.splits(x):
+            return partial_products(x, self.weight, SPLIT_K)
+        return super().forward(x)
+
+    def splits(self, x: torch.Tensor) -> bool:
+        """Whether x's product is returned as partial products."""
+        rows, k = x.shape
+        return (x.is_cuda and self.bias is None and k % SPLIT_K == 0 and torch.compiler.is_compiling()
+                and 2 <= rows <= SPLIT_K_MAX_ROWS)
+
+
+SPLIT_K = 2  # partial products of a SplitKLinear
+SPLIT_K_MAX_ROWS = 16  # the most rows a SplitKLinear splits
+
+
+def partial_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
+    """x @ weight.T as `slices` fp32 products over equal slices of the input features, [slices, rows, out]: one
+    batched GEMM over views of x and weight (a GPU's GEMM writes fp32 from bf16 inputs; elsewhere it runs in fp32)."""
+    rows, k = x.shape
+    xs = x.view(rows, slices, k // slices).transpose(0, 1)
+    ws = weight.view(-1, slices, k // slices).permute(1, 2, 0)
+    if x.is_cuda:
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs.float(), ws.float())
+
+
+def settle(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's output as a [rows, features] tensor of `dtype`: SplitKLinear's partial products summed."""
+    return x if x.dim() == 2 else x.sum(0).to(dtype)
+
+
+def reducing_linear(cfg: ModelConfig, total_in: int, bias: bool, rank: int) -> nn.Linear:
+    """The output or down projection: split-K on one rank, row-parallel (the ranks' all-reduce sums) beyond."""
+    if cfg.tp_size == 1:
+        return SplitKLinear(total_in, cfg.hidden_size, bias=bias)
+    return row_linear(total_in, cfg.hidden_size, bias, rank, cfg.tp_size)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, rank: int = 0) -> None:
         super().__init__()
         size, total = cfg.intermediate_size, cfg.unsharded.intermediate_size
         rows = Rows(rank * size, size, total)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": rows, "up_proj": rows}, bias=cfg.mlp_bias)
-        self.down_proj = row_linear(total, cfg.hidden_size, cfg.mlp_bias, rank, cfg.tp_size)
+        self.down_proj = reducing_linear(cfg, total, cfg.mlp_bias, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -106,7 +154,7 @@ class SelfAttention(nn.Module):
         q = Rows(rank * cfg.q_size, cfg.q_size, full.q_size)
         kv = Rows(cfg.kv_head_start(rank) * cfg.head_dim, cfg.kv_size, full.kv_size)
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias=cfg.qkv_bias)
-        self.o_proj = row_linear(full.q_size, cfg.hidden_size, cfg.o_bias, rank, cfg.tp_size)
+        self.o_proj = reducing_linear(cfg, full.q_size, cfg.o_bias, rank)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -140,7 +188,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """Returns (mlp output, residual); the caller adds them (the next layer's norm does it fused)."""
+        """Returns (mlp output, residual); the caller adds them (the next layer's norm does it fused). The mlp output
+        may be partial products (SplitKLinear): `settle` sums them."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -12,7 +12,7 @@ from torch import nn
 
 from appliance.attention import set_layer
 from appliance.model_zoo.config import ModelConfig
-from appliance.model_zoo.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from appliance.model_zoo.layers import DecoderLayer, RMSNorm, RotaryEmbedding, settle
 from appliance.model_zoo.parallel import VocabParallelEmbedding, VocabShard, vocab_logits
 
 
@@ -68,7 +68,7 @@ class DecoderForCausalLM(nn.Module):
         for i in range(start, end):
             set_layer(i)
             hidden, residual = self.model.layers[i](positions, hidden, residual)
-        return hidden, residual
+        return (hidden if residual is None else settle(hidden, residual.dtype)), residual
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                        out: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,8 +42,10 @@ def test_fast_path_greedy_equals_torch_backend(copy_model):
         full = p + c.token_ids
         assert full[PERIOD:] == full[:-PERIOD]
     assert engine.runner.graphs.replays > 0
-    # one compiled layer serves every layer and batch size (4 graphs), and the final norm 2 more
-    assert counters["stats"]["unique_graphs"] <= 6
+    # one compiled layer serves every layer and batch size: the single-token graph and the dynamic one, the latter
+    # apart for SplitKLinear's few rows and for more, each with and without a residual (6 graphs); the final norm up
+    # to 3 more (one row, few rows' partial products, more rows)
+    assert counters["stats"]["unique_graphs"] <= 9
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
