@@ -3,11 +3,12 @@ head) at several batch sizes, as cuBLAS runs it for the model (`F.linear`, weigh
 stored in x out (`x @ w`, another cuBLAS kernel family), and, with `--autotune`, as Inductor's max-autotune picks
 among cuBLAS and its Triton templates; with `--reduction`, as Inductor's tuned reduction of the products (the form
 it gives a one-row product, here laid out [N, M] so that a program reads each weight row once for all rows; checked
-against F.linear first). Each figure is one call, timed as a CUDA graph of `--layers` calls over distinct weights (as
+against F.linear first); with `--split-k S,..`, as S fp32 partial products in one batched GEMM (SplitKLinear's form,
+whose sum the next kernel does; F.linear's figure includes cuBLASLt's own split-K reduction where it splits). Each figure is one call, timed as a CUDA graph of `--layers` calls over distinct weights (as
 a decode graph replays them: no call finds its weights in L2), against the bytes it must move.
 
     PYTHONPATH=. python tests/gpu/decode_gemm_bench.py [--batches 1,8,32,64,128] [--layers 32] [--autotune 1,64]
-        [--reduction 2,4,8] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8] [--head-dim 128]
+        [--reduction 2,4,8] [--split-k 2,4] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8] [--head-dim 128]
         [--vocab 128256] [--json OUT]
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--autotune", default="", help="batches to also time with Inductor's max-autotune (slow)")
     ap.add_argument("--reduction", default="", help="batches to also time as Inductor's tuned reduction (slow)")
+    ap.add_argument("--split-k", default="", help="partial products to also time as a batched GEMM (e.g. 2,4)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--heads", type=int, default=32)
@@ -60,12 +62,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("decode_gemm_bench needs a CUDA device")
     from appliance.bench.ceilings import measure_ceilings
+    from appliance.model_zoo.layers import partial_products
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = measure_ceilings().copy_bytes_per_s  # the engine bench's ceiling: read + write of a 2 GiB copy
     batches = [int(b) for b in args.batches.split(",")]
     tuned = {int(b) for b in args.autotune.split(",") if b}
     reduced = {int(b) for b in args.reduction.split(",") if b}
+    splits = [int(s) for s in args.split_k.split(",") if s]
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s")
     rows = []
     for name, (k, n) in projections(args).items():
@@ -89,6 +93,12 @@ def main() -> None:
                                    options=list_mode_options("max-autotune-no-cudagraphs"))
                 torch.testing.assert_close(fn(x, weights[0]), F.linear(x, weights[0]), rtol=2e-2, atol=2e-2)
                 ms["inductor reduction"] = graph_ms(lambda i: fn(x, weights[i]), layers)
+            for slices in splits:
+                if k % slices == 0:
+                    torch.testing.assert_close(partial_products(x, weights[0], slices).sum(0),
+                                               F.linear(x.float(), weights[0].float()), rtol=2e-2, atol=2e-2)
+                    ms[f"{slices} fp32 partials"] = graph_ms(lambda i: partial_products(x, weights[i], slices),
+                                                             layers)
             for variant, t in ms.items():
                 rows.append({"gemm": name, "in": k, "out": n, "batch": b, "variant": variant, "ms": t,
                              "floor_ms": floor, "ratio": t / floor})
