@@ -13,7 +13,7 @@ from torch import nn
 
 from appliance.attention import paged_attention, rms_norm, rope_paged_attention, rotate
 from appliance.model_zoo.config import ModelConfig, RopeConfig
-from appliance.model_zoo.parallel import Rows, Target, row_linear
+from appliance.model_zoo.parallel import Rows, RowParallelLinear, Target
 from appliance.model_zoo.rope import rope_cos_sin, rope_inv_freq
 
 
@@ -129,7 +129,7 @@ def reducing_linear(cfg: ModelConfig, total_in: int, bias: bool, rank: int) -> n
     """The output or down projection: split-K on one rank, row-parallel (the ranks' all-reduce sums) beyond."""
     if cfg.tp_size == 1:
         return SplitKLinear(total_in, cfg.hidden_size, bias=bias)
-    return row_linear(total_in, cfg.hidden_size, bias, rank, cfg.tp_size)
+    return RowParallelLinear(total_in, cfg.hidden_size, bias, rank, cfg.tp_size)
 
 
 class MLP(nn.Module):

@@ -131,13 +131,6 @@ class RowParallelLinear(nn.Linear):
         return {f"{name}.weight": Target(f"{name}.weight", 1, 0, self.rows)}
 
 
-def row_linear(total_in: int, out_features: int, bias: bool, rank: int, ranks: int) -> nn.Linear:
-    """A plain nn.Linear on one rank, else the rank's RowParallelLinear."""
-    if ranks == 1:
-        return nn.Linear(total_in, out_features, bias=bias)
-    return RowParallelLinear(total_in, out_features, bias, rank, ranks)
-
-
 class VocabShard(nn.Module):
     """A rank's rows of a [vocab, hidden] matrix (the LM head): the vocabulary split evenly, the last rank's rows
     past the vocabulary zero."""
