@@ -8,6 +8,8 @@ QKV and gate/up column-parallel (their rows of the checkpoint's), O and down row
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -121,8 +123,10 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torc
 
 
 def settle(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A layer's output as a [rows, features] tensor of `dtype`: SplitKLinear's partial products summed."""
-    return x if x.dim() == 2 else x.sum(0).to(dtype)
+    """A layer's output as a [rows, features] tensor of `dtype`: SplitKLinear's partial products summed. Summed as
+    separate tensors, whose count a compiled graph then takes as a constant (a dynamic graph makes a symbol of the
+    first dimension of an input and, not knowing how many, would sum them in a kernel of their own)."""
+    return x if x.dim() == 2 else functools.reduce(torch.add, x.unbind(0)).to(dtype)
 
 
 def reducing_linear(cfg: ModelConfig, total_in: int, bias: bool, rank: int) -> nn.Linear:
