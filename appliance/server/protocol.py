@@ -329,7 +329,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value and all(isinstance(x, str) for x in value):
-            return cls._batch(value)
+            return cls._batch([cls._text(i, x) for i, x in enumerate(cls._batch(value))])
         if isinstance(value, list) and value and all(isinstance(x, list) for x in value):
             return cls._batch([cls._ids(x) for x in cls._batch(value)])
         return cls._ids(value)
@@ -339,6 +339,16 @@ class CompletionRequest(_SamplingRequest):
         if len(prompts) > MAX_PROMPTS:
             raise ValueError(f"holds {len(prompts)} prompts; at most {MAX_PROMPTS} a request")
         return prompts
+
+    @staticmethod
+    def _text(index: int, text: str) -> str:
+        """One prompt of a batch of strings, named by its index (the union's own errors would call it an integer)."""
+        if not text:
+            raise ValueError(f"prompt {index} of the batch is empty; each prompt must be a non-empty string")
+        try:
+            return valid_unicode(text)
+        except ValueError as exc:
+            raise ValueError(f"prompt {index} of the batch {exc}") from None
 
     @classmethod
     def _ids(cls, value: Any) -> list[int]:

@@ -123,6 +123,7 @@ BAD_BODIES = [
     ("completions", {"prompt": [True, 5]}, "prompt"),
     ("completions", {"prompt": [-1]}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": ["a", ""]}, "prompt"),                       # not prompt.0, "should be an integer"
     ("completions", {"prompt": [1, 2], "max_tokens": 1, "seed": "7"}, "seed"),
     ("chat/completions", {"messages": "hello"}, "messages"),
     ("chat/completions", {"messages": []}, "messages"),
