@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ DEFAULT_GRAPH_ROWS = 2048  # --prefill-graph-rows' default: the largest prefill 
 SPATIAL_POLICIES = ("mux", "layerwise", "pdmux")  # the policies that run prefill and decode on disjoint SM partitions
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/tools.py reads each
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # server/reasoning.py reads each
+ALLOW_LONG_CONTEXT = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's override of the check on --max-model-len
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ki": 2**10,
@@ -75,7 +77,8 @@ class ModelSettings:
     load_format: str = flag("auto", "auto/safetensors reads the weights; dummy draws random ones of the right "
                             "shapes (for benchmarking without a checkpoint).")
     max_model_len: Optional[int] = flag(None, "Prompt + output tokens per request (default: the model's limit, "
-                                        "capped by the KV cache).")
+                                        "capped by the KV cache; above the model's limit only with "
+                                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as vLLM).")
     chat_template: Optional[str] = flag(None, "Chat template to use instead of the model's: a file, or the jinja "
                                         "template itself.")
     special_tokens_in_messages: bool = flag(False, "Read control tokens written inside chat messages (e.g. "
@@ -518,3 +521,15 @@ class Config:
         if self.model.generation_config_dir is not None:  # the recommended sampling is in range
             read_sampling_defaults(self.model.generation_config_dir)
         return cfg
+
+    def check_served_context(self, model: ModelConfig) -> None:
+        """`muxd serve`: --max-model-len within the context the model is defined for (max_position_embeddings,
+        stretched by rope scaling, as vLLM derives it); beyond it the model reads positions it was never trained on,
+        so it is refused as `vllm serve` refuses it, unless vLLM's override VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set.
+        (`muxd profile` times longer contexts on purpose, so this is not part of `check`.)"""
+        asked = self.model.max_model_len
+        if asked is not None and asked > model.max_model_len and os.environ.get(ALLOW_LONG_CONTEXT) != "1":
+            raise ConfigError(f"--max-model-len {asked} exceeds this model's context of {model.max_model_len} tokens "
+                              f"(config.json max_position_embeddings, with its rope scaling); serve at most "
+                              f"{model.max_model_len}, or set {ALLOW_LONG_CONTEXT}=1 to serve longer sequences than "
+                              "the model was trained on")

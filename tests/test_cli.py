@@ -114,6 +114,21 @@ def test_serve_flags_reach_the_server_config(text_checkpoint, monkeypatch, tmp_p
     assert seen["cfg"].model.chat_template_source() == inline
 
 
+def test_a_context_beyond_the_model_needs_vllms_override(text_checkpoint, monkeypatch):
+    """As `vllm serve`: --max-model-len above the model's context starts only with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    def fake_create_app(cfg, on_fatal=None):
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    args = ["serve", str(text_checkpoint), "--max-model-len", "4096"]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and "--max-model-len 4096 exceeds this model's context of 512 tokens" in \
+        refused.output.replace("\n", " ")
+    assert runner.invoke(app, args, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}).exit_code == 0
+    assert runner.invoke(app, ["serve", str(text_checkpoint), "--max-model-len", "512"]).exit_code == 0
+
+
 def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch):
     """`vllm serve`'s common flags are taken: those that ask for nothing muxd does differently are accepted, and
     --enforce-eager turns off CUDA graphs and torch.compile."""

@@ -47,7 +47,7 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         return
     try:
         config = with_model_tag(config, model_tag)
-        config.check()
+        config.check_served_context(config.check())
     except ApplianceError as exc:
         fail(exc)
     srv = config.server
@@ -82,7 +82,7 @@ def run_cluster(config: Config, model_tag: str | None, cluster_flags: dict[str, 
     try:
         config = with_model_tag(config, model_tag)
         settings = ClusterSettings(**cluster_flags)
-        config.check()
+        config.check_served_context(config.check())
         require_ray()
     except ApplianceError as exc:
         fail(exc)
