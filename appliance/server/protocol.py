@@ -69,6 +69,7 @@ TokenId = bounded_int(ge=0)
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
 Count = bounded_int(ge=1)
 TopK = bounded_int(ge=-1, le=MAX_TOP_K)
+Seed = bounded_int(ge=-2**63, le=2**63 - 1)  # int64, as vLLM: wider seeds would alias (the key is 64 bits)
 MAX_N = 64  # choices per request
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_SEQUENCES = 1024  # prompts x choices generated for one request
@@ -118,7 +119,7 @@ class _SamplingRequest(BaseModel):
     temperature: Annotated[Finite, Field(ge=0)] | None = Field(None, description="0 for greedy decoding; default 1.")
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
     top_k: TopK | None = Field(None, description="-1 or 0: no top-k cut.")
-    seed: Int | None = Field(None, description="Seed of this request's sampling (same seed, same output).")
+    seed: Seed | None = Field(None, description="Seed of this request's sampling (same seed, same output).")
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description=f"Up to {MAX_STOP_STRINGS} strings of up to {MAX_STOP_CHARS} characters.")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None

@@ -125,6 +125,7 @@ BAD_BODIES = [
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": ["a", ""]}, "prompt"),                       # not prompt.0, "should be an integer"
     ("completions", {"prompt": [1, 2], "max_tokens": 1, "seed": "7"}, "seed"),
+    ("completions", {"prompt": "hi", "seed": 2**64}, "seed"),                 # would be seed 0 (a 64-bit key)
     ("chat/completions", {"messages": "hello"}, "messages"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
