@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ SPATIAL_POLICIES = ("mux", "layerwise", "pdmux")  # the policies that run prefil
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/tools.py reads each
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # server/reasoning.py reads each
 ALLOW_LONG_CONTEXT = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's override of the check on --max-model-len
+_LIST_EXAMPLE = """write a JSON list of strings, e.g. '["https://app.example.com"]' or '["*"]'"""
+TOKENIZER_MODES = ("auto", "hf")  # --tokenizer-mode: both are the fast tokenizer of tokenizer.json, muxd's own
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ki": 2**10,
@@ -50,6 +53,17 @@ def parse_size(text: str, flag: str = "--kv-cache-memory") -> int:
     if not m:
         raise ConfigError(f"{flag}: cannot read {text!r} as a size; write e.g. 4GiB, 512MiB or 1073741824")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def json_list(text: str, flag: str) -> list[str]:
+    """A flag given as a JSON list of strings (vLLM's --allowed-origins and the like), or a ConfigError naming it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag}: cannot read {text!r} as JSON ({exc.msg}); {_LIST_EXAMPLE}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{flag}: {text!r} is not a JSON list of strings; {_LIST_EXAMPLE}")
+    return value
 
 
 def flag(default: Any, help: str, *names: str, envvar: str | None = None, hidden: bool = False) -> Any:
@@ -350,6 +364,10 @@ class ServerSettings:
                                  "none.")
     enable_auto_tool_choice: bool = flag(True, "Let the model choose whether to call a tool (tool_choice auto); "
                                          "off: requests with tools and tool_choice auto get HTTP 400.")
+    allowed_origins: str = flag('["*"]', "CORS: origins browsers may call from, a JSON list (as vLLM's flag).")
+    allowed_methods: str = flag('["*"]', "CORS: methods allowed to other origins, a JSON list.")
+    allowed_headers: str = flag('["*"]', "CORS: request headers allowed to other origins, a JSON list.")
+    allow_credentials: bool = flag(False, "CORS: let other origins send credentials (cookies, Authorization).")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -372,6 +390,14 @@ class ServerSettings:
                               f"{self.engine_restarts} and {self.engine_restart_window}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key (or MUXD_API_KEY) is empty; give a key or leave it unset")
+        self.cors()
+
+    def cors(self) -> dict[str, Any]:
+        """Starlette's CORSMiddleware arguments from the --allowed-* flags (as `vllm serve` applies them)."""
+        return {"allow_origins": json_list(self.allowed_origins, "--allowed-origins"),
+                "allow_methods": json_list(self.allowed_methods, "--allowed-methods"),
+                "allow_headers": json_list(self.allowed_headers, "--allowed-headers"),
+                "allow_credentials": self.allow_credentials}
 
     @property
     def request_byte_limit(self) -> int:
@@ -400,6 +426,18 @@ class VllmFlags:
                                        "-pp", hidden=True)
     data_parallel_size: int = flag(1, "Only 1: replicas are `muxd serve --replicas N` (or `muxd cluster`).", "-dp",
                                    hidden=True)
+    disable_uvicorn_access_log: bool = flag(False, "Turn off the HTTP server's access log.", hidden=True)
+    disable_fastapi_docs: bool = flag(False, "Serve no /docs, /redoc and /openapi.json.", hidden=True)
+    root_path: Optional[str] = flag(None, "The path prefix a proxy serves muxd under (FastAPI's root_path): routes "
+                                    "answer with and without it.", hidden=True)
+    max_log_len: Optional[int] = flag(None, "Accepted: muxd logs no prompts.", hidden=True)
+    enable_log_requests: bool = flag(False, "Only off: muxd does not log requests.", hidden=True)
+    tokenizer_mode: str = flag("auto", "Only auto or hf: muxd runs the fast tokenizer of tokenizer.json.",
+                               hidden=True)
+    revision: Optional[str] = flag(None, "Only unset: muxd serves a model directory as it is, never downloads.",
+                                   hidden=True)
+    download_dir: Optional[str] = flag(None, "Accepted: muxd downloads nothing (the model is a directory).",
+                                       hidden=True)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -418,6 +456,20 @@ class VllmFlags:
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
             raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "
                               f"{self.uvicorn_log_level!r}")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError(f"--root-path must start with / and not end with one (e.g. /llm), got "
+                              f"{self.root_path!r}")
+        if self.enable_log_requests:
+            raise ConfigError("--enable-log-requests: muxd does not log requests or their prompts (uvicorn's access "
+                              "log names each request; /metrics counts them); leave it out")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ConfigError(f"--tokenizer-mode {self.tokenizer_mode}: muxd runs the model directory's fast "
+                              f"tokenizer (tokenizer.json), which is vLLM's auto (and hf); it has no slow, mistral or "
+                              f"custom tokenizer; give auto or leave it out")
+        if self.revision is not None:
+            raise ConfigError(f"--revision {self.revision}: muxd serves the model directory as it is and downloads "
+                              "nothing; fetch that revision into a directory (huggingface-cli download MODEL "
+                              "--revision REV --local-dir DIR) and serve DIR")
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings,

@@ -73,6 +73,14 @@ def test_generate_chat_mode(text_checkpoint):
     (["--uvicorn-log-level", "loud"], "--uvicorn-log-level must be one of"),
     (["-pp", "2"], "--pipeline-parallel-size 2: muxd has no pipeline parallelism"),
     (["--data-parallel-size", "2"], "--data-parallel-size 2: muxd serves replicas with --replicas N"),
+    (["--allowed-origins", "[https://app.example]"], "--allowed-origins: cannot read '[https://app.example]' as JSON"),
+    (["--allowed-headers", "*"], "--allowed-headers: cannot read '*' as JSON"),
+    (["--allowed-methods", '{"GET": 1}'], "--allowed-methods: '{\"GET\": 1}' is not a JSON list of strings"),
+    (["--enable-log-requests"], "--enable-log-requests: muxd does not log requests"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral: muxd runs the model directory's fast tokenizer"),
+    (["--tokenizer-mode", "slow"], "--tokenizer-mode slow: muxd runs the model directory's fast tokenizer"),
+    (["--revision", "v1.1"], "--revision v1.1: muxd serves the model directory as it is and downloads nothing"),
+    (["--root-path", "llm/"], "--root-path must start with / and not end with one"),
     (["--model", str(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3.1-8b")],
      "--load-format dummy"),
 ])
@@ -145,13 +153,46 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
         "--disable-log-stats", "--enable-chunked-prefill", "--swap-space", "4", "--kv-cache-dtype", "auto",
         "--uvicorn-log-level", "warning", "--gpu-memory-utilization", "0.9", "--max-model-len", "256",
         "--served-model-name", "m", "--generation-config", "vllm", "--reasoning-parser", "qwen3",
-        "--pipeline-parallel-size", "1", "--data-parallel-size", "1"])
+        "--pipeline-parallel-size", "1", "--data-parallel-size", "1", "--max-log-len", "100", "--tokenizer-mode",
+        "auto", "--download-dir", "/models", "--no-enable-log-requests", "--allowed-origins", '["https://a.example"]',
+        "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["*"]', "--allow-credentials"])
     assert result.exit_code == 0, result.output
     cfg = seen["cfg"]
     assert (cfg.runtime.cuda_graph, cfg.runtime.compile, cfg.vllm.uvicorn_log_level) == (False, False, "warning")
+    assert cfg.server.cors() == {"allow_origins": ["https://a.example"], "allow_methods": ["GET", "POST"],
+                                 "allow_headers": ["*"], "allow_credentials": True}
+    assert runner.invoke(app, ["serve", model, "--tokenizer-mode", "hf"]).exit_code == 0
     assert (cfg.model.served_model_name, cfg.model.generation_config, cfg.server.reasoning_parser) == (
         "m", "vllm", "qwen3")
     assert "--trust-remote-code" not in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
+
+
+def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, monkeypatch):
+    """--disable-uvicorn-access-log turns uvicorn's access log off, --disable-fastapi-docs removes /docs, /redoc and
+    /openapi.json, --root-path is the app's root_path; without them, all three are as uvicorn and FastAPI default."""
+    import logging
+
+    seen = {}
+
+    class FakeServer:
+        def __init__(self, config, state, shutdown_timeout):
+            seen["uvicorn"] = config
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr("appliance.cli.serve.DrainingServer", FakeServer)
+    assert runner.invoke(app, ["serve", str(text_checkpoint)]).exit_code == 0
+    default = seen["uvicorn"]
+    paths = {getattr(route, "path", None) for route in default.app.routes}
+    assert default.access_log and {"/docs", "/redoc", "/openapi.json"} <= paths and default.app.root_path == ""
+    result = runner.invoke(app, ["serve", str(text_checkpoint), "--disable-uvicorn-access-log",
+                                 "--disable-fastapi-docs", "--root-path", "/llm"])
+    assert result.exit_code == 0, result.output
+    off = seen["uvicorn"]
+    assert off.access_log is False and not logging.getLogger("uvicorn.access").handlers
+    assert not {"/docs", "/redoc", "/openapi.json"} & {getattr(route, "path", None) for route in off.app.routes}
+    assert off.app.root_path == "/llm"
 
 
 def test_seed_flag_makes_unseeded_sampling_repeat(text_checkpoint):

@@ -68,6 +68,7 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
     http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
     server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, http=http,
                                            log_level=config.vllm.uvicorn_log_level or srv.log_level,
+                                           access_log=not config.vllm.disable_uvicorn_access_log,
                                            timeout_graceful_shutdown=5), app.state.muxd, srv.shutdown_timeout)
     typer.echo(f"muxd {__version__}: serving {config.model.model_name} on http://{srv.host}:{srv.port} (loading the "
                "model; GET /ready turns 200 when it is up)")

@@ -1,6 +1,7 @@
-"""The FastAPI application: routes, the gate in front of them, exception -> OpenAI error body mapping, and the
-lifespan (background model load; engine stopped at exit). No `from __future__ import annotations` here: FastAPI
-reads the completion route's body type, built per model, from its runtime annotation.
+"""The FastAPI application: routes, the gate in front of them and CORS (--allowed-origins ...) in front of the gate,
+exception -> OpenAI error body mapping, and the lifespan (background model load; engine stopped at exit). No
+`from __future__ import annotations` here: FastAPI reads the completion route's body type, built per model, from its
+runtime annotation.
 """
 import asyncio
 import contextlib
@@ -8,6 +9,7 @@ import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from appliance.config import Config
@@ -41,13 +43,17 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
         await asyncio.gather(task, return_exceptions=True)
         await state.stop()
 
-    app = FastAPI(title="muxd", version=__import__("appliance").__version__, lifespan=lifespan,
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if cfg.vllm.disable_fastapi_docs else {}
+    app = FastAPI(title="muxd", version=__import__("appliance").__version__, lifespan=lifespan, **docs,
                   description="OpenAI-compatible API of one model. Errors are {\"error\": {\"message\", \"type\", "
                               "\"param\", \"code\"}}.")
+    app.root_path = cfg.vllm.root_path or ""  # as vLLM sets it: routes answer with the prefix and without it
     app.state.muxd = state
     app.add_middleware(Gate, traffic=state.traffic, max_body=cfg.server.request_byte_limit,
                        api_key=cfg.server.api_key, body_timeout=cfg.server.body_timeout,
                        max_in_flight=cfg.scheduler.max_num_seqs + cfg.scheduler.max_waiting)
+    # outermost (added last): preflights are answered before the gate, and its refusals carry the CORS headers
+    app.add_middleware(CORSMiddleware, **cfg.server.cors())
     openapi.install(app, api_key=cfg.server.api_key is not None)
 
     install_handlers(app)

@@ -1,7 +1,8 @@
-"""The gate in front of every route (pure ASGI middleware): API-key check on /v1 and /debug, refusal while draining
-or when too many requests are in flight, the request body read whole within --body-timeout and under the size cap
-before a request takes its seat, the count of /v1 requests in flight that shutdown waits for, and the last line of
-defence that turns any unexpected exception into an OpenAI-style 500 body.
+"""The gate in front of every route (pure ASGI middleware): API-key check on /v1 and /debug (with or without the
+--root-path prefix, as the routes match them), refusal while draining or when too many requests are in flight, the
+request body read whole within --body-timeout and under the size cap before a request takes its seat, the count of /v1
+requests in flight that shutdown waits for, and the last line of defence that turns any unexpected exception into an
+OpenAI-style 500 body.
 
 A seat (one of --max-num-seqs + --max-waiting) is taken only once the body has arrived, so clients that trickle
 their bodies cannot fill the seats; the bytes of bodies still arriving are bounded by the same seats x body cap.
@@ -64,6 +65,14 @@ class Traffic:
         return True
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match (as Starlette reads it): without the --root-path prefix where the request has it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def _guarded(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in GUARDED)
 
@@ -79,7 +88,7 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = route_path(scope)
         api = path == "/v1" or path.startswith("/v1/")
         refusal = self._refusal(Headers(scope=scope), api, _guarded(path))
         if refusal is None and api:
