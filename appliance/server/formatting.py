@@ -4,6 +4,7 @@ outputs arrive, turned into stream chunks or a final body, for completions (`Com
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import AsyncIterator
 
 from pydantic import BaseModel
@@ -112,6 +113,10 @@ class _Format:
             out.append(entry)
         return out
 
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        """The engine's output as the response counts and shows it."""
+        return out
+
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
         return []
 
@@ -127,7 +132,7 @@ class CompletionFormat(_Format):
                  prompt_ids: list[list[int]], cut: list[bool] | None = None) -> None:
         """`cut`: which prompts truncate_prompt_tokens shortened (their echo is the text of the tokens kept)."""
         super().__init__(rid, model, tokenizer, body)
-        self.logprobs, self.echo = body.logprobs, bool(body.echo)
+        self.logprobs, self.echo, self.echo_only = body.logprobs, bool(body.echo), body.echo_only
         self.prompt_ids, self.per_prompt = prompt_ids, body.num_choices
         cut = cut or [False] * len(prompt_ids)
         self.echoes = [self._echo_text(prompt, ids, shortened) if self.echo else ""
@@ -142,6 +147,15 @@ class CompletionFormat(_Format):
 
     def _prompt(self, index: int) -> int:
         return index // self.per_prompt
+
+    def shown(self, out: RequestOutput) -> RequestOutput:
+        """Echo without generation: the token sampled to score the prompt is dropped (text, ids, log-probabilities,
+        usage); the choice ends as vLLM's does, at its length."""
+        if not self.echo_only:
+            return out
+        return dataclasses.replace(out, new_token_ids=[], new_text="", text="" if out.text is not None else None,
+                                   logprobs=None, num_output_tokens=0,
+                                   finish_reason="length" if out.finished else None)
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         echoed = self.echo and not choice.started

@@ -298,7 +298,8 @@ class CompletionRequest(_SamplingRequest):
     vocab_size: ClassVar[int | None] = None  # set by bodies_for: token ids must be below it
 
     prompt: Prompt
-    max_tokens: Count | None = 16
+    max_tokens: bounded_int(ge=0) | None = Field(16, description="0 only with echo: the prompt scored, nothing "
+                                                                 "generated (as vLLM).")
     echo: bool | None = Field(None, description="Return the prompt before the completion (with logprobs: the "
                                                 "prompt tokens' log-probabilities too).")
     best_of: bounded_int(ge=1, le=MAX_N) | None = Field(None, description="Generate this many choices and return "
@@ -307,6 +308,21 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = Field(None, json_schema_extra=_off_enum("suffix"), description="Not implemented.")
     logprobs: TopLogprobs | None = Field(None, description="Log-probability of each sampled token and this many "
                                                             "alternatives (at most 20).")
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo without generation (max_tokens 0): each choice is the prompt alone, its text, tokens and
+        log-probabilities."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def sampling_params(self, max_tokens: int, choice: int = 0,
+                        defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """Echo without generation samples one token, as vLLM does, which the response leaves out."""
+        if not self.echo_only:
+            return super().sampling_params(max_tokens, choice, defaults)
+        if self.min_tokens:
+            raise RequestError(f"min_tokens={self.min_tokens} is more than max_tokens=0", "min_tokens", CONFLICT)
+        return super().sampling_params(1, choice, defaults)
 
     @property
     def num_generated(self) -> int:
@@ -365,6 +381,13 @@ class CompletionRequest(_SamplingRequest):
         """The request's prompts: one, or a batch (a list of strings or of token-id lists)."""
         p = self.prompt
         return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+
+    @model_validator(mode="after")
+    def _max_tokens_zero_only_with_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:  # as vLLM
+            raise RequestError("max_tokens must be >= 1; 0 is taken only with echo: true (the prompt returned, "
+                               "nothing generated)", "max_tokens")
+        return self
 
     @model_validator(mode="after")
     def _bounded_batch(self) -> "CompletionRequest":

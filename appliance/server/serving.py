@@ -225,7 +225,7 @@ class OpenAIServing:
         if body.stream and not ranked:
             return StreamingResponse(self._sse(choices, choices.n, fmt, body, prompt_tokens, group=each),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(self._collect(choices, keep=ranked))
+        collect = asyncio.ensure_future(self._collect(choices, fmt, keep=ranked))
         gone = asyncio.ensure_future(_wait_disconnect(http))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():  # the client left: stop generating for it
@@ -253,11 +253,11 @@ class OpenAIServing:
                                "send one", "slo_class")
         return self.engine.engine.slo_class(header if header is not None else body.slo_class)
 
-    async def _collect(self, choices: Choices, keep: bool = False) -> list[Choice]:
+    async def _collect(self, choices: Choices, fmt: Any, keep: bool = False) -> list[Choice]:
         states = [Choice(i, keep) for i in range(choices.n)]
         try:
             async for index, out in choices:
-                states[index].add(out)
+                states[index].add(fmt.shown(out))
         finally:
             await choices.aclose()
         return states
@@ -276,6 +276,7 @@ class OpenAIServing:
             for event in fmt.first(n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
                 yield _event(event)
             async for index, out in outputs:
+                out = fmt.shown(out)
                 states[index].add(out)
                 for event in fmt.chunk(states[index], out, so_far() if continuous else None):
                     yield _event(event)

@@ -133,6 +133,8 @@ BAD_BODIES = [
      "messages.0.content"),
     ("completions", {"prompt": "word " * 600, "max_tokens": 1}, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0, "echo": False, "logprobs": 1}, "max_tokens"),  # 0 needs echo
+    ("completions", {"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
     ("chat/completions", {"messages": CHAT, "max_tokens": 100000}, "max_tokens"),
     ("chat/completions", {"messages": CHAT, "temperature": -0.1}, "temperature"),

@@ -155,6 +155,41 @@ def test_completion_logprobs_with_echo(client, model_name):
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[-3:], abs=1e-5)
 
 
+def test_echo_with_max_tokens_zero_returns_the_scored_prompt_alone(server, model_name, tokenizer):
+    """Echo without generation (as vLLM): each choice of each prompt is its prompt, with the prompt tokens'
+    log-probabilities, finish_reason length, no completion token in text, logprobs or usage, and no KV page kept."""
+    free = server.metrics()["muxd:kv_cache_free_pages"]
+    prompts = ["def main():", "import os\nimport sys"]
+    ids = [tokenizer.encode(x) for x in prompts]
+    body = dict(model=model_name, prompt=prompts, echo=True, logprobs=1, max_tokens=0, n=2)
+    out = _post(server, "completions", {**body, "return_tokens_as_token_ids": True})
+    scored = [_post(server, "completions", dict(model=model_name, prompt=x, echo=True, logprobs=1, max_tokens=1,
+                                                 temperature=0))["choices"][0]["logprobs"] for x in prompts]
+    assert out["usage"] == {**out["usage"], "prompt_tokens": sum(map(len, ids)), "completion_tokens": 0,
+                            "total_tokens": sum(map(len, ids))}
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    for c in out["choices"]:
+        p = c["index"] // 2
+        lp = c["logprobs"]
+        assert c["text"] == prompts[p] and c["finish_reason"] == "length"
+        assert [int(t.removeprefix("token_id:")) for t in lp["tokens"]] == ids[p]  # the prompt's ids, and no more
+        assert lp["token_logprobs"] == pytest.approx(scored[p]["token_logprobs"][:len(ids[p])], abs=1e-5)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["text_offset"] == scored[p]["text_offset"][:len(ids[p])]
+    chunks = [json.loads(line[6:]) for line in httpx.post(
+        f"{server.url}/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=120).text.splitlines() if line.startswith("data: {")]
+    for i in range(4):
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == i]
+        assert "".join(c["text"] for c in mine) == prompts[i // 2]
+        assert [t for c in mine if c.get("logprobs") for t in c["logprobs"]["tokens"]] == \
+            [tokenizer.decode([t], skip_special_tokens=False) for t in ids[i // 2]]
+        assert [c.get("finish_reason") for c in mine if c.get("finish_reason")] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 0
+    assert chunks[-1]["usage"]["prompt_tokens"] == sum(map(len, ids))
+    server.wait_idle(free)
+
+
 def test_penalties_bias_and_min_tokens_through_the_api(client, model_name):
     forced = client.completions.create(model=model_name, prompt="x", max_tokens=4, logit_bias={"65": 100},
                                        temperature=0.8, seed=1)
