@@ -6,6 +6,7 @@ runtime annotation.
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -87,10 +88,21 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
         state.require_ready()
         return JSONResponse(state.engine.engine.executor.timeline.chrome_trace())
 
+    created = int(time.time())  # the model cards' "created": one value, whichever route returns them
+
+    def model_card() -> r.ModelCard:
+        return r.ModelCard(id=cfg.model.model_name, max_model_len=state.require_ready().max_model_len, created=created)
+
     @app.get("/v1/models", response_model=r.ModelList, responses=openapi.errors(401, 500, 503))
     async def models():
-        serving = state.require_ready()
-        return r.ModelList(data=[r.ModelCard(id=cfg.model.model_name, max_model_len=serving.max_model_len)])
+        return r.ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model:path}", response_model=r.ModelCard, responses=openapi.errors(401, 404, 500, 503),
+             summary="One served model, as /v1/models lists it (404 model_not_found for any other id).")
+    async def model(model: str):
+        card = model_card()
+        state.require_ready().check_model(model)
+        return card
 
     # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
     contract = cfg.scheduler.contract

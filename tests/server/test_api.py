@@ -246,6 +246,21 @@ def test_unknown_model_is_404_model_not_found(server):
     assert "gpt-4o" in response.json()["error"]["message"]
 
 
+def test_a_model_is_retrieved_as_models_lists_it_and_an_unknown_one_is_404(server, client, model_name):
+    [listed] = httpx.get(server.url + "/v1/models").json()["data"]
+    response = httpx.get(f"{server.url}/v1/models/{model_name}")
+    assert response.status_code == 200 and response.json() == listed
+    assert client.models.retrieve(model_name).model_dump(exclude_unset=True) == listed
+    for unknown in ("gpt-4o", "org/some-model"):
+        response = httpx.get(f"{server.url}/v1/models/{unknown}")
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert error == {**error, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+        assert unknown in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
 def test_malformed_json_gets_400(server):
     error = error_of(httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [',
                                 headers={"content-type": "application/json"}))

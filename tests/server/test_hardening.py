@@ -39,9 +39,13 @@ def test_every_v1_route_needs_the_key_and_probes_stay_open(server):
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(server.url + path).status_code == 200
     good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    assert good.completions.create(model=good.models.list().data[0].id, prompt="x", max_tokens=2).usage
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    [card] = good.models.list().data
+    assert good.completions.create(model=card.id, prompt="x", max_tokens=2).usage
+    assert good.models.retrieve(card.id) == card
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
+    for ask in (bad.models.list, lambda: bad.models.retrieve(card.id), lambda: bad.models.retrieve("gpt-4o")):
+        with pytest.raises(openai.AuthenticationError):
+            ask()
 
 
 def test_openapi_declares_the_bearer_scheme(server):
