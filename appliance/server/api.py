@@ -100,9 +100,8 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     @app.get("/v1/models/{model:path}", response_model=r.ModelCard, responses=openapi.errors(401, 404, 500, 503),
              summary="One served model, as /v1/models lists it (404 model_not_found for any other id).")
     async def model(model: str):
-        card = model_card()
         state.require_ready().check_model(model)
-        return card
+        return model_card()
 
     # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
     contract = cfg.scheduler.contract

@@ -346,9 +346,9 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value and all(isinstance(x, str) for x in value):
-            return cls._batch([cls._text(i, x) for i, x in enumerate(cls._batch(value))])
+            return [cls._text(i, x) for i, x in enumerate(cls._batch(value))]
         if isinstance(value, list) and value and all(isinstance(x, list) for x in value):
-            return cls._batch([cls._ids(x) for x in cls._batch(value)])
+            return [cls._ids(x) for x in cls._batch(value)]
         return cls._ids(value)
 
     @staticmethod
