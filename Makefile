@@ -23,8 +23,9 @@ venv: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/muxd serve --port 8000
 
+# two workers (CI has two cores), each test file on one of them (a file's module fixtures start servers once)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # the binary holds exactly the packages of the CPU lock (the CPU image's too), each checked against its hash
 $(VENV)/.binary: $(STAMP) packaging/lock/requirements-cpu.txt

@@ -29,7 +29,12 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Replay a request trace (or a synthetic workload) against an OpenAI-compatible server, the "
                        "muxd appliance per scheduling policy, or the engine in process; report latency, SLO "
                        "attainment, goodput and capacity.")
-console = Console()
+
+
+def console() -> Console:
+    """The terminal's console, sized as a command prints (not when muxd is imported)."""
+    return Console()
+
 
 def _workload(opts: BenchOptions) -> tuple[Any, list[RequestSpec]]:
     """The prompt builder and the requests, checked before any server starts."""
@@ -89,7 +94,7 @@ def bench(ctx: typer.Context, opts: BenchOptions) -> None:
 def _run_bench(ctx: typer.Context, opts: BenchOptions) -> None:
     if opts.simulate:
 
-        run_simulated(opts, opts.gpu, console)
+        run_simulated(opts, opts.gpu, console())
         return
     show = ctx.params.get("progress", True)
     synth, raw = _workload(opts)
@@ -103,11 +108,11 @@ def _run_bench(ctx: typer.Context, opts: BenchOptions) -> None:
                 _timeline_plot(session, opts.result_dir, notes)
             results.append(session.summarize(result, specs, notes))
             runs[session.label] = result.timelines
-    report.print_results(console, results)
+    report.print_results(console(), results)
     if opts.result_dir is not None:
         paths = report.write_results(opts.result_dir, results, opts.result_filename)
         paths += plots.latency_cdfs(runs, opts.result_dir, _targets(opts))
-        console.print("wrote " + ", ".join(str(p) for p in paths))
+        console().print("wrote " + ", ".join(str(p) for p in paths))
 
 
 @app.command()
@@ -153,12 +158,12 @@ def sweep(
         sweeps = _simulated_sweep(opts, plan, search)
     else:
         sweeps = _served_sweep(opts, plan, search, ctx.params.get("progress", True))
-    console.print(report.sweep_table(sweeps))
+    console().print(report.sweep_table(sweeps))
     for line in report.capacity_lines(sweeps):
-        console.print(line)
+        console().print(line)
     csv_path, json_path = write_summary(sweeps, out_dir, conditions, str(opts.trace) if opts.trace else "synthetic")
     png = plots.attainment_plot(sweeps, out_dir / "attainment_vs_rate.png")
-    console.print(f"wrote {csv_path}, {json_path}, {png}")
+    console().print(f"wrote {csv_path}, {json_path}, {png}")
 
 
 def _rate_plan(rates: str | None, search_flags: dict[str, Any]) -> RatePlan | None:
@@ -203,6 +208,6 @@ def _simulated_sweep(opts: BenchOptions, plan: RatePlan | None,
         plan.check([policy for policy, _ in measures])
     sweeps = [search(measure, policy, policy, own) for policy, measure in measures]
     for note in notes:
-        console.print(f"[yellow]note: {note}[/yellow]")
+        console().print(f"[yellow]note: {note}[/yellow]")
     return sweeps
 

@@ -60,9 +60,11 @@ def test_the_diagnosis_script_replays_a_trace_slice_and_reports(llama_checkpoint
     assert "mux: 6 requests at 20.0 req/s" in out and "plan_ms" in out and "'mixed': {'flat'" in out
     assert "event loop (replay and streams)" in out and "us a streamed token" in out
     assert (tmp_path / "steps-mux.json").is_file() and (tmp_path / "requests-mux.json").is_file()
-    # the engine thread's profile: the executor's prefill launches are in it, and the stats file reads back
-    assert "host profile" in out and "_launch_prefill" in out
-    assert pstats.Stats(str(tmp_path / "host-profile-mux.pstats")).total_calls > 0
+    # the engine thread's profile is printed, and its stats file holds the executor's step launches (mixed or
+    # layer-by-layer prefill depends on timing, so which launch path shows is not asserted)
+    assert "engine thread's host profile" in out
+    profiled = pstats.Stats(str(tmp_path / "host-profile-mux.pstats")).stats
+    assert any(file.endswith("executor.py") and name == "run" for file, _, name in profiled)
 
 
 def test_the_planner_charges_the_host_as_the_engines_loop_runs(llama_checkpoint):

@@ -239,6 +239,7 @@ def test_profile_command_rejects_bad_flags(args, message, tmp_path):
 
 
 def test_profile_command_calibrates_on_another_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path / "cache"))  # the profile it caches: for no later test
     monkeypatch.setattr(calibrate, "SERIAL_IDLE_S", 0.02)  # as above: the idle after each request replayed alone
     # the command's wiring, not the revisits themselves (the test of run_profile counts those): one more run of each
     # short point is enough for their spread to be reported
@@ -248,8 +249,8 @@ def test_profile_command_calibrates_on_another_trace(tmp_path, monkeypatch):
         "profile", "--out", str(out), "--device", "cpu", "--no-progress", "--budget-minutes", "3",
         "--trace", str(DATA / "mooncake_conversation_head200.jsonl"),
         "--calibrate-trace", str(DATA / "azure_code_2023_head200.csv"), "--calibrate-rate", "20",
-        "--calibrate-requests", "8", "--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-        "--holdout", "0", "--seed", "3"])
+        "--calibrate-requests", "8", "--max-model-len", "2048", "--max-num-batched-tokens", "512",
+        "--max-num-seqs", "8", "--holdout", "0", "--seed", "3"])
     assert result.exit_code == 0, result.output
     assert "calibrating: 8 requests of" in result.output and "serving factors" in result.output
     saved = json.loads(out.read_text())
@@ -442,9 +443,10 @@ def test_serving_with_a_bucket_profile_pads_prefills_and_answers_as_serial(timer
 
 
 def test_serve_finds_the_profile_muxd_profile_cached_and_the_default_policy_is_serial_on_a_cpu(timer, llama_checkpoint,
-                                                                                              tmp_path):
+                                                                                              tmp_path, monkeypatch):
     """`muxd profile` keeps a copy of its profile under the cache directory, keyed by the model's shapes, the GPU and
     the muxd version; `muxd serve --policy mux` without --profile loads it. Without --policy, a CPU serves serial."""
+    monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path / "cache"))  # its own: later tests' engines must not find it
     path, _ = llama_checkpoint
     out = tmp_path / "p.json"
     run_profile(timer, plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0), out,
