@@ -84,8 +84,11 @@ def at_least(group: Any, minimum: float, *names: str) -> None:
 class ModelSettings:
     model: str = flag("embedded", "Hugging Face model directory (config.json, safetensors, tokenizer.json), or "
                       "'embedded' for the small model shipped inside muxd.", "-m")
-    served_model_name: Optional[str] = flag(None, "Model name clients send in 'model' (default: the directory "
-                                            "name, or muxd-embedded).")
+    served_model_name: Optional[list[str]] = flag(None, "Model name clients send in 'model' (default: the "
+                                                  "directory name, or muxd-embedded); several names, as vLLM's "
+                                                  "`--served-model-name a b`, are aliases: /v1/models lists them "
+                                                  "all, a response names the one its request sent, metrics the "
+                                                  "first.")
     dtype: str = flag("auto", "Weights and KV dtype: auto (checkpoint's on GPU, float32 on CPU), bfloat16, "
                       "float16, float32.")
     load_format: str = flag("auto", "auto/safetensors reads the weights; dummy draws random ones of the right "
@@ -109,6 +112,12 @@ class ModelSettings:
                                   "(temperature 1, no cuts, max_tokens what the context leaves).")
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if names is not None:  # one name (a string) or several; kept as a tuple, empty meaning none given
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if any(not isinstance(n, str) or not n.strip() for n in names):
+                raise ConfigError(f"--served-model-name: every name must be non-empty text, got {list(names)!r}")
+            object.__setattr__(self, "served_model_name", names or None)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
@@ -131,9 +140,23 @@ class ModelSettings:
 
     @property
     def model_name(self) -> str:
+        """The served model's name (the first of several)."""
+        return self.served_names[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names /v1/models lists, the first the model's own."""
         if self.served_model_name:
-            return self.served_model_name
-        return EMBEDDED_NAME if self.model == "embedded" else self.model_dir.resolve().name
+            return tuple(self.served_model_name)
+        return (EMBEDDED_NAME if self.model == "embedded" else self.model_dir.resolve().name,)
+
+    @property
+    def accepted_names(self) -> tuple[str, ...]:
+        """What clients may send in 'model': the served names; without --served-model-name also the model as given
+        (vLLM's default name, e.g. a path), so that clients of `vllm serve PATH` need no change."""
+        if self.served_model_name or self.model in ("embedded", *self.served_names):
+            return self.served_names
+        return (*self.served_names, self.model)
 
     def chat_template_source(self) -> str | None:
         """--chat-template names a file, or is the template itself (inline jinja), as in vLLM."""

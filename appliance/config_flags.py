@@ -15,6 +15,31 @@ from appliance.config import _FIELD_GROUP, GROUPS, Config
 from appliance.errors import ConfigError
 
 
+SEVERAL = ("--served-model-name",)  # serve flags that take several values, as vLLM's nargs="+" ones
+
+
+def spread(args: list[str]) -> list[str]:
+    """`--served-model-name a b` as `--served-model-name a --served-model-name b` (click takes several values of an
+    option only as repeats): the words after such a flag, up to the next flag, are all its values."""
+    out: list[str] = []
+    flag, taken = None, 0
+    for arg in args:
+        if flag is not None and not arg.startswith("-"):
+            out += [flag, arg] if taken else [arg]
+            taken += 1
+            continue
+        flag, taken = (arg if arg in SEVERAL else None), 0
+        out.append(arg)
+    return out
+
+
+class ServeCommand(typer.core.TyperCommand):
+    """A command taking the serve flags: reads several values after a flag of SEVERAL (see `spread`)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread(args))
+
+
 def serve_flags(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """typer parameters of `muxd serve`, one per config field (a bool field is a --name/--no-name switch)."""
     return [param for cls in GROUPS.values() for param in dataclass_flags(cls, skip)]
@@ -72,7 +97,7 @@ def parse_serve_args(args: list[str], **overrides: Any) -> Config:
         return config
 
     app = typer.Typer()
-    app.command()(with_serve_flags(serve))
+    app.command(cls=ServeCommand)(with_serve_flags(serve))
     command = typer.main.get_command(app)
     try:
         ctx = command.make_context("serve", list(args))

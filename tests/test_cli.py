@@ -163,8 +163,15 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
                                  "allow_headers": ["*"], "allow_credentials": True}
     assert runner.invoke(app, ["serve", model, "--tokenizer-mode", "hf"]).exit_code == 0
     assert (cfg.model.served_model_name, cfg.model.generation_config, cfg.server.reasoning_parser) == (
-        "m", "vllm", "qwen3")
+        ("m",), "vllm", "qwen3")
     assert "--trust-remote-code" not in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
+    # several names after one flag, as vLLM's nargs="+", up to the next flag; a model directory among them is refused
+    assert runner.invoke(app, ["serve", model, "--served-model-name", "a", "org/b", "--port", "9"]).exit_code == 0
+    cfg = seen["cfg"]
+    assert (cfg.model.served_model_name, cfg.server.port, cfg.model.model) == (("a", "org/b"), 9, model)
+    swallowed = runner.invoke(app, ["serve", "--served-model-name", "a", model])
+    assert swallowed.exit_code == 2 and f"--served-model-name took the model directory {model!r} as a name" in \
+        swallowed.output.replace("\n", "")
 
 
 def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, monkeypatch):

@@ -11,7 +11,7 @@ import typer
 from appliance.cli.serve import fail, run_cluster
 from appliance.cluster.settings import ClusterSettings
 from appliance.config import Config
-from appliance.config_flags import dataclass_flags, with_serve_flags
+from appliance.config_flags import ServeCommand, dataclass_flags, with_serve_flags
 
 
 def cluster(config: Config, model_tag: Optional[str] = None, **cluster_flags: Any) -> None:
@@ -38,4 +38,4 @@ def _command() -> Any:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("cluster")(_command())
+    app.command("cluster", cls=ServeCommand)(_command())

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -15,7 +16,7 @@ from appliance import __version__
 from appliance.cluster.deploy import require_ray, run
 from appliance.cluster.settings import ClusterSettings
 from appliance.config import Config
-from appliance.config_flags import with_serve_flags
+from appliance.config_flags import ServeCommand, with_serve_flags
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
@@ -95,6 +96,11 @@ def run_cluster(config: Config, model_tag: str | None, cluster_flags: dict[str, 
 def with_model_tag(config: Config, model_tag: str | None) -> Config:
     """`muxd serve MODEL`: the positional model, which --model may repeat but not contradict."""
     if model_tag is None:
+        names = config.model.served_model_name or ()
+        if config.model.model == "embedded" and any((Path(n).expanduser() / "config.json").is_file() for n in names):
+            # `--served-model-name a b` takes every word up to the next flag, as vLLM's: a model after it is a name
+            raise ConfigError(f"--served-model-name took the model directory {names[-1]!r} as a name: give MODEL "
+                              "before --served-model-name, or as --model")
         return config
     if config.model.model not in ("embedded", model_tag):
         raise ConfigError(f"the model is given twice: {model_tag!r} and --model {config.model.model!r}; give it "
@@ -146,5 +152,5 @@ def generate(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(with_serve_flags(serve, on_error=fail))
+    app.command("serve", cls=ServeCommand)(with_serve_flags(serve, on_error=fail))
     app.command("generate")(generate)

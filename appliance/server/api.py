@@ -90,18 +90,18 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
 
     created = int(time.time())  # the model cards' "created": one value, whichever route returns them
 
-    def model_card() -> r.ModelCard:
-        return r.ModelCard(id=cfg.model.model_name, max_model_len=state.require_ready().max_model_len, created=created)
+    def model_card(name: str) -> r.ModelCard:
+        return r.ModelCard(id=name, max_model_len=state.require_ready().max_model_len, created=created)
 
-    @app.get("/v1/models", response_model=r.ModelList, responses=openapi.errors(401, 500, 503))
+    @app.get("/v1/models", response_model=r.ModelList, responses=openapi.errors(401, 500, 503),
+             summary="The served model, a card per name it is served under (--served-model-name a b).")
     async def models():
-        return r.ModelList(data=[model_card()])
+        return r.ModelList(data=[model_card(name) for name in cfg.model.served_names])
 
     @app.get("/v1/models/{model:path}", response_model=r.ModelCard, responses=openapi.errors(401, 404, 500, 503),
              summary="One served model, as /v1/models lists it (404 model_not_found for any other id).")
     async def model(model: str):
-        state.require_ready().check_model(model)
-        return model_card()
+        return model_card(state.require_ready().check_model(model))
 
     # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
     contract = cfg.scheduler.contract

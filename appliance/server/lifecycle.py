@@ -52,7 +52,7 @@ class ServerState:
             warm = self.engine.make_request([0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
             async for _ in self.engine.stream(warm):
                 pass
-            self.serving = OpenAIServing(self.engine, self.cfg.model.model_name, self.metrics,
+            self.serving = OpenAIServing(self.engine, self.cfg.model.accepted_names, self.metrics,
                                          self.cfg.model.special_tokens_in_messages)
             self.ready = True
             log.info("model %s ready (%d KV pages of %d tokens, max_model_len %d)", self.cfg.model.model_name,

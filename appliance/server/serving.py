@@ -38,9 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: Metrics,
+    def __init__(self, engine: AsyncEngine, names: tuple[str, ...], metrics: Metrics,
                  special_tokens_in_messages: bool = False) -> None:
-        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        """`names`: what clients may send in 'model' (the first is the model's own name)."""
+        self.engine, self.names, self.metrics = engine, names, metrics
         self.escape_control = not special_tokens_in_messages
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
@@ -60,36 +61,40 @@ class OpenAIServing:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server serves "
-                                     f"{self.model_name!r}")
+    def check_model(self, requested: str | None) -> str:
+        """The name a response gives: the one requested (any served name), else the model's own; 404 for others."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            served = " or ".join(repr(n) for n in self.names)
+            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server serves {served}")
+        return requested
 
     # ---- endpoints ------------------------------------------------------------------------------------------------
     async def completion(self, body: p.CompletionRequest, http: HTTPRequest):
-        self.check_model(body.model)
+        name = self.check_model(body.model)
         rid = r.new_id("cmpl")
         requests, cut = await self._off_loop(self._completion_requests, body, rid)
         each = body.num_generated
-        fmt = CompletionFormat(rid, self.model_name, self.tokenizer, body,
+        fmt = CompletionFormat(rid, name, self.tokenizer, body,
                                [q.prompt_token_ids for q in requests[::each]], cut)
         return await self._serve(body, requests, http, fmt)
 
     async def chat(self, body: p.ChatCompletionRequest, http: HTTPRequest):
-        self.check_model(body.model)
+        name = self.check_model(body.model)
         rid = r.new_id("chatcmpl")
         requests, thinking = await self._off_loop(self._chat_requests, body, rid)
-        return await self._serve(body, requests, http, ChatFormat(rid, self.model_name, self.tokenizer, body,
+        return await self._serve(body, requests, http, ChatFormat(rid, name, self.tokenizer, body,
                                                                    self.tool_parser, thinking))
 
     async def responses(self, body: ResponsesRequest, chat_body: type[p.ChatCompletionRequest], http: HTTPRequest):
         """/v1/responses: the request runs as the chat request it amounts to (`chat_body`: this model's)."""
-        self.check_model(body.model)
+        name = self.check_model(body.model)
         chat = body.to_chat(chat_body)
         rid = r.new_id("resp")
         try:
             requests, thinking = await self._off_loop(self._chat_requests, chat, rid)
-            return await self._serve(chat, requests, http, ResponsesFormat(rid, self.model_name, chat, body,
+            return await self._serve(chat, requests, http, ResponsesFormat(rid, name, chat, body,
                                                                            self.tool_parser, thinking))
         except RequestError as exc:  # named as this request names the field
             raise renamed(exc) from None

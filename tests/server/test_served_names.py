@@ -1,0 +1,51 @@
+"""`--served-model-name a b` (as vLLM's): every name is an alias of the one model, in process. /v1/models lists them
+all, a request may send any, its response names the one it sent (the first when it sent none); a model given by path
+is also accepted under the path as written (vLLM's default name)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from appliance.config import Config
+from appliance.errors import ConfigError
+from appliance.server.api import create_app
+
+
+def ready(client: TestClient) -> None:
+    deadline = time.monotonic() + 120
+    while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the model did not load"
+        time.sleep(0.05)
+
+
+def test_several_names_are_aliases_of_the_model():
+    cfg = Config.flat(served_model_name=["first", "org/second"], kv_cache_memory="16MiB", max_model_len=128)
+    with TestClient(create_app(cfg)) as client:
+        ready(client)
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == ["first", "org/second"]
+        assert client.get("/v1/models/org/second").json()["id"] == "org/second"
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert client.post("/v1/completions", json={**body, "model": "org/second"}).json()["model"] == "org/second"
+        assert client.post("/v1/completions", json=body).json()["model"] == "first"
+        chat = client.post("/v1/chat/completions", json={"model": "first", "max_tokens": 2,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.json()["model"] == "first"
+        unknown = client.post("/v1/completions", json={**body, "model": "third"})
+        assert unknown.status_code == 404
+        assert "'third' does not exist; this server serves 'first' or 'org/second'" in unknown.json()["error"]["message"]
+
+
+def test_a_model_given_by_path_also_answers_to_the_path(text_checkpoint):
+    model = Config.flat(model=str(text_checkpoint)).model
+    assert model.served_names == (text_checkpoint.name,)  # listed under its directory's name, as before
+    assert model.accepted_names == (text_checkpoint.name, str(text_checkpoint))
+    named = Config.flat(model=str(text_checkpoint), served_model_name="mine").model
+    assert named.served_names == named.accepted_names == ("mine",)  # a name given replaces both
+
+
+@pytest.mark.parametrize("names", [[""], ["a", " "]])
+def test_an_empty_name_is_refused(names):
+    with pytest.raises(ConfigError, match="--served-model-name: every name must be non-empty text"):
+        Config.flat(served_model_name=names)
