@@ -57,7 +57,9 @@ ResponseFormat = Annotated[Annotated[PlainFormat, Tag("plain-format")] | Annotat
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` (one of json, regex, choice)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # the schema says it too: at least one of them, not null
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+        {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in ("json", "regex", "choice")]})
 
     json_: GuidedJson | None = Field(None, alias="json")
     regex: str | None = None
