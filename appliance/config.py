@@ -391,10 +391,28 @@ class ServerSettings:
     allowed_methods: str = flag('["*"]', "CORS: methods allowed to other origins, a JSON list.")
     allowed_headers: str = flag('["*"]', "CORS: request headers allowed to other origins, a JSON list.")
     allow_credentials: bool = flag(False, "CORS: let other origins send credentials (cookies, Authorization).")
+    ssl_keyfile: Optional[str] = flag(None, "Serve HTTPS: the private key (PEM file), with --ssl-certfile.")
+    ssl_certfile: Optional[str] = flag(None, "Serve HTTPS: the certificate (PEM file), with --ssl-keyfile.")
+    ssl_ca_certs: Optional[str] = flag(None, "HTTPS: the CA certificates (PEM file) that client certificates are "
+                                       "checked against.")
+    ssl_cert_reqs: int = flag(0, "HTTPS: client certificates 0: not asked for, 1: checked if sent, 2: required "
+                              "(Python's ssl.CERT_NONE/OPTIONAL/REQUIRED).")
+    uds: Optional[str] = flag(None, "Listen on this Unix domain socket instead of --host and --port.")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile; give both, or neither")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ConfigError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if (self.ssl_ca_certs is not None or self.ssl_cert_reqs) and self.ssl_certfile is None:
+            raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs apply to HTTPS: give --ssl-keyfile and "
+                              "--ssl-certfile too")
         if self.request_byte_limit < 1:
             raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
         if not (self.header_timeout > 0 and self.body_timeout > 0):
@@ -461,6 +479,14 @@ class VllmFlags:
                                    hidden=True)
     download_dir: Optional[str] = flag(None, "Accepted: muxd downloads nothing (the model is a directory).",
                                        hidden=True)
+    enable_request_id_headers: bool = flag(False, "Every response carries an X-Request-Id header: the request's "
+                                           "own, else a new one.", hidden=True)
+    return_tokens_as_token_ids: bool = flag(False, "Log-probabilities name tokens 'token_id:<id>' unless a request "
+                                            "says otherwise (its return_tokens_as_token_ids).", hidden=True)
+    response_role: str = flag("assistant", "Only assistant: the role of chat answers.", hidden=True)
+    chat_template_content_format: str = flag("auto", "Only auto or string: message content reaches the chat "
+                                             "template as one string (text parts joined).", hidden=True)
+    max_logprobs: int = flag(20, "Only 20: muxd returns at most 20 alternatives per token.", hidden=True)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -485,6 +511,16 @@ class VllmFlags:
         if self.enable_log_requests:
             raise ConfigError("--enable-log-requests: muxd does not log requests or their prompts (uvicorn's access "
                               "log names each request; /metrics counts them); leave it out")
+        if self.response_role != "assistant":
+            raise ConfigError(f"--response-role {self.response_role}: muxd's chat answers have the role assistant; "
+                              "leave it out")
+        if self.chat_template_content_format not in ("auto", "string"):
+            raise ConfigError(f"--chat-template-content-format {self.chat_template_content_format}: muxd hands "
+                              "message content to the chat template as one string (text parts joined), which is "
+                              "vLLM's string format; give auto or string, or leave it out")
+        if self.max_logprobs != 20:
+            raise ConfigError(f"--max-logprobs {self.max_logprobs}: muxd returns at most 20 alternatives per token "
+                              "(vLLM's default); leave it out")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ConfigError(f"--tokenizer-mode {self.tokenizer_mode}: muxd runs the model directory's fast "
                               f"tokenizer (tokenizer.json), which is vLLM's auto (and hf); it has no slow, mistral or "

@@ -81,6 +81,14 @@ def test_generate_chat_mode(text_checkpoint):
     (["--tokenizer-mode", "slow"], "--tokenizer-mode slow: muxd runs the model directory's fast tokenizer"),
     (["--revision", "v1.1"], "--revision v1.1: muxd serves the model directory as it is and downloads nothing"),
     (["--root-path", "llm/"], "--root-path must start with / and not end with one"),
+    (["--response-role", "user"], "--response-role user: muxd's chat answers have the role assistant"),
+    (["--chat-template-content-format", "openai"], "--chat-template-content-format openai: muxd hands message"),
+    (["--max-logprobs", "5"], "--max-logprobs 5: muxd returns at most 20 alternatives per token"),
+    (["--ssl-keyfile", __file__], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/cert.pem"], "--ssl-certfile /no/cert.pem: no such file"),
+    (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs apply to HTTPS"),
+    (["--ssl-keyfile", __file__, "--ssl-certfile", __file__, "--ssl-cert-reqs", "3"], "--ssl-cert-reqs must be 0"),
+    (["--uds", "/tmp/m.sock", "--replicas", "2"], "--ssl-keyfile/--ssl-certfile and --uds apply to one server"),
     (["--model", str(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3.1-8b")],
      "--load-format dummy"),
 ])
@@ -162,6 +170,10 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
     assert cfg.server.cors() == {"allow_origins": ["https://a.example"], "allow_methods": ["GET", "POST"],
                                  "allow_headers": ["*"], "allow_credentials": True}
     assert runner.invoke(app, ["serve", model, "--tokenizer-mode", "hf"]).exit_code == 0
+    assert runner.invoke(app, ["serve", model, "--response-role", "assistant", "--chat-template-content-format",
+                               "string", "--max-logprobs", "20", "--return-tokens-as-token-ids",
+                               "--enable-request-id-headers"]).exit_code == 0
+    assert seen["cfg"].vllm.return_tokens_as_token_ids and seen["cfg"].vllm.enable_request_id_headers
     assert (cfg.model.served_model_name, cfg.model.generation_config, cfg.server.reasoning_parser) == (
         ("m",), "vllm", "qwen3")
     assert "--trust-remote-code" not in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output

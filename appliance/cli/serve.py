@@ -67,12 +67,15 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
 
     app = create_app(config, on_fatal)
     http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
-    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, http=http,
+    tls = {"ssl_keyfile": srv.ssl_keyfile, "ssl_certfile": srv.ssl_certfile, "ssl_ca_certs": srv.ssl_ca_certs,
+           "ssl_cert_reqs": srv.ssl_cert_reqs} if srv.ssl_certfile else {}
+    server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, uds=srv.uds, http=http,
                                            log_level=config.vllm.uvicorn_log_level or srv.log_level,
                                            access_log=not config.vllm.disable_uvicorn_access_log,
-                                           timeout_graceful_shutdown=5), app.state.muxd, srv.shutdown_timeout)
-    typer.echo(f"muxd {__version__}: serving {config.model.model_name} on http://{srv.host}:{srv.port} (loading the "
-               "model; GET /ready turns 200 when it is up)")
+                                           timeout_graceful_shutdown=5, **tls), app.state.muxd, srv.shutdown_timeout)
+    where = f"unix socket {srv.uds}" if srv.uds else f"{'https' if tls else 'http'}://{srv.host}:{srv.port}"
+    typer.echo(f"muxd {__version__}: serving {config.model.model_name} on {where} (loading the model; GET /ready "
+               "turns 200 when it is up)")
     server.run()
     if fatal:
         typer.secho(f"error: {fatal[0]}", fg=typer.colors.RED, err=True)
@@ -84,6 +87,10 @@ def run_cluster(config: Config, model_tag: str | None, cluster_flags: dict[str, 
     try:
         config = with_model_tag(config, model_tag)
         settings = ClusterSettings(**cluster_flags)
+        srv = config.server
+        if srv.ssl_certfile or srv.uds:
+            raise ConfigError("--ssl-keyfile/--ssl-certfile and --uds apply to one server; replicas are served by "
+                              "Ray Serve's HTTP proxy (terminate TLS in front of it)")
         config.check_served_context(config.check())
         require_ray()
     except ApplianceError as exc:

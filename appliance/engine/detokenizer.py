@@ -20,6 +20,7 @@ class Detokenizer:
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop = stop
+        self.matched: str | None = None  # the stop string that ended the text
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
@@ -47,6 +48,7 @@ class Detokenizer:
             return False
         at, stop = min(hits)
         self.text = self.text[:at + len(stop) if self.include_stop else at]
+        self.matched = stop
         return True
 
     def flush(self) -> None:

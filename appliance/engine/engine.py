@@ -272,12 +272,13 @@ class Engine:
             if sp.prompt_logprobs is not None and len(r.output_token_ids) == 1 else None
         # the grammar allowed only this token or a stop token; a complete output ends here whatever ignore_eos says
         grammar_done = r.matcher is not None and (not r.matcher.accept(token) or r.matcher.terminated)
-        stop_token = grammar_done or token in sp.stop_token_ids or (not sp.ignore_eos and
-                                                                    token in self.eos_token_ids)
+        eos = not sp.ignore_eos and token in self.eos_token_ids
+        stop_token = grammar_done or token in sp.stop_token_ids or eos
         stop_string = detok.push(token, visible=not stop_token) if detok else False
-        reason = None
-        if stop_token or stop_string:
+        reason, stop_reason = None, None
+        if stop_token or stop_string:  # what ended it, as vLLM's stop_reason: a stop token or string, not EOS
             reason = "stop"
+            stop_reason = detok.matched if stop_string else token if not (eos or grammar_done) else None
         elif len(r.output_token_ids) >= sp.max_tokens or \
                 r.num_prompt_tokens + len(r.output_token_ids) >= self.max_model_len:
             reason = "length"
@@ -293,7 +294,8 @@ class Engine:
             request_id=r.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,
             finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
             num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None,
-            logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs)
+            logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs,
+            stop_reason=stop_reason)
 
     # ---- lifetime ---------------------------------------------------------------------------------------------
     def on_fatal(self, callback) -> None:

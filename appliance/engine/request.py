@@ -230,3 +230,4 @@ class RequestOutput:
     text: str | None = None  # the whole output text so far (set on the final output)
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, when asked for (None first)
+    stop_reason: int | str | None = None  # (finished by "stop") the stop token id or stop string; None for EOS

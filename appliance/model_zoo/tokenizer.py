@@ -6,6 +6,7 @@ token count. What a directory says about its template and special ids is checked
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -281,10 +282,24 @@ class Tokenizer:
             return RenderedChat(rendered, rendered)
         return RenderedChat(escaped.restore(rendered), rendered, escaped)
 
-    def encode_chat(self, chat: RenderedChat) -> list[int]:
-        """Token ids of a rendered conversation. Control tokens the template wrote are control tokens; control-token
+    @functools.cached_property
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """The special tokens encode(text) adds before and after a text's own (e.g. Llama-3's BOS before, none
+        after), as the tokenizer's post-processor places them."""
+        plain, full = self.encode("x", add_special_tokens=False), self.encode("x")
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+        if at is None:  # (a post-processor that rewrites the text's own tokens: none known)
+            return [], []
+        return full[:at], full[at + len(plain):]
+
+    def encode_chat(self, chat: RenderedChat, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a rendered conversation (with `add_special_tokens`, the tokenizer's special tokens around
+        them, on top of those the template wrote). Control tokens the template wrote are control tokens; control-token
         text from the messages (escaped by render_chat) is tokenized as ordinary text. Without any such text this
         is exactly encode(chat.text) (segments between control tokens are tokenized independently either way)."""
+        if add_special_tokens:
+            before, after = self.special_affixes
+            return before + self.encode_chat(chat) + after
         if chat.escaped is None or self._control is None:
             return self.encode(chat.text, add_special_tokens=False)
         ids: list[int] = []

@@ -22,6 +22,7 @@ from appliance.server import responses as r
 from appliance.server import tokenize as t
 from appliance.server.errors import error_response, install_handlers
 from appliance.server.gate import Gate
+from appliance.server.http import RequestIdHeader
 from appliance.server.lifecycle import ServerState
 from appliance.server.responses_api import Event, ResponseObject, responses_body
 
@@ -53,6 +54,8 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     app.add_middleware(Gate, traffic=state.traffic, max_body=cfg.server.request_byte_limit,
                        api_key=cfg.server.api_key, body_timeout=cfg.server.body_timeout,
                        max_in_flight=cfg.scheduler.max_num_seqs + cfg.scheduler.max_waiting)
+    if cfg.vllm.enable_request_id_headers:  # on every answer, the gate's refusals too
+        app.add_middleware(RequestIdHeader)
     # outermost (added last): preflights are answered before the gate, and its refusals carry the CORS headers
     app.add_middleware(CORSMiddleware, **cfg.server.cors())
     openapi.install(app, api_key=cfg.server.api_key is not None)

@@ -14,7 +14,7 @@ from appliance.model_zoo.tokenizer import Tokenizer
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server.reasoning import ReasoningStream, split
-from appliance.server.tools import CallStream, ToolCall, ToolChoiceValue, forced_calls, parse_calls
+from appliance.server.tools import CallStream, ForcedCalls, ToolCall, ToolChoiceValue, forced_calls, parse_calls
 
 
 class Choice:
@@ -155,7 +155,7 @@ class CompletionFormat(_Format):
             return out
         return dataclasses.replace(out, new_token_ids=[], new_text="", text="" if out.text is not None else None,
                                    logprobs=None, num_output_tokens=0,
-                                   finish_reason="length" if out.finished else None)
+                                   finish_reason="length" if out.finished else None, stop_reason=None)
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         echoed = self.echo and not choice.started
@@ -165,7 +165,7 @@ class CompletionFormat(_Format):
             return []
         choice.started = True
         body = r.CompletionChoice(index=choice.index, text=echo + out.new_text, finish_reason=out.finish_reason,
-                                  logprobs=logprobs)
+                                  stop_reason=out.stop_reason, logprobs=logprobs)
         return [r.CompletionResponse(id=self.rid, model=self.model, choices=[body], usage=usage)]
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
@@ -173,6 +173,7 @@ class CompletionFormat(_Format):
         for c in choices:
             echo = self.echoes[self._prompt(c.index)]
             bodies.append(r.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.last.finish_reason,
+                                             stop_reason=c.last.stop_reason,
                                              logprobs=self._logprobs(c.index, c.prompt_logprobs if self.echo else None,
                                                                      c.logprobs, self.echo),
                                              prompt_logprobs=self.prompt_logprobs(c)))
@@ -215,6 +216,7 @@ class ChatFormat(_Format):
             self.parser = parser if self.choice.mode == "auto" else "none"
         self.thinking, self.show_reasoning = thinking, body.include_reasoning is not False
         self._calls: dict[int, CallStream] = {}
+        self._forced: dict[int, ForcedCalls] = {}  # tool_choice "required": each choice's calls as they stream
         self._reasoning: dict[int, ReasoningStream] = {}
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
@@ -251,11 +253,13 @@ class ChatFormat(_Format):
                     call = ToolCall.new(self.choice.name, "")
                     delta.tool_calls[0].id, delta.tool_calls[0].type = call.id, "function"
                     delta.tool_calls[0].function.name = call.name
-        elif mode == "required":
-            if out.finished:
-                calls = forced_calls(choice.text, self.choice)
-                if calls:
-                    delta.tool_calls, reason = _deltas(calls), "tool_calls"
+        elif mode == "required":  # each call once its name is written, then its arguments as they come
+            forced = self._forced.setdefault(choice.index, ForcedCalls())
+            delta.tool_calls = [r.ToolCallDelta(index=k, id=call_id, type="function" if call_id else None,
+                                                function=r.FunctionCall(name=name, arguments=args))
+                                for k, call_id, name, args in forced.feed(out.new_text)] or None
+            if out.finished and forced.complete:
+                reason = "tool_calls"
         else:
             delta.content = text or None
         logprobs = self._logprobs(out.logprobs or [])
@@ -264,7 +268,7 @@ class ChatFormat(_Format):
             return []
         choice.started = True
         return [r.ChatCompletionChunk(id=self.rid, model=self.model, usage=usage, choices=[r.ChatChunkChoice(
-            index=choice.index, delta=delta, finish_reason=reason, logprobs=logprobs)])]
+            index=choice.index, delta=delta, finish_reason=reason, stop_reason=out.stop_reason, logprobs=logprobs)])]
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
         bodies = []
@@ -283,14 +287,19 @@ class ChatFormat(_Format):
                 _, calls = stream.finish()
                 if calls:
                     content = _content_before_calls(content, self.parser)
-            elif mode in ("named", "required"):
+            elif mode == "named":
                 calls, content = forced_calls(c.text, self.choice), None
-            if calls and mode != "named":
+            elif mode == "required":  # calls cut short by max_tokens are returned as written, ending as "length"
+                forced = ForcedCalls()
+                forced.feed(c.text)
+                calls, content = forced.calls(), None
+                reason = "tool_calls" if forced.complete else reason
+            if calls and mode == "auto":
                 reason = "tool_calls"
             message = r.ChatMessageOut(content=content, reasoning=reasoning, tool_calls=[
                 r.ToolCallOut(id=t.id, function=r.FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             bodies.append(r.ChatChoice(index=c.index, message=message, finish_reason=reason,
-                                       logprobs=self._logprobs(c.logprobs, final=True)))
+                                       stop_reason=c.last.stop_reason, logprobs=self._logprobs(c.logprobs, final=True)))
         first = next((c for c in choices if c.last is not None), None)  # every choice has the same prompt
         return r.ChatCompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage,
                                         prompt_logprobs=self.prompt_logprobs(first) if first else None)

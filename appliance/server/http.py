@@ -2,11 +2,13 @@
 within --header-timeout seconds of opening, or of the end of its previous response, or it is closed. uvicorn's own
 keep-alive timeout closes idle connections only until their first byte arrives, so a client that sends its headers
 one byte at a time would otherwise hold a connection forever. (The body deadline is the gate's: server/gate.py.)
+Also the X-Request-Id response header of --enable-request-id-headers.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 import h11
@@ -53,3 +55,24 @@ class HeaderDeadlineProtocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             log.debug("closing a connection whose request headers did not arrive within %g s", self.header_timeout)
             self.transport.close()
+
+
+class RequestIdHeader:
+    """ASGI middleware (vLLM's --enable-request-id-headers): every response carries an X-Request-Id header, the
+    request's own X-Request-Id or a new one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, sending)

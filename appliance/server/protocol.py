@@ -82,13 +82,21 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
 # these by default, so they must not be refused.
+# Chat's `echo` and `chat_template` are chat-only (completions' echo is implemented): CHAT_OFF_VALUES.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
-                                           "priority": (0,)}
+                                           "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
+                                           "bad_words": ([],)}
+CHAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False,), "chat_template": ()}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "functions": "the deprecated functions API is not implemented; send tools",
         "function_call": "the deprecated functions API is not implemented; send tool_choice",
         "priority": "muxd schedules first come, first served within each SLO class, as vLLM's default policy; "
-                    "slo_class sets the class"}
+                    "slo_class sets the class",
+        "use_beam_search": "beam search is not implemented; n and best_of sample several choices",
+        "length_penalty": "it weighs beam search's beams, and beam search is not implemented",
+        "bad_words": "it is not implemented; a logit_bias of -100 bans single tokens",
+        "echo": "chat's echo (the last message repeated before the answer) is not implemented",
+        "chat_template": "a request may not bring its own template; start the server with --chat-template"}
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -99,7 +107,18 @@ def _same(value: Any, off: Any) -> bool:
 
 
 def _off_enum(name: str) -> dict[str, Any]:
-    return {"enum": [*OFF_VALUES[name], None]}
+    off = {**OFF_VALUES, **CHAT_OFF_VALUES}[name]
+    return {"enum": [*off, None]} if off else {"type": "null"}
+
+
+def refuse_unimplemented(request: BaseModel, off_values: dict[str, tuple[Any, ...]]) -> None:
+    """A 400 naming the first field of `off_values` sent at a value that would turn its option on."""
+    for name, off in off_values.items():
+        value = getattr(request, name, None)
+        if value is not None and not any(_same(value, v) for v in off):
+            why = _WHY.get(name, "muxd does not implement it")
+            allowed = " or send " + " or ".join(repr(v) for v in off) if off else ""
+            raise RequestError(f"{name}={_preview(value)} is not supported ({why}); leave it out{allowed}", name)
 
 
 class StreamOptions(BaseModel):
@@ -168,6 +187,17 @@ class _SamplingRequest(BaseModel):
         None, description="Extension (vLLM): tokens in log-probabilities written as 'token_id:<id>'.")
     priority: Int | None = Field(0, json_schema_extra=_off_enum("priority"),
                                  description="Extension (vLLM): only 0 (first come, first served).")
+    request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="Extension (vLLM): the response's id is made from it (an X-Request-Id header wins).")
+    use_beam_search: bool | None = Field(False, json_schema_extra=_off_enum("use_beam_search"),
+                                         description="Extension (vLLM): only false.")
+    length_penalty: Finite | None = Field(1.0, json_schema_extra=_off_enum("length_penalty"),
+                                          description="Extension (vLLM, for beam search): only 1.")
+    bad_words: list[Text] | None = Field(None, json_schema_extra=_off_enum("bad_words"),
+                                         description="Extension (vLLM): only [].")
+    spaces_between_special_tokens: bool | None = Field(
+        True, description="Extension (vLLM): accepted either way; vLLM reads it for slow tokenizers only, and "
+                          "muxd's is a fast one.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -189,12 +219,7 @@ class _SamplingRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> "_SamplingRequest":
-        for name, off in OFF_VALUES.items():
-            value = getattr(self, name, None)
-            if value is not None and not any(_same(value, v) for v in off):
-                why = _WHY.get(name, "muxd does not implement it")
-                allowed = " or ".join(repr(v) for v in off)
-                raise RequestError(f"{name}={value!r} is not supported ({why}); leave it out or send {allowed}", name)
+        refuse_unimplemented(self, OFF_VALUES)
         if self.stream and self.prompt_logprobs:  # as vLLM: no stream chunk carries them
             raise RequestError("prompt_logprobs are not returned when streaming; send stream: false, or "
                                "prompt_logprobs 0 or null", "prompt_logprobs", CONFLICT)
@@ -306,6 +331,8 @@ class CompletionRequest(_SamplingRequest):
                                                                           "the n with the highest log-probability "
                                                                           "(streamed once all are done).")
     suffix: str | None = Field(None, json_schema_extra=_off_enum("suffix"), description="Not implemented.")
+    add_special_tokens: bool | None = Field(True, description="Extension (vLLM): add the tokenizer's special tokens "
+                                                              "(e.g. BOS) to a text prompt.")
     logprobs: TopLogprobs | None = Field(None, description="Log-probability of each sampled token and this many "
                                                             "alternatives (at most 20).")
 
@@ -487,12 +514,22 @@ class ChatCompletionRequest(_SamplingRequest):
                                                    description="Only [].")
     function_call: str | dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("function_call"),
                                                        description='Only "none" or "auto".')
+    add_special_tokens: bool | None = Field(False, description="Extension (vLLM): add the tokenizer's special tokens "
+                                                               "(e.g. BOS) on top of those the chat template writes.")
+    documents: list[dict[str, Text]] | None = Field(None, description="Extension (vLLM): documents for the chat "
+                                                                      "template (RAG templates read them; others "
+                                                                      "ignore them).")
+    echo: bool | None = Field(False, json_schema_extra=_off_enum("echo"), description="Extension (vLLM): only false.")
+    chat_template: str | None = Field(None, json_schema_extra=_off_enum("chat_template"),
+                                      description="Extension (vLLM): not accepted; the server's --chat-template "
+                                                  "applies.")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
+        refuse_unimplemented(self, CHAT_OFF_VALUES)
         check_continue_final(self.continue_final_message, self.add_generation_prompt, self.messages)
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs", CONFLICT)
@@ -513,12 +550,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_variables(self) -> dict[str, Any]:
-        """The request's own chat template variables: chat_template_kwargs, and reasoning_effort where sent."""
+        """The request's own chat template variables: chat_template_kwargs, and reasoning_effort and documents
+        where sent."""
         variables = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            if variables.setdefault("reasoning_effort", self.reasoning_effort) != self.reasoning_effort:
-                raise RequestError("reasoning_effort and chat_template_kwargs.reasoning_effort differ; send one",
-                                   "reasoning_effort", CONFLICT)
+        for name in ("reasoning_effort", "documents"):
+            value = getattr(self, name)
+            if value is not None and variables.setdefault(name, value) != value:
+                raise RequestError(f"{name} and chat_template_kwargs.{name} differ; send one", name, CONFLICT)
         return variables
 
     def grammar(self) -> GrammarSpec | None:

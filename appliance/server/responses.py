@@ -84,6 +84,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (EOS: null)
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -108,6 +109,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
 
 
@@ -132,6 +134,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
 
 

@@ -51,6 +51,7 @@ class OpenAIServing:
         self.tool_parser = detect_parser(self.tokenizer.chat_template if self.tokenizer else None,
                                          config.server.tool_call_parser)
         self.reasoning_parser = config.server.reasoning_parser
+        self.tokens_as_ids = config.vllm.return_tokens_as_token_ids  # the server's default for the request field
         where = config.model.generation_config_dir
         self.sampling_defaults = read_sampling_defaults(where) if where is not None else {}
         if self.sampling_defaults:
@@ -73,19 +74,22 @@ class OpenAIServing:
     # ---- endpoints ------------------------------------------------------------------------------------------------
     async def completion(self, body: p.CompletionRequest, http: HTTPRequest):
         name = self.check_model(body.model)
+        body = self._defaults(body)
         rid = r.new_id("cmpl")
         requests, cut = await self._off_loop(self._completion_requests, body, rid)
         each = body.num_generated
-        fmt = CompletionFormat(rid, name, self.tokenizer, body,
+        fmt = CompletionFormat(response_id("cmpl", body, http, rid), name, self.tokenizer, body,
                                [q.prompt_token_ids for q in requests[::each]], cut)
         return await self._serve(body, requests, http, fmt)
 
     async def chat(self, body: p.ChatCompletionRequest, http: HTTPRequest):
         name = self.check_model(body.model)
+        body = self._defaults(body)
         rid = r.new_id("chatcmpl")
         requests, thinking = await self._off_loop(self._chat_requests, body, rid)
-        return await self._serve(body, requests, http, ChatFormat(rid, name, self.tokenizer, body,
-                                                                   self.tool_parser, thinking))
+        fmt = ChatFormat(response_id("chatcmpl", body, http, rid), name, self.tokenizer, body, self.tool_parser,
+                         thinking)
+        return await self._serve(body, requests, http, fmt)
 
     async def responses(self, body: ResponsesRequest, chat_body: type[p.ChatCompletionRequest], http: HTTPRequest):
         """/v1/responses: the request runs as the chat request it amounts to (`chat_body`: this model's)."""
@@ -110,6 +114,12 @@ class OpenAIServing:
         self.check_model(body.model)
         return r.DetokenizeResponse(prompt=self._tokenizer().decode(body.tokens))
 
+    def _defaults(self, body: Any) -> Any:
+        """The request with the server's defaults (--return-tokens-as-token-ids) where it leaves a field unset."""
+        if self.tokens_as_ids and body.return_tokens_as_token_ids is None:
+            return body.model_copy(update={"return_tokens_as_token_ids": True})
+        return body
+
     # ---- request preparation (thread pool) ------------------------------------------------------------------------
     async def _off_loop(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -123,7 +133,8 @@ class OpenAIServing:
         cut: list[bool] = []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-            ids = self._encode(prompt, True, param, limit=keep is None) if isinstance(prompt, str) else list(prompt)
+            ids = (self._encode(prompt, body.add_special_tokens is not False, param, limit=keep is None)
+                   if isinstance(prompt, str) else list(prompt))
             cut.append(keep is not None and len(ids) > keep)
             requests += self._make(body, ids[-keep:] if keep else ids, body.max_tokens, rid, first=len(requests))
         return requests, cut
@@ -134,7 +145,7 @@ class OpenAIServing:
         keep = self._keep(body)
         chat = self._render(body)
         self._check_text(chat.text, "messages", limit=keep is None)
-        ids = self._tokenizer().encode_chat(chat)
+        ids = self._tokenizer().encode_chat(chat, add_special_tokens=bool(body.add_special_tokens))
         thinking = opens_thinking(chat.text, self.reasoning_parser) if self.reasoning_parser != "none" else None
         after: tuple[int, ...] = ()
         if body.grammar() is not None and thinking is not None:
@@ -293,6 +304,13 @@ class OpenAIServing:
             if isinstance(outputs, Choices):
                 await outputs.aclose()
         yield "data: [DONE]\n\n"
+
+
+def response_id(prefix: str, body: p._SamplingRequest, http: HTTPRequest, new: str) -> str:
+    """The id a response shows, as vLLM makes it: from the X-Request-Id header, else the body's request_id, else
+    `new` (the engine's ids stay muxd's own, so that two requests of one client id never collide)."""
+    given = http.headers.get("x-request-id") or body.request_id
+    return f"{prefix}-{given}" if given else new
 
 
 def _event(model: BaseModel) -> str:

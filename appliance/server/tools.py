@@ -131,14 +131,101 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def forced_calls(text: str, choice: ToolChoiceValue) -> list[ToolCall]:
-    """The calls of an output a grammar forced (tool_choice "required" or named)."""
+    """The calls of an output a grammar forced (tool_choice "required" or named); an output cut short (max_tokens)
+    keeps the calls whose name it wrote, the last one's arguments cut where the output ends (as OpenAI's)."""
     if choice.mode == "named":
         return [ToolCall.new(choice.name, text.strip())]
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return []  # cut short (max_tokens): no complete call
-    return [ToolCall.new(item["name"], item["parameters"]) for item in items]
+    forced = ForcedCalls()
+    forced.feed(text)
+    return forced.calls()
+
+
+class ForcedCalls:
+    """The output of tool_choice "required" (the JSON list its grammar forces, [{"name": ..., "parameters": {...}},
+    ...]) read as it streams: `feed` it text deltas and get, per call, its id and name once the name is written, then
+    its arguments' text as it arrives; `calls()` are the calls written so far, the last one's arguments perhaps cut
+    short (max_tokens)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._at = 0  # characters scanned
+        self._depth, self._in_string, self._escape, self._string_at = 0, False, False, 0
+        self._key: str | None = None
+        self._value = False  # after the key's colon, in the call object
+        self._names: list[str | None] = []
+        self._spans: list[list[int | None]] = []  # per call: where its parameters begin and end in the text
+        self._ids: list[str] = []
+        self._shown: list[int] = []  # per announced call: characters of its arguments handed out
+
+    def feed(self, delta: str) -> list[tuple[int, str | None, str | None, str]]:
+        """(call index, id and name when first announced else None, arguments text new since the last feed)."""
+        self.text += delta
+        for i in range(self._at, len(self.text)):
+            self._scan(i, self.text[i])
+        self._at = len(self.text)
+        out = []
+        for k, name in enumerate(self._names):
+            if name is None:
+                continue
+            args = self._arguments(k)
+            if k == len(self._ids):
+                self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self._shown.append(len(args))
+                out.append((k, self._ids[k], name, args))
+            elif len(args) > self._shown[k]:
+                out.append((k, None, None, args[self._shown[k]:]))
+                self._shown[k] = len(args)
+        return out
+
+    @property
+    def complete(self) -> bool:
+        """The list is closed (the output is the whole JSON)."""
+        return self._depth == 0 and bool(self._names)
+
+    def calls(self) -> list[ToolCall]:
+        self.feed("")
+        return [ToolCall(name, self._arguments(k), self._ids[k]) for k, name in enumerate(self._names)
+                if name is not None]
+
+    def _arguments(self, k: int) -> str:
+        start, end = self._spans[k]
+        return "" if start is None else self.text[start:end]
+
+    def _scan(self, i: int, c: str) -> None:
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self._in_string = False
+                if self._depth == 2:  # a key or a value of the call object
+                    text = json.loads(self.text[self._string_at:i + 1])
+                    if not self._value:
+                        self._key = text
+                    elif self._key == "name":
+                        self._names[-1] = text
+            return
+        opens_parameters = self._depth == 2 and self._value and self._key == "parameters" and not c.isspace() \
+            and self._spans and self._spans[-1][0] is None
+        if opens_parameters:
+            self._spans[-1][0] = i
+        if c == '"':
+            self._in_string, self._string_at = True, i
+        elif c in "[{":
+            self._depth += 1
+            if self._depth == 2:  # a call begins
+                self._names.append(None)
+                self._spans.append([None, None])
+                self._key, self._value = None, False
+        elif c in "]}":
+            self._depth -= 1
+            if self._depth == 2 and self._spans[-1][0] is not None and self._spans[-1][1] is None:
+                self._spans[-1][1] = i + 1
+        elif self._depth == 2 and c == ":":
+            self._value = True
+        elif self._depth == 2 and c == ",":
+            self._key, self._value = None, False
 
 
 def _is_call(text: str) -> bool:

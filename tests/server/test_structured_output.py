@@ -95,6 +95,35 @@ def test_tool_choice_required_and_named(client, model_name):
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
+def test_required_calls_stream_as_they_are_written_and_a_cut_keeps_them(client, model_name):
+    """tool_choice "required" streams each call's name once written, then its arguments as they come (as the whole
+    answer has them); cut short by max_tokens, the calls written so far come back, the last one's arguments cut,
+    ending as "length" (as OpenAI's)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    common = dict(model=model_name, messages=ask, tools=TOOLS, tool_choice="required", seed=7, temperature=1.0)
+    whole = client.chat.completions.create(**common, max_tokens=200)
+    [call, *more] = whole.choices[0].message.tool_calls
+    stream = client.chat.completions.create(**common, max_tokens=200, stream=True)
+    chunks = [c for c in stream if c.choices]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == call.function.name and deltas[0].id.startswith("call_")
+    assert len([d for d in deltas if d.index == 0]) > 2  # the arguments came in pieces, not at the end
+    assert "".join(d.function.arguments or "" for d in deltas if d.index == 0) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    for cut in range(whole.usage.completion_tokens - 1, 0, -1):  # the longest cut inside the first arguments
+        short = client.chat.completions.create(**common, max_tokens=cut).choices[0]
+        if more or short.message.tool_calls[0].function.arguments != call.function.arguments:
+            break
+    assert short.finish_reason == "length" and short.message.tool_calls[0].function.name == call.function.name
+    assert call.function.arguments.startswith(short.message.tool_calls[0].function.arguments)
+    stream = client.chat.completions.create(**common, max_tokens=cut, stream=True)
+    chunks = [c for c in stream if c.choices]
+    streamed = "".join(d.function.arguments or "" for c in chunks for d in c.choices[0].delta.tool_calls or []
+                       if d.index == 0)
+    assert streamed == short.message.tool_calls[0].function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_tools_with_auto_choice_on_a_model_without_a_call_format(client, model_name):
     out = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=8, seed=5)
     assert out.choices[0].message.content and not out.choices[0].message.tool_calls

@@ -1,0 +1,103 @@
+"""Request fields vLLM clients send, in process on the embedded model: at their defaults they are accepted, those
+muxd implements do what vLLM's do (add_special_tokens, documents, request_id and X-Request-Id, the
+--enable-request-id-headers header), and the rest are refused by name with the reason."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from appliance.config import Config
+from appliance.server.api import create_app
+from appliance.server.protocol import ChatCompletionRequest
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+TEXT = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
+DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True}
+
+
+@pytest.fixture(scope="module")
+def client():
+    cfg = Config.flat(kv_cache_memory="16MiB", max_model_len=256, enable_request_id_headers=True)
+    with TestClient(create_app(cfg)) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.05)
+        yield client
+
+
+def usage(response) -> int:
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens"]
+
+
+def test_vllm_defaults_are_accepted(client):
+    usage(client.post("/v1/completions", json={**TEXT, **DEFAULTS, "add_special_tokens": True}))
+    usage(client.post("/v1/chat/completions", json={**CHAT, **DEFAULTS, "add_special_tokens": False, "echo": False,
+                                                    "documents": None, "chat_template": None}))
+
+
+def test_add_special_tokens_adds_the_bos_or_leaves_it_out(client):
+    with_bos = usage(client.post("/v1/completions", json=TEXT))
+    assert usage(client.post("/v1/completions", json={**TEXT, "add_special_tokens": False})) == with_bos - 1
+    chat = usage(client.post("/v1/chat/completions", json=CHAT))  # the template writes its own BOS
+    assert usage(client.post("/v1/chat/completions", json={**CHAT, "add_special_tokens": True})) == chat + 1
+
+
+def test_documents_reach_the_template(client):
+    ids = client.post("/tokenize", json={"messages": CHAT["messages"]}).json()["count"]
+    # the embedded template ignores documents (as vLLM, a template that does not read them leaves the prompt as is)
+    assert usage(client.post("/v1/chat/completions", json={**CHAT, "documents": [{"title": "a", "text": "b"}]})) \
+        == ids
+    body = ChatCompletionRequest.model_validate({**CHAT, "documents": [{"text": "b"}], "reasoning_effort": "low"})
+    assert body.template_variables() == {"documents": [{"text": "b"}], "reasoning_effort": "low"}
+    clash = client.post("/v1/chat/completions", json={**CHAT, "documents": [{"text": "b"}],
+                                                      "chat_template_kwargs": {"documents": []}})
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "documents"
+
+
+def test_response_ids_come_from_request_id_or_the_header(client):
+    plain = client.post("/v1/completions", json=TEXT)
+    assert plain.json()["id"].startswith("cmpl-") and plain.headers["x-request-id"]
+    assert client.post("/v1/completions", json={**TEXT, "request_id": "abc"}).json()["id"] == "cmpl-abc"
+    both = client.post("/v1/chat/completions", json={**CHAT, "request_id": "abc"}, headers={"X-Request-Id": "h-1"})
+    assert both.json()["id"] == "chatcmpl-h-1" and both.headers["x-request-id"] == "h-1"
+    # two requests of one client id run side by side: the engine's ids stay its own
+    again = client.post("/v1/completions", json={**TEXT, "request_id": "abc", "n": 2})
+    assert again.json()["id"] == "cmpl-abc" and len(again.json()["choices"]) == 2
+
+
+@pytest.mark.parametrize("path, field, value, words", [
+    ("/v1/completions", "use_beam_search", True, "beam search is not implemented"),
+    ("/v1/completions", "length_penalty", 0.5, "beam search is not implemented"),
+    ("/v1/completions", "bad_words", ["x"], "a logit_bias of -100 bans single tokens"),
+    ("/v1/chat/completions", "echo", True, "chat's echo"),
+    ("/v1/chat/completions", "chat_template", "{{ 1 }}", "start the server with --chat-template"),
+])
+def test_what_muxd_does_not_implement_is_refused_by_name(client, path, field, value, words):
+    body = {**(CHAT if "chat" in path else TEXT), field: value}
+    refused = client.post(path, json=body)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == field and f"{field}=" in error["message"] and words in error["message"]
+
+
+def test_stop_reason_names_the_stop_token_or_string_that_ended_a_choice(client):
+    greedy = {"prompt": "The", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+              "return_tokens_as_token_ids": True}
+    free = client.post("/v1/completions", json=greedy).json()["choices"][0]
+    assert free["finish_reason"] == "length" and free["stop_reason"] is None
+    token = int(free["logprobs"]["tokens"][2].removeprefix("token_id:"))
+    by_token = client.post("/v1/completions", json={**greedy, "stop_token_ids": [token]}).json()["choices"][0]
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", token)
+    chat = {"messages": [{"role": "user", "content": "The"}], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    text = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2:][:2]  # two characters from the middle of the greedy answer
+    by_string = client.post("/v1/chat/completions", json={**chat, "stop": [stop]}).json()["choices"][0]
+    assert (by_string["finish_reason"], by_string["stop_reason"]) == ("stop", stop)
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stop": [stop], "stream": True}) as stream:
+        last = [line for line in stream.iter_lines() if line.startswith("data: {")][-1]
+    assert '"finish_reason":"stop"' in last and f'"stop_reason":{json.dumps(stop)}' in last
