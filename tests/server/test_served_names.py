@@ -34,7 +34,8 @@ def test_several_names_are_aliases_of_the_model():
         assert chat.json()["model"] == "first"
         unknown = client.post("/v1/completions", json={**body, "model": "third"})
         assert unknown.status_code == 404
-        assert "'third' does not exist; this server serves 'first' or 'org/second'" in unknown.json()["error"]["message"]
+        message = unknown.json()["error"]["message"]
+        assert "'third' does not exist; this server serves 'first' or 'org/second'" in message
 
 
 def test_a_model_given_by_path_also_answers_to_the_path(text_checkpoint):
