@@ -21,10 +21,10 @@ from typing import Any, Optional
 import torch
 
 from appliance.attention import BACKEND_NAMES, DECODE_KERNELS
-from appliance.errors import ConfigError
+from appliance.errors import ApplianceError, ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
-from appliance.model_zoo.tokenizer import read_sampling_defaults, read_tokenizer_config
+from appliance.model_zoo.tokenizer import read_sampling_defaults, read_tokenizer_config, sampling_defaults
 from appliance.predictor.profile import ProfileFile, read_profile
 from appliance.slo.contract import Contract, default_contract, load_contract
 
@@ -110,6 +110,10 @@ class ModelSettings:
                                   "max_new_tokens (as chat's max_tokens) that the model's generation_config.json "
                                   "recommends; a directory, those of its generation_config.json; vllm, none "
                                   "(temperature 1, no cuts, max_tokens what the context leaves).")
+    override_generation_config: Optional[str] = flag(None, "JSON of generation config fields that replace or add to "
+                                                     "--generation-config's defaults (as vLLM's flag), e.g. "
+                                                     "'{\"temperature\": 0.5}'; with --generation-config vllm, the "
+                                                     "only defaults.")
 
     def __post_init__(self) -> None:
         names = self.served_model_name
@@ -126,6 +130,7 @@ class ModelSettings:
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
         at_least(self, 2, "max_model_len")
+        self.generation_overrides()  # readable, and only sampling fields in range
 
     @property
     def model_dir(self) -> Path:
@@ -137,6 +142,28 @@ class ModelSettings:
         if self.generation_config == "vllm":
             return None
         return self.model_dir if self.generation_config == "auto" else Path(self.generation_config).expanduser()
+
+    def generation_overrides(self) -> dict[str, float | int]:
+        """--override-generation-config as request field -> value."""
+        if self.override_generation_config is None:
+            return {}
+        flag = "--override-generation-config"
+        try:
+            values = json.loads(self.override_generation_config)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{flag}: cannot read {self.override_generation_config!r} as JSON ({exc.msg})") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{flag}: expected a JSON object of generation config fields, got "
+                              f"{self.override_generation_config!r}")
+        try:
+            return sampling_defaults(values, flag, overrides=True)
+        except ApplianceError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """What a request leaves unset samples with: --generation-config's defaults, then the overrides."""
+        where = self.generation_config_dir
+        return {**(read_sampling_defaults(where) if where is not None else {}), **self.generation_overrides()}
 
     @property
     def model_name(self) -> str:

@@ -1,6 +1,7 @@
 """The muxd command line: help texts, version, generate, and clear errors for bad flags."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,10 @@ def test_generate_chat_mode(text_checkpoint):
     (["--tokenizer-mode", "slow"], "--tokenizer-mode slow: muxd runs the model directory's fast tokenizer"),
     (["--revision", "v1.1"], "--revision v1.1: muxd serves the model directory as it is and downloads nothing"),
     (["--root-path", "llm/"], "--root-path must start with / and not end with one"),
+    (["--override-generation-config", "{temperature: 1}"], "--override-generation-config: cannot read"),
+    (["--override-generation-config", '{"seed": 1}'], "'seed' not among the sampling fields"),
+    (["--override-generation-config", '{"top_p": 0}'], "field 'top_p' is 0; expected a number > 0 and <= 1"),
+    (["--override-generation-config", "[1]"], "expected a JSON object of generation config fields"),
     (["--response-role", "user"], "--response-role user: muxd's chat answers have the role assistant"),
     (["--chat-template-content-format", "openai"], "--chat-template-content-format openai: muxd hands message"),
     (["--max-logprobs", "5"], "--max-logprobs 5: muxd returns at most 20 alternatives per token"),
@@ -184,6 +189,45 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
     swallowed = runner.invoke(app, ["serve", "--served-model-name", "a", model])
     assert swallowed.exit_code == 2 and f"--served-model-name took the model directory {model!r} as a name" in \
         swallowed.output.replace("\n", "")
+
+
+def test_override_generation_config_replaces_or_adds_to_the_defaults(text_checkpoint, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    common = dict(model=str(text_checkpoint), override_generation_config='{"max_new_tokens": 9, "top_k": 50}')
+    # an override at transformers' default (top_k 50) still applies: it was asked for
+    assert Config.flat(**common, generation_config=str(tmp_path)).model.sampling_defaults() == {
+        "temperature": 0.0, "max_tokens": 9, "top_k": 50}
+    assert Config.flat(**common, generation_config="vllm").model.sampling_defaults() == {"max_tokens": 9, "top_k": 50}
+    assert Config.flat(model=str(text_checkpoint), generation_config="vllm").model.sampling_defaults() == {}
+
+
+def test_a_vllm_config_file_and_human_readable_integers(text_checkpoint, monkeypatch, tmp_path):
+    """`--config FILE` (vLLM's): YAML of long flag names, the command line winning where both set a flag (MODEL over
+    the file's model); --max-model-len and --max-num-batched-tokens take vLLM's 1k / 2K forms."""
+    seen = {}
+
+    def fake_create_app(cfg, on_fatal=None):
+        seen["cfg"] = cfg
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: /not/this/one\nport: 8123\nmax_model_len: 0.25k\nserved-model-name: [a, b]\n"
+                      "enable-prefix-caching: false\nallowed-origins: ['https://x.example']\nhost: 0.0.0.0\n")
+    model = str(text_checkpoint)
+    result = runner.invoke(app, ["serve", model, "--config", str(config), "--port", "9000",
+                                 "--max-num-batched-tokens", "2K"])
+    assert result.exit_code == 0, result.output
+    cfg = seen["cfg"]
+    assert (cfg.model.model, cfg.server.port, cfg.server.host, cfg.model.max_model_len) == (model, 9000, "0.0.0.0", 250)
+    assert (cfg.model.served_model_name, cfg.cache.enable_prefix_caching, cfg.scheduler.max_num_batched_tokens) == (
+        ("a", "b"), False, 2048)
+    assert cfg.server.cors()["allow_origins"] == ["https://x.example"]
+    config.write_text("max-model-lenn: 10\n")
+    typo = runner.invoke(app, ["serve", model, "--config", str(config)], env={"COLUMNS": "300"})
+    assert typo.exit_code == 2 and "'max-model-lenn' is not a flag of `muxd serve`" in typo.output
+    half = runner.invoke(app, ["serve", model, "--max-model-len", "1.5K"], env={"COLUMNS": "300"})
+    assert half.exit_code == 2 and "1.5K: a binary suffix (K) takes a whole number" in half.output
 
 
 def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, monkeypatch):

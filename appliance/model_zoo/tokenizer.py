@@ -96,12 +96,22 @@ def read_sampling_defaults(directory: Path) -> dict[str, float | int]:
     """The request sampling defaults `directory/generation_config.json` recommends (vLLM's --generation-config):
     request field -> value; ModelLoadError naming the field when one is not a number in its range."""
     path = directory / "generation_config.json"
-    gen = _read_json(path)
+    return sampling_defaults(_read_json(path), str(path))
+
+
+def sampling_defaults(gen: dict[str, Any], where: str, overrides: bool = False) -> dict[str, float | int]:
+    """Request field -> value of the sampling fields of a generation config `gen` (read from `where`); values at
+    transformers' own defaults recommend nothing, unless they are `overrides` (--override-generation-config), where
+    fields that are not sampling fields are refused too."""
+    unknown = sorted(set(gen) - set(_SAMPLING_FIELDS)) if overrides else []
+    if unknown:
+        raise ModelLoadError(f"{where}: {', '.join(map(repr, unknown))} not among the sampling fields "
+                             f"{', '.join(_SAMPLING_FIELDS)}")
     out: dict[str, float | int] = {}
     for field, (name, hf_default) in _SAMPLING_FIELDS.items():
         value = gen.get(field)
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if value is None or number and value == hf_default:
+        if value is None or number and value == hf_default and not overrides:
             continue
         low, high = _SAMPLING_RANGES[field]
         integral = field in ("top_k", "max_new_tokens")
@@ -109,7 +119,7 @@ def read_sampling_defaults(directory: Path) -> dict[str, float | int]:
                 and not (field in _ABOVE_LOW and value == low)):
             kind = "an integer" if integral else "a number"
             bounds = (">" if field in _ABOVE_LOW else ">=") + f" {low}" + ("" if high is None else f" and <= {high}")
-            raise ModelLoadError(f"{path}: field {field!r} is {value!r}; expected {kind} {bounds}")
+            raise ModelLoadError(f"{where}: field {field!r} is {value!r}; expected {kind} {bounds}")
         out[name] = int(value) if integral else float(value)
     return out
 

@@ -22,7 +22,7 @@ from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import Request
 from appliance.errors import ModelNotFoundError, RequestError
-from appliance.model_zoo.tokenizer import RenderedChat, read_sampling_defaults
+from appliance.model_zoo.tokenizer import RenderedChat
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server import tokenize as t
@@ -52,11 +52,13 @@ class OpenAIServing:
                                          config.server.tool_call_parser)
         self.reasoning_parser = config.server.reasoning_parser
         self.tokens_as_ids = config.vllm.return_tokens_as_token_ids  # the server's default for the request field
-        where = config.model.generation_config_dir
-        self.sampling_defaults = read_sampling_defaults(where) if where is not None else {}
+        self.sampling_defaults = config.model.sampling_defaults()
         if self.sampling_defaults:
-            logger.info("sampling defaults of requests that leave them unset, from %s: %s (--generation-config vllm: "
-                        "none)", where / "generation_config.json", self.sampling_defaults)
+            where = config.model.generation_config_dir
+            logger.info("sampling defaults of requests that leave them unset, from %s%s: %s (--generation-config "
+                        "vllm: none)", where / "generation_config.json" if where else "",
+                        " and --override-generation-config" if config.model.override_generation_config else "",
+                        self.sampling_defaults)
         self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="muxd-prep")
 
     def shutdown(self) -> None:
