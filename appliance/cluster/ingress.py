@@ -1,7 +1,8 @@
 """The cluster's one OpenAI-compatible endpoint: every route of `muxd serve` reaches a replica through the relay
 (relay.py), with routing hints for the generation routes; the ingress itself answers /health, /ready and /metrics
 (the router's counters and each replica's last report). The gate in front is the single server's (server/gate.py):
-the API key and the body cap are checked here, before any replica is involved.
+the API key and the body cap are checked here, before any replica is involved; CORS (--allowed-origins ...) is in
+front of the gate, as in the single server.
 
 `IngressServer` is the Ray Serve ingress class (deploy.py wraps it); `create_ingress_app` runs without Ray on any
 `Backend`, which the tests use.
@@ -12,6 +13,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -42,6 +44,8 @@ def create_ingress_app(backend: Backend, settings: ClusterSettings, engine: Conf
     seats = settings.max_count * (engine.scheduler.max_num_seqs + engine.scheduler.max_waiting)
     app.add_middleware(Gate, traffic=Traffic(), max_body=engine.server.request_byte_limit, max_in_flight=seats,
                        api_key=engine.server.api_key, body_timeout=engine.server.body_timeout)
+    # outermost, as the single server's: preflights answered before the gate, its refusals with the headers
+    app.add_middleware(CORSMiddleware, **engine.server.cors())
     install_handlers(app)
 
     @app.get("/health")

@@ -104,3 +104,25 @@ def test_a_silent_replica_times_out_instead_of_hanging():
     (b'data: {"choices":[{"index":0,"delta":{"role":"assistant"},"finish_reason":"stop"}]}', True)])
 def test_only_output_starts_an_answer(event, output):
     assert carries_output(event) is output
+
+
+def test_the_ingress_answers_cors_as_the_single_server():
+    """Preflights are answered before the API key is asked for; refusals and relayed answers carry the headers once."""
+    # the replica's answer carries the replica app's own CORS header: the ingress's does not double it
+    backend = Scripted([start("r0", headers=[*SSE, (b"access-control-allow-origin", b"*")]), ("body", ROLE),
+                        ("body", DONE)])
+    app = create_ingress_app(backend, ClusterSettings(), Config.flat(api_key="k"), backend.ready)
+    origin = {"Origin": "https://app.example"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as client:
+            preflight = await client.options("/v1/chat/completions", headers={
+                **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+            refused = await client.post("/v1/chat/completions", json=CHAT, headers=origin)
+            relayed = await client.post("/v1/chat/completions", json=CHAT,
+                                        headers={**origin, "Authorization": "Bearer k"})
+            return preflight, refused, relayed
+    preflight, refused, relayed = asyncio.run(go())
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    assert relayed.status_code == 200 and relayed.headers.get_list("access-control-allow-origin") == ["*"]
