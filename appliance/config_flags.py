@@ -1,6 +1,8 @@
 """The config's fields as command-line flags: the typer parameters of `muxd serve` (one per field of every settings
-group, a bool field a --name/--no-name switch), commands that take them all, and `parse_serve_args`, the Config that
-`muxd serve <args>` would build (for `muxd bench --serve-args` and `--in-process`)."""
+group, a bool field a --name/--no-name switch), commands that take them all (`ServeCommand` also reads vLLM's
+command-line forms: `--config FILE`, several values after `--served-model-name`, `32K` integers), and
+`parse_serve_args`, the Config that `muxd serve <args>` would build (for `muxd bench --serve-args` and
+`--in-process`)."""
 from __future__ import annotations
 
 import dataclasses
