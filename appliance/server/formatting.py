@@ -24,6 +24,7 @@ class Choice:
         self.index = index
         self.outputs: list[RequestOutput] | None = [] if keep else None  # kept to replay them (best_of)
         self.parts: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.last: RequestOutput | None = None
@@ -31,6 +32,7 @@ class Choice:
 
     def add(self, out: RequestOutput) -> None:
         self.parts.append(out.new_text)
+        self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
@@ -78,6 +80,7 @@ class _Format:
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p._SamplingRequest) -> None:
         self.rid, self.model, self.tokenizer = rid, model, tokenizer
         self.as_ids = bool(body.return_tokens_as_token_ids)
+        self.with_ids = bool(body.return_token_ids)  # token ids beside the text (vLLM's return_token_ids)
         self.prompt_top = body.prompt_logprobs if body.returns_prompt_logprobs else None
         self._token_text: dict[int, str] = {}
 
@@ -161,11 +164,16 @@ class CompletionFormat(_Format):
         echoed = self.echo and not choice.started
         echo = self.echoes[self._prompt(choice.index)] if echoed else ""
         logprobs = self._logprobs(choice.index, out.prompt_logprobs if echoed else None, out.logprobs or [], echoed)
-        if not (echo or out.new_text or out.finished or logprobs or out.new_token_ids and self.tokenizer is None):
+        ids = out.new_token_ids and (self.with_ids or self.tokenizer is None)
+        if not (echo or out.new_text or out.finished or logprobs or ids):
             return []
+        first = not choice.started
         choice.started = True
         body = r.CompletionChoice(index=choice.index, text=echo + out.new_text, finish_reason=out.finish_reason,
-                                  stop_reason=out.stop_reason, logprobs=logprobs)
+                                  stop_reason=out.stop_reason, logprobs=logprobs,
+                                  token_ids=out.new_token_ids if self.with_ids else None,
+                                  prompt_token_ids=self.prompt_ids[self._prompt(choice.index)]
+                                  if self.with_ids and first else None)
         return [r.CompletionResponse(id=self.rid, model=self.model, choices=[body], usage=usage)]
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
@@ -174,6 +182,9 @@ class CompletionFormat(_Format):
             echo = self.echoes[self._prompt(c.index)]
             bodies.append(r.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.last.finish_reason,
                                              stop_reason=c.last.stop_reason,
+                                             token_ids=c.token_ids if self.with_ids else None,
+                                             prompt_token_ids=self.prompt_ids[self._prompt(c.index)]
+                                             if self.with_ids else None,
                                              logprobs=self._logprobs(c.index, c.prompt_logprobs if self.echo else None,
                                                                      c.logprobs, self.echo),
                                              prompt_logprobs=self.prompt_logprobs(c)))
@@ -203,10 +214,12 @@ class CompletionFormat(_Format):
 
 class ChatFormat(_Format):
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p.ChatCompletionRequest,
-                 parser: str, thinking: bool | None = None) -> None:
+                 parser: str, thinking: bool | None = None, prompt_ids: list[int] | None = None) -> None:
         """`thinking`: None without a reasoning parser (or where a grammar constrains the output from its first
-        token), else whether the output begins inside a think block (reasoning.opens_thinking)."""
+        token), else whether the output begins inside a think block (reasoning.opens_thinking); `prompt_ids`: the
+        prompt's tokens (for return_token_ids)."""
         super().__init__(rid, model, tokenizer, body)
+        self.prompt_ids = prompt_ids if self.with_ids else None
         self.logprobs = bool(body.logprobs)
         tools = body.active_tools
         self.choice: ToolChoiceValue | None = None
@@ -224,7 +237,8 @@ class ChatFormat(_Format):
 
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
         return [r.ChatCompletionChunk(id=self.rid, model=self.model, usage=usage, choices=[r.ChatChunkChoice(
-            index=i, delta=r.ChatDelta(role="assistant", content=""))]) for i in range(n)]
+            index=i, delta=r.ChatDelta(role="assistant", content=""))], prompt_token_ids=self.prompt_ids if i == 0
+            else None) for i in range(n)]
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         delta = r.ChatDelta()
@@ -264,11 +278,12 @@ class ChatFormat(_Format):
             delta.content = text or None
         logprobs = self._logprobs(out.logprobs or [])
         if delta.content is None and delta.tool_calls is None and delta.reasoning is None and not out.finished and \
-                logprobs is None and not (out.new_token_ids and self.tokenizer is None):
+                logprobs is None and not (out.new_token_ids and (self.with_ids or self.tokenizer is None)):
             return []
         choice.started = True
         return [r.ChatCompletionChunk(id=self.rid, model=self.model, usage=usage, choices=[r.ChatChunkChoice(
-            index=choice.index, delta=delta, finish_reason=reason, stop_reason=out.stop_reason, logprobs=logprobs)])]
+            index=choice.index, delta=delta, finish_reason=reason, stop_reason=out.stop_reason, logprobs=logprobs,
+            token_ids=out.new_token_ids if self.with_ids else None)])]
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
         bodies = []
@@ -299,10 +314,12 @@ class ChatFormat(_Format):
             message = r.ChatMessageOut(content=content, reasoning=reasoning, tool_calls=[
                 r.ToolCallOut(id=t.id, function=r.FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             bodies.append(r.ChatChoice(index=c.index, message=message, finish_reason=reason,
-                                       stop_reason=c.last.stop_reason, logprobs=self._logprobs(c.logprobs, final=True)))
+                                       stop_reason=c.last.stop_reason, logprobs=self._logprobs(c.logprobs, final=True),
+                                       token_ids=c.token_ids if self.with_ids else None))
         first = next((c for c in choices if c.last is not None), None)  # every choice has the same prompt
         return r.ChatCompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage,
-                                        prompt_logprobs=self.prompt_logprobs(first) if first else None)
+                                        prompt_logprobs=self.prompt_logprobs(first) if first else None,
+                                        prompt_token_ids=self.prompt_ids)
 
     def _logprobs(self, tokens: list[TokenLogprob], final: bool = False) -> r.ChatLogprobs | None:
         if not self.logprobs or (not tokens and not final):

@@ -187,6 +187,9 @@ class _SamplingRequest(BaseModel):
         None, description="Extension (vLLM): tokens in log-probabilities written as 'token_id:<id>'.")
     priority: Int | None = Field(0, json_schema_extra=_off_enum("priority"),
                                  description="Extension (vLLM): only 0 (first come, first served).")
+    return_token_ids: bool | None = Field(None, description="Extension (vLLM): the output's token ids beside its "
+                                                            "text, and the prompt's (streaming: new ids on each "
+                                                            "chunk, the prompt's on the first).")
     request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = Field(
         None, description="Extension (vLLM): the response's id is made from it (an X-Request-Id header wins).")
     use_beam_search: bool | None = Field(False, json_schema_extra=_off_enum("use_beam_search"),

@@ -85,6 +85,8 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (EOS: null)
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's): the output's tokens (streaming: new ones)
+    prompt_token_ids: list[int] | None = None  # with them, the prompt's (streaming: on a choice's first chunk)
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -110,6 +112,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
     logprobs: ChatLogprobs | None = None
 
 
@@ -121,6 +124,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatDelta(BaseModel):
@@ -135,6 +139,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
     logprobs: ChatLogprobs | None = None
 
 
@@ -145,6 +150,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 class TokenizeResponse(BaseModel):

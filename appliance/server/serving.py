@@ -90,7 +90,7 @@ class OpenAIServing:
         rid = r.new_id("chatcmpl")
         requests, thinking = await self._off_loop(self._chat_requests, body, rid)
         fmt = ChatFormat(response_id("chatcmpl", body, http, rid), name, self.tokenizer, body, self.tool_parser,
-                         thinking)
+                         thinking, requests[0].prompt_token_ids)
         return await self._serve(body, requests, http, fmt)
 
     async def responses(self, body: ResponsesRequest, chat_body: type[p.ChatCompletionRequest], http: HTTPRequest):

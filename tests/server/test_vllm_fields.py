@@ -101,3 +101,26 @@ def test_stop_reason_names_the_stop_token_or_string_that_ended_a_choice(client):
     with client.stream("POST", "/v1/chat/completions", json={**chat, "stop": [stop], "stream": True}) as stream:
         last = [line for line in stream.iter_lines() if line.startswith("data: {")][-1]
     assert '"finish_reason":"stop"' in last and f'"stop_reason":{json.dumps(stop)}' in last
+
+
+def test_return_token_ids_gives_the_prompt_and_output_tokens(client):
+    body = {"prompt": "The", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    prompt = client.post("/tokenize", json={"prompt": "The"}).json()["tokens"]
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 6
+    assert client.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    plain = client.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert plain.get("token_ids") is None and plain.get("prompt_token_ids") is None
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks][:2] == [prompt, None]
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == choice["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "The"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    prompt = client.post("/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    whole = client.post("/v1/chat/completions", json=chat).json()
+    assert whole["prompt_token_ids"] == prompt and len(whole["choices"][0]["token_ids"]) == 6
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == prompt and all(c.get("prompt_token_ids") is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == whole["choices"][0]["token_ids"]
