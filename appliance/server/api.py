@@ -5,15 +5,19 @@ runtime annotation.
 """
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import ValidationError
 
 from appliance.config import Config
+from appliance.errors import RequestError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.loader import resolve_model_dir
 from appliance.server import openapi
@@ -128,6 +132,37 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
               responses={**openapi.streamed(ResponseObject, Event), **openapi.errors(*openapi.GENERATE_ERRORS)})
     async def responses(body: response_body, request: Request):  # type: ignore[valid-type]
         return await state.require_ready().responses(body, chat_body, request)
+
+    @app.post("/invocations", response_model=None, responses={
+        **openapi.streamed(r.ChatCompletionResponse | r.CompletionResponse, r.ChatCompletionChunk,
+                           r.CompletionResponse),
+        **openapi.errors(*openapi.GENERATE_ERRORS)},
+              summary="SageMaker's route (as vLLM serves it): a body with messages is a chat completion, one with a "
+                      "prompt a completion; behind the API key as /v1 is.",
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
+                  "anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"},
+                            {"$ref": "#/components/schemas/CompletionRequest"}]}}}}})
+    async def invocations(request: Request):
+        try:
+            data = json.loads(await request.body())
+        except ValueError:
+            raise RequestError("the body is not JSON", None) from None
+        kind = None if not isinstance(data, dict) else chat_body if "messages" in data else \
+            completion_body if "prompt" in data else None
+        if kind is None:
+            raise RequestError("/invocations takes a chat completion (a body with messages) or a completion (a body "
+                               "with a prompt)", None)
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        serving = state.require_ready()
+        return await (serving.chat if kind is chat_body else serving.completion)(body, request)
+
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=r.HealthStatus, responses=openapi.errors(500),
+                   summary="SageMaker's health check: /health.")
+    async def ping():
+        return await health()
 
     @app.get("/version", response_model=r.VersionResponse, summary="The muxd version.")
     async def version():

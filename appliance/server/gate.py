@@ -1,8 +1,8 @@
-"""The gate in front of every route (pure ASGI middleware): API-key check on /v1 and /debug (with or without the
---root-path prefix, as the routes match them), refusal while draining or when too many requests are in flight, the
-request body read whole within --body-timeout and under the size cap before a request takes its seat, the count of /v1
-requests in flight that shutdown waits for, and the last line of defence that turns any unexpected exception into an
-OpenAI-style 500 body.
+"""The gate in front of every route (pure ASGI middleware): API-key check on /v1, /debug and /invocations (with or
+without the --root-path prefix, as the routes match them), refusal while draining or when too many requests are in
+flight, the request body read whole within --body-timeout and under the size cap before a request takes its seat,
+the count of /v1 and /invocations requests in flight that shutdown waits for, and the last line of defence that
+turns any unexpected exception into an OpenAI-style 500 body.
 
 A seat (one of --max-num-seqs + --max-waiting) is taken only once the body has arrived, so clients that trickle
 their bodies cannot fill the seats; the bytes of bodies still arriving are bounded by the same seats x body cap.
@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from appliance.server.errors import error_response, response_for
 
 log = logging.getLogger("muxd.server")
-GUARDED = ("/v1", "/debug")  # the routes behind the API key; /health, /ready, /metrics stay open
+GUARDED = ("/v1", "/debug", "/invocations")  # the routes behind the API key; /health, /ready, /metrics stay open
 
 
 class BodyTooLarge(HTTPException):
@@ -89,7 +89,7 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        api = path == "/v1" or path.startswith("/v1/")
+        api = any(path == p or path.startswith(p + "/") for p in ("/v1", "/invocations"))  # generation routes
         refusal = self._refusal(Headers(scope=scope), api, _guarded(path))
         if refusal is None and api:
             try:

@@ -41,11 +41,12 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
-def streamed(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """200 as a JSON body, or with "stream": true as server-sent events: chunks, an error body if the request fails
-    after the stream started, and `data: [DONE]`. `itemSchema` describes one event (OpenAPI 3.2)."""
-    _EXTRA_SCHEMAS.add(chunk)
-    payload = {"anyOf": [{"$ref": f"{_REF}{chunk.__name__}"}, {"$ref": f"{_REF}ErrorResponse"}]}
+def streamed(model: Any, *chunks: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """200 as a JSON body (`model`, a union where a route answers in several forms), or with "stream": true as
+    server-sent events: chunks (of one of `chunks`), an error body if the request fails after the stream started, and
+    `data: [DONE]`. `itemSchema` describes one event (OpenAPI 3.2)."""
+    _EXTRA_SCHEMAS.update(chunks)
+    payload = {"anyOf": [*({"$ref": f"{_REF}{chunk.__name__}"} for chunk in chunks), {"$ref": f"{_REF}ErrorResponse"}]}
     event = {"type": "object", "required": ["data"], "properties": {
         "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
         "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",

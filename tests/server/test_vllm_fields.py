@@ -124,3 +124,26 @@ def test_return_token_ids_gives_the_prompt_and_output_tokens(client):
         chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
     assert chunks[0]["prompt_token_ids"] == prompt and all(c.get("prompt_token_ids") is None for c in chunks[1:])
     assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == whole["choices"][0]["token_ids"]
+
+
+def test_sagemaker_routes_as_vllm_serves_them(client):
+    assert client.get("/ping").status_code == 200 and client.post("/ping").status_code == 200
+    chat = client.post("/invocations", json=CHAT)
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    text = client.post("/invocations", json=TEXT)
+    assert text.status_code == 200 and text.json()["object"] == "text_completion"
+    with client.stream("POST", "/invocations", json={**CHAT, "stream": True}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        assert list(stream.iter_lines())[-2:] == ["data: [DONE]", ""]
+    neither = client.post("/invocations", json={"input": "hi"})
+    assert neither.status_code == 400 and "a body with messages" in neither.json()["error"]["message"]
+    invalid = client.post("/invocations", json={**TEXT, "max_tokens": "5"})
+    assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "max_tokens"
+    assert client.post("/invocations", content=b"{").status_code == 400
+
+
+def test_invocations_is_behind_the_api_key():
+    cfg = Config.flat(api_key="sk-1", kv_cache_memory="16MiB", max_model_len=64)
+    with TestClient(create_app(cfg)) as client:
+        refused = client.post("/invocations", json=TEXT)
+        assert refused.status_code == 401
