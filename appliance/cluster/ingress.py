@@ -28,7 +28,7 @@ from appliance.server.api import PROMETHEUS_TEXT
 from appliance.server.errors import install_handlers
 from appliance.server.gate import Gate, Traffic
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 REPLICA_HEADER = "x-muxd-replica"  # which replica answered (for operators and tests)
 
@@ -91,6 +91,8 @@ def _hints(route: str, body: bytes, slo_header: str | None) -> RoutingHints:
         parsed = None
     if not isinstance(parsed, dict):
         return RoutingHints(origin=ORIGIN)  # the replica answers the malformed body
+    if route == "/invocations":  # SageMaker's: a chat body or a completion body, as the replica reads it
+        route = "/v1/chat/completions" if "messages" in parsed else "/v1/completions"
     return hints_for(route, parsed, slo_header, ORIGIN)
 
 

@@ -126,3 +126,14 @@ def test_the_ingress_answers_cors_as_the_single_server():
     assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
     assert relayed.status_code == 200 and relayed.headers.get_list("access-control-allow-origin") == ["*"]
+
+
+def test_invocations_are_routed_with_the_hints_of_the_body_they_hold():
+    from appliance.cluster.ingress import _hints
+
+    chat = {"messages": [{"role": "user", "content": "x" * 400}]}
+    assert _hints("/invocations", json.dumps(chat).encode(), None) == \
+        _hints("/v1/chat/completions", json.dumps(chat).encode(), None)
+    text = {"prompt": "y" * 400}
+    hints = _hints("/invocations", json.dumps(text).encode(), "batch")
+    assert hints == _hints("/v1/completions", json.dumps(text).encode(), "batch") and hints.tokens > 50
