@@ -341,8 +341,14 @@ class RuntimeSettings:
                                       "Hopper).")
     enforce_eager: bool = flag(False, "As vLLM's: every step eager, no CUDA graphs and no torch.compile (the same as "
                                "--no-cuda-graph --no-compile).")
+    optimization_level: Optional[int] = flag(None, "As vLLM's -O: 0 is --enforce-eager; 1, 2 and 3 leave muxd's "
+                                             "compilation and CUDA graphs as they are.", "-O", hidden=True)
 
     def __post_init__(self) -> None:
+        if self.optimization_level is not None and self.optimization_level not in (0, 1, 2, 3):
+            raise ConfigError(f"-O (--optimization-level) must be 0, 1, 2 or 3, got {self.optimization_level}")
+        if self.optimization_level == 0:
+            object.__setattr__(self, "enforce_eager", True)
         if self.enforce_eager:
             if self.compile:
                 raise ConfigError("--enforce-eager and --compile contradict each other; give one")

@@ -86,6 +86,8 @@ def test_generate_chat_mode(text_checkpoint):
     (["--override-generation-config", '{"seed": 1}'], "'seed' not among the sampling fields"),
     (["--override-generation-config", '{"top_p": 0}'], "field 'top_p' is 0; expected a number > 0 and <= 1"),
     (["--override-generation-config", "[1]"], "expected a JSON object of generation config fields"),
+    (["-O5"], "-O (--optimization-level) must be 0, 1, 2 or 3, got 5"),
+    (["-O0", "--compile"], "--enforce-eager and --compile contradict"),
     (["--response-role", "user"], "--response-role user: muxd's chat answers have the role assistant"),
     (["--chat-template-content-format", "openai"], "--chat-template-content-format openai: muxd hands message"),
     (["--max-logprobs", "5"], "--max-logprobs 5: muxd returns at most 20 alternatives per token"),
@@ -179,6 +181,9 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
                                "string", "--max-logprobs", "20", "--return-tokens-as-token-ids",
                                "--enable-request-id-headers"]).exit_code == 0
     assert seen["cfg"].vllm.return_tokens_as_token_ids and seen["cfg"].vllm.enable_request_id_headers
+    for level, eager in (("-O0", True), ("-O3", False), ("--optimization-level=1", False)):
+        assert runner.invoke(app, ["serve", model, level]).exit_code == 0
+        assert (seen["cfg"].runtime.enforce_eager, seen["cfg"].runtime.cuda_graph) == (eager, not eager)
     assert (cfg.model.served_model_name, cfg.model.generation_config, cfg.server.reasoning_parser) == (
         ("m",), "vllm", "qwen3")
     assert "--trust-remote-code" not in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
