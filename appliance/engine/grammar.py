@@ -103,7 +103,8 @@ class GrammarCompiler:
             else:
                 compiled = compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises plain errors for schemas it cannot express
-            what = {"regex": "the regular expression", "ebnf": "the choices"}.get(spec.kind, "the JSON schema")
+            what = {"regex": "the regular expression", "ebnf": "the choices" if spec.param.endswith("choice")
+                    else "the grammar"}.get(spec.kind, "the JSON schema")
             code = UNUSABLE_SCHEMA if spec.kind.startswith("json") else "invalid_value"
             raise RequestError(f"{spec.param}: {what} cannot be used for constrained decoding: "
                                f"{compiler_message(exc)}", spec.param, code) from None

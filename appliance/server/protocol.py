@@ -173,8 +173,10 @@ class _SamplingRequest(BaseModel):
                                                        "expression.")
     guided_choice: GuidedChoice | None = Field(None, description="Extension (vLLM): the output is one of these "
                                                                  "strings.")
+    guided_grammar: str | None = Field(None, description="Extension (vLLM): the output follows this grammar (EBNF "
+                                                          "as xgrammar reads it, e.g. 'root ::= \"yes\" | \"no\"').")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (vLLM): one of json, regex, "
-                                                                           "choice, as the guided_ fields.")
+                                                                           "choice, grammar, as the guided_ fields.")
     response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema (strict: "
                                                                      "the output follows the schema).")
     truncate_prompt_tokens: Literal[-1] | Count | None = Field(
@@ -291,7 +293,8 @@ class _SamplingRequest(BaseModel):
         return self.max_tokens
 
     def grammar(self) -> GrammarSpec | None:
-        guided = guided_grammar(self.guided_json, self.guided_regex, self.guided_choice, self.structured_outputs)
+        guided = guided_grammar(self.guided_json, self.guided_regex, self.guided_choice, self.structured_outputs,
+                                self.guided_grammar)
         spec = self.response_format.grammar() if self.response_format is not None else None
         if guided is not None and spec is not None:
             raise RequestError(f"{guided.param} and response_format both constrain the output; send one",

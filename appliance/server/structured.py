@@ -1,6 +1,6 @@
 """The `response_format` of a chat request (text, json_object, json_schema), vLLM's structured-output fields
-(`guided_json`, `guided_regex`, `guided_choice`, and `structured_outputs` with `json`, `regex`, `choice`), and the
-grammar each asks for."""
+(`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and `structured_outputs` with `json`, `regex`,
+`choice`, `grammar`), and the grammar each asks for."""
 from __future__ import annotations
 
 import json
@@ -55,28 +55,32 @@ ResponseFormat = Annotated[Annotated[PlainFormat, Tag("plain-format")] | Annotat
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs` (one of json, regex, choice)."""
+    """vLLM's `structured_outputs` (one of json, regex, choice, grammar)."""
 
     # the schema says it too: at least one of them, not null
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
-        {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in ("json", "regex", "choice")]})
+        {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+        for name in ("json", "regex", "choice", "grammar")]})
 
     json_: GuidedJson | None = Field(None, alias="json")
     regex: str | None = None
     choice: GuidedChoice | None = None
+    grammar: str | None = None
 
 
 def guided_grammar(json_schema: GuidedJson | None, regex: str | None, choice: list[str] | None,
-                   outputs: StructuredOutputs | None) -> GrammarSpec | None:
+                   outputs: StructuredOutputs | None, grammar: str | None = None) -> GrammarSpec | None:
     """The grammar of vLLM's structured-output fields (None when the request sets none); RequestError when it sets
-    more than one, or JSON that is not a schema."""
+    more than one, or JSON that is not a schema. A grammar is EBNF as xgrammar reads it (GBNF: `root ::= ...`)."""
     given = [(name, value) for name, value in (("guided_json", json_schema), ("guided_regex", regex),
-                                               ("guided_choice", choice)) if value is not None]
+                                               ("guided_choice", choice), ("guided_grammar", grammar))
+             if value is not None]
     if outputs is not None:
         given += [(f"structured_outputs.{name}", value) for name, value in (
-            ("json", outputs.json_), ("regex", outputs.regex), ("choice", outputs.choice)) if value is not None]
+            ("json", outputs.json_), ("regex", outputs.regex), ("choice", outputs.choice),
+            ("grammar", outputs.grammar)) if value is not None]
         if not given or given[-1][0].startswith("guided"):
-            raise RequestError("structured_outputs needs one of json, regex, choice", "structured_outputs")
+            raise RequestError("structured_outputs needs one of json, regex, choice, grammar", "structured_outputs")
     if len(given) > 1:
         raise RequestError(f"{' and '.join(n for n, _ in given)} each constrain the output; send one", given[1][0],
                            "conflicting_fields")
@@ -94,4 +98,6 @@ def guided_grammar(json_schema: GuidedJson | None, regex: str | None, choice: li
         return GrammarSpec("json_schema", json.dumps(value), param)
     if param.endswith("regex"):
         return GrammarSpec("regex", value, param)
+    if param.endswith("grammar"):
+        return GrammarSpec("ebnf", value, param)
     return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c) for c in value), param)

@@ -147,3 +147,19 @@ def test_invocations_is_behind_the_api_key():
     with TestClient(create_app(cfg)) as client:
         refused = client.post("/invocations", json=TEXT)
         assert refused.status_code == 401
+
+
+def test_guided_grammar_constrains_the_output_to_an_ebnf_grammar(client):
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    for field in ({"guided_grammar": grammar}, {"structured_outputs": {"grammar": grammar}}):
+        for seed in range(3):
+            out = client.post("/v1/completions", json={**TEXT, "max_tokens": 8, "temperature": 1.0, "seed": seed,
+                                                       **field})
+            assert out.status_code == 200, out.text
+            text = out.json()["choices"][0]["text"]
+            assert text in ("yes", "no") or (text[:6] == "maybe " and text[6:].isdigit() and len(text) == 7), text
+    broken = client.post("/v1/chat/completions", json={**CHAT, "guided_grammar": "root ::= ("})
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "guided_grammar"
+    assert "the grammar cannot be used for constrained decoding" in broken.json()["error"]["message"]
+    both = client.post("/v1/completions", json={**TEXT, "guided_grammar": grammar, "guided_regex": "a"})
+    assert both.status_code == 400 and both.json()["error"]["code"] == "conflicting_fields"
