@@ -520,6 +520,18 @@ class VllmFlags:
     chat_template_content_format: str = flag("auto", "Only auto or string: message content reaches the chat "
                                              "template as one string (text parts joined).", hidden=True)
     max_logprobs: int = flag(20, "Only 20: muxd returns at most 20 alternatives per token.", hidden=True)
+    enable_force_include_usage: bool = flag(False, "Every stream ends with a usage chunk, as if each request asked "
+                                            "for it (stream_options.include_usage).", hidden=True)
+    enable_prompt_tokens_details: bool = flag(False, "Accepted: usage always carries prompt_tokens_details "
+                                              "(cached_tokens).", hidden=True)
+    disable_frontend_multiprocessing: bool = flag(False, "Accepted: muxd's HTTP server and engine share one "
+                                                  "process.", hidden=True)
+    disable_custom_all_reduce: bool = flag(False, "Accepted: tensor parallelism reduces with NCCL.", hidden=True)
+    max_seq_len_to_capture: Optional[int] = flag(None, "Accepted: muxd's decode graphs serve every context length.",
+                                                 hidden=True)
+    distributed_executor_backend: Optional[str] = flag(None, "Only mp: muxd starts one process per GPU itself.",
+                                                       hidden=True)
+    cpu_offload_gb: float = flag(0.0, "Only 0: muxd keeps the weights on the GPU.", hidden=True)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -551,6 +563,12 @@ class VllmFlags:
             raise ConfigError(f"--chat-template-content-format {self.chat_template_content_format}: muxd hands "
                               "message content to the chat template as one string (text parts joined), which is "
                               "vLLM's string format; give auto or string, or leave it out")
+        if self.distributed_executor_backend not in (None, "mp"):
+            raise ConfigError(f"--distributed-executor-backend {self.distributed_executor_backend}: muxd starts one "
+                              "process per GPU of this host itself (vLLM's mp); give mp or leave it out")
+        if self.cpu_offload_gb != 0:
+            raise ConfigError(f"--cpu-offload-gb {self.cpu_offload_gb:g}: muxd keeps the weights on the GPU; leave it "
+                              "out (or split the model across GPUs with --tensor-parallel-size)")
         if self.max_logprobs != 20:
             raise ConfigError(f"--max-logprobs {self.max_logprobs}: muxd returns at most 20 alternatives per token "
                               "(vLLM's default); leave it out")

@@ -86,6 +86,8 @@ def test_generate_chat_mode(text_checkpoint):
     (["--override-generation-config", '{"seed": 1}'], "'seed' not among the sampling fields"),
     (["--override-generation-config", '{"top_p": 0}'], "field 'top_p' is 0; expected a number > 0 and <= 1"),
     (["--override-generation-config", "[1]"], "expected a JSON object of generation config fields"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: muxd starts one process"),
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4: muxd keeps the weights on the GPU"),
     (["-O5"], "-O (--optimization-level) must be 0, 1, 2 or 3, got 5"),
     (["-O0", "--compile"], "--enforce-eager and --compile contradict"),
     (["--response-role", "user"], "--response-role user: muxd's chat answers have the role assistant"),
@@ -179,7 +181,10 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
     assert runner.invoke(app, ["serve", model, "--tokenizer-mode", "hf"]).exit_code == 0
     assert runner.invoke(app, ["serve", model, "--response-role", "assistant", "--chat-template-content-format",
                                "string", "--max-logprobs", "20", "--return-tokens-as-token-ids",
-                               "--enable-request-id-headers"]).exit_code == 0
+                               "--enable-request-id-headers", "--enable-prompt-tokens-details",
+                               "--disable-frontend-multiprocessing", "--disable-custom-all-reduce",
+                               "--max-seq-len-to-capture", "8192", "--distributed-executor-backend", "mp",
+                               "--cpu-offload-gb", "0", "--enable-force-include-usage"]).exit_code == 0
     assert seen["cfg"].vllm.return_tokens_as_token_ids and seen["cfg"].vllm.enable_request_id_headers
     for level, eager in (("-O0", True), ("-O3", False), ("--optimization-level=1", False)):
         assert runner.invoke(app, ["serve", model, level]).exit_code == 0

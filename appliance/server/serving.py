@@ -52,6 +52,7 @@ class OpenAIServing:
                                          config.server.tool_call_parser)
         self.reasoning_parser = config.server.reasoning_parser
         self.tokens_as_ids = config.vllm.return_tokens_as_token_ids  # the server's default for the request field
+        self.force_usage = config.vllm.enable_force_include_usage  # every stream ends with its usage
         self.sampling_defaults = config.model.sampling_defaults()
         if self.sampling_defaults:
             where = config.model.generation_config_dir
@@ -298,7 +299,7 @@ class OpenAIServing:
                 states[index].add(out)
                 for event in fmt.chunk(states[index], out, so_far() if continuous else None):
                     yield _event(event)
-            if body.include_usage:
+            if body.include_usage or self.force_usage:
                 yield _event(fmt.usage_chunk(usage or so_far()))
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error travels as an event
             yield sse_error(exc)

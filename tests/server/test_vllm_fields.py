@@ -163,3 +163,15 @@ def test_guided_grammar_constrains_the_output_to_an_ebnf_grammar(client):
     assert "the grammar cannot be used for constrained decoding" in broken.json()["error"]["message"]
     both = client.post("/v1/completions", json={**TEXT, "guided_grammar": grammar, "guided_regex": "a"})
     assert both.status_code == 400 and both.json()["error"]["code"] == "conflicting_fields"
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage():
+    cfg = Config.flat(kv_cache_memory="16MiB", max_model_len=64, enable_force_include_usage=True)
+    with TestClient(create_app(cfg)) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.05)
+        with client.stream("POST", "/v1/completions", json={**TEXT, "max_tokens": 3, "stream": True}) as stream:
+            chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
