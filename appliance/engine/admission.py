@@ -49,6 +49,14 @@ class Admission:
         if outside:
             raise RequestError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
                                "logit_bias")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            if any(t >= vocab for t in allowed):
+                raise RequestError(f"allowed_token_ids: token id {max(allowed)} is outside the vocabulary [0, "
+                                   f"{vocab})", "allowed_token_ids")
+            if params.grammar is not None:  # their intersection may be empty: no token left to sample
+                raise RequestError(f"allowed_token_ids and {params.grammar.param} both constrain the output; send "
+                                   "one", "allowed_token_ids", "conflicting_fields")
         limit = engine.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"prompt has {len(ids)} tokens; this model's context is {limit} tokens "
@@ -61,6 +69,9 @@ class Admission:
         if params.min_tokens:  # (ids outside the vocabulary are never sampled: nothing to mask)
             request.min_tokens_blocked = sorted(t for t in set(params.stop_token_ids) | (
                 set() if params.ignore_eos else engine.eos_token_ids) if t < vocab)
+            if allowed is not None and set(allowed) <= set(request.min_tokens_blocked):
+                raise RequestError("allowed_token_ids holds only end-of-sequence or stop tokens, which min_tokens "
+                                   "masks: no token is left to sample", "allowed_token_ids", "conflicting_fields")
         if params.grammar is not None:
             if engine.grammars is None:
                 raise RequestError("structured output needs a tokenizer; this model has none", params.grammar.param)

@@ -1,5 +1,5 @@
 """What changes a batch's next-token logits before sampling: repetition, presence and frequency penalties,
-`logit_bias`, the `min_tokens` mask and a grammar's token mask — each one batched operation over the rows that need
+`logit_bias`, `allowed_token_ids`, the `min_tokens` mask and a grammar's token mask — each one batched operation over the rows that need
 it (the host only gathers their ids into one tensor per kind), nothing for rows that need none. Host data goes to the
 device with asynchronous copies: a blocking one would wait for every kernel queued before it, the next step's too.
 """
@@ -23,6 +23,9 @@ def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] 
     if biased:
         rows, cols, values = zip(*biased)
         _index_add(logits, rows, cols, torch.tensor(values, dtype=logits.dtype))
+    kept = [i for i, r in enumerate(reqs) if r.sampling.allowed_token_ids is not None]
+    if kept:
+        _keep_only(logits, kept, [reqs[i].sampling.allowed_token_ids for i in kept])
     # (output tokens still on the device count: the token sampled now is the next one)
     blocked = [(i, t) for i, r in enumerate(reqs) if counts[i] < r.sampling.min_tokens
                for t in r.min_tokens_blocked]
@@ -67,6 +70,15 @@ def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Te
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
     return counts[:, :vocab]
+
+
+def _keep_only(logits: torch.Tensor, rows: list[int], allowed: list[list[int]]) -> None:
+    """-inf for every token of a row that its list does not allow."""
+    ids = [(k, t) for k, tokens in enumerate(allowed) for t in tokens]
+    barred = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool)
+    barred[[k for k, _ in ids], [t for _, t in ids]] = False
+    index = to_device(torch.tensor(rows), logits.device)
+    logits[index] = logits[index].masked_fill(to_device(barred, logits.device), float("-inf"))
 
 
 def _index_add(logits: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...], values: torch.Tensor) -> None:

@@ -159,6 +159,8 @@ class _SamplingRequest(BaseModel):
         None, description=f"Token id (as a string) -> bias added to its logit, in [-100, 100]; at most "
                           f"{MAX_LOGIT_BIAS} entries.",
         json_schema_extra={"propertyNames": {"pattern": r"^(0|[1-9][0-9]*)$"}})
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        None, description="Extension (vLLM): sample only among these token ids.")
     min_p: Annotated[Finite, Field(ge=0, le=1)] | None = Field(None, description="Extension: drop tokens less likely "
                                                                                  "than min_p times the likeliest.")
     min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
@@ -257,6 +259,7 @@ class _SamplingRequest(BaseModel):
             is not False, min_tokens=self.min_tokens or 0,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             grammar=self.grammar())
 
     @property
@@ -611,11 +614,15 @@ def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[Completion
     bias_field = _SamplingRequest.model_fields["logit_bias"]
     logit_bias = (bias_field.annotation, Field(None, description=bias_field.description, json_schema_extra={
         "propertyNames": {"pattern": below_pattern(vocab_size)}}))
+    allowed_field = _SamplingRequest.model_fields["allowed_token_ids"]
+    allowed = (Annotated[list[bounded_int(ge=0, le=vocab_size - 1)], Field(min_length=1)] | None,
+               Field(None, description=allowed_field.description))
     completion = create_model("CompletionRequest", __base__=CompletionRequest, __doc__=CompletionRequest.__doc__,
                               prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class,
-                              logit_bias=logit_bias)
+                              logit_bias=logit_bias, allowed_token_ids=allowed)
     completion.vocab_size = vocab_size
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest,
-                        __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class, logit_bias=logit_bias)
+                        __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class, logit_bias=logit_bias,
+                        allowed_token_ids=allowed)
     return completion, chat
 

@@ -66,6 +66,22 @@ def test_logit_bias_and_min_tokens(llama):
     assert len(tokens) == 5 and eos not in tokens[:4] and tokens[4] == eos and outs[-1].finish_reason == "stop"
 
 
+def test_allowed_token_ids_beside_rows_without_them(llama):
+    """A row that allows a few tokens samples only those, penalised and biased or not, while a row of the same
+    batch without the option is left as it samples alone (greedy: the same tokens)."""
+    engine, _ = llama
+    alone = [o.new_token_ids[0] for o in run(engine, PROMPT, SamplingParams(max_tokens=6, temperature=0))]
+    kept = SamplingParams(max_tokens=6, temperature=1.0, seed=5, allowed_token_ids=[9, 42, 77], ignore_eos=True,
+                          presence_penalty=0.5, logit_bias={42: -100.0})
+    ids = [engine.add_request(PROMPT, kept), engine.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=0))]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert len(tokens[ids[0]]) == 6 and set(tokens[ids[0]]) <= {9, 77}  # (42 biased away)
+    assert tokens[ids[1]] == alone
+
+
 def test_min_p_one_is_greedy_and_penalties_change_the_output(llama):
     engine, _ = llama
     greedy = run(engine, PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -125,6 +141,8 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_chunking(llama_chec
                                                                 "frequency_penalty"),
     (SamplingParams(repetition_penalty=0), "repetition_penalty"), (SamplingParams(logit_bias={5: 101}), "logit_bias"),
     (SamplingParams(logit_bias={10**6: 1}), "logit_bias"), (SamplingParams(logprobs=21), "logprobs"),
+    (SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
+    (SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),
 ])
 def test_bad_options_name_the_field(llama, params, field):
     engine, _ = llama

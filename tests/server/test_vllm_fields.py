@@ -175,3 +175,20 @@ def test_force_include_usage_ends_every_stream_with_its_usage():
         with client.stream("POST", "/v1/completions", json={**TEXT, "max_tokens": 3, "stream": True}) as stream:
             chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_allowed_token_ids_keep_sampling_among_them(client):
+    body = {**TEXT, "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True, "return_token_ids": True}
+    for allowed in ([7, 42, 99], [13]):
+        out = client.post("/v1/completions", json={**body, "allowed_token_ids": allowed}).json()["choices"][0]
+        assert len(out["token_ids"]) == 12 and set(out["token_ids"]) <= set(allowed)
+    chat = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "allowed_token_ids": [7, 42],
+                                                     "ignore_eos": True, "return_token_ids": True}).json()
+    assert set(chat["choices"][0]["token_ids"]) <= {7, 42}
+    outside = client.post("/v1/completions", json={**TEXT, "allowed_token_ids": [1, 10 ** 6]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "allowed_token_ids.1"
+    both = client.post("/v1/completions", json={**TEXT, "allowed_token_ids": [7], "guided_regex": "a+"})
+    assert both.status_code == 400 and both.json()["error"]["code"] == "conflicting_fields"
+    ends = client.post("/v1/completions", json={**TEXT, "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [7],
+                                                "allowed_token_ids": [7]})
+    assert ends.status_code == 400 and "no token is left to sample" in ends.json()["error"]["message"]
