@@ -1,7 +1,8 @@
 """What changes a batch's next-token logits before sampling: repetition, presence and frequency penalties,
-`logit_bias`, `allowed_token_ids`, the `min_tokens` mask and a grammar's token mask — each one batched operation over the rows that need
-it (the host only gathers their ids into one tensor per kind), nothing for rows that need none. Host data goes to the
-device with asynchronous copies: a blocking one would wait for every kernel queued before it, the next step's too.
+`logit_bias`, `allowed_token_ids`, the `min_tokens` mask and a grammar's token mask — each one batched operation over
+the rows that need it (the host only gathers their ids into one tensor per kind), nothing for rows that need none.
+Host data goes to the device with asynchronous copies: a blocking one would wait for every kernel queued before it,
+the next step's too.
 """
 from __future__ import annotations
 
