@@ -66,6 +66,8 @@ class Admission:
                                f"context of {limit} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
         rid = request_id if request_id is not None else engine.next_request_id()
         request = Request(rid, ids, params)
+        if params.cache_salt is not None:
+            request.page_table.salt(params.cache_salt)
         if params.min_tokens:  # (ids outside the vocabulary are never sampled: nothing to mask)
             request.min_tokens_blocked = sorted(t for t in set(params.stop_token_ids) | (
                 set() if params.ignore_eos else engine.eos_token_ids) if t < vocab)

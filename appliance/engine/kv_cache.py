@@ -44,6 +44,11 @@ class PageTable:
     pages: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0  # leading pages already entered in (or found in) the prefix cache
+    root: bytes = b""  # where the chain starts: a request's cache salt, so that only requests of that salt share
+
+    def salt(self, text: str) -> None:
+        """Chain this table's pages from `text` (vLLM's cache_salt): other requests cannot find them, nor time them."""
+        self.root = hashlib.blake2b(b"salt\0" + text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _page_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -86,7 +91,7 @@ class PagePool:
         size = self.page_size
         # (a request whose latest token is still on the device counts it in num_tokens: only known tokens hash)
         for i in range(len(table.hashes), min(num_tokens, len(token_ids)) // size):
-            parent = table.hashes[-1] if table.hashes else b""
+            parent = table.hashes[-1] if table.hashes else table.root
             table.hashes.append(_page_hash(parent, token_ids[i * size:(i + 1) * size]))
 
     def _lookup(self, token_ids: list[int], num_tokens: int,

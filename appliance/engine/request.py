@@ -54,6 +54,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive logits (multiplies negative) of prompt and output tokens
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] | None = None  # sample only among these (vLLM's); None: the whole vocabulary
+    cache_salt: str | None = None  # the prefix cache shares this request's pages only with requests of the same salt
     logprobs: int | None = None  # the sampled token's log-probability and this many alternatives (0: none)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     grammar: object | None = None  # a GrammarSpec (engine/grammar.py): constrains the output to it
@@ -108,6 +109,8 @@ class SamplingParams:
             if not _is_int(token) or token < 0 or not _is_number(bias) or abs(bias) > MAX_BIAS:
                 raise RequestError(f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]; got "
                                    f"{token!r}: {bias!r}", "logit_bias")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise RequestError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}", "cache_salt")
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
                 not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
             raise RequestError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got "

@@ -161,6 +161,9 @@ class _SamplingRequest(BaseModel):
         json_schema_extra={"propertyNames": {"pattern": r"^(0|[1-9][0-9]*)$"}})
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
         None, description="Extension (vLLM): sample only among these token ids.")
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=1024)] | None = Field(
+        None, description="Extension (vLLM): the prefix cache shares this request's pages only with requests of the "
+                          "same salt (other tenants can neither reuse nor time them).")
     min_p: Annotated[Finite, Field(ge=0, le=1)] | None = Field(None, description="Extension: drop tokens less likely "
                                                                                  "than min_p times the likeliest.")
     min_tokens: bounded_int(ge=0) | None = Field(None, description="Extension: no end-of-sequence or stop token "
@@ -260,6 +263,7 @@ class _SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            cache_salt=self.cache_salt,
             grammar=self.grammar())
 
     @property

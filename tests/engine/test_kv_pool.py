@@ -91,3 +91,18 @@ def test_prefix_caching_off():
     pool.register(a, tokens(9), 9)
     pool.free(a)
     assert pool.num_cached_pages == 0 and pool.allocate(PageTable(), tokens(9), 9) == 0
+
+
+def test_a_salted_table_shares_pages_only_with_its_salt():
+    pool = PagePool(16, S)
+    salted = PageTable()
+    salted.salt("tenant-a")
+    pool.allocate(salted, tokens(9), 9)
+    pool.register(salted, tokens(9), 9)
+    plain, other, same = PageTable(), PageTable(), PageTable()
+    other.salt("tenant-b")
+    same.salt("tenant-a")
+    assert pool.allocate(plain, tokens(9), 9) == 0 and pool.allocate(other, tokens(9), 9) == 0
+    assert pool.allocate(same, tokens(9), 9) == 8 and same.pages[:2] == salted.pages[:2]
+    pool.free(same)
+    assert same.root == salted.root  # a preempted request keeps its salt for its next admission

@@ -192,3 +192,19 @@ def test_allowed_token_ids_keep_sampling_among_them(client):
     ends = client.post("/v1/completions", json={**TEXT, "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [7],
                                                 "allowed_token_ids": [7]})
     assert ends.status_code == 400 and "no token is left to sample" in ends.json()["error"]["message"]
+
+
+def test_cache_salt_shares_cached_pages_only_within_the_salt(client):
+    def cached(**extra) -> int:
+        body = {"prompt": "a story about the sea and the ships " * 8, "max_tokens": 1, **extra}
+        out = client.post("/v1/completions", json=body)
+        assert out.status_code == 200, out.text
+        return out.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()  # the plain prompt is in the cache now
+    assert cached() > 0
+    assert cached(cache_salt="tenant-a") == 0  # a salted request does not find the unsalted pages
+    assert cached(cache_salt="tenant-a") > 0  # ... but its own salt's
+    assert cached(cache_salt="tenant-b") == 0
+    empty = client.post("/v1/completions", json={**TEXT, "cache_salt": ""})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
