@@ -534,18 +534,11 @@ class VllmFlags:
     cpu_offload_gb: float = flag(0.0, "Only 0: muxd keeps the weights on the GPU.", hidden=True)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype != "auto":
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: muxd keeps the KV cache in the model's dtype "
-                              "(--dtype); only auto is accepted")
-        if self.quantization is not None:
-            raise ConfigError(f"--quantization {self.quantization}: muxd serves unquantized checkpoints (bfloat16, "
-                              "float16, float32); leave it out")
-        if self.pipeline_parallel_size != 1:
-            raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: muxd has no pipeline "
-                              "parallelism; split the model across the GPUs of a host with --tensor-parallel-size")
-        if self.data_parallel_size != 1:
-            raise ConfigError(f"--data-parallel-size {self.data_parallel_size}: muxd serves replicas with "
-                              "--replicas N (one engine per GPU, on Ray Serve), not data parallelism")
+        for name, (allowed, why) in _VLLM_ONLY.items():  # the first field at a value muxd cannot honour
+            value = getattr(self, name)
+            if value not in allowed:
+                shown = "" if isinstance(value, bool) else f" {value:g}" if isinstance(value, float) else f" {value}"
+                raise ConfigError(f"--{name.replace('_', '-')}{shown}: {why}")
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
             raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "
@@ -553,33 +546,33 @@ class VllmFlags:
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ConfigError(f"--root-path must start with / and not end with one (e.g. /llm), got "
                               f"{self.root_path!r}")
-        if self.enable_log_requests:
-            raise ConfigError("--enable-log-requests: muxd does not log requests or their prompts (uvicorn's access "
-                              "log names each request; /metrics counts them); leave it out")
-        if self.response_role != "assistant":
-            raise ConfigError(f"--response-role {self.response_role}: muxd's chat answers have the role assistant; "
-                              "leave it out")
-        if self.chat_template_content_format not in ("auto", "string"):
-            raise ConfigError(f"--chat-template-content-format {self.chat_template_content_format}: muxd hands "
-                              "message content to the chat template as one string (text parts joined), which is "
-                              "vLLM's string format; give auto or string, or leave it out")
-        if self.distributed_executor_backend not in (None, "mp"):
-            raise ConfigError(f"--distributed-executor-backend {self.distributed_executor_backend}: muxd starts one "
-                              "process per GPU of this host itself (vLLM's mp); give mp or leave it out")
-        if self.cpu_offload_gb != 0:
-            raise ConfigError(f"--cpu-offload-gb {self.cpu_offload_gb:g}: muxd keeps the weights on the GPU; leave it "
-                              "out (or split the model across GPUs with --tensor-parallel-size)")
-        if self.max_logprobs != 20:
-            raise ConfigError(f"--max-logprobs {self.max_logprobs}: muxd returns at most 20 alternatives per token "
-                              "(vLLM's default); leave it out")
-        if self.tokenizer_mode not in TOKENIZER_MODES:
-            raise ConfigError(f"--tokenizer-mode {self.tokenizer_mode}: muxd runs the model directory's fast "
-                              f"tokenizer (tokenizer.json), which is vLLM's auto (and hf); it has no slow, mistral or "
-                              f"custom tokenizer; give auto or leave it out")
-        if self.revision is not None:
-            raise ConfigError(f"--revision {self.revision}: muxd serves the model directory as it is and downloads "
-                              "nothing; fetch that revision into a directory (huggingface-cli download MODEL "
-                              "--revision REV --local-dir DIR) and serve DIR")
+
+
+# vLLM flags muxd takes only at the values that ask for nothing it does differently: field -> (those values, why)
+_VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "kv_cache_dtype": (("auto",), "muxd keeps the KV cache in the model's dtype (--dtype); only auto is accepted"),
+    "quantization": ((None,), "muxd serves unquantized checkpoints (bfloat16, float16, float32); leave it out"),
+    "pipeline_parallel_size": ((1,), "muxd has no pipeline parallelism; split the model across the GPUs of a host "
+                                     "with --tensor-parallel-size"),
+    "data_parallel_size": ((1,), "muxd serves replicas with --replicas N (one engine per GPU, on Ray Serve), not "
+                                 "data parallelism"),
+    "enable_log_requests": ((False,), "muxd does not log requests or their prompts (uvicorn's access log names each "
+                                      "request; /metrics counts them); leave it out"),
+    "response_role": (("assistant",), "muxd's chat answers have the role assistant; leave it out"),
+    "chat_template_content_format": (("auto", "string"), "muxd hands message content to the chat template as one "
+                                                         "string (text parts joined), which is vLLM's string format; "
+                                                         "give auto or string, or leave it out"),
+    "distributed_executor_backend": ((None, "mp"), "muxd starts one process per GPU of this host itself (vLLM's mp); "
+                                                   "give mp or leave it out"),
+    "cpu_offload_gb": ((0,), "muxd keeps the weights on the GPU; leave it out (or split the model across GPUs with "
+                             "--tensor-parallel-size)"),
+    "max_logprobs": ((20,), "muxd returns at most 20 alternatives per token (vLLM's default); leave it out"),
+    "tokenizer_mode": (TOKENIZER_MODES, "muxd runs the model directory's fast tokenizer (tokenizer.json), which is "
+                                        "vLLM's auto (and hf); it has no slow, mistral or custom tokenizer; give auto "
+                                        "or leave it out"),
+    "revision": ((None,), "muxd serves the model directory as it is and downloads nothing; fetch that revision into "
+                          "a directory (huggingface-cli download MODEL --revision REV --local-dir DIR) and serve DIR"),
+}
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings,

@@ -3,27 +3,16 @@ all, a request may send any, its response names the one it sent (the first when 
 is also accepted under the path as written (vLLM's default name)."""
 from __future__ import annotations
 
-import time
-
 import pytest
-from fastapi.testclient import TestClient
 
 from appliance.config import Config
 from appliance.errors import ConfigError
-from appliance.server.api import create_app
-
-
-def ready(client: TestClient) -> None:
-    deadline = time.monotonic() + 120
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "the model did not load"
-        time.sleep(0.05)
+from in_process import ready_app
 
 
 def test_several_names_are_aliases_of_the_model():
     cfg = Config.flat(served_model_name=["first", "org/second"], kv_cache_memory="16MiB", max_model_len=128)
-    with TestClient(create_app(cfg)) as client:
-        ready(client)
+    with ready_app(cfg) as client:
         assert [card["id"] for card in client.get("/v1/models").json()["data"]] == ["first", "org/second"]
         assert client.get("/v1/models/org/second").json()["id"] == "org/second"
         body = {"prompt": "hi", "max_tokens": 2}

@@ -1,10 +1,11 @@
-"""Request fields vLLM clients send, in process on the embedded model: at their defaults they are accepted, those
-muxd implements do what vLLM's do (add_special_tokens, documents, request_id and X-Request-Id, the
---enable-request-id-headers header), and the rest are refused by name with the reason."""
+"""Request fields and routes vLLM clients use, in process on the embedded model: at their defaults the fields are
+accepted, those muxd implements do what vLLM's do (add_special_tokens, documents, request_id and X-Request-Id,
+stop_reason, return_token_ids, guided_grammar, allowed_token_ids, cache_salt, SageMaker's /ping and /invocations, and
+the server flags --enable-request-id-headers and --enable-force-include-usage), and the rest are refused by name with
+the reason."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 from appliance.config import Config
 from appliance.server.api import create_app
 from appliance.server.protocol import ChatCompletionRequest
+from in_process import ready_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 TEXT = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
@@ -20,12 +22,7 @@ DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "s
 
 @pytest.fixture(scope="module")
 def client():
-    cfg = Config.flat(kv_cache_memory="16MiB", max_model_len=256, enable_request_id_headers=True)
-    with TestClient(create_app(cfg)) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.05)
+    with ready_app(Config.flat(kv_cache_memory="16MiB", max_model_len=256, enable_request_id_headers=True)) as client:
         yield client
 
 
@@ -166,12 +163,7 @@ def test_guided_grammar_constrains_the_output_to_an_ebnf_grammar(client):
 
 
 def test_force_include_usage_ends_every_stream_with_its_usage():
-    cfg = Config.flat(kv_cache_memory="16MiB", max_model_len=64, enable_force_include_usage=True)
-    with TestClient(create_app(cfg)) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.05)
+    with ready_app(Config.flat(kv_cache_memory="16MiB", max_model_len=64, enable_force_include_usage=True)) as client:
         with client.stream("POST", "/v1/completions", json={**TEXT, "max_tokens": 3, "stream": True}) as stream:
             chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
