@@ -21,6 +21,7 @@ from appliance.errors import RequestError
 from appliance.model_zoo.tokenizer import Tokenizer
 
 UNUSABLE_SCHEMA = "invalid_json_schema"  # the error code of a schema the grammar compiler cannot express
+UNUSABLE_GRAMMAR = "invalid_grammar"  # the same for a regular expression or an EBNF grammar
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class GrammarCompiler:
         except Exception as exc:  # noqa: BLE001 - xgrammar raises plain errors for schemas it cannot express
             what = {"regex": "the regular expression", "ebnf": "the choices" if spec.param.endswith("choice")
                     else "the grammar"}.get(spec.kind, "the JSON schema")
-            code = UNUSABLE_SCHEMA if spec.kind.startswith("json") else "invalid_value"
+            code = UNUSABLE_SCHEMA if spec.kind.startswith("json") else UNUSABLE_GRAMMAR
             raise RequestError(f"{spec.param}: {what} cannot be used for constrained decoding: "
                                f"{compiler_message(exc)}", spec.param, code) from None
         return Matcher(xgr.GrammarMatcher(compiled), spec.after)

@@ -158,6 +158,7 @@ def test_guided_grammar_constrains_the_output_to_an_ebnf_grammar(client):
     broken = client.post("/v1/chat/completions", json={**CHAT, "guided_grammar": "root ::= ("})
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "guided_grammar"
     assert "the grammar cannot be used for constrained decoding" in broken.json()["error"]["message"]
+    assert broken.json()["error"]["code"] == "invalid_grammar"
     both = client.post("/v1/completions", json={**TEXT, "guided_grammar": grammar, "guided_regex": "a"})
     assert both.status_code == 400 and both.json()["error"]["code"] == "conflicting_fields"
 
