@@ -426,7 +426,7 @@ class CompletionRequest(_SamplingRequest):
     def _max_tokens_zero_only_with_echo(self) -> "CompletionRequest":
         if self.max_tokens == 0 and not self.echo:  # as vLLM
             raise RequestError("max_tokens must be >= 1; 0 is taken only with echo: true (the prompt returned, "
-                               "nothing generated)", "max_tokens")
+                               "nothing generated)", "max_tokens", CONFLICT)
         return self
 
     @model_validator(mode="after")

@@ -117,7 +117,11 @@ class NamedFunction(BaseModel):
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # the schema says it too: json_schema needs a name and a schema
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+        "then": {"required": ["name", "schema"], "properties": {"name": {"type": "string"},
+                                                                "schema": {"type": "object"}}}})
 
     type: Literal["text", "json_object", "json_schema"]
     name: p.Text | None = None
@@ -167,7 +171,8 @@ class ResponsesRequest(BaseModel):
         None, description="Only reasoning.encrypted_content, which needs nothing: reasoning items carry their text "
                           "(clients that keep no stored responses send it).")
     store: bool | None = Field(None, description="Accepted; nothing is stored.")
-    background: Literal[False] | None = None
+    background: bool | None = Field(None, json_schema_extra={"enum": [False, None]},
+                                    description="Only false: responses are not run in the background.")
     metadata: Annotated[dict[str, p.Text], Field(max_length=16)] | None = Field(None, description="Accepted and "
                                                                                                 "ignored.")
     user: p.Text | None = Field(None, description="Accepted and ignored.")
@@ -197,6 +202,9 @@ class ResponsesRequest(BaseModel):
 
     def to_chat(self, chat_body: type[p.ChatCompletionRequest]) -> p.ChatCompletionRequest:
         """The chat request this one runs as."""
+        if self.background:  # (a bool field: strict, unlike Literal[False], which takes 0)
+            raise RequestError("background: muxd runs no responses in the background (nothing is stored to fetch "
+                               "later); send false or leave it out", "background")
         if self.previous_response_id is not None:
             raise RequestError("previous_response_id: muxd stores no responses; send the whole conversation in "
                                "input", "previous_response_id")

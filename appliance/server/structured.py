@@ -45,6 +45,8 @@ class SchemaFormat(BaseModel):
 
 def _format_tag(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):
+        return None  # (a type that is not text, such as an object, matches no tag: the discriminator's error)
     # tags that are not field names, so that error locations name only fields
     return {"text": "plain-format", "json_object": "plain-format", "json_schema": "schema-format"}.get(kind)
 

@@ -188,6 +188,8 @@ BAD_BODIES = [
     ("chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"messages": CHAT, "n": True}, "n"),
     ("chat/completions", {"messages": CHAT, "slo_class": "platinum"}, "slo_class"),  # not a class of the contract
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": {}}}, "response_format"),  # was a 500
+    ("completions", {"prompt": "hi", "response_format": {"type": ["json_object"]}}, "response_format"),
 ]
 
 

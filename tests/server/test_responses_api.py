@@ -135,6 +135,8 @@ def test_function_tools_call_and_take_their_outputs_back(server, model_name, cli
     ({"input": "x", "tools": [{"type": "function", "name": "no spaces"}]}, "tools.0.name"),
     ({"input": "x", "slo_class": "gold"}, "slo_class"),
     ({"input": "x", "temprature": 1}, "temprature"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": 0}, "background"),  # not a boolean (a Literal[False] took 0 as False)
 ])
 def test_what_is_not_served_is_a_400_naming_the_field(server, model_name, body, param):
     response = respond(server, model=model_name, **body)
