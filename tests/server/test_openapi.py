@@ -37,3 +37,11 @@ def test_bounded_schemathesis_run_finds_no_failure(server):
     figures = reliability.schemathesis_run(server, examples=8, phases="fuzzing", max_response_time=120)
     assert figures["exit_code"] == 0 and figures["failures"] == {} and not figures["errors"], figures
     assert figures["operations_tested"] == 15 and figures["test_cases"] >= 16
+
+
+def test_schemathesis_coverage_phase_finds_no_failure(server):
+    """The coverage phase walks each field's edges (wrong types, bounds, empty values) rather than sampling: it found
+    a 500 that sampling had not (a response_format whose type was an object)."""
+    figures = reliability.schemathesis_run(server, examples=8, phases="coverage", max_response_time=120)
+    assert figures["exit_code"] == 0 and figures["failures"] == {} and not figures["errors"], figures
+    assert figures["operations_tested"] == 15 and figures["test_cases"] >= 1000
