@@ -80,6 +80,20 @@ def test_seeded_sampling_does_not_depend_on_the_batch(copy_model):
     assert other_seed[0].token_ids != alone  # the seed matters: sampling is not collapsing to greedy
 
 
+def test_allowed_token_ids_on_the_fast_path(copy_model):
+    """A row limited to a few ids samples only those on the GPU (decode graphs, the overlapped loop), beside rows
+    without a limit that decode as they do without it."""
+    engine = fast(copy_model)
+    prompts = [periodic_prompt(i, 40) for i in range(4)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    free = engine.generate(prompts[1:], [greedy] * 3)
+    limited = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True, allowed_token_ids=[5, 11, 17])
+    out = engine.generate(prompts, [limited] + [greedy] * 3)
+    assert len(out[0].token_ids) == 24 and set(out[0].token_ids) <= {5, 11, 17}
+    assert [c.token_ids for c in out[1:]] == [c.token_ids for c in free]
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
 def test_fast_path_frees_every_page_after_aborts(copy_model):
     engine = fast(copy_model)
     ids = [engine.add_request(periodic_prompt(s, 50), SamplingParams(max_tokens=40, ignore_eos=True))
