@@ -305,6 +305,24 @@ class SchedulerSettings:
         return None if self.profile is not None else self.max_num_batched_tokens
 
 
+def _compilation_level(text: str, given: int | None) -> int:
+    """The level of vLLM's --compilation-config: a number, or JSON whose only keys are level or mode."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ConfigError(f"--compilation-config: cannot read {text!r} as a level or JSON") from None
+    if isinstance(value, dict):
+        other = sorted(set(value) - {"level", "mode"})
+        if other:
+            raise ConfigError(f"--compilation-config: muxd decides its own CUDA graphs and fusions and takes only a "
+                              f"level (as -O); leave out {', '.join(map(repr, other))}")
+        levels = {v for v in value.values()}
+        value = levels.pop() if len(levels) == 1 else None
+    if type(value) is not int or (given is not None and given != value):
+        raise ConfigError(f"--compilation-config {text}: expected one level 0-3 (that -O does not contradict)")
+    return value
+
+
 @dataclass(frozen=True)
 class RuntimeSettings:
     device: str = flag("auto", "auto, cpu, cuda or cuda:N.")
@@ -343,8 +361,13 @@ class RuntimeSettings:
                                "--no-cuda-graph --no-compile).")
     optimization_level: Optional[int] = flag(None, "As vLLM's -O: 0 is --enforce-eager; 1, 2 and 3 leave muxd's "
                                              "compilation and CUDA graphs as they are.", "-O", hidden=True)
+    compilation_config: Optional[str] = flag(None, "As vLLM's: a level (as -O) or JSON holding only 'level' or "
+                                             "'mode'; muxd decides its own graphs and fusions.", hidden=True)
 
     def __post_init__(self) -> None:
+        if self.compilation_config is not None:
+            object.__setattr__(self, "optimization_level", _compilation_level(self.compilation_config,
+                                                                              self.optimization_level))
         if self.optimization_level is not None and self.optimization_level not in (0, 1, 2, 3):
             raise ConfigError(f"-O (--optimization-level) must be 0, 1, 2 or 3, got {self.optimization_level}")
         if self.optimization_level == 0:

@@ -88,6 +88,9 @@ def test_generate_chat_mode(text_checkpoint):
     (["--override-generation-config", "[1]"], "expected a JSON object of generation config fields"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: muxd starts one process"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4: muxd keeps the weights on the GPU"),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}'], "leave out 'cudagraph_capture_sizes'"),
+    (["--compilation-config", "fast"], "--compilation-config: cannot read 'fast' as a level or JSON"),
+    (["-O0", "--compilation-config", "3"], "expected one level 0-3 (that -O does not contradict)"),
     (["-O5"], "-O (--optimization-level) must be 0, 1, 2 or 3, got 5"),
     (["-O0", "--compile"], "--enforce-eager and --compile contradict"),
     (["--response-role", "user"], "--response-role user: muxd's chat answers have the role assistant"),
@@ -186,7 +189,8 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch)
                                "--max-seq-len-to-capture", "8192", "--distributed-executor-backend", "mp",
                                "--cpu-offload-gb", "0", "--enable-force-include-usage"]).exit_code == 0
     assert seen["cfg"].vllm.return_tokens_as_token_ids and seen["cfg"].vllm.enable_request_id_headers
-    for level, eager in (("-O0", True), ("-O3", False), ("--optimization-level=1", False)):
+    for level, eager in (("-O0", True), ("-O3", False), ("--optimization-level=1", False),
+                         ("--compilation-config=0", True), ('--compilation-config={"level": 3}', False)):
         assert runner.invoke(app, ["serve", model, level]).exit_code == 0
         assert (seen["cfg"].runtime.enforce_eager, seen["cfg"].runtime.cuda_graph) == (eager, not eager)
     assert (cfg.model.served_model_name, cfg.model.generation_config, cfg.server.reasoning_parser) == (
