@@ -19,6 +19,19 @@ from appliance.engine.request import SamplingParams
 runner = CliRunner()
 
 
+@pytest.fixture
+def served(monkeypatch) -> dict:
+    """What `muxd serve` would serve: seen["cfg"] is the Config it hands to create_app (no server starts)."""
+    seen: dict = {}
+
+    def fake_create_app(cfg, on_fatal=None):
+        seen["cfg"] = cfg
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+    return seen
+
+
 def test_version_and_module_entry_point():
     assert runner.invoke(app, ["version"]).output.strip() == f"muxd {__version__}"
     out = subprocess.run([sys.executable, "-m", "appliance", "version"], capture_output=True, text=True, check=True)
@@ -112,14 +125,8 @@ def test_serve_rejects_bad_flags_before_starting(text_checkpoint, args, message)
     assert message in result.output
 
 
-def test_serve_flags_reach_the_server_config(text_checkpoint, monkeypatch, tmp_path):
-    seen = {}
-
-    def fake_create_app(cfg, on_fatal=None):
-        seen["cfg"] = cfg
-        raise typer.Exit(0)
-
-    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+def test_serve_flags_reach_the_server_config(text_checkpoint, tmp_path, served):
+    seen = served
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     result = runner.invoke(app, [
@@ -142,12 +149,8 @@ def test_serve_flags_reach_the_server_config(text_checkpoint, monkeypatch, tmp_p
     assert seen["cfg"].model.chat_template_source() == inline
 
 
-def test_a_context_beyond_the_model_needs_vllms_override(text_checkpoint, monkeypatch):
+def test_a_context_beyond_the_model_needs_vllms_override(text_checkpoint, monkeypatch, served):
     """As `vllm serve`: --max-model-len above the model's context starts only with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
-    def fake_create_app(cfg, on_fatal=None):
-        raise typer.Exit(0)
-
-    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     args = ["serve", str(text_checkpoint), "--max-model-len", "4096"]
     refused = runner.invoke(app, args)
@@ -157,16 +160,10 @@ def test_a_context_beyond_the_model_needs_vllms_override(text_checkpoint, monkey
     assert runner.invoke(app, ["serve", str(text_checkpoint), "--max-model-len", "512"]).exit_code == 0
 
 
-def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, monkeypatch):
+def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
     """`vllm serve`'s common flags are taken: those that ask for nothing muxd does differently are accepted, and
     --enforce-eager turns off CUDA graphs and torch.compile."""
-    seen = {}
-
-    def fake_create_app(cfg, on_fatal=None):
-        seen["cfg"] = cfg
-        raise typer.Exit(0)
-
-    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+    seen = served
     model = str(text_checkpoint)
     result = runner.invoke(app, [
         "serve", model, "--tokenizer", model, "--trust-remote-code", "--enforce-eager", "--disable-log-requests",
@@ -215,16 +212,10 @@ def test_override_generation_config_replaces_or_adds_to_the_defaults(text_checkp
     assert Config.flat(model=str(text_checkpoint), generation_config="vllm").model.sampling_defaults() == {}
 
 
-def test_a_vllm_config_file_and_human_readable_integers(text_checkpoint, monkeypatch, tmp_path):
+def test_a_vllm_config_file_and_human_readable_integers(text_checkpoint, tmp_path, served):
     """`--config FILE` (vLLM's): YAML of long flag names, the command line winning where both set a flag (MODEL over
     the file's model); --max-model-len and --max-num-batched-tokens take vLLM's 1k / 2K forms."""
-    seen = {}
-
-    def fake_create_app(cfg, on_fatal=None):
-        seen["cfg"] = cfg
-        raise typer.Exit(0)
-
-    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+    seen = served
     config = tmp_path / "serve.yaml"
     config.write_text("model: /not/this/one\nport: 8123\nmax_model_len: 0.25k\nserved-model-name: [a, b]\n"
                       "enable-prefix-caching: false\nallowed-origins: ['https://x.example']\nhost: 0.0.0.0\n")
@@ -313,14 +304,8 @@ def test_version_flag():
         assert result.exit_code == 0 and result.output.strip() == f"muxd {__version__}"
 
 
-def test_serve_takes_the_model_as_positional_argument(text_checkpoint, monkeypatch):
-    seen = {}
-
-    def fake_create_app(cfg, on_fatal=None):
-        seen["cfg"] = cfg
-        raise typer.Exit(0)
-
-    monkeypatch.setattr("appliance.cli.serve.create_app", fake_create_app)
+def test_serve_takes_the_model_as_positional_argument(text_checkpoint, served):
+    seen = served
     assert runner.invoke(app, ["serve", str(text_checkpoint), "--block-size", "8"]).exit_code == 0
     assert seen["cfg"].model.model == str(text_checkpoint) and seen["cfg"].cache.block_size == 8
     same = runner.invoke(app, ["serve", str(text_checkpoint), "--model", str(text_checkpoint)])
