@@ -20,7 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from appliance.server.errors import error_response, response_for
 
 log = logging.getLogger("muxd.server")
-GUARDED = ("/v1", "/debug", "/invocations")  # the routes behind the API key; /health, /ready, /metrics stay open
+API = ("/v1", "/invocations")  # the routes whose bodies, seats and drain the gate manages
+GUARDED = (*API, "/debug")  # the routes behind the API key; /health, /ready, /metrics stay open
 
 
 class BodyTooLarge(HTTPException):
@@ -73,8 +74,8 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-def _guarded(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in GUARDED)
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
 
 
 class Gate:
@@ -89,8 +90,8 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        api = any(path == p or path.startswith(p + "/") for p in ("/v1", "/invocations"))  # generation routes
-        refusal = self._refusal(Headers(scope=scope), api, _guarded(path))
+        api = _under(path, API)
+        refusal = self._refusal(Headers(scope=scope), api, _under(path, GUARDED))
         if refusal is None and api:
             try:
                 body = await self._read_body(receive)
