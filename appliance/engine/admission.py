@@ -3,9 +3,10 @@
 Before the engine, the server refuses at the door (`server/gate.py`, `server/lifecycle.py`): a missing API key
 (401), a body over --max-request-bytes (413), a draining or still-loading server (503), more requests in flight than
 --max-num-seqs + --max-waiting (429). Then, here: the request itself (sampling parameters, prompt tokens inside the
-vocabulary, not empty, stop strings need a tokenizer), the context length (prompt + max_tokens), its id and SLO
-class, the waiting queue's limit (--max-waiting and the contract's queue limit), and last the planner's own
-admission test (a contract that sheds load refuses a request whose TTFT it cannot meet, with a Retry-After).
+vocabulary, not empty, stop strings and bad words need a tokenizer, which spells the bad words in tokens), the context
+length (prompt + max_tokens), its id and SLO class, the waiting queue's limit (--max-waiting and the contract's queue
+limit), and last the planner's own admission test (a contract that sheds load refuses a request whose TTFT it cannot
+meet, with a Retry-After).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from appliance.engine.request import Request, SamplingParams
 from appliance.errors import CapacityError, RequestError
+from appliance.model_zoo.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the engine owns its admission
     from appliance.engine.engine import Engine
@@ -45,6 +47,13 @@ class Admission:
         if params.stop and engine.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none", "stop")
         vocab = engine.model.config.vocab_size
+        if params.bad_words:
+            if engine.tokenizer is None:
+                raise RequestError("bad_words need a tokenizer; this model has none", "bad_words")
+            params.bad_words_token_ids = bad_word_ids(engine.tokenizer, params.bad_words)
+        outside = [t for ids in params.bad_words_token_ids for t in ids if t >= vocab]
+        if outside:
+            raise RequestError(f"bad_words: token id {outside[0]} is outside the vocabulary [0, {vocab})", "bad_words")
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
             raise RequestError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
@@ -71,9 +80,11 @@ class Admission:
         if params.min_tokens:  # (ids outside the vocabulary are never sampled: nothing to mask)
             request.min_tokens_blocked = sorted(t for t in set(params.stop_token_ids) | (
                 set() if params.ignore_eos else engine.eos_token_ids) if t < vocab)
-            if allowed is not None and set(allowed) <= set(request.min_tokens_blocked):
-                raise RequestError("allowed_token_ids holds only end-of-sequence or stop tokens, which min_tokens "
-                                   "masks: no token is left to sample", "allowed_token_ids", "conflicting_fields")
+        banned = set(request.bad_words.always if request.bad_words is not None else ())
+        if allowed is not None and set(allowed) <= banned | set(request.min_tokens_blocked):
+            raise RequestError("allowed_token_ids holds only tokens that bad_words bans or min_tokens holds back "
+                               "(end-of-sequence and stop tokens): no token is left to sample", "allowed_token_ids",
+                               "conflicting_fields")
         if params.grammar is not None:
             if engine.grammars is None:
                 raise RequestError("structured output needs a tokenizer; this model has none", params.grammar.param)
@@ -107,3 +118,16 @@ class Admission:
         if retry is not None:
             raise CapacityError(f"the server is too busy to meet this request's TTFT target (SLO contract "
                                 f"{engine.contract.name!r} sheds load); retry after {retry:.0f} s", retry_after=retry)
+
+
+def bad_word_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's spellings in tokens, as vLLM finds them: the word without its leading whitespace, and the word
+    after one space where that is another token sequence of the same length (the word inside a text)."""
+    out = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise RequestError(f"bad_words: {word!r} makes no token with this model's tokenizer", "bad_words")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out += [plain, spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [plain]
+    return out

@@ -5,8 +5,9 @@ The loop is overlapped (`--async-scheduling`, on by default): the host plans and
 runs step N, then reads step N's tokens, so the host's work between steps hides behind the device's. A request whose
 latest token is not read yet decodes from it on the device (engine/launched.py); one that finishes at step N had at
 most one more step launched, whose token is dropped. A row whose sample needs its latest token on the host (a
-grammar's next mask, a penalty over the output) has its step's forward launched first and is sampled once step N is
-read (Executor.finish_sampling). With it off, every step is read before the next is planned.
+grammar's next mask, a penalty over the output, a bad word of several tokens: `Request.reads_output`) has its step's
+forward launched first and is sampled once step N is read (Executor.finish_sampling). With it off, every step is
+read before the next is planned.
 
 Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server. The synchronous
 `generate` is the small Python API for scripts and tests. `engine/factory.py` builds one (`build_engine`); the
@@ -98,7 +99,7 @@ class Engine:
             sampling = request.sampling
             self._detok[request.request_id] = Detokenizer(self.tokenizer, request.prompt_token_ids, sampling.stop,
                                                           sampling.include_stop_str, sampling.skip_special_tokens)
-        if request.matcher is not None or request.sampling.penalised:  # their masks and penalties read the output
+        if request.reads_output:
             self._eager.add(request.request_id)
         self.scheduler.add(request)
         return request.request_id
@@ -215,7 +216,7 @@ class Engine:
 
     def _needs_tokens(self, previous: LaunchedStep, plan: StepPlan) -> bool:
         """The plan samples a row whose logits processing needs its token of the step before, still on the device
-        (a grammar's next mask, a penalty)."""
+        (a grammar's next mask, a penalty, a bad word's last token)."""
         if not self._eager:
             return False
         rows = set(previous.rows)

@@ -1,6 +1,7 @@
 """What changes a batch's next-token logits before sampling: repetition, presence and frequency penalties,
-`logit_bias`, `allowed_token_ids`, the `min_tokens` mask and a grammar's token mask — each one batched operation over
-the rows that need it (the host only gathers their ids into one tensor per kind), nothing for rows that need none.
+`logit_bias`, `allowed_token_ids`, the `min_tokens` and `bad_words` masks and a grammar's token mask — each one batched
+operation over the rows that need it (the host only gathers their ids into one tensor per kind), nothing for rows that
+need none.
 Host data goes to the device with asynchronous copies: a blocking one would wait for every kernel queued before it,
 the next step's too.
 """
@@ -30,6 +31,10 @@ def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] 
     # (output tokens still on the device count: the token sampled now is the next one)
     blocked = [(i, t) for i, r in enumerate(reqs) if counts[i] < r.sampling.min_tokens
                for t in r.min_tokens_blocked]
+    # (a bad word of several tokens reads the output on the host: its request is sampled once its latest token is
+    # read, Request.reads_output)
+    blocked += [(i, t) for i, r in enumerate(reqs) if r.bad_words is not None
+                for t in r.bad_words.banned(r.output_token_ids)]
     if blocked:
         rows, cols = zip(*blocked)
         _index_put(logits, rows, cols, float("-inf"))

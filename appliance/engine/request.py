@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map
+MAX_BAD_WORDS = 128  # each one's prefixes are looked up after every token
+MAX_BAD_WORD_CHARS = 128
 
 
 def _is_int(x: object) -> bool:
@@ -54,6 +56,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive logits (multiplies negative) of prompt and output tokens
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] | None = None  # sample only among these (vLLM's); None: the whole vocabulary
+    bad_words: list[str] = field(default_factory=list)  # words the output never contains (vLLM's)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # as tokens (admission spells bad_words)
     cache_salt: str | None = None  # the prefix cache shares this request's pages only with requests of the same salt
     logprobs: int | None = None  # the sampled token's log-probability and this many alternatives (0: none)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
@@ -64,6 +68,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        self.bad_words_token_ids = list(self.bad_words_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
 
@@ -115,6 +121,14 @@ class SamplingParams:
                 not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
             raise RequestError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got "
                                f"{_preview(self.allowed_token_ids)}", "allowed_token_ids")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(
+                not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise RequestError(f"bad_words must be at most {MAX_BAD_WORDS} strings of 1 to {MAX_BAD_WORD_CHARS} "
+                               f"characters, not all whitespace; got {_preview(self.bad_words)}", "bad_words")
+        if any(not isinstance(ids, list) or not ids or any(not _is_int(t) or t < 0 for t in ids)
+               for ids in self.bad_words_token_ids):
+            raise RequestError(f"bad_words_token_ids must be non-empty lists of token ids (integers >= 0), got "
+                               f"{_preview(self.bad_words_token_ids)}", "bad_words_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -130,6 +144,31 @@ class SamplingParams:
         # A top_p under 1e-6 keeps only the most likely token in any vocabulary under a million (its probability is
         # at least 1/vocab): greedy too, and spared a float32 underflow that would keep no token at all.
         return self.temperature < GREEDY_BELOW or self.top_k == 1 or self.top_p < 1e-6
+
+
+class BadWords:
+    """A request's bad words as token-id sequences, as vLLM applies them: a word's last token is masked wherever the
+    output so far ends with the rest of the word (the prompt does not count); a word of one token is always masked."""
+
+    def __init__(self, words: list[list[int]]) -> None:
+        self.always = sorted({w[0] for w in words if len(w) == 1})
+        self._after: dict[int, dict[tuple[int, ...], list[int]]] = {}  # prefix length -> prefix -> last tokens
+        for w in words:
+            if len(w) > 1:
+                self._after.setdefault(len(w) - 1, {}).setdefault(tuple(w[:-1]), []).append(w[-1])
+
+    @property
+    def reads_output(self) -> bool:
+        """Some word has several tokens: what is masked depends on the output so far."""
+        return bool(self._after)
+
+    def banned(self, output: list[int]) -> list[int]:
+        """The token ids masked for the token that follows `output`."""
+        ids = list(self.always)
+        for n, prefixes in self._after.items():
+            if len(output) >= n:
+                ids += prefixes.get(tuple(output[-n:]), ())
+        return ids
 
 
 class RequestStatus(enum.Enum):
@@ -165,6 +204,7 @@ class Request:
         self.last_token_time: float | None = None  # when the engine emitted its latest token (scheduler clock)
         self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
         self.min_tokens_blocked: list[int] = []  # ids masked while fewer than sampling.min_tokens are out
+        self.bad_words = BadWords(sampling.bad_words_token_ids) if sampling.bad_words_token_ids else None
         self.matcher = None  # the grammar's state (engine/grammar.py) when the output is constrained
         # tokens sampled by launched steps that the host has not read yet (overlapped loop, engine/engine.py); the
         # latest sits at `pending_row` of the token buffer its step wrote (engine/launched.py)
@@ -200,6 +240,13 @@ class Request:
     def num_uncached_prompt_tokens(self) -> int:
         """Prompt tokens not served from the prefix cache at admission (what its TTFT target grows with)."""
         return self.num_prompt_tokens - min(self.num_cached_tokens or 0, self.num_prompt_tokens)
+
+    @property
+    def reads_output(self) -> bool:
+        """Its next token's logits depend on its output so far (a grammar's mask, a penalty, a bad word of several
+        tokens): it is sampled only once its latest token is on the host."""
+        return self.matcher is not None or self.sampling.penalised or (
+            self.bad_words is not None and self.bad_words.reads_output)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -21,6 +21,8 @@ from pydantic import (
 
 from appliance.engine.grammar import GrammarSpec
 from appliance.engine.request import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -67,6 +69,8 @@ def bounded_int(ge: int | None = None, le: int | None = None) -> Any:
 
 TokenId = bounded_int(ge=0)
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS, pattern=r"\S"),
+                    AfterValidator(valid_unicode)]
 Count = bounded_int(ge=1)
 TopK = bounded_int(ge=-1, le=MAX_TOP_K)
 Seed = bounded_int(ge=-2**63, le=2**63 - 1)  # int64, as vLLM: wider seeds would alias (the key is 64 bits)
@@ -84,8 +88,7 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 # these by default, so they must not be refused.
 # Chat's `echo` and `chat_template` are chat-only (completions' echo is implemented): CHAT_OFF_VALUES.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
-                                           "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
-                                           "bad_words": ([],)}
+                                           "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,)}
 CHAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False,), "chat_template": ()}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "functions": "the deprecated functions API is not implemented; send tools",
@@ -94,7 +97,6 @@ _WHY = {"suffix": "fill-in-the-middle is not implemented",
                     "slo_class sets the class",
         "use_beam_search": "beam search is not implemented; n and best_of sample several choices",
         "length_penalty": "it weighs beam search's beams, and beam search is not implemented",
-        "bad_words": "it is not implemented; a logit_bias of -100 bans single tokens",
         "echo": "chat's echo (the last message repeated before the answer) is not implemented",
         "chat_template": "a request may not bring its own template; start the server with --chat-template"}
 
@@ -203,8 +205,10 @@ class _SamplingRequest(BaseModel):
                                          description="Extension (vLLM): only false.")
     length_penalty: Finite | None = Field(1.0, json_schema_extra=_off_enum("length_penalty"),
                                           description="Extension (vLLM, for beam search): only 1.")
-    bad_words: list[Text] | None = Field(None, json_schema_extra=_off_enum("bad_words"),
-                                         description="Extension (vLLM): only [].")
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description=f"Extension (vLLM): up to {MAX_BAD_WORDS} words of up to {MAX_BAD_WORD_CHARS} characters "
+                          "that the output never contains: a word's last token is masked wherever the output ends "
+                          "with the rest of it (the word spelled without its leading whitespace, and after a space).")
     spaces_between_special_tokens: bool | None = Field(
         True, description="Extension (vLLM): accepted either way; vLLM reads it for slow tokenizers only, and "
                           "muxd's is a fast one.")
@@ -215,6 +219,16 @@ class _SamplingRequest(BaseModel):
         """The count first, in words (a union would answer a long list with 'should be a valid string')."""
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"holds {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        return value
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bad_words_have_text(cls, value: Any) -> Any:
+        """A word of only whitespace bans nothing (its leading whitespace is dropped, as vLLM does): said in words."""
+        for i, word in enumerate(value if isinstance(value, list) else []):
+            if isinstance(word, str) and not word.strip():
+                raise ValueError(f"word {i} is {'empty' if not word else 'only whitespace'}; each bad word needs "
+                                 "text to ban")
         return value
 
     @field_validator("truncate_prompt_tokens", mode="before")
@@ -263,7 +277,7 @@ class _SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._bias(), logprobs=self.token_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
-            cache_salt=self.cache_salt,
+            bad_words=list(self.bad_words or []), cache_salt=self.cache_salt,
             grammar=self.grammar())
 
     @property

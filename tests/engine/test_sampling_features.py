@@ -1,5 +1,6 @@
 """The OpenAI/vLLM sampling options on the engine: penalties against a row-by-row reference, logit_bias, min_tokens,
-min_p, and log-probabilities (sampled and prompt) checked against a transformers forward of the same checkpoint."""
+bad words, min_p, and log-probabilities (sampled and prompt) checked against a transformers forward of the same
+checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -82,6 +83,45 @@ def test_allowed_token_ids_beside_rows_without_them(llama):
     assert tokens[ids[1]] == alone
 
 
+def test_bad_words_mask_one_token_words_always_and_a_longer_word_after_the_rest_of_it():
+    logits = torch.zeros(4, 20)
+    params = [SamplingParams(bad_words_token_ids=[[5], [9]]), SamplingParams(bad_words_token_ids=[[3, 4, 7], [4, 8]]),
+              SamplingParams(), SamplingParams(bad_words_token_ids=[[3, 4, 7]])]
+    reqs = [Request(f"r{i}", [1, 3, 4], sp) for i, sp in enumerate(params)]
+    reqs[0].output_token_ids = [2]
+    reqs[1].output_token_ids = [6, 3, 4]  # ends with the first word's prefix [3, 4] (and the second's, [4])
+    reqs[2].output_token_ids = [3, 4]
+    reqs[3].output_token_ids = []  # the prompt ends with [3, 4]; only the output counts
+    got = process_logits(logits.clone(), reqs)
+    banned = [(i, t) for i in range(4) for t in range(20) if got[i, t] == float("-inf")]
+    assert banned == [(0, 5), (0, 9), (1, 7), (1, 8)]
+    for output in ([3, 4, 2], [3, 4, 7], [4, 3]):  # the prefix earlier in the output, or cut: nothing masked
+        reqs[1].output_token_ids = output
+        assert process_logits(logits.clone(), reqs)[1].isfinite().all()
+    reqs[3].output_token_ids = [3, 4]
+    assert process_logits(logits.clone(), reqs)[3, 7] == float("-inf")
+
+
+def test_bad_words_change_greedy_output_only_where_they_would_appear(llama):
+    """Through the engine's loop (a word of several tokens: sampled once its latest token is read)."""
+    engine, _ = llama
+    greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = [o.new_token_ids[0] for o in run(engine, PROMPT, SamplingParams(**greedy))]
+    single = [o.new_token_ids[0] for o in run(engine, PROMPT, SamplingParams(**greedy,
+                                                                             bad_words_token_ids=[[alone[2]]]))]
+    assert single[:2] == alone[:2] and alone[2] not in single
+    pair = SamplingParams(**greedy, bad_words_token_ids=[alone[1:3]])  # its second token, after its first
+    rid = engine.add_request(PROMPT, pair)
+    other = engine.add_request(PROMPT, SamplingParams(**greedy))  # a row beside it without bad words
+    tokens: dict[str, list[int]] = {rid: [], other: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens[rid][:2] == alone[:2] and tokens[rid][2] != alone[2]
+    assert all(tokens[rid][k:k + 2] != alone[1:3] for k in range(7))
+    assert tokens[other] == alone
+
+
 def test_min_p_one_is_greedy_and_penalties_change_the_output(llama):
     engine, _ = llama
     greedy = run(engine, PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -143,6 +183,10 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_chunking(llama_chec
     (SamplingParams(logit_bias={10**6: 1}), "logit_bias"), (SamplingParams(logprobs=21), "logprobs"),
     (SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
     (SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),
+    (SamplingParams(bad_words=["x"]), "bad_words"),  # (this checkpoint has no tokenizer to spell it)
+    (SamplingParams(bad_words_token_ids=[[3, 10**6]]), "bad_words"), (SamplingParams(bad_words_token_ids=[[]]),
+                                                                       "bad_words_token_ids"),
+    (SamplingParams(allowed_token_ids=[3, 4], bad_words_token_ids=[[3], [4]]), "allowed_token_ids"),
 ])
 def test_bad_options_name_the_field(llama, params, field):
     engine, _ = llama

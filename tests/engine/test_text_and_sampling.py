@@ -100,11 +100,27 @@ def test_eos_from_generation_config_stops_unless_ignored(text_checkpoint, tmp_pa
 @pytest.mark.parametrize("params, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_k=-3), "top_k"), (dict(max_tokens=300), "max_tokens"), (dict(stop=[""]), "stop"),
+    (dict(bad_words=[" \t"]), "bad_words"), (dict(bad_words=["x" * 129]), "bad_words"),
 ])
 def test_bad_sampling_parameters_name_the_field(engine, params, field):
     with pytest.raises(RequestError) as info:
         engine.make_request("hello", SamplingParams(**params))
     assert info.value.param == field and field in str(info.value)
+
+
+def test_bad_words_are_spelled_as_vllm_spells_them(engine, text_checkpoint):
+    """Each word without its leading whitespace, and after a space where that is other tokens of the same length."""
+    tok = Tokenizer(text_checkpoint)
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    words = ("world", "the lazy dog", "and")
+    request = engine.make_request("hello", SamplingParams(bad_words=["  " + w for w in words]))
+    spellings = [[ids(w), ids(" " + w)] if ids(" " + w)[0] != ids(w)[0] and len(ids(" " + w)) == len(ids(w))
+                 else [ids(w)] for w in words]
+    assert request.sampling.bad_words_token_ids == [s for pair in spellings for s in pair]
+    assert 3 < len(request.sampling.bad_words_token_ids) < 6  # (some words have both spellings, some one)
 
 
 def test_bad_prompts(engine):

@@ -1,8 +1,8 @@
 """Request fields and routes vLLM clients use, in process on the embedded model: at their defaults the fields are
 accepted, those muxd implements do what vLLM's do (add_special_tokens, documents, request_id and X-Request-Id,
-stop_reason, return_token_ids, guided_grammar, allowed_token_ids, cache_salt, SageMaker's /ping and /invocations, and
-the server flags --enable-request-id-headers and --enable-force-include-usage), and the rest are refused by name with
-the reason."""
+stop_reason, return_token_ids, guided_grammar, allowed_token_ids, bad_words, cache_salt, SageMaker's /ping and
+/invocations, and the server flags --enable-request-id-headers and --enable-force-include-usage), and the rest are
+refused by name with the reason."""
 from __future__ import annotations
 
 import json
@@ -70,7 +70,6 @@ def test_response_ids_come_from_request_id_or_the_header(client):
 @pytest.mark.parametrize("path, field, value, words", [
     ("/v1/completions", "use_beam_search", True, "beam search is not implemented"),
     ("/v1/completions", "length_penalty", 0.5, "beam search is not implemented"),
-    ("/v1/completions", "bad_words", ["x"], "a logit_bias of -100 bans single tokens"),
     ("/v1/chat/completions", "echo", True, "chat's echo"),
     ("/v1/chat/completions", "chat_template", "{{ 1 }}", "start the server with --chat-template"),
 ])
@@ -185,6 +184,39 @@ def test_allowed_token_ids_keep_sampling_among_them(client):
     ends = client.post("/v1/completions", json={**TEXT, "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [7],
                                                 "allowed_token_ids": [7]})
     assert ends.status_code == 400 and "no token is left to sample" in ends.json()["error"]["message"]
+
+
+def test_bad_words_never_appear_in_greedy_output(client):
+    body = {"prompt": "The", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    greedy = client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+    def text(ids: list[int]) -> str:
+        return client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    def ids(text: str) -> list[int]:
+        return client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    # a word of one token, as is and after a space: neither spelling is generated (in chat either)
+    word = next(w for t in greedy for w in [text([t]).strip()]
+                if w.isalpha() and text([t]) in (w, " " + w) and len(ids(w)) == 1)
+    banned = {ids(w)[0] for w in (word, " " + word) if len(ids(w)) == 1}
+    first = next(k for k, t in enumerate(greedy) if t in banned)
+    out = client.post("/v1/completions", json={**body, "bad_words": [word]}).json()["choices"][0]["token_ids"]
+    assert not banned & set(out) and out[:first] == greedy[:first]
+    chat = client.post("/v1/chat/completions", json={**CHAT, "bad_words": [word]})
+    assert chat.status_code == 200, chat.text
+    # a word of two tokens: the first is still generated, the second never after it
+    pair = next(greedy[k:k + 2] for k in range(len(greedy) - 1) if ids(text(greedy[k:k + 2]).lstrip()) ==
+                greedy[k:k + 2])
+    out = client.post("/v1/completions", json={**body, "bad_words": [text(pair)]}).json()["choices"][0]["token_ids"]
+    at = next(k for k in range(len(greedy) - 1) if greedy[k:k + 2] == pair)
+    assert out[:at + 1] == greedy[:at + 1] and out[at + 1] != pair[1]
+    assert all(out[k:k + 2] != pair for k in range(len(out) - 1))
+    for words, param, message in (([" "], "bad_words", "only whitespace"), (["x" * 129], "bad_words.0",
+                                  "at most 128 characters"), (["x"] * 129, "bad_words", "at most 128 items")):
+        refused = client.post("/v1/completions", json={**TEXT, "bad_words": words})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert message in refused.json()["error"]["message"]
 
 
 def test_cache_salt_shares_cached_pages_only_within_the_salt(client):
