@@ -179,6 +179,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: p.Text | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: p.Text | None = Field(None, description="Accepted and ignored.")
     service_tier: p.Text | None = Field(None, description="Accepted and ignored.")
+    request_id: Annotated[p.Text, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="Extension (vLLM): the response's id (an X-Request-Id header wins).")
 
     @field_validator("input", mode="before")
     @classmethod

@@ -101,8 +101,8 @@ class OpenAIServing:
         rid = r.new_id("resp")
         try:
             requests, thinking = await self._off_loop(self._chat_requests, chat, rid)
-            return await self._serve(chat, requests, http, ResponsesFormat(rid, name, chat, body,
-                                                                           self.tool_parser, thinking))
+            fmt = ResponsesFormat(response_id("", body, http, rid), name, chat, body, self.tool_parser, thinking)
+            return await self._serve(chat, requests, http, fmt)
         except RequestError as exc:  # named as this request names the field
             raise renamed(exc) from None
 
@@ -309,11 +309,14 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-def response_id(prefix: str, body: p._SamplingRequest, http: HTTPRequest, new: str) -> str:
-    """The id a response shows, as vLLM makes it: from the X-Request-Id header, else the body's request_id, else
-    `new` (the engine's ids stay muxd's own, so that two requests of one client id never collide)."""
+def response_id(prefix: str, body: p._SamplingRequest | ResponsesRequest, http: HTTPRequest, new: str) -> str:
+    """The id a response shows, as vLLM makes it: from the X-Request-Id header, else the body's request_id, after
+    `prefix` (none: the id as given, as /v1/responses shows it), else `new` (the engine's ids stay muxd's own, so that
+    two requests of one client id never collide)."""
     given = http.headers.get("x-request-id") or body.request_id
-    return f"{prefix}-{given}" if given else new
+    if not given:
+        return new
+    return f"{prefix}-{given}" if prefix else given
 
 
 def _event(model: BaseModel) -> str:

@@ -65,6 +65,16 @@ def test_response_ids_come_from_request_id_or_the_header(client):
     # two requests of one client id run side by side: the engine's ids stay its own
     again = client.post("/v1/completions", json={**TEXT, "request_id": "abc", "n": 2})
     assert again.json()["id"] == "cmpl-abc" and len(again.json()["choices"]) == 2
+    # /v1/responses: the id as given (as vLLM), its output items named after it
+    response = {"input": "hi", "max_output_tokens": 2, "temperature": 0}
+    assert client.post("/v1/responses", json=response).json()["id"].startswith("resp-")
+    given = client.post("/v1/responses", json={**response, "request_id": "resp_abc"}).json()
+    assert given["id"] == "resp_abc" and given["output"][-1]["id"] == "msg_resp_abc"
+    headed = client.post("/v1/responses", json={**response, "request_id": "abc"}, headers={"X-Request-Id": "h-2"})
+    assert headed.json()["id"] == "h-2" and headed.headers["x-request-id"] == "h-2"
+    with client.stream("POST", "/v1/responses", json={**response, "stream": True, "request_id": "s-1"}) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert {e["response"]["id"] for e in events if "response" in e} == {"s-1"}
 
 
 @pytest.mark.parametrize("path, field, value, words", [
