@@ -3,12 +3,13 @@ index, output).
 
 With n > 1 and the prefix cache on, each prompt's first choice is submitted alone and its others once its first
 token is out: by then the prompt's full pages are in the prefix cache, so each prompt is prefilled once. Each choice
-feeds the latency metrics; closing the stream (client gone, error) aborts every choice still running.
+feeds the latency metrics, and counts the tokens the response shows (echo without generation samples a token it drops);
+closing the stream (client gone, error) aborts every choice still running.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator, Callable, Iterable
 
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import Request, RequestOutput
@@ -19,11 +20,11 @@ _END = object()
 
 class Choices:
     """`requests` are the choices of one prompt or of a batch of prompts, `group` to a prompt (prompt p's are the
-    indices p * group ...; None: one prompt)."""
+    indices p * group ...; None: one prompt); `shown`: an output as the response shows it, as the stream yields it."""
 
-    def __init__(self, engine: AsyncEngine, requests: list[Request], metrics: Metrics,
-                 share_prefill: bool = True, group: int | None = None) -> None:
-        self.engine, self.requests, self.metrics = engine, requests, metrics
+    def __init__(self, engine: AsyncEngine, requests: list[Request], metrics: Metrics, share_prefill: bool = True,
+                 group: int | None = None, shown: Callable[[RequestOutput], RequestOutput] = lambda out: out) -> None:
+        self.engine, self.requests, self.metrics, self.shown = engine, requests, metrics, shown
         self.n = len(requests)
         self.group = group or self.n
         self.share_prefill = share_prefill and self.group > 1
@@ -81,7 +82,8 @@ class Choices:
             self._queue.put_nowait((index, exc))
 
     def _seen(self, index: int, out: RequestOutput) -> tuple[int, RequestOutput]:
-        self._timers[index].tokens(len(out.new_token_ids))
+        self._timers[index].tokens(len(out.new_token_ids))  # (latencies: of the engine's tokens, a dropped one too)
+        out = self.shown(out)
         if out.finished:
             self.metrics.request_done(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
                                       out.num_output_tokens, self._timers[index].started)

@@ -237,14 +237,15 @@ class OpenAIServing:
         for request in requests:
             request.slo_class = slo_class
         each = body.num_generated  # choices generated per prompt
-        choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill, group=each)
+        choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill, group=each,
+                          shown=fmt.shown)
         await choices.start()  # the first choice is accepted (or refused: 429) before any byte is sent
         ranked = body.num_choices < each  # best_of > n
         prompt_tokens = sum(q.num_prompt_tokens for q in requests[::each])
         if body.stream and not ranked:
             return StreamingResponse(self._sse(choices, choices.n, fmt, body, prompt_tokens, group=each),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(self._collect(choices, fmt, keep=ranked))
+        collect = asyncio.ensure_future(self._collect(choices, keep=ranked))
         gone = asyncio.ensure_future(_wait_disconnect(http))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():  # the client left: stop generating for it
@@ -272,19 +273,19 @@ class OpenAIServing:
                                "send one", "slo_class")
         return self.engine.engine.slo_class(header if header is not None else body.slo_class)
 
-    async def _collect(self, choices: Choices, fmt: Any, keep: bool = False) -> list[Choice]:
+    async def _collect(self, choices: Choices, keep: bool = False) -> list[Choice]:
         states = [Choice(i, keep) for i in range(choices.n)]
         try:
             async for index, out in choices:
-                states[index].add(fmt.shown(out))
+                states[index].add(out)
         finally:
             await choices.aclose()
         return states
 
     async def _sse(self, outputs: Any, n: int, fmt: Any, body: p._SamplingRequest, prompt_tokens: int,
                    usage: r.Usage | None = None, group: int | None = None) -> AsyncIterator[str]:
-        """`outputs`: (choice index, output) pairs, live or replayed; `usage`: the total when it is known; `group`:
-        the choices of one prompt (a batch of prompts; None: one prompt)."""
+        """`outputs`: (choice index, output) pairs as the response shows them, live or replayed; `usage`: the total
+        when it is known; `group`: the choices of one prompt (a batch of prompts; None: one prompt)."""
         states = [Choice(i) for i in range(n)]
         continuous = body.continuous_usage
 
@@ -295,7 +296,6 @@ class OpenAIServing:
             for event in fmt.first(n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
                 yield _event(event)
             async for index, out in outputs:
-                out = fmt.shown(out)
                 states[index].add(out)
                 for event in fmt.chunk(states[index], out, so_far() if continuous else None):
                     yield _event(event)

@@ -104,6 +104,20 @@ def test_metrics_after_requests(server, client, model_name):
     assert 0 <= after["muxd:kv_cache_usage_perc"] <= 1 and after["muxd:kv_cache_free_pages"] > 0
 
 
+def test_scoring_a_prompt_counts_no_generated_token(server, model_name):
+    """echo with max_tokens 0 samples a token that the response drops: the counters count what it returns."""
+    body = {"model": model_name, "prompt": "hello there", "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2}
+    before = server.metrics()
+    whole = httpx.post(server.url + "/v1/completions", json=body).json()
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as stream:
+        assert list(stream.iter_lines())[-2:] == ["data: [DONE]", ""]
+    after = server.metrics()
+    assert whole["usage"]["completion_tokens"] == 0 and whole["choices"][0]["text"] == "hello there"
+    for name in ("muxd:generation_tokens_total", 'vllm:generation_tokens_total{engine="0"}'):
+        assert after[name] == before[name]
+    assert after["muxd:e2e_request_latency_seconds_count"] - before["muxd:e2e_request_latency_seconds_count"] == 4
+
+
 def error_of(response: httpx.Response) -> dict:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
