@@ -94,6 +94,23 @@ def test_allowed_token_ids_on_the_fast_path(copy_model):
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
+def test_bad_words_on_the_fast_path(copy_model):
+    """A word of two tokens taken from a row's greedy output never appears in it on the GPU (decode graphs, the
+    overlapped loop, the row sampled once its latest token is read), beside rows that decode as they do without it."""
+    engine = fast(copy_model)
+    prompts = [periodic_prompt(i, 40) for i in range(4)]
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    free = [c.token_ids for c in engine.generate(prompts, [greedy] * 4)]
+    word = free[0][3:5]
+    first = next(k for k in range(31) if free[0][k:k + 2] == word)
+    banned = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, bad_words_token_ids=[word])
+    out = [c.token_ids for c in engine.generate(prompts, [banned] + [greedy] * 3)]
+    assert len(out[0]) == 32 and out[0][:first + 1] == free[0][:first + 1]
+    assert all(out[0][k:k + 2] != word for k in range(31))
+    assert out[1:] == free[1:]
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
 def test_fast_path_frees_every_page_after_aborts(copy_model):
     engine = fast(copy_model)
     ids = [engine.add_request(periodic_prompt(s, 50), SamplingParams(max_tokens=40, ignore_eos=True))
