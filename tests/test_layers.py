@@ -9,8 +9,8 @@ import appliance
 
 ROOT = Path(appliance.__file__).resolve().parent
 # bottom to top; a package may import any package listed before it
-LAYERS = ["errors", "appliance", "attention", "model_zoo", "workload", "slo", "predictor", "config", "config_flags", "engine", "bench",
-          "profile", "server", "cluster", "cli", "__main__"]
+LAYERS = ["errors", "appliance", "attention", "model_zoo", "workload", "slo", "predictor", "config", "config_flags",
+          "engine", "bench", "profile", "server", "cluster", "cli", "__main__"]
 DEFERRED_OK = "defers"  # the comment on the line that explains an import inside a function
 
 

@@ -30,7 +30,8 @@ WORKSPACE_BYTES = 128 << 20
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # the CUDA-core decode kernel is built for group sizes 1, 2, 4, 8; from 4 up the tensor-core path (the prefill
-# kernels) reads the KV faster (measured: 1.5x at batch 64, context 1k, group 4), and it takes any group (Qwen2.5-7B's 7)
+# kernels) reads the KV faster (measured: 1.5x at batch 64, context 1k, group 4), and it takes any group (Qwen2.5-7B's
+# 7)
 CUDA_CORE_DECODE_GROUPS = (1, 2)
 MAX_PLAN_BUFFERS = 6  # pinned plan buffers of one workspace at most (8 MiB each)
 

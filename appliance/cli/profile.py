@@ -158,7 +158,8 @@ def profile_command(app: typer.Typer) -> None:
             points = plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, seed, kv_tokens=kv_tokens)
             too_big = len(plan_points(ranges, timer.sm_count, timer.decode_partitions, holdout, seed)) - len(points)
             console.print(f"{timer.gpu_name}: {timer.sm_count} SMs, decode partitions "
-                          f"{timer.decode_partitions or 'none'}; {len(points)} points to measure ({too_big} larger than the KV pool left out)")
+                          f"{timer.decode_partitions or 'none'}; {len(points)} points to measure ({too_big} larger "
+                          "than the KV pool left out)")
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=console, disable=not progress) as bar:
                 task = bar.add_task("profiling", total=len(points))

@@ -11,8 +11,8 @@ max-autotune's GEMM templates made decode at 8, 64 and 128 rows slower on an H20
 graph the output projection and the residual add stay apart (`residual_add_apart`): Inductor would make them one addmm,
 which ATen runs on CUDA as a copy of the residual into the output and a GEMM that adds it (a copy kernel a layer);
 apart, the add joins the next norm's kernel, and the projection is rounded before the add, as transformers does it.
-Inductor's and Triton's caches live under muxd's cache directory, so a second start reuses the generated kernels, their tuned
-configurations and the binaries of muxd's own Triton kernels.
+Inductor's and Triton's caches live under muxd's cache directory, so a second start reuses the generated kernels,
+their tuned configurations and the binaries of muxd's own Triton kernels.
 """
 from __future__ import annotations
 

@@ -271,7 +271,8 @@ class ModelRunner:
             partials = [self._partials.pop(w.request_id) for w in works]
             for w, p in zip(works, partials):
                 if p.layer_end != start:
-                    raise RuntimeError(f"prefill of {w.request_id} resumes at layer {start} but stopped at {p.layer_end}")
+                    raise RuntimeError(f"prefill of {w.request_id} resumes at layer {start} but stopped at "
+                                       f"{p.layer_end}")
             carried = (torch.cat([p.hidden for p in partials]),
                        None if partials[0].residual is None else torch.cat([p.residual for p in partials]))
         batch = self.batches.build(reqs, spans, with_ids=carried is None)

@@ -94,8 +94,8 @@ class WireEncoder:
         header = [STEP, flags, partition, 0, len(new) // 3, len(counts) // 2, len(pages) // 3, len(plan.decode),
                   len(plan.prefill), len(prefill_rows)]
         rows = [-1 if r is None else r for r in prefill_rows]
-        return np.asarray([*header, *new, *counts, *pages, *(sent_[i].number for i in plan.decode), *works, *rows, *tokens,
-                           *page_ids], dtype=np.int64).tobytes()
+        return np.asarray([*header, *new, *counts, *pages, *(sent_[i].number for i in plan.decode), *works, *rows,
+                           *tokens, *page_ids], dtype=np.int64).tobytes()
 
 
 class WireDecoder:

@@ -1,8 +1,8 @@
 """`muxd bench diagnose`: where a policy's time goes on the GPU. Replays a trace slice or a synthetic workload in
 process (token-id prompts, dummy weights) and records every engine step — planning time, launch time, the plan's
 mode, decode partition and prefill layers, the prefill launches in flight — every prefill launch's GPU time, and the
-executor's timeline; writes them as JSON and prints a summary. With a profile it prints the serving factors too (`write_serving` keeps
-them in a copy); from step and prefill logs alone it only calibrates.
+executor's timeline; writes them as JSON and prints a summary. With a profile it prints the serving factors too
+(`write_serving` keeps them in a copy); from step and prefill logs alone it only calibrates.
 """
 from __future__ import annotations
 
@@ -157,8 +157,8 @@ def diagnose(args: DiagnoseOptions) -> None:
               f"({loop_cpu / result.duration:.0%}), {loop_cpu / streamed * 1e6:.0f} us a streamed token")
     _launch_host(steps)
     for kind, key in (("mixed", "mixed"), ("decode beside prefill", "beside"), ("decode alone", None)):
-        rows = [s for s in steps if "pred_ms" in s and (s["mixed"] if key == "mixed" else
-                                                         (not s["mixed"] and bool(s.get("beside")) == (key is not None)))]
+        rows = [s for s in steps if "pred_ms" in s and (
+            s["mixed"] if key == "mixed" else (not s["mixed"] and bool(s.get("beside")) == (key is not None)))]
         if rows:
             wall = sorted(s["launch_ms"] / s["pred_ms"] for s in rows)
             print(f"  {kind}: {len(rows)} steps, wall / predicted median {statistics.median(wall):.2f}, "

@@ -142,7 +142,8 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
                                   "prefill_only_steps")) > 0
     assert set(planner) == {"stats", "contention_cells", "split", "mixed", "full", "control", "host"}
     control = planner["control"]["default"]  # the closed loop's state: headroom and the tail it saw, per class
-    assert 0 < control["tbt"]["headroom"] <= 1 and control["tbt"]["samples"] >= 4 * 4  # 4 gaps of each of 4 requests (and a warm-up)
+    # 4 gaps of each of 4 requests (and a warm-up)
+    assert 0 < control["tbt"]["headroom"] <= 1 and control["tbt"]["samples"] >= 4 * 4
     assert control["ttft"]["samples"] >= 4
     assert planner["mixed"]["observations"] <= steps["aggregated_steps"] + steps["chunk_steps"]
     # in process: the engine's garbage collections during the replay, after its start-up objects were frozen

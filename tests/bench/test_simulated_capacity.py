@@ -92,7 +92,8 @@ def test_chunked_tuned_on_the_workload_keeps_tbt(tmp_path):
     assert bench.options.chunk_budget == budget and budget % 128 == 0
     target = contract.slo_for(None).tbt_ms
     assert bench.run("chunked", specs).report.tbt_ms <= target
-    over = SimulatedBench(contract, predictor, bench.sim, truth=gpu, options=SchedulerSettings(chunk_budget=budget + 128))
+    over = SimulatedBench(contract, predictor, bench.sim, truth=gpu,
+                          options=SchedulerSettings(chunk_budget=budget + 128))
     assert over.run("chunked", specs).report.tbt_ms > target
     assert tune_chunk_budget(gpu, target) > budget
 

@@ -129,7 +129,8 @@ def test_launch_times_spread_around_the_model_are_drawn_reproducibly_and_learned
     per_layer = ms / layers
     assert per_layer.max() > 3 * per_layer.min()  # a spread, not one figure
     host = planner.predictor.host
-    assert np.mean(ms <= host.launch_ms + host.per_layer_ms * layers + 1e-9) == pytest.approx(host_module.LAUNCH_QUANTILE, abs=0.02)
+    assert np.mean(ms <= host.launch_ms + host.per_layer_ms * layers + 1e-9) == pytest.approx(
+        host_module.LAUNCH_QUANTILE, abs=0.02)
 
 
 @pytest.mark.parametrize("rate", [0.8, 1.5])

@@ -41,7 +41,8 @@ def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
     engine = build_engine(Config.flat(model=str(path), tensor_parallel_size=tp, policy=policy, **settings))
     try:
         prompts = [PREFIX + [40, 41, 42], PREFIX + [50, 51], [7, 8, 9, 10, 11, 12, 13]]
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, prompt_logprobs=1 if i == 2 else None)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                 prompt_logprobs=1 if i == 2 else None)
                   for i in range(len(prompts))]
         done = engine.generate(prompts, params)
         return [c.token_ids for c in done], engine.num_preemptions

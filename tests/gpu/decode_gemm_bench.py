@@ -4,12 +4,13 @@ stored in x out (`x @ w`, another cuBLAS kernel family), and, with `--autotune`,
 among cuBLAS and its Triton templates; with `--reduction`, as Inductor's tuned reduction of the products (the form
 it gives a one-row product, here laid out [N, M] so that a program reads each weight row once for all rows; checked
 against F.linear first); with `--split-k S,..`, as S fp32 partial products in one batched GEMM (SplitKLinear's form,
-whose sum the next kernel does; F.linear's figure includes cuBLASLt's own split-K reduction where it splits). Each figure is one call, timed as a CUDA graph of `--layers` calls over distinct weights (as
-a decode graph replays them: no call finds its weights in L2), against the bytes it must move.
+whose sum the next kernel does; F.linear's figure includes cuBLASLt's own split-K reduction where it splits). Each
+figure is one call, timed as a CUDA graph of `--layers` calls over distinct weights (as a decode graph replays them:
+no call finds its weights in L2), against the bytes it must move.
 
     PYTHONPATH=. python tests/gpu/decode_gemm_bench.py [--batches 1,8,32,64,128] [--layers 32] [--autotune 1,64]
-        [--reduction 2,4,8] [--split-k 2,4] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8] [--head-dim 128]
-        [--vocab 128256] [--json OUT]
+        [--reduction 2,4,8] [--split-k 2,4] [--hidden 4096] [--intermediate 14336] [--heads 32] [--kv-heads 8]
+        [--head-dim 128] [--vocab 128256] [--json OUT]
 """
 from __future__ import annotations
 

@@ -62,8 +62,8 @@ def main() -> None:
                     raise SystemExit(f"{point.key}: no prefill graph replayed")
                 runs.setdefault((point.key, mode), []).append((wall, gpu))
     rows = []
-    print("| step | SMs | new | graphs wall ms | GPU ms | wall/GPU | spread | eager wall ms | GPU ms | wall/GPU | spread | "
-          "eager/graphs |")
+    print("| step | SMs | new | graphs wall ms | GPU ms | wall/GPU | spread | eager wall ms | GPU ms | wall/GPU | "
+          "spread | eager/graphs |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for point in points:
         row = {"kind": point.kind, "sms": point.sms, "new": point.new, "reused": point.reused, "batch": point.batch}

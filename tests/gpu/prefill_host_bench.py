@@ -10,9 +10,10 @@ waits for a full launch queue: what is measured is the host's own work. `--queue
 again with 20 ms of device work (a spin kernel) queued first on the prefill stream, on the decode stream and on the
 default stream, in turn: a launch whose host time grows with that work waits for the device somewhere (a
 synchronising copy, a legacy-stream dependency), which a serving engine, whose streams are always busy, pays at every
-launch; a torch.profiler table of the CUDA runtime calls of those launches says which call waits. `--busy F` runs another Python thread that
-holds the interpreter for a fraction F of the time in 1 ms slices (as a serving process's event loop streaming tokens
-does): launches that slow down with it are paying for the interpreter lock, not for the device.
+launch; a torch.profiler table of the CUDA runtime calls of those launches says which call waits. `--busy F` runs
+another Python thread that holds the interpreter for a fraction F of the time in 1 ms slices (as a serving process's
+event loop streaming tokens does): launches that slow down with it are paying for the interpreter lock, not for the
+device.
 `--switch-interval-ms` sets the interpreter's switch interval (Python's default: 5 ms).
 """
 from __future__ import annotations

@@ -16,12 +16,14 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
 def fast(path, **kw) -> Engine:
     return build_engine(Config.flat(model=path, device="cuda",
-                                    num_gpu_blocks_override=512, max_num_seqs=32, attention_backend="flashinfer", compile=True, cuda_graph=True, **kw))
+                                    num_gpu_blocks_override=512, max_num_seqs=32, attention_backend="flashinfer",
+                                    compile=True, cuda_graph=True, **kw))
 
 
 def reference(path) -> Engine:
     return build_engine(Config.flat(model=path, device="cuda",
-                                    num_gpu_blocks_override=512, max_num_seqs=32, attention_backend="torch", compile=False, cuda_graph=False))
+                                    num_gpu_blocks_override=512, max_num_seqs=32, attention_backend="torch",
+                                    compile=False, cuda_graph=False))
 
 
 def test_fast_path_greedy_equals_torch_backend(copy_model):

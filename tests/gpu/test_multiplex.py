@@ -51,7 +51,8 @@ class ShortFirstLayerwise(Planner):
 
 def engine(path, **kw) -> Engine:
     return build_engine(Config.flat(model=path, device="cuda",
-                                    num_gpu_blocks_override=1024, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+                                    num_gpu_blocks_override=1024, max_num_seqs=16, attention_backend="flashinfer",
+                                    compile=True, **kw))
 
 
 def test_multiplexed_outputs_equal_serial_with_switches_preemption_and_abort(copy_model):

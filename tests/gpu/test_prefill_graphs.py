@@ -19,7 +19,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 def engine(path, **kw) -> Engine:
     return build_engine(Config.flat(model=path, device="cuda",
-                                    num_gpu_blocks_override=1024, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+                                    num_gpu_blocks_override=1024, max_num_seqs=16, attention_backend="flashinfer",
+                                    compile=True, **kw))
 
 
 def test_prefill_graphs_equal_eager_whole_prompts_prefixes_and_layer_steps(copy_model):

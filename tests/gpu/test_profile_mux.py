@@ -35,7 +35,8 @@ targets:
 
 def engine(path, **kw) -> Engine:
     return build_engine(Config.flat(model=path, device="cuda",
-                                    num_gpu_blocks_override=2048, max_num_seqs=16, attention_backend="flashinfer", compile=True, **kw))
+                                    num_gpu_blocks_override=2048, max_num_seqs=16, attention_backend="flashinfer",
+                                    compile=True, **kw))
 
 
 def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tmp_path):
@@ -52,7 +53,8 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
     profile = result.profile
     assert sorted(int(k) for k in profile.decode) == sorted([*timer.decode_partitions[:3], timer.sm_count])
-    assert sorted(int(k) for k in profile.prefill) == sorted(timer.sm_count - d for d in [0, *timer.decode_partitions[:3]])
+    assert sorted(int(k) for k in profile.prefill) == sorted(
+        timer.sm_count - d for d in [0, *timer.decode_partitions[:3]])
     assert all(c.slowdown >= 1.0 for c in profile.contention)
     assert result.errors["prefill_n"] > 0 and result.errors["decode_n"] > 0
     # the GEMMs were timed at the row buckets on every prefill partition first, and the prefills ran padded
@@ -67,7 +69,8 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     # the serving calibration replays on the multiplexed engine under chunked prefill, then mux, and puts
     # everything back
     specs = [RequestSpec(arrival=i * 0.02, prompt_len=64 + 32 * (i % 4), output_len=48) for i in range(24)]
-    factors, steps, prefills = calibrate_serving(prof_engine, [(specs, 200.0)], profile.predictor(prof_engine.model.config.num_layers, "profile"))
+    factors, steps, prefills = calibrate_serving(
+        prof_engine, [(specs, 200.0)], profile.predictor(prof_engine.model.config.num_layers, "profile"))
     assert "decode" in factors and any(s.get("mixed") for s in steps)
     assert any(s.get("mode") == "decode" for s in steps)  # the mux planner's steps (chunked leaves no mode)
     assert set(factors) <= {"decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k",

@@ -63,7 +63,8 @@ class TailController:
 
     def state(self) -> dict[str, float | int | None]:
         observed = self.observed
-        return {"headroom": round(self.headroom, 4), "observed_tail": None if observed != observed else round(observed, 4),
+        return {"headroom": round(self.headroom, 4),
+                "observed_tail": None if observed != observed else round(observed, 4),
                 "samples": self.samples, "over_setpoint": self.exceeded}
 
 
