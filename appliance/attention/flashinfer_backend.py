@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from appliance.attention.kv_write import rope_write_kv, write_kv
+from appliance.attention.kv_write import rope_kernel_takes, rope_write_kv, write_kv
 from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.pinned import PinnedRing, Ring
 from appliance.attention.triton_decode import MAX_BATCH, BalancedTritonDecode, TritonDecode
@@ -225,6 +225,10 @@ class FlashInferAttention:
                      k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """`forward` of a fused QKV projection not yet rotated: one kernel normalises (where q_norm and k_norm are
         given) and rotates q and k and writes k and v."""
+        triton = self.triton
+        if (getattr(triton, "fuses_rope", False) and triton.head_dim == cos_sin.shape[-1]
+                and num_heads == triton.num_heads and rope_kernel_takes(qkv, cos_sin, num_heads, kv, q_norm, k_norm)):
+            return triton.run_rope(qkv, positions, cos_sin, kv, metadata.slot_mapping, q_norm, k_norm, eps)
         q = rope_write_kv(qkv, positions, cos_sin, num_heads, kv, metadata.slot_mapping, q_norm, k_norm, eps)
         return self._run(q, kv)
 

@@ -62,15 +62,22 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     given), store k and v at their slots of one layer's cache kv [2, pages, page_size, Hkv, D]; returns q [T, H, D]
     (contiguous). The halves of each cos_sin row are equal, as rotate-half rope makes them (the kernel reads the
     first)."""
-    half = cos_sin.shape[-1] // 2
-    norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else ()
-    if (qkv.is_cuda and qkv.dtype == kv.dtype == cos_sin.dtype and qkv.stride(-1) == 1 and kv.is_contiguous()
-            and cos_sin.is_contiguous() and half & (half - 1) == 0 and num_heads % kv.shape[-2] == 0
-            and qkv.shape[0] > 0 and all(w.is_contiguous() and w.dtype == qkv.dtype for w in norms)):
+    if qkv.is_cuda and rope_kernel_takes(qkv, cos_sin, num_heads, kv, q_norm, k_norm):
         return launch_rope_write_kv(qkv, positions, cos_sin, num_heads, kv, slot_mapping, q_norm, k_norm, eps)
     q, k, v = apply_rope(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
     write_kv(k, v, kv, slot_mapping)
     return q.contiguous()
+
+
+def rope_kernel_takes(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, kv: torch.Tensor,
+                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> bool:
+    """Whether the Triton rotary kernels (this one, and the decode attention that folds it in) take these tensors:
+    one dtype, rows of unit stride, a contiguous cache, table and norm weights, a power-of-two half head."""
+    half = cos_sin.shape[-1] // 2
+    norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else ()
+    return (qkv.dtype == kv.dtype == cos_sin.dtype and qkv.stride(-1) == 1 and kv.is_contiguous()
+            and cos_sin.is_contiguous() and half & (half - 1) == 0 and num_heads % kv.shape[-2] == 0
+            and qkv.shape[0] > 0 and all(w.is_contiguous() and w.dtype == qkv.dtype for w in norms))
 
 
 def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,

@@ -13,6 +13,10 @@ end do nothing), so a graph captured once serves any context and the host plans 
 batch size, and the last item of a cut row to finish merges its partials, so one launch a layer serves any mix of
 lengths. It aims at `BALANCED_WAVES` programs an SM: a whole number of rounds of the programs an SM holds at once, so
 no nearly empty last round.
+
+`TritonDecode.run_rope` folds the rotary kernel's work into the split kernel (q/k norms, the rotation, the new
+K/V written to the cache and added to the softmax from registers): one launch a layer fewer. It is off
+(`ROPE_IN_ATTENTION`) until measured on a GPU.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ NUM_WARPS = 2          # (measured faster than 4 warps x 4 pages at 1-8 rows)
 NUM_STAGES = 3         # Triton's software pipelining of the page loop: 2 tiles of K/V in flight a program
 PROGRAMS_PER_SM = 6    # programs of the split kernel an SM holds at once (156 registers a thread at 2 warps; 37 KB
                        # of shared memory at 3 stages)
+ROPE_IN_ATTENTION = False  # the split kernel rotates q and writes the new K/V itself (`run_rope`: one launch a layer
+                           # fewer); off until measured on a GPU
 
 BALANCED_PAGES_PER_BLOCK = 4
 BALANCED_WARPS = 4
@@ -66,9 +72,13 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
 def _build():
     global _kernels
     if _kernels is None:
-        from appliance.attention.triton_decode_kernels import decode_merge, decode_partial  # defers Triton
+        from appliance.attention.triton_decode_kernels import (  # defers Triton
+            decode_merge,
+            decode_partial,
+            decode_partial_rope,
+        )
 
-        _kernels = (decode_partial, decode_merge)
+        _kernels = (decode_partial, decode_merge, decode_partial_rope)
     return _kernels
 
 
@@ -80,10 +90,11 @@ class TritonDecode:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
                  device: torch.device, splits: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
                  num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None,
-                 num_stages: int = NUM_STAGES) -> None:
+                 num_stages: int = NUM_STAGES, rope: bool | None = None) -> None:
         """splits (a power of two; default `splits_for(batch)`), pages_per_block, num_warps and num_stages (the
         page loop's pipelining depth): the tiling, which tests/gpu/decode_attention_bench.py can sweep; scratch: a
-        device buffer the partials may live in (`partials`)."""
+        device buffer the partials may live in (`partials`); rope: whether `run_rope` serves the backend's fused
+        QKV calls (default `ROPE_IN_ATTENTION`)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.batch, self.splits = batch, splits or splits_for(batch)
@@ -96,13 +107,14 @@ class TritonDecode:
         self.partial_out, self.partial_lse = partials(batch * num_heads * self.splits, head_dim, device, scratch)
         self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         self._staging = PinnedRing(torch.int32, pinned=device.type == "cuda")
+        self.fuses_rope = ROPE_IN_ATTENTION if rope is None else rope
 
     def plan(self, m: AttentionMetadata) -> None:
         _copy_plan(self, m, [m.kv_indptr, m.seq_lens, np.asarray(m.kv_indices, dtype=np.int32)])
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [batch, H, D]; k/v cache [pages, page_size, Hkv, D] of one layer -> [batch, H, D]."""
-        partial, merge = _build()
+        partial, merge, _ = _build()
         out = torch.empty_like(q)
         b = q.shape[0]
         page = k_cache.shape[1]
@@ -116,6 +128,30 @@ class TritonDecode:
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=self.head_dim, PAGE=page, PPB=self.pages_per_block,
                                    SPLITS=self.splits, **launch)
+        return out
+
+    def run_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv: torch.Tensor,
+                 slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+        """`run` of a fused QKV projection [batch, (H + 2 Hkv) D] not yet rotated, with the rotary kernel's work
+        (kv_write.rope_write_kv: q/k norms where given, the rotation by cos_sin at `positions`, the new K/V written
+        at `slot_mapping` of kv [2, pages, page_size, Hkv, D]) done by the attention kernel -> [batch, H, D]. For
+        tensors `kv_write.rope_kernel_takes`."""
+        _, merge, partial_rope = _build()
+        b, page, d = qkv.shape[0], kv.shape[2], self.head_dim
+        out = qkv.new_empty(b, self.num_heads, d)
+        norm = q_norm is not None and k_norm is not None
+        launch = launch_options(qkv.device, b)
+        partial_rope[(b, self.num_kv_heads, self.splits)](
+            qkv, positions, cos_sin, slot_mapping, q_norm if norm else qkv, k_norm if norm else qkv, kv[0], kv[1],
+            self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse, self.scale_log2, float(eps),
+            qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), HEADS=self.num_heads,
+            KV_HEADS=self.num_kv_heads, G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=d, PAGE=page,
+            PPB=self.pages_per_block, SPLITS=self.splits, NORM=norm, num_warps=self.num_warps,
+            num_stages=self.num_stages, **launch)
+        merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
+                                   out.stride(1), D=d, PAGE=page, PPB=self.pages_per_block, SPLITS=self.splits,
+                                   **launch)
         return out
 
 

@@ -15,9 +15,10 @@ def _span(seq_len, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
 
 @triton.jit
 def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2, stride_kp, stride_kt, stride_kh,
-            GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr):
+            GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, EMPTY_OK: tl.constexpr = False):
     """The online softmax of the query tile q [GP, D] over one KV head's pages [p0, p1) of a row (PPB pages a
-    step): its running max m, sum l and unnormalised output acc."""
+    step), its tokens before `seq_len`: its running max m, sum l and unnormalised output acc. EMPTY_OK: a step may
+    hold no token of the row even when it is the split's first (m stays -inf, l 0)."""
     d = tl.arange(0, D)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
@@ -39,6 +40,8 @@ def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2,
         sc = tl.dot(q, tl.trans(k)) * scale_log2
         sc = tl.where(valid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
+        if EMPTY_OK:  # exponents against a finite max: no -inf - -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_new)
         pr = tl.exp2(sc - m_new[:, None])
         l = l * alpha + tl.sum(pr, 1)
@@ -74,6 +77,79 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
     if PDL:  # the next kernel may launch now: its programs wait in SM slots these programs no longer need
         tl.extra.cuda.gdc_launch_dependents()
     row = b * num_heads + h * G + g
+    keep = qmask & (s + g * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
+    safe = tl.where(l == 0.0, 1.0, l)
+    tl.store(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
+    tl.store(plse_ptr + row * SPLITS + s, m + tl.log2(safe), mask=keep)
+
+
+@triton.jit
+def _rotated(src, w_ptr, heads, mask, d, cos, sin, eps, dtype: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """Heads `heads` [R] of one row's fused QKV projection at `src` as [R, D]: RMS-normalised by the weights at w_ptr
+    where NORM, then rotated (rotate-half) by cos and sin [D], rounded as the rotary kernel rounds them
+    (kv_write_kernels.rope_write_kv_kernel); fp32."""
+    half = D // 2
+    partner = (d + half) % D  # x2 against x1, x1 against x2
+    x = tl.load(src + heads[:, None] * D + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(src + heads[:, None] * D + partner[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        x = ((x * r).to(dtype).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)[None, :]).to(dtype)
+        xp = ((xp * r).to(dtype).to(tl.float32) * tl.load(w_ptr + partner).to(tl.float32)[None, :]).to(dtype)
+        x, xp = x.to(tl.float32), xp.to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)
+    return x * cos[None, :] + (sign[None, :] * xp) * sin[None, :]
+
+
+@triton.jit
+def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr,
+                        seqlen_ptr, po_ptr, plse_ptr, scale_log2, eps, stride_qkv, positions, stride_kp, stride_kt,
+                        stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr,
+                        NORM: tl.constexpr, PDL: tl.constexpr = False):
+    # `decode_partial` of a fused QKV projection not yet rotated, the rotary kernel's work folded in: each program
+    # normalises (NORM) and rotates its group's query heads itself; the split holding the row's newest token writes
+    # that token's rotated K and its V to the cache, and adds it to its softmax from registers (its loop reads the
+    # cache's older tokens only, so no program reads what another writes in this launch)
+    if PDL:  # launched early (attention/pdl.py): wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    dtype = qkv_ptr.dtype.element_ty
+    seq_len = tl.load(seqlen_ptr + b)
+    first = tl.load(indptr_ptr + b)
+    npages, per, used = _span(seq_len, PAGE, PPB, SPLITS)
+    p0 = s * per
+    p1 = tl.minimum(p0 + per, npages)
+    pos = tl.minimum(tl.load(pos_ptr + b).to(tl.int64), positions - 1)
+    d = tl.arange(0, D)
+    cos = tl.load(table_ptr + pos * 2 * D + d).to(tl.float32)  # table [positions, 2, D], equal halves
+    sin = tl.load(table_ptr + pos * 2 * D + D + d).to(tl.float32)
+    src = qkv_ptr + b * stride_qkv
+    g = tl.arange(0, GP)
+    qmask = g < G
+    q = _rotated(src, qw_ptr, h * G + g, qmask, d, cos, sin, eps, dtype, D, NORM).to(dtype)
+    m, l, acc = _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len - 1, p0, p1, h, scale_log2, stride_kp, stride_kt,
+                        stride_kh, GP, D, PAGE, PPB, True)
+    if s == used - 1:  # the newest token's page is the last split's
+        one = tl.arange(0, 1)
+        k = _rotated(src, kw_ptr, HEADS + h + one, one == 0, d, cos, sin, eps, dtype, D, NORM).to(dtype)  # [1, D]
+        v = tl.load(src + (HEADS + KV_HEADS + h) * D + d)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        at = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + h * stride_kh
+        tl.store(k_ptr + at + d[None, :], k.to(k_ptr.dtype.element_ty))
+        tl.store(v_ptr + at + d, v.to(v_ptr.dtype.element_ty))
+        sc = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale_log2
+        m_new = tl.maximum(m, sc)
+        alpha = tl.exp2(m - m_new)
+        pr = tl.exp2(sc - m_new)
+        l = l * alpha + pr
+        acc = acc * alpha[:, None] + pr[:, None] * v.to(tl.float32)[None, :]
+        m = m_new
+    if PDL:  # the next kernel may launch now
+        tl.extra.cuda.gdc_launch_dependents()
+    row = b * HEADS + h * G + g
     keep = qmask & (s + g * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
     safe = tl.where(l == 0.0, 1.0, l)
     tl.store(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])

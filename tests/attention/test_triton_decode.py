@@ -102,6 +102,43 @@ def test_balanced_kernel_matches_the_torch_reference_in_the_interpreter():
     assert max(cuts) > 1 and min(cuts) == 0  # some plans cut rows, one cut none
 
 
+ROPE = BATCH + textwrap.dedent("""
+    from appliance.attention.kv_write import apply_rope, write_kv
+    from appliance.attention.triton_decode import TritonDecode
+    gen = torch.Generator().manual_seed(2)
+    angles = torch.arange(2048.0)[:, None] * (1e4 ** (-torch.arange(0, D, 2) / D))[None, :]
+    table = torch.stack([torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)], 1).contiguous()
+    # rows of 1, 16 and 17 tokens: the newest token alone in its split's loop, the last of a page, alone in a page
+    for heads, kv_heads, lens, norm in [(8, 2, [1024], False), (4, 4, [1, 37, 300], False),
+                                        (7, 1, [513, 17], True), (8, 2, [16, 1], True)]:
+        meta, cache, _, _ = batch(heads, kv_heads, lens, gen, pool=200)
+        positions = torch.tensor(lens) - 1
+        qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * D, generator=gen)
+        norms = tuple(1 + 0.1 * torch.randn(D, generator=gen) for _ in range(2)) if norm else (None, None)
+        # the reference: the rotary reference, the K/V write, then the split kernel on the rotated q
+        ref_cache = cache.clone()
+        q, k, v = apply_rope(qkv, positions, table, heads, *norms, 1e-6)
+        write_kv(k, v, ref_cache, meta.slot_mapping)
+        dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"))
+        dec.plan(meta)
+        expected = dec.run(q.contiguous(), ref_cache[0], ref_cache[1])
+        out = dec.run_rope(qkv, positions, table, cache, meta.slot_mapping, *norms, 1e-6)
+        err, cache_err = (out - expected).abs().max().item(), (cache - ref_cache).abs().max().item()
+        print(heads, kv_heads, lens, norm, err, cache_err)
+        assert err < 1e-4 and cache_err < 1e-5, (heads, kv_heads, lens, err, cache_err)
+    print("ok")
+""")
+
+
+def test_rope_folded_into_the_split_kernel_matches_the_rotary_kernel_then_attention():
+    """`run_rope` (q/k norms, rotation and the new K/V write inside the attention kernel) against the rotary
+    reference, the K/V write and `run`: the output and every cache entry, GQA groups of 4, 1 and 7."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", ROPE], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
 def test_balanced_plans_cut_long_rows_into_equal_items():
     items = balance(np.array([65] * 63 + [2048, 1]), target=66, capacity=66 + 2 * 65)
     used = items[items[:, 0] >= 0]
