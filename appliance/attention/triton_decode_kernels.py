@@ -52,6 +52,25 @@ def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2,
 
 
 @triton.jit
+def _split(seqlen_ptr, indptr_ptr, b, s, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
+    """Split s of row b: (the row's tokens, its first page's index, splits in use, the split's pages [p0, p1))."""
+    seq_len = tl.load(seqlen_ptr + b)
+    first = tl.load(indptr_ptr + b)
+    npages, per, used = _span(seq_len, PAGE, PPB, SPLITS)
+    p0 = s * per
+    return seq_len, first, used, p0, tl.minimum(p0 + per, npages)
+
+
+@triton.jit
+def _store_partial(po_ptr, plse_ptr, m, l, acc, row, s, used, qmask, d, SPLITS: tl.constexpr, D: tl.constexpr):
+    """A split's normalised partial output and log-sum-exp for the merge (splits past the row's end store none)."""
+    keep = qmask & (s + row * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
+    safe = tl.where(l == 0.0, 1.0, l)
+    tl.store(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
+    tl.store(plse_ptr + row * SPLITS + s, m + tl.log2(safe), mask=keep)
+
+
+@triton.jit
 def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
@@ -61,12 +80,7 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    num_heads = tl.num_programs(1) * G
-    seq_len = tl.load(seqlen_ptr + b)
-    first = tl.load(indptr_ptr + b)
-    npages, per, used = _span(seq_len, PAGE, PPB, SPLITS)
-    p0 = s * per
-    p1 = tl.minimum(p0 + per, npages)
+    seq_len, first, used, p0, p1 = _split(seqlen_ptr, indptr_ptr, b, s, PAGE, PPB, SPLITS)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     qmask = g < G
@@ -76,11 +90,7 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
                         stride_kh, GP, D, PAGE, PPB)
     if PDL:  # the next kernel may launch now: its programs wait in SM slots these programs no longer need
         tl.extra.cuda.gdc_launch_dependents()
-    row = b * num_heads + h * G + g
-    keep = qmask & (s + g * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
-    safe = tl.where(l == 0.0, 1.0, l)
-    tl.store(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
-    tl.store(plse_ptr + row * SPLITS + s, m + tl.log2(safe), mask=keep)
+    _store_partial(po_ptr, plse_ptr, m, l, acc, b * tl.num_programs(1) * G + h * G + g, s, used, qmask, d, SPLITS, D)
 
 
 @triton.jit
@@ -117,11 +127,7 @@ def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k
     h = tl.program_id(1)
     s = tl.program_id(2)
     dtype = qkv_ptr.dtype.element_ty
-    seq_len = tl.load(seqlen_ptr + b)
-    first = tl.load(indptr_ptr + b)
-    npages, per, used = _span(seq_len, PAGE, PPB, SPLITS)
-    p0 = s * per
-    p1 = tl.minimum(p0 + per, npages)
+    seq_len, first, used, p0, p1 = _split(seqlen_ptr, indptr_ptr, b, s, PAGE, PPB, SPLITS)
     pos = tl.minimum(tl.load(pos_ptr + b).to(tl.int64), positions - 1)
     d = tl.arange(0, D)
     cos = tl.load(table_ptr + pos * 2 * D + d).to(tl.float32)  # table [positions, 2, D], equal halves
@@ -149,11 +155,7 @@ def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k
         m = m_new
     if PDL:  # the next kernel may launch now
         tl.extra.cuda.gdc_launch_dependents()
-    row = b * HEADS + h * G + g
-    keep = qmask & (s + g * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
-    safe = tl.where(l == 0.0, 1.0, l)
-    tl.store(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
-    tl.store(plse_ptr + row * SPLITS + s, m + tl.log2(safe), mask=keep)
+    _store_partial(po_ptr, plse_ptr, m, l, acc, b * HEADS + h * G + g, s, used, qmask, d, SPLITS, D)
 
 
 @triton.jit
