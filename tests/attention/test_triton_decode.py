@@ -109,8 +109,8 @@ ROPE = BATCH + textwrap.dedent("""
     angles = torch.arange(2048.0)[:, None] * (1e4 ** (-torch.arange(0, D, 2) / D))[None, :]
     table = torch.stack([torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)], 1).contiguous()
     # rows of 1, 16 and 17 tokens: the newest token alone in its split's loop, the last of a page, alone in a page
-    for heads, kv_heads, lens, norm in [(8, 2, [1024], False), (4, 4, [1, 37, 300], False),
-                                        (7, 1, [513, 17], True), (8, 2, [16, 1], True)]:
+    for heads, kv_heads, lens, norm in [(8, 2, [400], False), (4, 4, [1, 37, 300], False),
+                                        (7, 1, [130, 17], True), (8, 2, [16, 1], True)]:
         meta, cache, _, _ = batch(heads, kv_heads, lens, gen, pool=200)
         positions = torch.tensor(lens) - 1
         qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * D, generator=gen)
