@@ -80,6 +80,7 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    num_heads = tl.num_programs(1) * G
     seq_len, first, used, p0, p1 = _split(seqlen_ptr, indptr_ptr, b, s, PAGE, PPB, SPLITS)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
@@ -90,7 +91,7 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
                         stride_kh, GP, D, PAGE, PPB)
     if PDL:  # the next kernel may launch now: its programs wait in SM slots these programs no longer need
         tl.extra.cuda.gdc_launch_dependents()
-    _store_partial(po_ptr, plse_ptr, m, l, acc, b * tl.num_programs(1) * G + h * G + g, s, used, qmask, d, SPLITS, D)
+    _store_partial(po_ptr, plse_ptr, m, l, acc, b * num_heads + h * G + g, s, used, qmask, d, SPLITS, D)
 
 
 @triton.jit
