@@ -62,16 +62,18 @@ def test_graphs_and_eager_decode_agree_at_every_batch_size(copy_model, decode_ke
     assert [c.token_ids for c in with_graphs] == [c.token_ids for c in eager]
 
 
-def test_rope_in_the_split_kernel_decodes_as_the_rotary_kernel(copy_model, monkeypatch):
-    """With the rotary kernel's work folded into the split-KV decode kernel (`triton_decode.ROPE_IN_ATTENTION`), the
-    graphs of 1 to 8 rows decode greedily as the torch backend does, beside eager steps, and free every page."""
+@pytest.mark.parametrize("folded", [True, False])
+def test_rope_in_the_split_kernel_decodes_as_the_rotary_kernel(copy_model, monkeypatch, folded):
+    """With the rotary kernel's work folded into the split-KV decode kernel (`triton_decode.ROPE_IN_ATTENTION`, the
+    default) and without it (the rotary kernel, then the split kernel), the graphs of 1 to 8 rows decode greedily as
+    the torch backend does, beside eager steps, and free every page."""
     from appliance.attention import triton_decode
 
-    monkeypatch.setattr(triton_decode, "ROPE_IN_ATTENTION", True)
+    monkeypatch.setattr(triton_decode, "ROPE_IN_ATTENTION", folded)
     engine, ref = fast(copy_model), reference(copy_model)
-    folded = [b.triton for _, b in engine.runner.graphs._graphs.values()
-              if isinstance(b.triton, triton_decode.TritonDecode)]
-    assert folded and all(t.fuses_rope for t in folded)
+    split = [b.triton for _, b in engine.runner.graphs._graphs.values()
+             if isinstance(b.triton, triton_decode.TritonDecode)]
+    assert split and all(t.fuses_rope == folded for t in split)
     for n in (1, 3, 8):
         prompts = [periodic_prompt(seed, 30 + 5 * seed) for seed in range(n)]
         assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [c.token_ids for c in ref.generate(
