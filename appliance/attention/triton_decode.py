@@ -16,7 +16,8 @@ no nearly empty last round.
 
 `TritonDecode.run_rope` folds the rotary kernel's work into the split kernel (q/k norms, the rotation, the new
 K/V written to the cache and added to the softmax from registers): one launch a layer fewer, 0.03-0.08 ms a step
-at 1-8 rows (H200). `ROPE_IN_ATTENTION` turns it off.
+at 1-8 rows (H200). `ROPE_IN_ATTENTION` turns it off. Where `MERGE_MAX_SPLITS` allows, that kernel also merges a
+row's splits (the last of its programs to finish does), so a layer's decode attention is one launch.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ PROGRAMS_PER_SM = 6    # programs of the split kernel an SM holds at once (156 r
                        # of shared memory at 3 stages)
 ROPE_IN_ATTENTION = True  # the split kernel rotates q and writes the new K/V itself (`run_rope`: one launch a layer
                           # fewer)
+MERGE_MAX_SPLITS = 0  # `run_rope` of at most this many splits a row merges them in the split kernel (its last
+                      # program to finish a row) instead of a merge kernel after it; 0: never
 
 BALANCED_PAGES_PER_BLOCK = 4
 BALANCED_WARPS = 4
@@ -90,11 +93,12 @@ class TritonDecode:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
                  device: torch.device, splits: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
                  num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None,
-                 num_stages: int = NUM_STAGES, rope: bool | None = None) -> None:
+                 num_stages: int = NUM_STAGES, rope: bool | None = None, merge: bool | None = None) -> None:
         """splits (a power of two; default `splits_for(batch)`), pages_per_block, num_warps and num_stages (the
         page loop's pipelining depth): the tiling, which tests/gpu/decode_attention_bench.py can sweep; scratch: a
         device buffer the partials may live in (`partials`); rope: whether `run_rope` serves the backend's fused
-        QKV calls (default `ROPE_IN_ATTENTION`)."""
+        QKV calls (default `ROPE_IN_ATTENTION`); merge: whether `run_rope` merges the splits in its one kernel
+        (default: splits <= `MERGE_MAX_SPLITS`)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.batch, self.splits = batch, splits or splits_for(batch)
@@ -108,6 +112,9 @@ class TritonDecode:
         self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         self._staging = PinnedRing(torch.int32, pinned=device.type == "cuda")
         self.fuses_rope = ROPE_IN_ATTENTION if rope is None else rope
+        self.merges = self.splits <= MERGE_MAX_SPLITS if merge is None else merge
+        # splits of each (row, KV head) done so far, for `merges`; the row's last resets it to zero
+        self.counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
 
     def plan(self, m: AttentionMetadata) -> None:
         _copy_plan(self, m, [m.kv_indptr, m.seq_lens, np.asarray(m.kv_indices, dtype=np.int32)])
@@ -145,10 +152,13 @@ class TritonDecode:
         partial_rope[(b, self.num_kv_heads, self.splits)](
             qkv, positions, cos_sin, slot_mapping, q_norm if norm else qkv, k_norm if norm else qkv, kv[0], kv[1],
             self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse, self.scale_log2, float(eps),
-            qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), HEADS=self.num_heads,
-            KV_HEADS=self.num_kv_heads, G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=d, PAGE=page,
-            PPB=self.pages_per_block, SPLITS=self.splits, NORM=norm, num_warps=self.num_warps,
-            num_stages=self.num_stages, **launch)
+            qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), self.counts, out,
+            out.stride(0), out.stride(1), HEADS=self.num_heads, KV_HEADS=self.num_kv_heads, G=self.group,
+            GP=max(16, 1 << (self.group - 1).bit_length()), D=d, PAGE=page, PPB=self.pages_per_block,
+            SPLITS=self.splits, NORM=norm, MERGE=self.merges, num_warps=self.num_warps, num_stages=self.num_stages,
+            **launch)
+        if self.merges:
+            return out
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=d, PAGE=page, PPB=self.pages_per_block, SPLITS=self.splits,
                                    **launch)

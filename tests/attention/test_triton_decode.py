@@ -119,20 +119,24 @@ ROPE = BATCH + textwrap.dedent("""
         ref_cache = cache.clone()
         q, k, v = apply_rope(qkv, positions, table, heads, *norms, 1e-6)
         write_kv(k, v, ref_cache, meta.slot_mapping)
-        dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"))
-        dec.plan(meta)
-        expected = dec.run(q.contiguous(), ref_cache[0], ref_cache[1])
-        out = dec.run_rope(qkv, positions, table, cache, meta.slot_mapping, *norms, 1e-6)
-        err, cache_err = (out - expected).abs().max().item(), (cache - ref_cache).abs().max().item()
-        print(heads, kv_heads, lens, norm, err, cache_err)
-        assert err < 1e-4 and cache_err < 1e-5, (heads, kv_heads, lens, err, cache_err)
+        for merge in (False, True):  # a merge kernel after it, or its last split of a row merging
+            dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"), merge=merge)
+            dec.plan(meta)
+            expected = dec.run(q.contiguous(), ref_cache[0], ref_cache[1])
+            dec.partial_out.fill_(float("nan")), dec.partial_lse.fill_(float("nan"))  # none left from `run`
+            out = dec.run_rope(qkv, positions, table, cache, meta.slot_mapping, *norms, 1e-6)
+            err, cache_err = (out - expected).abs().max().item(), (cache - ref_cache).abs().max().item()
+            print(heads, kv_heads, lens, norm, merge, err, cache_err)
+            assert err < 1e-4 and cache_err < 1e-5, (heads, kv_heads, lens, merge, err, cache_err)
+            assert not dec.counts.any()  # the merging program leaves its counter at zero for the next launch
     print("ok")
 """)
 
 
 def test_rope_folded_into_the_split_kernel_matches_the_rotary_kernel_then_attention():
-    """`run_rope` (q/k norms, rotation and the new K/V write inside the attention kernel) against the rotary
-    reference, the K/V write and `run`: the output and every cache entry, GQA groups of 4, 1 and 7."""
+    """`run_rope` (q/k norms, rotation and the new K/V write inside the attention kernel), with a merge kernel after
+    it and merging its splits itself, against the rotary reference, the K/V write and `run`: the output and every
+    cache entry, GQA groups of 4, 1 and 7."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", ROPE], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -211,5 +215,6 @@ def test_the_kernels_fit_the_programs_per_sm_the_plans_assume(tmp_path):
              if line.startswith("| ")]
     header = lines[0]  # | kernel (sm_90) | warps | pages a loop | stages | registers | spill bytes | shared KB | ...
     rows = {cells[0]: dict(zip(header, cells)) for cells in lines[1:]}
-    for name, least in (("decode_partial", PROGRAMS_PER_SM), ("decode_balanced", BALANCED_PROGRAMS_PER_SM)):
+    for name, least in (("decode_partial", PROGRAMS_PER_SM), ("decode_partial_rope", PROGRAMS_PER_SM),
+                        ("decode_balanced", BALANCED_PROGRAMS_PER_SM)):
         assert int(rows[name]["programs an SM"]) >= least and int(rows[name]["spill bytes"]) == 0, (name, rows[name])
