@@ -305,22 +305,39 @@ class SchedulerSettings:
         return None if self.profile is not None else self.max_num_batched_tokens
 
 
-def _compilation_level(text: str, given: int | None) -> int:
-    """The level of vLLM's --compilation-config: a number, or JSON whose only keys are level or mode."""
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")  # vLLM's
+GRAPH_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+
+
+def _compilation_config(text: str, given: int | None) -> dict[str, Any]:
+    """vLLM's --compilation-config as muxd takes it: a level (a number), or JSON of a level ('level' or 'mode') and
+    the CUDA-graph keys GRAPH_KEYS; returns {"level": int | None, **the graph keys given}."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         raise ConfigError(f"--compilation-config: cannot read {text!r} as a level or JSON") from None
+    graphs: dict[str, Any] = {}
     if isinstance(value, dict):
-        other = sorted(set(value) - {"level", "mode"})
+        other = sorted(set(value) - {"level", "mode", *GRAPH_KEYS})
         if other:
-            raise ConfigError(f"--compilation-config: muxd decides its own CUDA graphs and fusions and takes only a "
-                              f"level (as -O); leave out {', '.join(map(repr, other))}")
-        levels = {v for v in value.values()}
+            raise ConfigError(f"--compilation-config: muxd decides its own fusions and takes only a level (as -O) "
+                              f"and the CUDA-graph keys {', '.join(GRAPH_KEYS)}; leave out "
+                              f"{', '.join(map(repr, other))}")
+        graphs = {k: value[k] for k in GRAPH_KEYS if k in value}
+        levels = {value[k] for k in ("level", "mode") if k in value}
+        if not levels:
+            return {"level": None, **graphs}
         value = levels.pop() if len(levels) == 1 else None
     if type(value) is not int or (given is not None and given != value):
         raise ConfigError(f"--compilation-config {text}: expected one level 0-3 (that -O does not contradict)")
-    return value
+    return {"level": value, **graphs}
+
+
+def _capture_sizes(value: Any, where: str) -> tuple[int, ...]:
+    """CUDA-graph batch sizes as a sorted tuple of distinct positive integers."""
+    if not isinstance(value, (list, tuple)) or not value or not all(type(v) is int and v >= 1 for v in value):
+        raise ConfigError(f"{where}: expected a list of batch sizes >= 1, got {value!r}")
+    return tuple(sorted(set(value)))
 
 
 @dataclass(frozen=True)
@@ -343,7 +360,13 @@ class RuntimeSettings:
     cuda_graph: bool = flag(True, "Replay decode steps as CUDA graphs (CUDA with the flashinfer backend); off for "
                             "debugging.")
     max_graph_batch: Optional[int] = flag(None, "Largest decode batch captured as a CUDA graph (default: "
-                                          "min(--max-num-seqs, 256)).")
+                                          "min(--max-num-seqs, 256), or the largest --cudagraph-capture-sizes).",
+                                          "--max-cudagraph-capture-size")
+    cudagraph_capture_sizes: Optional[list[int]] = flag(None, "Decode batch sizes captured as CUDA graphs, as vLLM's "
+                                                        "(`--cudagraph-capture-sizes 1 2 4 8`): a batch replays the "
+                                                        "smallest that holds it, a larger one runs eagerly. Default: "
+                                                        "1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up "
+                                                        "to --max-graph-batch.")
     prefill_graph_rows: Optional[int] = flag(None, "Prefill launches and mixed steps of up to this many tokens "
                                              "replay piecewise CUDA graphs (attention eager between them, as in "
                                              "vLLM); 0: off. Default: 2048; for --policy chunked its step's budget "
@@ -361,13 +384,25 @@ class RuntimeSettings:
                                "--no-cuda-graph --no-compile).")
     optimization_level: Optional[int] = flag(None, "As vLLM's -O: 0 is --enforce-eager; 1, 2 and 3 leave muxd's "
                                              "compilation and CUDA graphs as they are.", "-O", hidden=True)
-    compilation_config: Optional[str] = flag(None, "As vLLM's: a level (as -O) or JSON holding only 'level' or "
-                                             "'mode'; muxd decides its own graphs and fusions.", hidden=True)
+    compilation_config: Optional[str] = flag(None, "As vLLM's: a level (as -O), or JSON of 'level' (or 'mode') "
+                                             "and the CUDA-graph keys 'cudagraph_capture_sizes', "
+                                             "'max_cudagraph_capture_size' (as the flags of those names) and "
+                                             "'cudagraph_mode' (NONE: no CUDA graphs; FULL_DECODE_ONLY: no prefill "
+                                             "graphs; PIECEWISE, FULL and FULL_AND_PIECEWISE: muxd's whole-step "
+                                             "decode graphs and piecewise prefill graphs). muxd decides its own "
+                                             "fusions.", hidden=True)
 
     def __post_init__(self) -> None:
+        if self.cudagraph_capture_sizes is not None:  # (none given on the command line: an empty list)
+            object.__setattr__(self, "cudagraph_capture_sizes", _capture_sizes(
+                self.cudagraph_capture_sizes, "--cudagraph-capture-sizes") if self.cudagraph_capture_sizes else None)
         if self.compilation_config is not None:
-            object.__setattr__(self, "optimization_level", _compilation_level(self.compilation_config,
-                                                                              self.optimization_level))
+            self._apply_compilation_config(_compilation_config(self.compilation_config, self.optimization_level))
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and self.max_graph_batch is not None and self.max_graph_batch != sizes[-1]:
+            raise ConfigError(f"--max-cudagraph-capture-size (--max-graph-batch) {self.max_graph_batch} is not the "
+                              f"largest of --cudagraph-capture-sizes {' '.join(map(str, sizes))}; give one or make "
+                              "them agree")
         if self.optimization_level is not None and self.optimization_level not in (0, 1, 2, 3):
             raise ConfigError(f"-O (--optimization-level) must be 0, 1, 2 or 3, got {self.optimization_level}")
         if self.optimization_level == 0:
@@ -392,6 +427,36 @@ class RuntimeSettings:
         if self.partition_granularity < 8 or self.partition_granularity % 8:
             raise ConfigError(f"--partition-granularity must be a positive multiple of 8 SMs, got "
                               f"{self.partition_granularity}")
+
+    def _apply_compilation_config(self, given: dict[str, Any]) -> None:
+        """The fields --compilation-config sets (`_compilation_config`), refusing one that a flag sets otherwise."""
+        def take(name: str, value: Any, flag: str) -> None:
+            if getattr(self, name) is not None and getattr(self, name) != value:
+                raise ConfigError(f"--compilation-config sets {flag} to {value}, the flag to {getattr(self, name)}; "
+                                  "give one")
+            object.__setattr__(self, name, value)
+
+        if given["level"] is not None:
+            take("optimization_level", given["level"], "-O")
+        if "cudagraph_capture_sizes" in given:
+            take("cudagraph_capture_sizes", _capture_sizes(given["cudagraph_capture_sizes"],
+                                                           "--compilation-config cudagraph_capture_sizes"),
+                 "--cudagraph-capture-sizes")
+        if "max_cudagraph_capture_size" in given:
+            largest = given["max_cudagraph_capture_size"]
+            if type(largest) is not int or largest < 1:
+                raise ConfigError(f"--compilation-config max_cudagraph_capture_size: expected a batch size >= 1, got "
+                                  f"{largest!r}")
+            take("max_graph_batch", largest, "--max-cudagraph-capture-size")
+        mode = given.get("cudagraph_mode")
+        if mode is not None:
+            if not isinstance(mode, str) or mode.upper() not in CUDAGRAPH_MODES:
+                raise ConfigError(f"--compilation-config cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                                  f"got {mode!r}")
+            if mode.upper() == "NONE":
+                object.__setattr__(self, "cuda_graph", False)
+            elif mode.upper() == "FULL_DECODE_ONLY":
+                take("prefill_graph_rows", 0, "--prefill-graph-rows")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -101,7 +101,14 @@ def test_generate_chat_mode(text_checkpoint):
     (["--override-generation-config", "[1]"], "expected a JSON object of generation config fields"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: muxd starts one process"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4: muxd keeps the weights on the GPU"),
-    (["--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}'], "leave out 'cudagraph_capture_sizes'"),
+    (["--compilation-config", '{"custom_ops": ["all"], "level": 3}'], "leave out 'custom_ops'"),
+    (["--compilation-config", '{"cudagraph_mode": "BOTH"}'], "cudagraph_mode must be one of NONE, PIECEWISE"),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [0, 2]}'], "expected a list of batch sizes >= 1, got [0"),
+    (["--compilation-config", '{"max_cudagraph_capture_size": 16}', "--max-graph-batch", "8"],
+     "--compilation-config sets --max-cudagraph-capture-size to 16, the flag to 8"),
+    (["--cudagraph-capture-sizes", "1", "2", "--max-cudagraph-capture-size", "4"],
+     "--max-cudagraph-capture-size (--max-graph-batch) 4 is not the largest of --cudagraph-capture-sizes 1 2"),
+    (["--cudagraph-capture-sizes", "0"], "--cudagraph-capture-sizes: expected a list of batch sizes >= 1"),
     (["--compilation-config", "fast"], "--compilation-config: cannot read 'fast' as a level or JSON"),
     (["-O0", "--compilation-config", "3"], "expected one level 0-3 (that -O does not contradict)"),
     (["-O5"], "-O (--optimization-level) must be 0, 1, 2 or 3, got 5"),
@@ -190,6 +197,18 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                          ("--compilation-config=0", True), ('--compilation-config={"level": 3}', False)):
         assert runner.invoke(app, ["serve", model, level]).exit_code == 0
         assert (seen["cfg"].runtime.enforce_eager, seen["cfg"].runtime.cuda_graph) == (eager, not eager)
+    # vLLM's CUDA-graph settings: the capture sizes (several values after the flag), the largest one, the mode
+    for args, sizes, largest, graphs, prefill_rows in (
+            (["--cudagraph-capture-sizes", "8", "1", "2", "--port", "9"], (1, 2, 8), None, True, None),
+            (["--max-cudagraph-capture-size", "32"], None, 32, True, None),
+            (["--compilation-config", '{"cudagraph_capture_sizes": [4, 1], "max_cudagraph_capture_size": 4, '
+              '"cudagraph_mode": "FULL_AND_PIECEWISE"}'], (1, 4), 4, True, None),
+            (["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY", "level": 3}'], None, None, True, 0),
+            (["--compilation-config", '{"cudagraph_mode": "none"}'], None, None, False, None)):
+        assert runner.invoke(app, ["serve", model, *args]).exit_code == 0, args
+        rt = seen["cfg"].runtime
+        assert (rt.cudagraph_capture_sizes, rt.max_graph_batch, rt.cuda_graph, rt.prefill_graph_rows) == (
+            sizes, largest, graphs, prefill_rows), args
     assert (cfg.model.served_model_name, cfg.model.generation_config, cfg.server.reasoning_parser) == (
         ("m",), "vllm", "qwen3")
     assert "--trust-remote-code" not in runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output

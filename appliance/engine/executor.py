@@ -129,16 +129,16 @@ class Executor:
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, max_batch: int) -> None:
-        """Decode graphs on every partition's decode stream (one pool), and a prefill attention backend with its own
-        workspace per partition (the two phases never share a plan or a workspace)."""
+    def capture(self, sizes: list[int]) -> None:
+        """Decode graphs of these batch sizes on every partition's decode stream (one pool), and a prefill attention
+        backend with its own workspace per partition (the two phases never share a plan or a workspace)."""
         runner = self.runner
         if not self.multiplexed:
-            self._graphs[self.partitions.full.name] = runner.capture_graphs(max_batch)
+            self._graphs[self.partitions.full.name] = runner.capture_graphs(sizes[-1], sizes=sizes)
             return
         pool = torch.cuda.graph_pool_handle()
         for p in self.partitions.partitions:
-            graphs = runner.graph_set(max_batch, stream=p.decode_stream, pool=pool)
+            graphs = runner.graph_set(sizes[-1], stream=p.decode_stream, pool=pool, sizes=sizes)
             if graphs is not None:
                 graphs.capture()
                 self._graphs[p.name] = graphs

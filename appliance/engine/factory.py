@@ -19,6 +19,7 @@ from appliance.config import SPATIAL_POLICIES, Config
 from appliance.engine.compile import cache_dir, compile_layers
 from appliance.engine.engine import Engine
 from appliance.engine.executor import Executor
+from appliance.engine.graphs import capture_sizes
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.partitions import PartitionSet, partitions_available
 from appliance.engine.planners.base import Planner
@@ -192,7 +193,7 @@ class _Builder:
         rt, partitions = self.config.runtime, executor.partitions
         if self.cuda and rt.cuda_graph:
             start = time.perf_counter()
-            executor.capture(self.max_graph_batch)
+            executor.capture(self.graph_sizes)
             self.startup["graph_capture_s"] = time.perf_counter() - start
             self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
         if predictor is not None and executor.multiplexed:
@@ -217,7 +218,16 @@ class _Builder:
 
     @property
     def max_graph_batch(self) -> int:
-        return self.config.runtime.max_graph_batch or min(self.config.scheduler.max_num_seqs, 256)
+        return self.graph_sizes[-1]
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes captured as CUDA graphs: --cudagraph-capture-sizes, else muxd's ladder up to
+        --max-graph-batch (default: min(--max-num-seqs, 256))."""
+        rt = self.config.runtime
+        if rt.cudagraph_capture_sizes:
+            return list(rt.cudagraph_capture_sizes)
+        return capture_sizes(rt.max_graph_batch or min(self.config.scheduler.max_num_seqs, 256))
 
     def _partitions(self) -> PartitionSet:
         """SM partitions when multiplexing (default: CUDA and a spatial policy), else the null partition."""

@@ -88,9 +88,11 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.kv_cache, backend_for, max_batch, stream=stream, pool=pool, sizes=sizes,
                             token_buffer=self.tokens.ids, blas=self.decode_blas)
 
-    def capture_graphs(self, max_batch: int, stream: torch.cuda.Stream | None = None) -> DecodeGraphs | None:
-        """Capture the runner's own decode graphs up to max_batch rows on `stream`; None when it cannot."""
-        self.graphs = self.graph_set(max_batch, stream)
+    def capture_graphs(self, max_batch: int, stream: torch.cuda.Stream | None = None,
+                       sizes: list[int] | None = None) -> DecodeGraphs | None:
+        """Capture the runner's own decode graphs up to max_batch rows (or of `sizes`) on `stream`; None when it
+        cannot."""
+        self.graphs = self.graph_set(max_batch, stream, sizes=sizes)
         if self.graphs is not None:
             self.graphs.capture()
         return self.graphs

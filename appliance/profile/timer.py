@@ -14,7 +14,6 @@ import torch
 
 from appliance.attention import uses_triton_decode
 from appliance.engine.engine import Engine
-from appliance.engine.graphs import capture_sizes
 from appliance.engine.partitions import Partition
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, SamplingParams
@@ -61,7 +60,7 @@ class StepTimer:
                                                                   page_size)
         if not self.cuda or not (triton or getattr(runner.backend, "decode_tensor_cores", False)):
             return None
-        sizes = tuple(capture_sizes(self.engine.max_graph_batch)) if runner.graphs is not None else ()
+        sizes = tuple(runner.graphs.sizes) if runner.graphs is not None else ()
         return DecodePlan(self.sm_count, self.engine.model.config.num_kv_heads, page_size, sizes,
                           "triton" if triton else "flashinfer")
 

@@ -64,3 +64,22 @@ def test_prefill_graph_rows_default_to_the_policys(settings, rows):
 def test_negative_prefill_graph_rows_is_refused():
     with pytest.raises(ConfigError, match="--prefill-graph-rows must be >= 0"):
         Config.flat(prefill_graph_rows=-1)
+
+
+@pytest.mark.parametrize("settings, sizes", [
+    (dict(max_num_seqs=40), [1, 2, 4, 8, 16, 24, 32, 40]),
+    (dict(max_num_seqs=40, max_graph_batch=12), [1, 2, 4, 8, 12]),
+    (dict(max_num_seqs=40, cudagraph_capture_sizes=[16, 1, 4]), [1, 4, 16]),
+])
+def test_decode_graph_sizes_follow_the_capture_settings(llama_checkpoint, settings, sizes):
+    """The decode batch sizes an engine captures as CUDA graphs (on a GPU; a CPU engine only sizes its token
+    buffer by the largest): muxd's ladder up to --max-graph-batch, or vLLM's --cudagraph-capture-sizes as given."""
+    from appliance.engine.factory import _Builder
+    from appliance.model_zoo.loader import load_model
+
+    path, _ = llama_checkpoint
+    config = Config.flat(model=path, **settings)
+    assert _Builder(config, load_model(path, device="cpu")).graph_sizes == sizes
+    engine = build_engine(config)
+    assert engine.max_graph_batch == sizes[-1]
+    assert engine.runner.tokens.capacity == max(40, sizes[-1])

@@ -85,6 +85,20 @@ def test_rope_in_the_split_kernel_decodes_as_the_rotary_kernel(copy_model, monke
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
+def test_given_capture_sizes_are_the_graphs_and_larger_batches_run_eagerly(copy_model):
+    """vLLM's --cudagraph-capture-sizes: the engine captures exactly those decode graphs; a batch of 2 rows replays
+    the 3-row graph, one of 5 rows runs eagerly; both decode as the torch backend does."""
+    engine, ref = fast(copy_model, cudagraph_capture_sizes=[1, 3]), reference(copy_model)
+    assert engine.runner.graphs.sizes == [1, 3] and engine.max_graph_batch == 3
+    assert (engine.runner.graphs.padded_size(2), engine.runner.graphs.padded_size(5)) == (3, None)
+    for n in (2, 5):
+        prompts = [periodic_prompt(seed, 30 + 3 * seed) for seed in range(n)]
+        assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [c.token_ids for c in ref.generate(
+            prompts, GREEDY)]
+    assert engine.runner.graphs.replays > 0
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(copy_model):
     """A seeded request draws the same tokens beside one request and in a batch of 32 (other rows, other seeds, some
     unseeded), and again when it runs again. (Alone, one-row decode runs other kernels, tuned for a single row,
