@@ -24,7 +24,8 @@ from appliance.attention import BACKEND_NAMES, DECODE_KERNELS
 from appliance.errors import ApplianceError, ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
-from appliance.model_zoo.tokenizer import read_sampling_defaults, read_tokenizer_config, sampling_defaults
+from appliance.model_zoo.tokenizer import (TEMPLATE_VARIABLES, read_sampling_defaults, read_tokenizer_config,
+                                           sampling_defaults)
 from appliance.predictor.profile import ProfileFile, read_profile
 from appliance.slo.contract import Contract, default_contract, load_contract
 
@@ -98,6 +99,10 @@ class ModelSettings:
                                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as vLLM).")
     chat_template: Optional[str] = flag(None, "Chat template to use instead of the model's: a file, or the jinja "
                                         "template itself.")
+    default_chat_template_kwargs: Optional[str] = flag(None, "JSON object of chat template variables that every chat "
+                                                       "request gets where its chat_template_kwargs do not set them, "
+                                                       "as vLLM's flag (e.g. '{\"enable_thinking\": false}' for "
+                                                       "Qwen3).")
     special_tokens_in_messages: bool = flag(False, "Read control tokens written inside chat messages (e.g. "
                                             "<|im_end|>) as the control tokens themselves, as transformers' "
                                             "apply_chat_template does. Off: they are tokenized as plain text, so a "
@@ -115,6 +120,24 @@ class ModelSettings:
                                                      "'{\"temperature\": 0.5}'; with --generation-config vllm, the "
                                                      "only defaults.")
 
+    def template_defaults(self) -> dict[str, Any]:
+        """--default-chat-template-kwargs as a dict (empty without)."""
+        if self.default_chat_template_kwargs is None:
+            return {}
+        try:
+            value = json.loads(self.default_chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--default-chat-template-kwargs: cannot read {self.default_chat_template_kwargs!r} as "
+                              f"JSON ({exc.msg})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--default-chat-template-kwargs: expected a JSON object of template variables, got "
+                              f"{self.default_chat_template_kwargs!r}")
+        taken = sorted(set(value) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(taken)} (muxd sets "
+                              f"{', '.join(TEMPLATE_VARIABLES)} itself)")
+        return value
+
     def __post_init__(self) -> None:
         names = self.served_model_name
         if names is not None:  # one name (a string) or several; kept as a tuple, empty meaning none given
@@ -124,6 +147,7 @@ class ModelSettings:
             object.__setattr__(self, "served_model_name", names or None)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        self.template_defaults()  # (refuses what is not a JSON object of variables the request may set)
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
             raise ConfigError(f"--generation-config must be auto, vllm or a directory holding a "
                               f"generation_config.json, got {self.generation_config!r}")
@@ -204,8 +228,9 @@ class ModelSettings:
 @dataclass(frozen=True)
 class CacheSettings:
     block_size: int = flag(16, "Tokens per KV-cache page.")
-    kv_cache_memory: Optional[str] = flag(None, "KV-cache size, e.g. 8GiB (default: what --gpu-memory-utilization "
-                                          "leaves on GPU, 512MiB on CPU).")
+    kv_cache_memory: Optional[str] = flag(None, "KV-cache size, e.g. 8GiB, or bytes as vLLM's "
+                                          "--kv-cache-memory-bytes (default: what --gpu-memory-utilization leaves "
+                                          "on GPU, 512MiB on CPU).", "--kv-cache-memory-bytes")
     num_gpu_blocks_override: Optional[int] = flag(None, "KV-cache pages, overriding the size from memory (for "
                                                   "tests and experiments).", hidden=True)
     gpu_memory_utilization: float = flag(0.9, "Fraction of GPU memory muxd may use in total.")
@@ -305,6 +330,7 @@ class SchedulerSettings:
         return None if self.profile is not None else self.max_num_batched_tokens
 
 
+_VLLM_ATTENTION = {"FLASHINFER": "flashinfer", "TORCH_SDPA": "torch"}  # vLLM's backend names -> muxd's
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")  # vLLM's
 GRAPH_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
 
@@ -412,9 +438,13 @@ class RuntimeSettings:
                 raise ConfigError("--enforce-eager and --compile contradict each other; give one")
             object.__setattr__(self, "cuda_graph", False)  # frozen: the one place a field follows another
             object.__setattr__(self, "compile", False)
+        if self.attention_backend in _VLLM_ATTENTION:  # vLLM's spelling of the backends muxd has
+            object.__setattr__(self, "attention_backend", _VLLM_ATTENTION[self.attention_backend])
         if self.attention_backend not in BACKEND_NAMES:
+            upper = self.attention_backend.isupper()
+            vllm = " (of vLLM's backends muxd has FLASHINFER and TORCH_SDPA)" if upper else ""
             raise ConfigError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, "
-                              f"got {self.attention_backend!r}")
+                              f"got {self.attention_backend!r}{vllm}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise ConfigError(f"--decode-kernel must be one of {', '.join(DECODE_KERNELS)}, "
                               f"got {self.decode_kernel!r}")
@@ -580,7 +610,7 @@ class VllmFlags:
     swap_space: Optional[float] = flag(None, "Accepted: muxd preempts by recomputation, not by swapping to the "
                                        "CPU.", hidden=True)
     kv_cache_dtype: str = flag("auto", "Only auto: the KV cache keeps the model's dtype (--dtype).", hidden=True)
-    quantization: Optional[str] = flag(None, "Only unset: muxd serves unquantized checkpoints.", hidden=True)
+    quantization: Optional[str] = flag(None, "Only unset: muxd serves unquantized checkpoints.", "-q", hidden=True)
     tokenizer: Optional[str] = flag(None, "Only the model directory: muxd reads the tokenizer there.", hidden=True)
     uvicorn_log_level: Optional[str] = flag(None, "The HTTP server's log level (default: --log-level).",
                                             hidden=True)
@@ -620,6 +650,27 @@ class VllmFlags:
     distributed_executor_backend: Optional[str] = flag(None, "Only mp: muxd starts one process per GPU itself.",
                                                        hidden=True)
     cpu_offload_gb: float = flag(0.0, "Only 0: muxd keeps the weights on the GPU.", hidden=True)
+    scheduling_policy: str = flag("fcfs", "Only fcfs: requests are admitted in arrival order.", hidden=True)
+    preemption_mode: Optional[str] = flag(None, "Only recompute: muxd preempts by recomputation.", hidden=True)
+    long_prefill_token_threshold: int = flag(0, "Only 0: --policy decides how prompts are cut.", hidden=True)
+    max_num_partial_prefills: int = flag(1, "Only 1: --policy decides how prompts are cut.", hidden=True)
+    max_long_partial_prefills: int = flag(1, "Only 1: --policy decides how prompts are cut.", hidden=True)
+    disable_cascade_attn: bool = flag(False, "Accepted: muxd has no cascade attention.", hidden=True)
+    max_parallel_loading_workers: Optional[int] = flag(None, "Accepted: muxd reads the weights in one pass.",
+                                                       hidden=True)
+    model_impl: str = flag("auto", "Only auto or vllm: muxd runs its own model code.", hidden=True)
+    api_server_count: int = flag(1, "Only 1: one HTTP server per engine.", hidden=True)
+    show_hidden_metrics_for_version: Optional[str] = flag(None, "Accepted: /metrics shows every series.",
+                                                          hidden=True)
+    guided_decoding_backend: Optional[str] = flag(None, "Only auto or xgrammar: structured output runs on xgrammar.",
+                                                  hidden=True)
+    structured_outputs_config: Optional[str] = flag(None, "Only JSON whose backend is auto or xgrammar.", hidden=True)
+    enable_sleep_mode: bool = flag(False, "Only off: muxd has no sleep mode.", hidden=True)
+    enable_lora: bool = flag(False, "Only off: muxd serves no LoRA adapters.", hidden=True)
+    speculative_config: Optional[str] = flag(None, "Only unset: muxd has no speculative decoding.", hidden=True)
+    enable_log_outputs: bool = flag(False, "Only off: muxd does not log outputs.", hidden=True)
+    enable_prompt_embeds: bool = flag(False, "Only off: prompts are text or token ids.", hidden=True)
+    skip_tokenizer_init: bool = flag(False, "Only off: muxd tokenizes and detokenizes itself.", hidden=True)
 
     def __post_init__(self) -> None:
         for name, (allowed, why) in _VLLM_ONLY.items():  # the first field at a value muxd cannot honour
@@ -627,6 +678,8 @@ class VllmFlags:
             if value not in allowed:
                 shown = "" if isinstance(value, bool) else f" {value:g}" if isinstance(value, float) else f" {value}"
                 raise ConfigError(f"--{name.replace('_', '-')}{shown}: {why}")
+        if self.structured_outputs_config is not None:
+            _structured_outputs_backend(self.structured_outputs_config)
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
             raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "
@@ -660,7 +713,48 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
                                         "or leave it out"),
     "revision": ((None,), "muxd serves the model directory as it is and downloads nothing; fetch that revision into "
                           "a directory (huggingface-cli download MODEL --revision REV --local-dir DIR) and serve DIR"),
+    "scheduling_policy": (("fcfs",), "muxd admits requests in arrival order (--policy plans each step); it has no "
+                                     "priority scheduling; give fcfs or leave it out"),
+    "preemption_mode": ((None, "recompute"), "muxd preempts by recomputing a request's KV, it never swaps; give "
+                                             "recompute or leave it out"),
+    "long_prefill_token_threshold": ((0,), "--policy decides how prompts are cut and run beside decode (chunked is "
+                                           "vLLM's way); leave it out"),
+    "max_num_partial_prefills": ((1,), "--policy decides how prompts are cut and run beside decode (chunked is "
+                                       "vLLM's way); leave it out"),
+    "max_long_partial_prefills": ((1,), "--policy decides how prompts are cut and run beside decode (chunked is "
+                                        "vLLM's way); leave it out"),
+    "model_impl": (("auto", "vllm"), "muxd runs its own model code (Llama, Qwen2.5, Qwen3), not transformers'; give "
+                                     "auto or leave it out"),
+    "api_server_count": ((1,), "muxd runs one HTTP server per engine; serve more with --replicas N"),
+    "guided_decoding_backend": ((None, "auto", "xgrammar"), "muxd's structured output runs on xgrammar; give "
+                                                            "xgrammar or leave it out"),
+    "enable_sleep_mode": ((False,), "muxd has no sleep mode; leave it out"),
+    "enable_lora": ((False,), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "
+                              "serve that directory)"),
+    "speculative_config": ((None,), "muxd has no speculative decoding; leave it out"),
+    "enable_log_outputs": ((False,), "muxd does not log outputs; leave it out"),
+    "enable_prompt_embeds": ((False,), "muxd takes prompts as text or token ids, not embeddings; leave it out"),
+    "skip_tokenizer_init": ((False,), "muxd tokenizes prompts and detokenizes outputs itself; leave it out"),
 }
+
+
+def _structured_outputs_backend(text: str) -> str:
+    """The backend of vLLM's --structured-outputs-config, which muxd takes only as auto or xgrammar."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--structured-outputs-config: cannot read {text!r} as JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--structured-outputs-config: expected a JSON object, got {text!r}")
+    other = sorted(set(value) - {"backend"})
+    if other:
+        raise ConfigError(f"--structured-outputs-config: muxd takes only 'backend' (xgrammar); leave out "
+                          f"{', '.join(map(repr, other))}")
+    backend = value.get("backend", "auto")
+    if backend not in ("auto", "xgrammar"):
+        raise ConfigError(f"--structured-outputs-config: muxd's structured output runs on xgrammar; backend "
+                          f"{backend!r} is not offered (give auto or xgrammar)")
+    return backend
 
 
 GROUPS: dict[str, type] = {"model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings,

@@ -109,6 +109,24 @@ def test_generate_chat_mode(text_checkpoint):
     (["--cudagraph-capture-sizes", "1", "2", "--max-cudagraph-capture-size", "4"],
      "--max-cudagraph-capture-size (--max-graph-batch) 4 is not the largest of --cudagraph-capture-sizes 1 2"),
     (["--cudagraph-capture-sizes", "0"], "--cudagraph-capture-sizes: expected a list of batch sizes >= 1"),
+    (["--scheduling-policy", "priority"], "--scheduling-policy priority: muxd admits requests in arrival order"),
+    (["--preemption-mode", "swap"], "--preemption-mode swap: muxd preempts by recomputing"),
+    (["--long-prefill-token-threshold", "512"], "--long-prefill-token-threshold 512: --policy decides"),
+    (["--speculative-config", '{"method": "ngram"}'], "muxd has no speculative decoding"),
+    (["--enable-lora"], "--enable-lora: muxd serves one model without LoRA adapters"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode: muxd has no sleep mode"),
+    (["--api-server-count", "4"], "--api-server-count 4: muxd runs one HTTP server per engine"),
+    (["--model-impl", "transformers"], "--model-impl transformers: muxd runs its own model code"),
+    (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines: muxd's structured output"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'], "backend 'guidance' is not offered"),
+    (["--structured-outputs-config", '{"disable_fallback": true}'], "leave out 'disable_fallback'"),
+    (["--enable-log-outputs"], "--enable-log-outputs: muxd does not log outputs"),
+    (["--enable-prompt-embeds"], "not embeddings"),
+    (["--skip-tokenizer-init"], "muxd tokenizes prompts and detokenizes outputs itself"),
+    (["-q", "awq"], "--quantization awq: muxd serves unquantized checkpoints"),
+    (["--attention-backend", "FLASH_ATTN"], "(of vLLM's backends muxd has FLASHINFER and TORCH_SDPA)"),
+    (["--default-chat-template-kwargs", '{"messages": []}'], "--default-chat-template-kwargs may not set messages"),
+    (["--default-chat-template-kwargs", "thinking"], "--default-chat-template-kwargs: cannot read 'thinking'"),
     (["--compilation-config", "fast"], "--compilation-config: cannot read 'fast' as a level or JSON"),
     (["-O0", "--compilation-config", "3"], "expected one level 0-3 (that -O does not contradict)"),
     (["-O5"], "-O (--optimization-level) must be 0, 1, 2 or 3, got 5"),
@@ -193,6 +211,18 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--max-seq-len-to-capture", "8192", "--distributed-executor-backend", "mp",
                                "--cpu-offload-gb", "0", "--enable-force-include-usage"]).exit_code == 0
     assert seen["cfg"].vllm.return_tokens_as_token_ids and seen["cfg"].vllm.enable_request_id_headers
+    # more of vLLM's flags at the values that ask for nothing muxd does differently
+    assert runner.invoke(app, ["serve", model, "--scheduling-policy", "fcfs", "--preemption-mode", "recompute",
+                               "--long-prefill-token-threshold", "0", "--max-num-partial-prefills", "1",
+                               "--max-long-partial-prefills", "1", "--disable-cascade-attn",
+                               "--max-parallel-loading-workers", "4", "--model-impl", "auto", "--api-server-count", "1",
+                               "--show-hidden-metrics-for-version", "0.10", "--guided-decoding-backend", "xgrammar",
+                               "--structured-outputs-config", '{"backend": "auto"}', "--attention-backend",
+                               "FLASHINFER", "--kv-cache-memory-bytes", "1000000",
+                               "--default-chat-template-kwargs", '{"enable_thinking": false}']).exit_code == 0
+    more = seen["cfg"]
+    assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults()) == (
+        "flashinfer", "1000000", {"enable_thinking": False})
     for level, eager in (("-O0", True), ("-O3", False), ("--optimization-level=1", False),
                          ("--compilation-config=0", True), ('--compilation-config={"level": 3}', False)):
         assert runner.invoke(app, ["serve", model, level]).exit_code == 0

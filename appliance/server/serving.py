@@ -51,6 +51,7 @@ class OpenAIServing:
         self.tool_parser = detect_parser(self.tokenizer.chat_template if self.tokenizer else None,
                                          config.server.tool_call_parser)
         self.reasoning_parser = config.server.reasoning_parser
+        self.template_defaults = config.model.template_defaults()  # --default-chat-template-kwargs
         self.tokens_as_ids = config.vllm.return_tokens_as_token_ids  # the server's default for the request field
         self.force_usage = config.vllm.enable_force_include_usage  # every stream ends with its usage
         self.sampling_defaults = config.model.sampling_defaults()
@@ -180,14 +181,16 @@ class OpenAIServing:
         return self._tokenizer().render_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
                                              escape_control=self.escape_control,
                                              continue_final=bool(body.continue_final_message),
-                                             variables=body.template_variables(), **extra)
+                                             variables={**self.template_defaults, **body.template_variables()},
+                                             **extra)
 
     def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
         if body.messages is not None:
             tok = self._tokenizer()
             chat = tok.render_chat([m.for_template() for m in body.messages],
                                    add_generation_prompt=body.add_generation_prompt, escape_control=self.escape_control,
-                                   continue_final=body.continue_final_message, variables=body.chat_template_kwargs)
+                                   continue_final=body.continue_final_message,
+                                   variables={**self.template_defaults, **(body.chat_template_kwargs or {})})
             self._check_text(chat.text, "messages", limit=False)
             return tok.encode_chat(chat)
         return self._encode(body.prompt, body.add_special_tokens, "prompt", limit=False)

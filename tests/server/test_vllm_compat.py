@@ -331,6 +331,28 @@ def test_chat_template_kwargs_reach_the_template_and_openai_bookkeeping_fields_a
     assert prompt_tokens(**bookkeeping)[0] == plain
 
 
+def test_default_chat_template_kwargs_apply_where_a_request_sets_none(shared_serve, model_name):
+    """--default-chat-template-kwargs (vLLM's): every chat request and /tokenize gets those template variables; a
+    request's own chat_template_kwargs replace them name by name."""
+    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", THINKING,
+                          "--default-chat-template-kwargs", '{"enable_thinking": false}')
+    messages = [{"role": "user", "content": "hi"}]
+
+    def prompt(**extra) -> tuple[int, int]:
+        body = {"model": model_name, "messages": messages, "max_tokens": 1, **extra}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        tokens = httpx.post(server.url + "/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+        return response.json()["usage"]["prompt_tokens"], len(tokens)
+
+    default, default_tokens = prompt()
+    assert default == default_tokens
+    thinking, _ = prompt(chat_template_kwargs={"enable_thinking": True})
+    assert default > thinking  # the default closed the think block; the request's own variable kept it open
+    assert prompt(chat_template_kwargs={"enable_thinking": False})[0] == default
+    assert prompt(chat_template_kwargs={"other": 1})[0] == default  # other variables keep the default
+
+
 OPENS_THINKING = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}<|assistant|>\n<think>\n"
                   "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}")
 
