@@ -329,8 +329,8 @@ class Executor:
         requests are those of the launch: one that finished since gets a token that is dropped."""
         held, step.held = step.held, None
         with _on(held.partition.decode_stream):
-            tokens, logprobs = self.runner.sample(held.ids, held.logits, held.requests, held.counts)
-            self.runner.tokens.write(held.offset, tokens)
+            _, logprobs = self.runner.sample(held.ids, held.logits, held.requests, held.counts,
+                                             out=self.runner.tokens.rows(held.offset, len(held.ids)))
             step.logprobs.update(logprobs)
             mark(self.runner.device, step.marks)
         self._read_back(step, held.partition)
@@ -396,8 +396,7 @@ class Executor:
         """Sample the rows `ids` into the token buffer after the step's rows so far."""
         if not ids:
             return
-        tokens, logprobs = self.runner.sample(ids, logits, requests)
-        self.runner.tokens.write(len(step.rows), tokens)
+        _, logprobs = self.runner.sample(ids, logits, requests, out=self.runner.tokens.rows(len(step.rows), len(ids)))
         step.rows += ids
         step.requests += [requests[i] for i in ids]
         step.ends += [None] * (len(step.rows) - len(step.ends))

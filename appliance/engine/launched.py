@@ -50,12 +50,12 @@ class TokenBuffer:
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._slot = 0
 
-    def write(self, offset: int, tokens: torch.Tensor) -> None:
-        """Rows [offset, offset + len(tokens)) get `tokens` (on the current stream)."""
-        if offset + len(tokens) > self.capacity:
-            raise RuntimeError(f"a step sampled {offset + len(tokens)} tokens; the token buffer holds {self.capacity} "
+    def rows(self, offset: int, count: int) -> torch.Tensor:
+        """Rows [offset, offset + count) of the buffer, for sampling to write its tokens into directly."""
+        if offset + count > self.capacity:
+            raise RuntimeError(f"a step sampled {offset + count} tokens; the token buffer holds {self.capacity} "
                                "(one per running request: raise the runner's max_rows to --max-num-seqs)")
-        self.ids[offset:offset + len(tokens)].copy_(tokens)
+        return self.ids[offset:offset + count]
 
     def read_back(self, count: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying rows [0, count) to the host on the current stream: (the host tensor, the event after the copy;

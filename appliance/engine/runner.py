@@ -160,17 +160,17 @@ class ModelRunner:
         return dict(zip(ids, self.read_tokens(self.sample(ids, logits, requests)[0])))
 
     def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request],
-               counts: list[int] | None = None) -> Sampled:
+               counts: list[int] | None = None, out: torch.Tensor | None = None) -> Sampled:
         """Sampled token ids of the rows (a device tensor; no host synchronisation), after each request's logits
         processors, and {request id: (batch, row)} of the rows that ask for their log-probability (read with
         `LogprobBatch.get` when the token is reported). `counts`: each row's output tokens before this one (default:
-        the requests' as they are now)."""
+        the requests' as they are now); `out`: where the ids are written (default: a new tensor)."""
         if not ids:
             return torch.empty(0, dtype=torch.long), {}
         reqs = [requests[i] for i in ids]
         counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
         logits = process_logits(logits, reqs, counts)
-        tokens = sample_tensor(logits, [r.sampling for r in reqs], counts)
+        tokens = sample_tensor(logits, [r.sampling for r in reqs], counts, out)
         return tokens, sampled_logprobs(logits, reqs, tokens)
 
     def take_prompt_logprobs(self, request_id: str, prompt_len: int) -> list[TokenLogprob | None] | None:

@@ -19,9 +19,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     return sample_tensor(logits, params, output_index).tolist()
 
 
-def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
-    """As `sample`, but returns the token ids as a device tensor [B] (no host synchronisation)."""
-    tokens = logits.argmax(dim=-1)
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """As `sample`, but returns the token ids as a device tensor [B] (no host synchronisation): `out` where given
+    (a long tensor [B] the ids are written into, e.g. rows of the token buffer, saving a copy)."""
+    tokens = logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens

@@ -103,8 +103,9 @@ class FollowerExecutor(_Phases):
 class FollowerRunner(ModelRunner):
     """A follower's runner: the same forwards (the LM head's all-gather included), no sampling."""
 
-    def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request]) -> Sampled:
-        return torch.zeros(len(ids), dtype=torch.long, device=self.device), {}
+    def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request],
+               counts: list[int] | None = None, out: torch.Tensor | None = None) -> Sampled:
+        return (torch.zeros(len(ids), dtype=torch.long, device=self.device) if out is None else out.zero_()), {}
 
     def _record_prompt_logprobs(self, r: Request, w: PrefillWork, logits: torch.Tensor) -> None:
         pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from appliance.engine.request import SamplingParams
-from appliance.engine.sampler import _mix, sample, uniform_from_key
+from appliance.engine.sampler import _mix, sample, sample_tensor, uniform_from_key
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
@@ -29,6 +29,18 @@ def test_greedy_rows_take_the_argmax_and_unseeded_rows_vary():
     argmax = logits.argmax(-1).tolist()
     assert all(d[0] == argmax[0] and d[1] == argmax[1] for d in draws)
     assert len({d[2] for d in draws}) > 1
+
+
+def test_ids_are_written_into_the_rows_given():
+    """`out` (rows of the token buffer): greedy and seeded rows land there, as without it, and nothing else moves."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5), SamplingParams(top_k=1),
+              SamplingParams(temperature=1.5, top_p=0.9, seed=11), SamplingParams(temperature=0.0)]
+    buffer = torch.full((9,), -1, dtype=torch.long)
+    got = sample_tensor(logits, params, [3] * 5, out=buffer[2:7])
+    assert got.data_ptr() == buffer[2:7].data_ptr()
+    assert buffer[2:7].tolist() == sample_tensor(logits, params, [3] * 5).tolist()
+    assert buffer[:2].tolist() == [-1, -1] and buffer[7:].tolist() == [-1, -1]
 
 
 def test_hash_noise_is_uniform_and_keyed():
