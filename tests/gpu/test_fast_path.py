@@ -26,6 +26,17 @@ def reference(path) -> Engine:
                                     compile=False, cuda_graph=False))
 
 
+def decodes_as_reference(engine: Engine, ref: Engine, batches: tuple[int, ...], step: int) -> None:
+    """Batches of `batches` rows (prompts of 30, 30 + step, ... tokens) decode greedily as `ref` does, some steps
+    replay graphs, and every page comes back."""
+    for n in batches:
+        prompts = [periodic_prompt(seed, 30 + step * seed) for seed in range(n)]
+        assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [c.token_ids for c in ref.generate(
+            prompts, GREEDY)]
+    assert engine.runner.graphs.replays > 0
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
 def test_fast_path_greedy_equals_torch_backend(copy_model):
     counters.clear()
     engine, ref = fast(copy_model), reference(copy_model)
@@ -77,12 +88,7 @@ def test_rope_in_the_split_kernel_decodes_as_the_rotary_kernel(copy_model, monke
     split = [b.triton for _, b in engine.runner.graphs._graphs.values()
              if isinstance(b.triton, triton_decode.TritonDecode)]
     assert split and all(t.fuses_rope == folded and t.merges == merged for t in split)
-    for n in (1, 3, 8):
-        prompts = [periodic_prompt(seed, 30 + 5 * seed) for seed in range(n)]
-        assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [c.token_ids for c in ref.generate(
-            prompts, GREEDY)]
-    assert engine.runner.graphs.replays > 0
-    assert engine.pool.num_free_pages == engine.pool.num_pages
+    decodes_as_reference(engine, ref, (1, 3, 8), 5)
 
 
 def test_given_capture_sizes_are_the_graphs_and_larger_batches_run_eagerly(copy_model):
@@ -91,12 +97,7 @@ def test_given_capture_sizes_are_the_graphs_and_larger_batches_run_eagerly(copy_
     engine, ref = fast(copy_model, cudagraph_capture_sizes=[1, 3]), reference(copy_model)
     assert engine.runner.graphs.sizes == [1, 3] and engine.max_graph_batch == 3
     assert (engine.runner.graphs.padded_size(2), engine.runner.graphs.padded_size(5)) == (3, None)
-    for n in (2, 5):
-        prompts = [periodic_prompt(seed, 30 + 3 * seed) for seed in range(n)]
-        assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [c.token_ids for c in ref.generate(
-            prompts, GREEDY)]
-    assert engine.runner.graphs.replays > 0
-    assert engine.pool.num_free_pages == engine.pool.num_pages
+    decodes_as_reference(engine, ref, (2, 5), 3)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(copy_model):
