@@ -49,12 +49,6 @@ def main() -> None:
     cases = {  # name: kernel, runtime argument types, (warps, pages a loop), other constants
         "decode_partial": (kernels.decode_partial, ["*", "*", "*", "*i32", "*i32", "*i32", "*fp32", "*fp32", "fp32",
                                                     "i32", "i32", "i64", "i64", "i64"], split, {"SPLITS": 16}),
-        "decode_partial_rope": (kernels.decode_partial_rope, ["*", "*i64", "*", "*i64", "*", "*", "*", "*", "*i32",
-                                                              "*i32", "*i32", "*fp32", "*fp32", "fp32", "fp32", "i32",
-                                                              "i32", "i64", "i64", "i64", "*i32", "*", "i32", "i32",
-                                                              "*", "i64"],
-                                split, {"SPLITS": 16, "HEADS": 8 * args.group, "KV_HEADS": 8, "NORM": True,
-                                        "MERGE": tiling.MERGE_MAX_SPLITS >= 16, "WARM": tiling.WARM_MAX_ROWS >= 4}),
         "decode_merge": (kernels.decode_merge, ["*fp32", "*fp32", "*i32", "*", "i32", "i32"],
                          (args.warps or 4, split[1], args.stages or 3), {"SPLITS": 16}),  # Triton's defaults
         "decode_balanced": (kernels.decode_balanced, ["*", "*", "*", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32",

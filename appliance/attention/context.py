@@ -32,10 +32,9 @@ class AttentionBackend(Protocol):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv [2, pages, page_size, Hkv, D] (this layer) -> output [T, H, D]."""
 
-    # optional: forward_rope(qkv, positions, cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps, warm) -> output
-    # [T, H, D], the q/k norms (where given), rotary embedding and K/V write fused (kv_write.rope_write_kv); warm:
-    # the weight the layer reads next (its output projection's), which the backend may pull into L2 meanwhile;
-    # without it, `apply_rope` and then `forward`
+    # optional: forward_rope(qkv, positions, cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps) -> output
+    # [T, H, D], the q/k norms (where given), rotary embedding and K/V write fused (kv_write.rope_write_kv); without
+    # it, `apply_rope` and then `forward`
 
 
 @dataclass
@@ -84,13 +83,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                 warm: torch.Tensor | None) -> torch.Tensor:
+                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     def attend(n: int, ctx: ForwardContext) -> torch.Tensor:
         backend, kv, metadata = ctx.backend, ctx.kv_cache[ctx.layer], ctx.metadata
         fused = getattr(backend, "forward_rope", None)
         if fused is not None:
-            return fused(qkv[:n], positions[:n], cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps, warm)
+            return fused(qkv[:n], positions[:n], cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps)
         q, k, v = apply_rope(qkv[:n], positions[:n], cos_sin, num_heads, q_norm, k_norm, eps)
         return backend.forward(q, k, v, kv, metadata)
 
@@ -114,12 +112,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 
 
 def _rope_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                    warm: torch.Tensor | None) -> torch.Tensor:
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     cut = current_context().cut
     if cut is None:
-        return _attend_rope(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps, warm)
-    return cut(_attend_rope, (qkv, positions), cos_sin, num_heads, q_norm, k_norm, eps, warm)
+        return _attend_rope(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
+    return cut(_attend_rope, (qkv, positions), cos_sin, num_heads, q_norm, k_norm, eps)
 
 
 @torch.library.custom_op("muxd::paged_attention", mutates_args=())
@@ -135,15 +132,13 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("muxd::rope_paged_attention", mutates_args=())
 def _rope_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                       warm: torch.Tensor | None) -> torch.Tensor:
-    return _rope_attention(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps, warm)
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _rope_attention(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
 
 
 @_rope_attention_op.register_fake
 def _(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-      warm: torch.Tensor | None) -> torch.Tensor:
+      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     return qkv.new_empty(qkv.shape[0], num_heads, cos_sin.shape[-1])
 
 
@@ -156,11 +151,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 def rope_paged_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                          q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                         eps: float = 0.0, warm: torch.Tensor | None = None) -> torch.Tensor:
+                         eps: float = 0.0) -> torch.Tensor:
     """`paged_attention` of a fused QKV projection [T, (H + 2 Hkv) D] whose q and k the rotary embedding has not
     rotated yet: rows of cos_sin [positions, 2, D] (cos, sin) at `positions` [T] rotate them, each head of q and k
-    RMS-normalised first by q_norm and k_norm (weights [D]) where given (kv_write.apply_rope). warm: the weight
-    the layer reads next (a hint: the backend may pull it into L2 while attention runs)."""
+    RMS-normalised first by q_norm and k_norm (weights [D]) where given (kv_write.apply_rope)."""
     if torch.compiler.is_compiling():
-        return _rope_attention_op(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps, warm)
-    return _rope_attention(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps, warm)
+        return _rope_attention_op(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)
+    return _rope_attention(qkv, positions, cos_sin, num_heads, q_norm, k_norm, eps)

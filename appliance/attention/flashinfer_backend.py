@@ -222,15 +222,13 @@ class FlashInferAttention:
 
     def forward_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                      kv: torch.Tensor, metadata: AttentionMetadata, q_norm: torch.Tensor | None = None,
-                     k_norm: torch.Tensor | None = None, eps: float = 0.0,
-                     warm: torch.Tensor | None = None) -> torch.Tensor:
+                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """`forward` of a fused QKV projection not yet rotated: one kernel normalises (where q_norm and k_norm are
-        given) and rotates q and k and writes k and v (muxd's split-KV decode, which may also pull `warm` into
-        L2)."""
+        given) and rotates q and k and writes k and v."""
         triton = self.triton
         if (getattr(triton, "fuses_rope", False) and triton.head_dim == cos_sin.shape[-1]
                 and num_heads == triton.num_heads and rope_kernel_takes(qkv, cos_sin, num_heads, kv, q_norm, k_norm)):
-            return triton.run_rope(qkv, positions, cos_sin, kv, metadata.slot_mapping, q_norm, k_norm, eps, warm)
+            return triton.run_rope(qkv, positions, cos_sin, kv, metadata.slot_mapping, q_norm, k_norm, eps)
         q = rope_write_kv(qkv, positions, cos_sin, num_heads, kv, metadata.slot_mapping, q_norm, k_norm, eps)
         return self._run(q, kv)
 

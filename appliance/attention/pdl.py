@@ -32,13 +32,9 @@ def _capable(index: int) -> bool:
 
 def active(device: torch.device, rows: int = 1) -> bool:
     """Whether a launch of `rows` rows on `device` uses PDL."""
-    return _enabled and rows <= MAX_ROWS and hopper(device)
-
-
-def hopper(device: torch.device) -> bool:
-    """Whether `device` is a CUDA device of compute capability 9.0 or later."""
-    return device.type == "cuda" and _capable(device.index if device.index is not None else
-                                              torch.cuda.current_device())
+    if not _enabled or device.type != "cuda" or rows > MAX_ROWS:
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_options(device: torch.device, rows: int) -> dict:

@@ -16,10 +16,7 @@ no nearly empty last round.
 
 `TritonDecode.run_rope` folds the rotary kernel's work into the split kernel (q/k norms, the rotation, the new
 K/V written to the cache and added to the softmax from registers): one launch a layer fewer, 0.03-0.08 ms a step
-at 1-8 rows (H200). `ROPE_IN_ATTENTION` turns it off. Where `MERGE_MAX_SPLITS` allows, that kernel also merges a
-row's splits (the last of its programs to finish does), so a layer's decode attention is one launch; where
-`WARM_MAX_ROWS` allows, it first pulls the weight read next (the output projection's) into L2, while its own few
-reads leave the memory bus idle (both off until measured on a GPU).
+at 1-8 rows (H200). `ROPE_IN_ATTENTION` turns it off.
 """
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ import numpy as np
 import torch
 
 from appliance.attention.metadata import AttentionMetadata
-from appliance.attention.pdl import hopper, launch_options
+from appliance.attention.pdl import launch_options
 from appliance.attention.pinned import PinnedRing
 
 MAX_BATCH = 8          # graph batches up to this many rows run the split-KV kernel, larger ones the balanced one
@@ -40,10 +37,6 @@ PROGRAMS_PER_SM = 6    # programs of the split kernel an SM holds at once (156 r
                        # of shared memory at 3 stages)
 ROPE_IN_ATTENTION = True  # the split kernel rotates q and writes the new K/V itself (`run_rope`: one launch a layer
                           # fewer)
-MERGE_MAX_SPLITS = 0  # `run_rope` of at most this many splits a row merges them in the split kernel (its last
-                      # program to finish a row) instead of a merge kernel after it; 0: never
-WARM_MAX_ROWS = 0  # `run_rope` launches of at most this many rows pull the weight read next (`warm`: the output
-                   # projection's) into L2 before their own reads, on Hopper and later; 0: never
 
 BALANCED_PAGES_PER_BLOCK = 4
 BALANCED_WARPS = 4
@@ -97,12 +90,11 @@ class TritonDecode:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, max_pages: int,
                  device: torch.device, splits: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
                  num_warps: int = NUM_WARPS, scratch: torch.Tensor | None = None,
-                 num_stages: int = NUM_STAGES, rope: bool | None = None, merge: bool | None = None) -> None:
+                 num_stages: int = NUM_STAGES, rope: bool | None = None) -> None:
         """splits (a power of two; default `splits_for(batch)`), pages_per_block, num_warps and num_stages (the
         page loop's pipelining depth): the tiling, which tests/gpu/decode_attention_bench.py can sweep; scratch: a
         device buffer the partials may live in (`partials`); rope: whether `run_rope` serves the backend's fused
-        QKV calls (default `ROPE_IN_ATTENTION`); merge: whether `run_rope` merges the splits in its one kernel
-        (default: splits <= `MERGE_MAX_SPLITS`)."""
+        QKV calls (default `ROPE_IN_ATTENTION`)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.batch, self.splits = batch, splits or splits_for(batch)
@@ -116,9 +108,6 @@ class TritonDecode:
         self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
         self._staging = PinnedRing(torch.int32, pinned=device.type == "cuda")
         self.fuses_rope = ROPE_IN_ATTENTION if rope is None else rope
-        self.merges = self.splits <= MERGE_MAX_SPLITS if merge is None else merge
-        # splits of each (row, KV head) done so far, for `merges`; the row's last resets it to zero
-        self.counts = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
 
     def plan(self, m: AttentionMetadata) -> None:
         _copy_plan(self, m, [m.kv_indptr, m.seq_lens, np.asarray(m.kv_indices, dtype=np.int32)])
@@ -143,39 +132,27 @@ class TritonDecode:
 
     def run_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv: torch.Tensor,
                  slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                 eps: float = 0.0, warm: torch.Tensor | None = None) -> torch.Tensor:
+                 eps: float = 0.0) -> torch.Tensor:
         """`run` of a fused QKV projection [batch, (H + 2 Hkv) D] not yet rotated, with the rotary kernel's work
         (kv_write.rope_write_kv: q/k norms where given, the rotation by cos_sin at `positions`, the new K/V written
         at `slot_mapping` of kv [2, pages, page_size, Hkv, D]) done by the attention kernel -> [batch, H, D]. For
-        tensors `kv_write.rope_kernel_takes`. warm: a weight the kernel pulls into L2 first where `WARM_MAX_ROWS`
-        allows (`warms`)."""
+        tensors `kv_write.rope_kernel_takes`."""
         _, merge, partial_rope = _build()
         b, page, d = qkv.shape[0], kv.shape[2], self.head_dim
         out = qkv.new_empty(b, self.num_heads, d)
         norm = q_norm is not None and k_norm is not None
         launch = launch_options(qkv.device, b)
-        warms = warm is not None and warms_l2(warm, b)
         partial_rope[(b, self.num_kv_heads, self.splits)](
             qkv, positions, cos_sin, slot_mapping, q_norm if norm else qkv, k_norm if norm else qkv, kv[0], kv[1],
             self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse, self.scale_log2, float(eps),
-            qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), self.counts, out,
-            out.stride(0), out.stride(1), warm if warms else qkv, warm.nbytes if warms else 0, HEADS=self.num_heads,
-            KV_HEADS=self.num_kv_heads, G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=d,
-            PAGE=page, PPB=self.pages_per_block, SPLITS=self.splits, NORM=norm, MERGE=self.merges, WARM=warms,
-            num_warps=self.num_warps, num_stages=self.num_stages, **launch)
-        if self.merges:
-            return out
+            qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), HEADS=self.num_heads,
+            KV_HEADS=self.num_kv_heads, G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=d, PAGE=page,
+            PPB=self.pages_per_block, SPLITS=self.splits, NORM=norm, num_warps=self.num_warps,
+            num_stages=self.num_stages, **launch)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=d, PAGE=page, PPB=self.pages_per_block, SPLITS=self.splits,
                                    **launch)
         return out
-
-
-def warms_l2(weight: torch.Tensor, rows: int) -> bool:
-    """Whether a `run_rope` launch of `rows` rows pulls `weight` into L2 first: up to `WARM_MAX_ROWS` rows, on
-    Hopper and later (one bulk prefetch a program), for a contiguous weight 16-byte aligned, of whole 16 bytes."""
-    return (rows <= WARM_MAX_ROWS and hopper(weight.device) and weight.is_contiguous()
-            and weight.data_ptr() % 16 == 0 and weight.nbytes % 16 == 0)
 
 
 def balance(npages: np.ndarray, target: int, capacity: int, min_pages: int = BALANCED_MIN_PAGES,

@@ -115,20 +115,13 @@ def _rotated(src, w_ptr, heads, mask, d, cos, sin, eps, dtype: tl.constexpr, D: 
 @triton.jit
 def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr,
                         seqlen_ptr, po_ptr, plse_ptr, scale_log2, eps, stride_qkv, positions, stride_kp, stride_kt,
-                        stride_kh, count_ptr, o_ptr, stride_ob, stride_oh, warm_ptr, warm_bytes,
-                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr,
-                        NORM: tl.constexpr, MERGE: tl.constexpr = False, WARM: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        NORM: tl.constexpr, PDL: tl.constexpr = False):
     # `decode_partial` of a fused QKV projection not yet rotated, the rotary kernel's work folded in: each program
     # normalises (NORM) and rotates its group's query heads itself; the split holding the row's newest token writes
     # that token's rotated K and its V to the cache, and adds it to its softmax from registers (its loop reads the
-    # cache's older tokens only, so no program reads what another writes in this launch). MERGE: no merge kernel
-    # after it; a row of one split writes its output, and in a row of more the last split to finish (a counter per
-    # row and KV head, left at zero) merges the partials into the output o. WARM: the grid pulls warm_bytes at
-    # warm_ptr (the weights the kernel after it reads) into L2 first, while its own reads leave the bus idle
-    if WARM:  # (nothing this launch or the one before writes)
-        _warm_l2(warm_ptr, warm_bytes)
+    # cache's older tokens only, so no program reads what another writes in this launch)
     if PDL:  # launched early (attention/pdl.py): wait for the kernel before
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -163,56 +156,7 @@ def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k
         m = m_new
     if PDL:  # the next kernel may launch now
         tl.extra.cuda.gdc_launch_dependents()
-    if not MERGE:
-        _store_partial(po_ptr, plse_ptr, m, l, acc, b * HEADS + h * G + g, s, used, qmask, d, SPLITS, D)
-    elif s < used:  # (splits past the row's end do nothing)
-        if used == 1:
-            safe = tl.where(l == 0.0, 1.0, l)
-            tl.store(o_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
-                     (acc / safe[:, None]).to(o_ptr.dtype.element_ty), mask=qmask[:, None])
-        else:
-            _store_partial(po_ptr, plse_ptr, m, l, acc, b * HEADS + h * G + g, s, used, qmask, d, SPLITS, D)
-            tl.debug_barrier()  # every thread's partial is written before the counter moves
-            done = tl.atomic_add(count_ptr + b * KV_HEADS + h, 1, sem="acq_rel")
-            if done == used - 1:  # the row's last split: the others' partials are visible
-                tl.debug_barrier()
-                for i in tl.static_range(G):
-                    out = _merged(po_ptr, plse_ptr, b * HEADS + h * G + i, used, SPLITS, D, ".cg")
-                    tl.store(o_ptr + b * stride_ob + (h * G + i) * stride_oh + d, out.to(o_ptr.dtype.element_ty))
-                tl.atomic_xchg(count_ptr + b * KV_HEADS + h, 0)
-
-
-@triton.jit
-def _warm_l2(ptr, nbytes):
-    """This program's slice of the `nbytes` bytes at ptr (16-byte aligned, a multiple of 16 bytes), the grid's
-    programs in order, pulled into L2 by one bulk prefetch from one thread (sm_90 and later)."""
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    chunk = ((nbytes + programs - 1) // programs + 15) // 16 * 16
-    start = pid.to(tl.int64) * chunk
-    size = tl.minimum(chunk, nbytes - start)
-    if size > 0:
-        tl.inline_asm_elementwise(
-            "{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr.to(tl.pointer_type(tl.uint8)) + start, size.to(tl.int32)], dtype=tl.int32, is_pure=False,
-            pack=1)
-
-
-@triton.jit
-def _merged(po_ptr, plse_ptr, row, used, SPLITS: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):
-    """The merge of query row `row`'s partials of splits [0, used) -> its output [D], fp32 (CACHE: the loads' cache
-    modifier; ".cg" reads what other programs of the same launch wrote)."""
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    live = s < used
-    lse = tl.load(plse_ptr + row * SPLITS + s, mask=live, other=float("-inf"), cache_modifier=CACHE)
-    mx = tl.max(lse, 0)
-    w = tl.where(live, tl.exp2(lse - tl.where(used > 0, mx, 0.0)), 0.0)
-    o = tl.load(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
-                cache_modifier=CACHE)
-    total = tl.sum(w, 0)
-    return tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    _store_partial(po_ptr, plse_ptr, m, l, acc, b * HEADS + h * G + g, s, used, qmask, d, SPLITS, D)
 
 
 @triton.jit
@@ -225,8 +169,16 @@ def decode_merge(po_ptr, plse_ptr, seqlen_ptr, o_ptr, stride_ob, stride_oh, D: t
     hq = tl.program_id(1)
     row = b * tl.num_programs(1) + hq
     _, _, used = _span(tl.load(seqlen_ptr + b), PAGE, PPB, SPLITS)
-    out = _merged(po_ptr, plse_ptr, row, used, SPLITS, D, "")
-    tl.store(o_ptr + b * stride_ob + hq * stride_oh + tl.arange(0, D), out.to(o_ptr.dtype.element_ty))
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    live = s < used
+    lse = tl.load(plse_ptr + row * SPLITS + s, mask=live, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(live, tl.exp2(lse - tl.where(used > 0, mx, 0.0)), 0.0)
+    o = tl.load(po_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
 @triton.jit

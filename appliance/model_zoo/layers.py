@@ -169,9 +169,8 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if self.rotary.cos_sin is not None:  # attention normalises and rotates (its kernel, with the K/V write)
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            out = rope_paged_attention(qkv, positions, self.rotary.cos_sin, self.num_heads, *norms,
-                                       warm=self.o_proj.weight)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            out = rope_paged_attention(qkv, positions, self.rotary.cos_sin, self.num_heads, *norms)
             return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -102,7 +102,7 @@ def test_a_capture_cut_replaces_attention_inside_the_forward_context():
     with forward_context(ForwardContext(TorchAttention(), meta, cache, cut=cut)):
         out = paged_attention(q, k, v), rope_paged_attention(qkv, positions, table, 2)
     assert seen[0][0] == (q, k, v) and seen[0][1] == () and torch.equal(seen[0][2], expected[0])
-    assert seen[1][0] == (qkv, positions) and seen[1][1] == (table, 2, None, None, 0.0, None)
+    assert seen[1][0] == (qkv, positions) and seen[1][1] == (table, 2, None, None, 0.0)
     assert torch.equal(seen[1][2], expected[1])
     assert all(torch.equal(o, torch.full_like(q, 7.0)) for o in out)
     with pytest.raises(RuntimeError, match="outside forward_context"):

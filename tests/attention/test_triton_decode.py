@@ -119,24 +119,20 @@ ROPE = BATCH + textwrap.dedent("""
         ref_cache = cache.clone()
         q, k, v = apply_rope(qkv, positions, table, heads, *norms, 1e-6)
         write_kv(k, v, ref_cache, meta.slot_mapping)
-        for merge in (False, True):  # a merge kernel after it, or its last split of a row merging
-            dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"), merge=merge)
-            dec.plan(meta)
-            expected = dec.run(q.contiguous(), ref_cache[0], ref_cache[1])
-            dec.partial_out.fill_(float("nan")), dec.partial_lse.fill_(float("nan"))  # none left from `run`
-            out = dec.run_rope(qkv, positions, table, cache, meta.slot_mapping, *norms, 1e-6)
-            err, cache_err = (out - expected).abs().max().item(), (cache - ref_cache).abs().max().item()
-            print(heads, kv_heads, lens, norm, merge, err, cache_err)
-            assert err < 1e-4 and cache_err < 1e-5, (heads, kv_heads, lens, merge, err, cache_err)
-            assert not dec.counts.any()  # the merging program leaves its counter at zero for the next launch
+        dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"))
+        dec.plan(meta)
+        expected = dec.run(q.contiguous(), ref_cache[0], ref_cache[1])
+        out = dec.run_rope(qkv, positions, table, cache, meta.slot_mapping, *norms, 1e-6)
+        err, cache_err = (out - expected).abs().max().item(), (cache - ref_cache).abs().max().item()
+        print(heads, kv_heads, lens, norm, err, cache_err)
+        assert err < 1e-4 and cache_err < 1e-5, (heads, kv_heads, lens, err, cache_err)
     print("ok")
 """)
 
 
 def test_rope_folded_into_the_split_kernel_matches_the_rotary_kernel_then_attention():
-    """`run_rope` (q/k norms, rotation and the new K/V write inside the attention kernel), with a merge kernel after
-    it and merging its splits itself, against the rotary reference, the K/V write and `run`: the output and every
-    cache entry, GQA groups of 4, 1 and 7."""
+    """`run_rope` (q/k norms, rotation and the new K/V write inside the attention kernel) against the rotary
+    reference, the K/V write and `run`: the output and every cache entry, GQA groups of 4, 1 and 7."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", ROPE], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -215,44 +211,5 @@ def test_the_kernels_fit_the_programs_per_sm_the_plans_assume(tmp_path):
              if line.startswith("| ")]
     header = lines[0]  # | kernel (sm_90) | warps | pages a loop | stages | registers | spill bytes | shared KB | ...
     rows = {cells[0]: dict(zip(header, cells)) for cells in lines[1:]}
-    for name, least in (("decode_partial", PROGRAMS_PER_SM), ("decode_partial_rope", PROGRAMS_PER_SM),
-                        ("decode_balanced", BALANCED_PROGRAMS_PER_SM)):
+    for name, least in (("decode_partial", PROGRAMS_PER_SM), ("decode_balanced", BALANCED_PROGRAMS_PER_SM)):
         assert int(rows[name]["programs an SM"]) >= least and int(rows[name]["spill bytes"]) == 0, (name, rows[name])
-
-
-WARMED = textwrap.dedent("""
-    import os, re, subprocess, sys, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from appliance.attention import triton_decode_kernels as kernels
-
-    fn = kernels.decode_partial_rope
-    types = ["*bf16", "*i64", "*bf16", "*i64", "*bf16", "*bf16", "*bf16", "*bf16", "*i32", "*i32", "*i32", "*fp32",
-             "*fp32", "fp32", "fp32", "i32", "i32", "i64", "i64", "i64", "*i32", "*bf16", "i32", "i32", "*bf16", "i64"]
-    consts = {"HEADS": 32, "KV_HEADS": 8, "G": 4, "GP": 16, "D": 128, "PAGE": 16, "PPB": 2, "SPLITS": 64,
-              "NORM": False, "MERGE": False, "WARM": True, "PDL": True}
-    runtime = [p for p in fn.arg_names if p not in consts]
-    signature = {**dict(zip(runtime, types)), **{p: "constexpr" for p in consts}}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 3})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    print(" ".join(op for op in re.findall(r"(UBLKPF\\S*|ACQBULK)", sass)))
-""")
-
-
-def test_a_warming_launch_prefetches_before_its_dependent_launch_wait(tmp_path):
-    """Compiled for an H100/H200 without a GPU, the split kernel with `WARM` issues its bulk L2 prefetch of the
-    weight read next before the programmatic-dependent-launch wait (the weights do not depend on the kernel before):
-    one prefetch instruction, then the wait."""
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("this Triton has no bundled ptxas")
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", WARMED], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == ["UBLKPF.L2", "ACQBULK"], result.stdout

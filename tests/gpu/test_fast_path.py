@@ -73,21 +73,18 @@ def test_graphs_and_eager_decode_agree_at_every_batch_size(copy_model, decode_ke
     assert [c.token_ids for c in with_graphs] == [c.token_ids for c in eager]
 
 
-@pytest.mark.parametrize("folded,merged", [(True, False), (True, True), (False, False)])
-def test_rope_in_the_split_kernel_decodes_as_the_rotary_kernel(copy_model, monkeypatch, folded, merged):
+@pytest.mark.parametrize("folded", [True, False])
+def test_rope_in_the_split_kernel_decodes_as_the_rotary_kernel(copy_model, monkeypatch, folded):
     """With the rotary kernel's work folded into the split-KV decode kernel (`triton_decode.ROPE_IN_ATTENTION`, the
-    default), also merging its splits itself (`MERGE_MAX_SPLITS`) and pulling the output projection into L2 first
-    (`WARM_MAX_ROWS`), and without the fold (the rotary kernel, then the split kernel), the graphs of 1 to 8 rows
-    decode greedily as the torch backend does, beside eager steps, and free every page."""
+    default) and without it (the rotary kernel, then the split kernel), the graphs of 1 to 8 rows decode greedily as
+    the torch backend does, beside eager steps, and free every page."""
     from appliance.attention import triton_decode
 
     monkeypatch.setattr(triton_decode, "ROPE_IN_ATTENTION", folded)
-    monkeypatch.setattr(triton_decode, "MERGE_MAX_SPLITS", 64 if merged else 0)
-    monkeypatch.setattr(triton_decode, "WARM_MAX_ROWS", 8 if merged else 0)
     engine, ref = fast(copy_model), reference(copy_model)
     split = [b.triton for _, b in engine.runner.graphs._graphs.values()
              if isinstance(b.triton, triton_decode.TritonDecode)]
-    assert split and all(t.fuses_rope == folded and t.merges == merged for t in split)
+    assert split and all(t.fuses_rope == folded for t in split)
     decodes_as_reference(engine, ref, (1, 3, 8), 5)
 
 
