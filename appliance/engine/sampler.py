@@ -23,7 +23,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_ind
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """As `sample`, but returns the token ids as a device tensor [B] (no host synchronisation): `out` where given
     (a long tensor [B] the ids are written into, e.g. rows of the token buffer, saving a copy)."""
-    tokens = logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+    tokens = argmax_rows(logits, out)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
@@ -45,8 +45,38 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], output_ind
     if any(params[i].seed is not None for i in rows):
         hashed = -torch.log(uniform_from_key(key_lo, key_hi, probs.shape[-1]))
         noise = torch.where(seeded.unsqueeze(1), hashed, noise)
-    tokens[index] = (probs / noise).argmax(dim=-1)
+    tokens[index] = argmax_rows(probs / noise)
     return tokens
+
+
+ARGMAX_SLICE = 4096  # values a program of the Triton argmax reads (16 KiB of fp32)
+
+
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's index of its largest value (the first, as torch.argmax; NaN counts as +inf) of x [B, V], into
+    `out` [B] long where given. On CUDA, rows of at least two slices run as two Triton launches, a program per slice
+    of a row and then one a row: torch's reduction gives a row one block, which leaves most SMs idle at a few rows
+    of a large vocabulary."""
+    rows, vocab = x.shape
+    if not (x.is_cuda and vocab >= 2 * ARGMAX_SLICE and rows and x.stride(1) == 1) or \
+            (out is not None and out.dtype != torch.long):
+        return x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
+    return triton_argmax(x, out)
+
+
+def triton_argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`argmax_rows` in two Triton launches (x [B, V] with unit column stride)."""
+    rows, vocab = x.shape
+    from appliance.engine.argmax_kernels import argmax_pick_kernel, argmax_slices_kernel  # defers Triton
+    slices = -(-vocab // ARGMAX_SLICE)
+    values = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
+    index = torch.empty(rows, slices, dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.long, device=x.device) if out is None else out
+    argmax_slices_kernel[(rows, slices)](x, x.stride(0), vocab, values, index, slices, BLOCK=ARGMAX_SLICE,
+                                         num_warps=8)
+    argmax_pick_kernel[(rows,)](values, index, slices, out, out.stride(0),
+                                SLICES=1 << (slices - 1).bit_length(), num_warps=1)
+    return out
 
 
 def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -2,6 +2,12 @@
 noise is uniform, and top-k / top-p cut what they should."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
 
 from appliance.engine.request import SamplingParams
@@ -64,3 +70,32 @@ def test_top_k_and_top_p_cut_the_tail():
     # probabilities ~0.66, 0.24, 0.09, ...: top_p 0.8 keeps the first two
     topp = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0] for s in range(200)}
     assert topp == {0, 1}
+
+
+ARGMAX_CHECK = textwrap.dedent("""
+    import torch
+    from appliance.engine.sampler import ARGMAX_SLICE, triton_argmax
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3 * ARGMAX_SLICE + 123  # a last slice mostly past the end of the row
+    x = torch.randn(5, vocab + 7, generator=gen)[:, :vocab]  # rows strided
+    x[1, 5] = x[1, ARGMAX_SLICE + 9] = x[1, -1] = 99.0  # ties across slices: the first wins
+    x[2, 10] = x[2, 11] = 50.0  # a tie inside a slice
+    x[3] = float("-inf")  # nothing finite: index 0, as torch has it
+    x[4, -1] = 1e9  # the largest in the last, partial slice
+    expected = x.argmax(dim=-1)
+    out = torch.full((5, 2), -1, dtype=torch.long)
+    got = triton_argmax(x, out[:, 0])  # into a strided output
+    assert got.data_ptr() == out.data_ptr(), "not written into out"
+    print(expected.tolist(), out[:, 0].tolist())
+    assert torch.equal(out[:, 0], expected) and (out[:, 1] == -1).all()
+    assert torch.equal(triton_argmax(x[:2].contiguous()), expected[:2])
+    print("ok")
+""")
+
+
+def test_the_triton_argmax_takes_each_rows_first_largest_value_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", ARGMAX_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("ok")
