@@ -393,6 +393,9 @@ class RuntimeSettings:
                                                         "smallest that holds it, a larger one runs eagerly. Default: "
                                                         "1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up "
                                                         "to --max-graph-batch.")
+    cuda_graph_sizes: Optional[list[int]] = flag(None, "vLLM 0.9-0.10's spelling: one value is "
+                                                 "--max-cudagraph-capture-size, several are "
+                                                 "--cudagraph-capture-sizes.", hidden=True)
     prefill_graph_rows: Optional[int] = flag(None, "Prefill launches and mixed steps of up to this many tokens "
                                              "replay piecewise CUDA graphs (attention eager between them, as in "
                                              "vLLM); 0: off. Default: 2048; for --policy chunked its step's budget "
@@ -419,6 +422,8 @@ class RuntimeSettings:
                                              "fusions.", hidden=True)
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_sizes:  # (none given on the command line: an empty list)
+            self._apply_cuda_graph_sizes(self.cuda_graph_sizes)
         if self.cudagraph_capture_sizes is not None:  # (none given on the command line: an empty list)
             object.__setattr__(self, "cudagraph_capture_sizes", _capture_sizes(
                 self.cudagraph_capture_sizes, "--cudagraph-capture-sizes") if self.cudagraph_capture_sizes else None)
@@ -457,6 +462,19 @@ class RuntimeSettings:
         if self.partition_granularity < 8 or self.partition_granularity % 8:
             raise ConfigError(f"--partition-granularity must be a positive multiple of 8 SMs, got "
                               f"{self.partition_granularity}")
+
+    def _apply_cuda_graph_sizes(self, given: list[int]) -> None:
+        """vLLM 0.9-0.10's --cuda-graph-sizes: one value is the largest decode graph (--max-cudagraph-capture-size),
+        several are the graphs (--cudagraph-capture-sizes); refused where those flags say otherwise."""
+        sizes = _capture_sizes(given, "--cuda-graph-sizes")
+        name, value, flag_name = (("max_graph_batch", sizes[0], "--max-cudagraph-capture-size") if len(given) == 1
+                                  else ("cudagraph_capture_sizes", list(sizes), "--cudagraph-capture-sizes"))
+        current = getattr(self, name)
+        if current and (sorted(set(current)) if isinstance(current, list) else current) != value:
+            shown = " ".join(map(str, current)) if isinstance(current, list) else current
+            raise ConfigError(f"--cuda-graph-sizes {' '.join(map(str, given))} (vLLM 0.9-0.10's {flag_name}) "
+                              f"contradicts {flag_name} {shown}; give one")
+        object.__setattr__(self, name, value)
 
     def _apply_compilation_config(self, given: dict[str, Any]) -> None:
         """The fields --compilation-config sets (`_compilation_config`), refusing one that a flag sets otherwise."""
@@ -671,12 +689,22 @@ class VllmFlags:
     enable_log_outputs: bool = flag(False, "Only off: muxd does not log outputs.", hidden=True)
     enable_prompt_embeds: bool = flag(False, "Only off: prompts are text or token ids.", hidden=True)
     skip_tokenizer_init: bool = flag(False, "Only off: muxd tokenizes and detokenizes itself.", hidden=True)
+    enable_server_load_tracking: bool = flag(False, "/load counts the requests in flight (without it /load answers "
+                                             "0), as vLLM's.", hidden=True)
+    lora_modules: Optional[list[str]] = flag(None, "Only unset: muxd serves no LoRA adapters.", hidden=True)
+    hf_overrides: Optional[str] = flag(None, "Only unset: muxd reads config.json as it is.", hidden=True)
+    rope_scaling: Optional[str] = flag(None, "Only unset: the rope scaling is config.json's.", hidden=True)
+    rope_theta: Optional[float] = flag(None, "Only unset: the rope base is config.json's.", hidden=True)
+    limit_mm_per_prompt: Optional[str] = flag(None, "Only unset: muxd serves text-only models.", hidden=True)
+    otlp_traces_endpoint: Optional[str] = flag(None, "Only unset: muxd exports no OpenTelemetry traces.",
+                                               hidden=True)
 
     def __post_init__(self) -> None:
         for name, (allowed, why) in _VLLM_ONLY.items():  # the first field at a value muxd cannot honour
             value = getattr(self, name)
             if value not in allowed:
-                shown = "" if isinstance(value, bool) else f" {value:g}" if isinstance(value, float) else f" {value}"
+                shown = ("" if isinstance(value, bool) else f" {value:.15g}" if isinstance(value, float)
+                         else f" {' '.join(map(str, value))}" if isinstance(value, list) else f" {value}")
                 raise ConfigError(f"--{name.replace('_', '-')}{shown}: {why}")
         if self.structured_outputs_config is not None:
             _structured_outputs_backend(self.structured_outputs_config)
@@ -735,6 +763,17 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_log_outputs": ((False,), "muxd does not log outputs; leave it out"),
     "enable_prompt_embeds": ((False,), "muxd takes prompts as text or token ids, not embeddings; leave it out"),
     "skip_tokenizer_init": ((False,), "muxd tokenizes prompts and detokenizes outputs itself; leave it out"),
+    "lora_modules": ((None, []), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "
+                                 "serve that directory)"),
+    "hf_overrides": ((None,), "muxd reads the model's config.json as it is; change the fields in config.json of a "
+                              "copy of the model directory and serve that"),
+    "rope_scaling": ((None,), "muxd takes the rope scaling from config.json ('rope_scaling'); set it there in a copy "
+                              "of the model directory"),
+    "rope_theta": ((None,), "muxd takes the rope base from config.json ('rope_theta'); set it there in a copy of "
+                            "the model directory"),
+    "limit_mm_per_prompt": ((None,), "muxd serves text-only models (Llama, Qwen2.5, Qwen3); leave it out"),
+    "otlp_traces_endpoint": ((None,), "muxd exports no OpenTelemetry traces (requests and steps are at /metrics and "
+                                      "/debug/timeline); leave it out"),
 }
 
 

@@ -21,8 +21,8 @@ from appliance.config import _FIELD_GROUP, GROUPS, Config
 from appliance.errors import ConfigError
 
 
-SEVERAL = ("--served-model-name", "--cudagraph-capture-sizes")  # serve flags that take several values, as vLLM's
-                                                                  # nargs="+" ones
+# serve flags that take several values, as vLLM's nargs="+" ones
+SEVERAL = ("--served-model-name", "--cudagraph-capture-sizes", "--cuda-graph-sizes", "--lora-modules")
 
 
 def spread(args: list[str]) -> list[str]:

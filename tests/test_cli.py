@@ -109,6 +109,18 @@ def test_generate_chat_mode(text_checkpoint):
     (["--cudagraph-capture-sizes", "1", "2", "--max-cudagraph-capture-size", "4"],
      "--max-cudagraph-capture-size (--max-graph-batch) 4 is not the largest of --cudagraph-capture-sizes 1 2"),
     (["--cudagraph-capture-sizes", "0"], "--cudagraph-capture-sizes: expected a list of batch sizes >= 1"),
+    (["--cuda-graph-sizes", "0"], "--cuda-graph-sizes: expected a list of batch sizes >= 1"),
+    (["--cuda-graph-sizes", "4", "--max-cudagraph-capture-size", "8"],
+     "--cuda-graph-sizes 4 (vLLM 0.9-0.10's --max-cudagraph-capture-size) contradicts --max-cudagraph-capture-size 8"),
+    (["--cuda-graph-sizes", "1", "2", "--cudagraph-capture-sizes", "1", "4"],
+     "--cuda-graph-sizes 1 2 (vLLM 0.9-0.10's --cudagraph-capture-sizes) contradicts --cudagraph-capture-sizes 1 4"),
+    (["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"],
+     "--lora-modules sql=/adapters/sql chat=/adapters/chat: muxd serves one model without LoRA adapters"),
+    (["--hf-overrides", '{"rope_theta": 1e6}'], "muxd reads the model's config.json as it is"),
+    (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'], "muxd takes the rope scaling from config.json"),
+    (["--rope-theta", "1000000"], "--rope-theta 1000000: muxd takes the rope base from config.json"),
+    (["--limit-mm-per-prompt", '{"image": 2}'], "muxd serves text-only models"),
+    (["--otlp-traces-endpoint", "http://collector:4317"], "muxd exports no OpenTelemetry traces"),
     (["--scheduling-policy", "priority"], "--scheduling-policy priority: muxd admits requests in arrival order"),
     (["--preemption-mode", "swap"], "--preemption-mode swap: muxd preempts by recomputing"),
     (["--long-prefill-token-threshold", "512"], "--long-prefill-token-threshold 512: --policy decides"),
@@ -219,10 +231,11 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--show-hidden-metrics-for-version", "0.10", "--guided-decoding-backend", "xgrammar",
                                "--structured-outputs-config", '{"backend": "auto"}', "--attention-backend",
                                "FLASHINFER", "--kv-cache-memory-bytes", "1000000",
-                               "--default-chat-template-kwargs", '{"enable_thinking": false}']).exit_code == 0
+                               "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                               "--enable-server-load-tracking"]).exit_code == 0
     more = seen["cfg"]
-    assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults()) == (
-        "flashinfer", "1000000", {"enable_thinking": False})
+    assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),
+            more.vllm.enable_server_load_tracking) == ("flashinfer", "1000000", {"enable_thinking": False}, True)
     for level, eager in (("-O0", True), ("-O3", False), ("--optimization-level=1", False),
                          ("--compilation-config=0", True), ('--compilation-config={"level": 3}', False)):
         assert runner.invoke(app, ["serve", model, level]).exit_code == 0
@@ -231,6 +244,9 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
     for args, sizes, largest, graphs, prefill_rows in (
             (["--cudagraph-capture-sizes", "8", "1", "2", "--port", "9"], (1, 2, 8), None, True, None),
             (["--max-cudagraph-capture-size", "32"], None, 32, True, None),
+            (["--cuda-graph-sizes", "16"], None, 16, True, None),  # vLLM 0.9-0.10: one value, the largest
+            (["--cuda-graph-sizes", "4", "1", "--port", "9"], (1, 4), None, True, None),  # several: the sizes
+            (["--cuda-graph-sizes", "1", "4", "--cudagraph-capture-sizes", "4", "1"], (1, 4), None, True, None),
             (["--compilation-config", '{"cudagraph_capture_sizes": [4, 1], "max_cudagraph_capture_size": 4, '
               '"cudagraph_mode": "FULL_AND_PIECEWISE"}'], (1, 4), 4, True, None),
             (["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY", "level": 3}'], None, None, True, 0),

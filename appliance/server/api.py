@@ -168,6 +168,11 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     async def version():
         return r.VersionResponse(version=__import__("appliance").__version__)
 
+    @app.get("/load", response_model=r.ServerLoad, summary="vLLM's load: with --enable-server-load-tracking, the "
+             "requests in flight on /v1 and /invocations; without it, 0.")
+    async def load():
+        return r.ServerLoad(server_load=state.traffic.in_flight if cfg.vllm.enable_server_load_tracking else 0)
+
     @app.post("/tokenize", response_model=r.TokenizeResponse, responses=openapi.errors(400, 401, 404, 413, 500, 503),
               summary="Token ids of a prompt, or of chat messages rendered through the chat template (as vLLM).")
     async def tokenize(body: t.TokenizeRequest):

@@ -168,6 +168,10 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class ServerLoad(BaseModel):
+    server_load: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
