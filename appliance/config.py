@@ -698,6 +698,28 @@ class VllmFlags:
     limit_mm_per_prompt: Optional[str] = flag(None, "Only unset: muxd serves text-only models.", hidden=True)
     otlp_traces_endpoint: Optional[str] = flag(None, "Only unset: muxd exports no OpenTelemetry traces.",
                                                hidden=True)
+    task: str = flag("auto", "Only auto or generate (vLLM's older --runner): muxd generates text.", hidden=True)
+    runner: str = flag("auto", "Only auto or generate: muxd generates text.", hidden=True)
+    convert: str = flag("auto", "Only auto or none: muxd generates text.", hidden=True)
+    enable_reasoning: bool = flag(False, "Accepted (vLLM 0.8's companion of --reasoning-parser): "
+                                  "--reasoning-parser alone decides.", hidden=True)
+    disable_sliding_window: bool = flag(False, "Accepted: muxd has no sliding-window attention; a model whose window "
+                                        "is shorter than --max-model-len is refused, naming the length to give.",
+                                        hidden=True)
+    num_scheduler_steps: int = flag(1, "Accepted: each step is planned while the one before runs "
+                                    "(--async-scheduling) instead of several steps at once.", hidden=True)
+    multi_step_stream_outputs: bool = flag(True, "Accepted: tokens stream as each step reads them.", hidden=True)
+    use_v2_block_manager: bool = flag(False, "Accepted: muxd's KV pages are its own.", hidden=True)
+    scheduler_delay_factor: float = flag(0.0, "Only 0: --policy decides when prompts run.", hidden=True)
+    tokenizer_revision: Optional[str] = flag(None, "Only unset: muxd downloads nothing.", hidden=True)
+    code_revision: Optional[str] = flag(None, "Only unset: muxd runs no code from model directories.", hidden=True)
+    config_format: str = flag("auto", "Only auto or hf: muxd reads config.json.", hidden=True)
+    enable_expert_parallel: bool = flag(False, "Only off: muxd serves dense models.", hidden=True)
+    max_loras: Optional[int] = flag(None, "Accepted: muxd serves no LoRA adapters (see --enable-lora).", hidden=True)
+    max_lora_rank: Optional[int] = flag(None, "Accepted: muxd serves no LoRA adapters.", hidden=True)
+    max_cpu_loras: Optional[int] = flag(None, "Accepted: muxd serves no LoRA adapters.", hidden=True)
+    lora_dtype: Optional[str] = flag(None, "Accepted: muxd serves no LoRA adapters.", hidden=True)
+    log_error_stack: bool = flag(False, "Accepted: an unexpected error's traceback is always logged.", hidden=True)
 
     def __post_init__(self) -> None:
         for name, (allowed, why) in _VLLM_ONLY.items():  # the first field at a value muxd cannot honour
@@ -774,6 +796,18 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "limit_mm_per_prompt": ((None,), "muxd serves text-only models (Llama, Qwen2.5, Qwen3); leave it out"),
     "otlp_traces_endpoint": ((None,), "muxd exports no OpenTelemetry traces (requests and steps are at /metrics and "
                                       "/debug/timeline); leave it out"),
+    "task": (("auto", "generate"), "muxd serves text generation (no embedding, scoring or other pooling tasks); give "
+                                   "generate or leave it out"),
+    "runner": (("auto", "generate"), "muxd serves text generation (no pooling runner); give generate or leave it out"),
+    "convert": (("auto", "none"), "muxd serves text generation and converts no model to another task; leave it out"),
+    "scheduler_delay_factor": ((0, 0.0), "--policy decides when prompts run beside decode; leave it out"),
+    "tokenizer_revision": ((None,), "muxd reads the tokenizer from the model directory and downloads nothing; leave "
+                                    "it out"),
+    "code_revision": ((None,), "muxd runs no code from model directories and downloads nothing; leave it out"),
+    "config_format": (("auto", "hf"), "muxd reads the model's config.json (Hugging Face's format); give hf or leave it "
+                                      "out"),
+    "enable_expert_parallel": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without experts; leave "
+                                         "it out"),
 }
 
 

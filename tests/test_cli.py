@@ -121,6 +121,14 @@ def test_generate_chat_mode(text_checkpoint):
     (["--rope-theta", "1000000"], "--rope-theta 1000000: muxd takes the rope base from config.json"),
     (["--limit-mm-per-prompt", '{"image": 2}'], "muxd serves text-only models"),
     (["--otlp-traces-endpoint", "http://collector:4317"], "muxd exports no OpenTelemetry traces"),
+    (["--task", "embed"], "--task embed: muxd serves text generation (no embedding"),
+    (["--runner", "pooling"], "--runner pooling: muxd serves text generation"),
+    (["--convert", "embed"], "--convert embed: muxd serves text generation and converts no model"),
+    (["--scheduler-delay-factor", "0.5"], "--scheduler-delay-factor 0.5: --policy decides when prompts run"),
+    (["--tokenizer-revision", "main"], "--tokenizer-revision main: muxd reads the tokenizer from the model directory"),
+    (["--code-revision", "main"], "--code-revision main: muxd runs no code from model directories"),
+    (["--config-format", "mistral"], "--config-format mistral: muxd reads the model's config.json"),
+    (["--enable-expert-parallel"], "--enable-expert-parallel: muxd serves dense models"),
     (["--scheduling-policy", "priority"], "--scheduling-policy priority: muxd admits requests in arrival order"),
     (["--preemption-mode", "swap"], "--preemption-mode swap: muxd preempts by recomputing"),
     (["--long-prefill-token-threshold", "512"], "--long-prefill-token-threshold 512: --policy decides"),
@@ -232,7 +240,12 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--structured-outputs-config", '{"backend": "auto"}', "--attention-backend",
                                "FLASHINFER", "--kv-cache-memory-bytes", "1000000",
                                "--default-chat-template-kwargs", '{"enable_thinking": false}',
-                               "--enable-server-load-tracking"]).exit_code == 0
+                               "--enable-server-load-tracking", "--task", "generate", "--runner", "generate",
+                               "--convert", "none", "--enable-reasoning", "--disable-sliding-window",
+                               "--num-scheduler-steps", "8", "--multi-step-stream-outputs", "--use-v2-block-manager",
+                               "--scheduler-delay-factor", "0", "--config-format", "hf", "--max-loras", "4",
+                               "--max-lora-rank", "64", "--max-cpu-loras", "8", "--lora-dtype", "auto",
+                               "--log-error-stack"]).exit_code == 0
     more = seen["cfg"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),
             more.vllm.enable_server_load_tracking) == ("flashinfer", "1000000", {"enable_thinking": False}, True)
