@@ -730,6 +730,8 @@ class VllmFlags:
                 raise ConfigError(f"--{name.replace('_', '-')}{shown}: {why}")
         if self.structured_outputs_config is not None:
             _structured_outputs_backend(self.structured_outputs_config)
+        if self.num_scheduler_steps < 1:
+            raise ConfigError(f"--num-scheduler-steps must be >= 1, got {self.num_scheduler_steps}")
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
             raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "

@@ -129,6 +129,7 @@ def test_generate_chat_mode(text_checkpoint):
     (["--code-revision", "main"], "--code-revision main: muxd runs no code from model directories"),
     (["--config-format", "mistral"], "--config-format mistral: muxd reads the model's config.json"),
     (["--enable-expert-parallel"], "--enable-expert-parallel: muxd serves dense models"),
+    (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be >= 1, got 0"),
     (["--scheduling-policy", "priority"], "--scheduling-policy priority: muxd admits requests in arrival order"),
     (["--preemption-mode", "swap"], "--preemption-mode swap: muxd preempts by recomputing"),
     (["--long-prefill-token-threshold", "512"], "--long-prefill-token-threshold 512: --policy decides"),
