@@ -1,14 +1,18 @@
 """Where a served decode step's time goes beyond its graph: profile engine.step() (the overlapped loop, as `bench
 engine` times it) against graph replays alone, at given (batch, context) points.
 
-    PYTHONPATH=. python tests/gpu/step_profile.py [--points 1@8192,1@1024,8@8192] [--steps 30]
+    PYTHONPATH=. python tests/gpu/step_profile.py [--model DIR] [--points 1@8192,1@1024,8@8192] [--steps 30]
+        [--host N]
 
 Prints per point: wall ms a step, graph replay ms, device-busy ms a step (kernels + copies, union of intervals),
 idle ms between device events, and the device events a step runs that the graph's replays do not (name, count a
-step, ms a step), plus the largest idle gaps by the event before them."""
+step, ms a step), plus the largest idle gaps by the event before them. With `--host N`, also the N functions of
+the engine's Python that take the most host time a step (cProfile over the same number of steps, run apart)."""
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -30,13 +34,14 @@ def main():
     ap.add_argument("--model", default="configs/models/llama-3.1-8b")
     ap.add_argument("--points", default="1@8192,1@1024,8@8192")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--host", type=int, default=0, help="print the N functions taking the most host time a step")
     args = ap.parse_args()
     points = [tuple(int(x) for x in p.split("@")) for p in args.points.split(",")]
     config = Config.flat(max_num_seqs=max(b for b, _ in points), max_num_batched_tokens=8192,
                          max_model_len=max(c for _, c in points) + 1024)
     engine, _ = start_engine(args.model, "dummy", None, config)
     engine.kv_cache.data.normal_()
-    bench = EngineBench(engine, measure_ceilings(), iters=args.steps + 10)
+    bench = EngineBench(engine, measure_ceilings(), iters=args.steps * (2 if args.host else 1) + 10)
     graphs = engine.runner.graphs
     for batch, context in points:
         reqs = bench.seat(batch, context)
@@ -57,6 +62,12 @@ def main():
                 for _ in range(args.steps):
                     graphs.replay(size)
                 torch.cuda.synchronize()
+            host = cProfile.Profile() if args.host else None
+            if host is not None:
+                host.enable()
+                for _ in range(args.steps):
+                    engine.step()
+                host.disable()
         finally:
             bench.clear(reqs)
         ev, gev = device(prof), device(gprof)
@@ -89,6 +100,13 @@ def main():
         print("largest idle time by the event before it (ms a step):")
         for n, ms in sorted(idle.items(), key=lambda x: -x[1])[:8]:
             print(f"  {ms / k:.4f}  {n[:110]}")
+        if host is not None:
+            print(f"host: the {args.host} functions taking the most time a step (cProfile, its own time):")
+            stats = pstats.Stats(host)
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.host]
+            for (file, line, name), (_, calls, own, total, _) in rows:
+                print(f"  {own / k * 1e3:.4f} ms own, {total / k * 1e3:.4f} ms with callees, {calls / k:6.1f} calls"
+                      f"  {file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({name})")
 
 
 if __name__ == "__main__":

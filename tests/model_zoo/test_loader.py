@@ -18,7 +18,7 @@ from appliance.model_zoo.loader import load_model
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 # parameter counts published with each model
 PUBLISHED = {"llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "qwen3-8b": 8_190_735_360,
-             "qwen2.5-7b": 7_615_616_512}
+             "qwen2.5-7b": 7_615_616_512, "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768}
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:
