@@ -722,6 +722,8 @@ class VllmFlags:
     log_error_stack: bool = flag(False, "Accepted: an unexpected error's traceback is always logged.", hidden=True)
 
     def __post_init__(self) -> None:
+        if not self.lora_modules:  # (none given on the command line: an empty list or tuple)
+            object.__setattr__(self, "lora_modules", None)
         for name, (allowed, why) in _VLLM_ONLY.items():  # the first field at a value muxd cannot honour
             value = getattr(self, name)
             if value not in allowed:
@@ -787,7 +789,7 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_log_outputs": ((False,), "muxd does not log outputs; leave it out"),
     "enable_prompt_embeds": ((False,), "muxd takes prompts as text or token ids, not embeddings; leave it out"),
     "skip_tokenizer_init": ((False,), "muxd tokenizes prompts and detokenizes outputs itself; leave it out"),
-    "lora_modules": ((None, []), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "
+    "lora_modules": ((None,), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "
                                  "serve that directory)"),
     "hf_overrides": ((None,), "muxd reads the model's config.json as it is; change the fields in config.json of a "
                               "copy of the model directory and serve that"),

@@ -412,3 +412,12 @@ def test_bench_takes_vllm_flag_names(monkeypatch, tmp_path):
     assert (opts.result_dir, opts.result_filename, opts.percentile_metrics) == (Path("."), "r.json", ("ttft", "itl"))
     bad = runner.invoke(app, ["bench", "--percentile-metrics", "ttft,latency"])
     assert bad.exit_code == 2 and "latency" in bad.output
+
+
+def test_several_value_flags_given_no_values_are_unset():
+    """A flag of several values that is not given reaches the config as an empty list (typer) or tuple (serve args
+    read back from a config): either is unset, not a value to refuse."""
+    for empty in ([], ()):
+        cfg = Config.flat(lora_modules=empty, cuda_graph_sizes=empty)
+        assert (cfg.vllm.lora_modules, cfg.runtime.max_graph_batch, cfg.runtime.cudagraph_capture_sizes) == (
+            None, None, None)
