@@ -790,7 +790,7 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_prompt_embeds": ((False,), "muxd takes prompts as text or token ids, not embeddings; leave it out"),
     "skip_tokenizer_init": ((False,), "muxd tokenizes prompts and detokenizes outputs itself; leave it out"),
     "lora_modules": ((None,), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "
-                                 "serve that directory)"),
+                              "serve that directory)"),
     "hf_overrides": ((None,), "muxd reads the model's config.json as it is; change the fields in config.json of a "
                               "copy of the model directory and serve that"),
     "rope_scaling": ((None,), "muxd takes the rope scaling from config.json ('rope_scaling'); set it there in a copy "
