@@ -115,10 +115,47 @@ class ModelSettings:
                                   "max_new_tokens (as chat's max_tokens) that the model's generation_config.json "
                                   "recommends; a directory, those of its generation_config.json; vllm, none "
                                   "(temperature 1, no cuts, max_tokens what the context leaves).")
+    hf_overrides: Optional[str] = flag(None, "JSON object of config.json fields that replace the model's, as vLLM's "
+                                       "flag (top-level fields, each replaced whole), e.g. '{\"rope_scaling\": "
+                                       "{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                       "\"original_max_position_embeddings\": 32768}}' for a longer context.")
+    rope_scaling: Optional[str] = flag(None, "As older vLLM's: JSON of config.json's rope_scaling (--hf-overrides "
+                                       "with that field).", hidden=True)
+    rope_theta: Optional[float] = flag(None, "As older vLLM's: config.json's rope_theta (--hf-overrides with that "
+                                       "field).", hidden=True)
     override_generation_config: Optional[str] = flag(None, "JSON of generation config fields that replace or add to "
                                                      "--generation-config's defaults (as vLLM's flag), e.g. "
                                                      "'{\"temperature\": 0.5}'; with --generation-config vllm, the "
                                                      "only defaults.")
+
+    def config_overrides(self) -> dict[str, Any]:
+        """The config.json fields --hf-overrides replaces, with older vLLM's --rope-scaling and --rope-theta among
+        them (empty without)."""
+        out: dict[str, Any] = {}
+        if self.hf_overrides is not None:
+            try:
+                out = json.loads(self.hf_overrides)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--hf-overrides: cannot read {self.hf_overrides!r} as JSON ({exc.msg})") from None
+            if not isinstance(out, dict):
+                raise ConfigError(f"--hf-overrides: expected a JSON object of config.json fields, got "
+                                  f"{self.hf_overrides!r}")
+        older: dict[str, Any] = {}
+        if self.rope_scaling is not None:
+            try:
+                older["rope_scaling"] = json.loads(self.rope_scaling)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--rope-scaling: cannot read {self.rope_scaling!r} as JSON ({exc.msg})") from None
+            if not isinstance(older["rope_scaling"], dict):
+                raise ConfigError(f"--rope-scaling: expected a JSON object (config.json's rope_scaling), got "
+                                  f"{self.rope_scaling!r}")
+        if self.rope_theta is not None:
+            older["rope_theta"] = self.rope_theta
+        for key, value in older.items():
+            if key in out and out[key] != value:
+                raise ConfigError(f"--{key.replace('_', '-')} and --hf-overrides set {key} differently; give one")
+            out[key] = value
+        return out
 
     def template_defaults(self) -> dict[str, Any]:
         """--default-chat-template-kwargs as a dict (empty without)."""
@@ -155,6 +192,7 @@ class ModelSettings:
             parse_dtype(self.dtype, "--dtype")
         at_least(self, 2, "max_model_len")
         self.generation_overrides()  # readable, and only sampling fields in range
+        self.config_overrides()  # a JSON object, and the older flags agree with it
 
     @property
     def model_dir(self) -> Path:
@@ -692,9 +730,6 @@ class VllmFlags:
     enable_server_load_tracking: bool = flag(False, "/load counts the requests in flight (without it /load answers "
                                              "0), as vLLM's.", hidden=True)
     lora_modules: Optional[list[str]] = flag(None, "Only unset: muxd serves no LoRA adapters.", hidden=True)
-    hf_overrides: Optional[str] = flag(None, "Only unset: muxd reads config.json as it is.", hidden=True)
-    rope_scaling: Optional[str] = flag(None, "Only unset: the rope scaling is config.json's.", hidden=True)
-    rope_theta: Optional[float] = flag(None, "Only unset: the rope base is config.json's.", hidden=True)
     limit_mm_per_prompt: Optional[str] = flag(None, "Only unset: muxd serves text-only models.", hidden=True)
     otlp_traces_endpoint: Optional[str] = flag(None, "Only unset: muxd exports no OpenTelemetry traces.",
                                                hidden=True)
@@ -791,12 +826,6 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_tokenizer_init": ((False,), "muxd tokenizes prompts and detokenizes outputs itself; leave it out"),
     "lora_modules": ((None,), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "
                               "serve that directory)"),
-    "hf_overrides": ((None,), "muxd reads the model's config.json as it is; change the fields in config.json of a "
-                              "copy of the model directory and serve that"),
-    "rope_scaling": ((None,), "muxd takes the rope scaling from config.json ('rope_scaling'); set it there in a copy "
-                              "of the model directory"),
-    "rope_theta": ((None,), "muxd takes the rope base from config.json ('rope_theta'); set it there in a copy of "
-                            "the model directory"),
     "limit_mm_per_prompt": ((None,), "muxd serves text-only models (Llama, Qwen2.5, Qwen3); leave it out"),
     "otlp_traces_endpoint": ((None,), "muxd exports no OpenTelemetry traces (requests and steps are at /metrics and "
                                       "/debug/timeline); leave it out"),
@@ -919,7 +948,7 @@ class Config:
             raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
         path = resolve_model_dir(self.model.model_dir)
-        cfg = ModelConfig.from_file(path / "config.json").sharded(tp)
+        cfg = ModelConfig.from_file(path / "config.json", self.model.config_overrides()).sharded(tp)
         cfg.check_max_model_len(self.model.max_model_len or cfg.max_model_len)
         if self.model.load_format != "dummy":
             checkpoint_files(path, check=True)  # each file's header: a truncated download fails here, named

@@ -116,9 +116,6 @@ def test_generate_chat_mode(text_checkpoint):
      "--cuda-graph-sizes 1 2 (vLLM 0.9-0.10's --cudagraph-capture-sizes) contradicts --cudagraph-capture-sizes 1 4"),
     (["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"],
      "--lora-modules sql=/adapters/sql chat=/adapters/chat: muxd serves one model without LoRA adapters"),
-    (["--hf-overrides", '{"rope_theta": 1e6}'], "muxd reads the model's config.json as it is"),
-    (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'], "muxd takes the rope scaling from config.json"),
-    (["--rope-theta", "1000000"], "--rope-theta 1000000: muxd takes the rope base from config.json"),
     (["--limit-mm-per-prompt", '{"image": 2}'], "muxd serves text-only models"),
     (["--otlp-traces-endpoint", "http://collector:4317"], "muxd exports no OpenTelemetry traces"),
     (["--task", "embed"], "--task embed: muxd serves text generation (no embedding"),
@@ -129,6 +126,9 @@ def test_generate_chat_mode(text_checkpoint):
     (["--code-revision", "main"], "--code-revision main: muxd runs no code from model directories"),
     (["--config-format", "mistral"], "--config-format mistral: muxd reads the model's config.json"),
     (["--enable-expert-parallel"], "--enable-expert-parallel: muxd serves dense models"),
+    (["--hf-overrides", "rope_theta=1e6"], "--hf-overrides: cannot read 'rope_theta=1e6' as JSON"),
+    (["--rope-scaling", '{"factor": 4}', "--hf-overrides", '{"rope_scaling": null}'],
+     "--rope-scaling and --hf-overrides set rope_scaling differently"),
     (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be >= 1, got 0"),
     (["--scheduling-policy", "priority"], "--scheduling-policy priority: muxd admits requests in arrival order"),
     (["--preemption-mode", "swap"], "--preemption-mode swap: muxd preempts by recomputing"),
@@ -246,10 +246,13 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--num-scheduler-steps", "8", "--multi-step-stream-outputs", "--use-v2-block-manager",
                                "--scheduler-delay-factor", "0", "--config-format", "hf", "--max-loras", "4",
                                "--max-lora-rank", "64", "--max-cpu-loras", "8", "--lora-dtype", "auto",
-                               "--log-error-stack"]).exit_code == 0
+                               "--log-error-stack", "--hf-overrides", '{"max_position_embeddings": 1024}',
+                               "--rope-theta", "1e6"]).exit_code == 0
     more = seen["cfg"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),
-            more.vllm.enable_server_load_tracking) == ("flashinfer", "1000000", {"enable_thinking": False}, True)
+            more.vllm.enable_server_load_tracking, more.model.config_overrides()) == (
+        "flashinfer", "1000000", {"enable_thinking": False}, True,
+        {"max_position_embeddings": 1024, "rope_theta": 1e6})
     for level, eager in (("-O0", True), ("-O3", False), ("--optimization-level=1", False),
                          ("--compilation-config=0", True), ('--compilation-config={"level": 3}', False)):
         assert runner.invoke(app, ["serve", model, level]).exit_code == 0

@@ -290,7 +290,8 @@ def start_engine(model_dir: str, load_format: str, dtype: str | None, config: Co
                                              device="cuda"))
         load_s = 0.0
     else:
-        model = load_model(model_dir, dtype=dtype, device="cuda", load_format=load_format)
+        model = load_model(model_dir, dtype=dtype, device="cuda", load_format=load_format,
+                           overrides=config.model.config_overrides())
         torch.cuda.synchronize()
         load_s = time.perf_counter() - start
         start = time.perf_counter()

@@ -43,7 +43,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     # the tensor-parallel degree (each rank's share of the model, its collectives, its KV pool)
     serve = parse_serve_args(list(opts.serve_args))
     options, tp = serve.scheduler, serve.parallel.tensor_parallel_size
-    model = ModelConfig.from_file(resolve_model_dir(model_dir(opts.model_or_default)) / "config.json").sharded(tp)
+    model = ModelConfig.from_file(resolve_model_dir(model_dir(opts.model_or_default)) / "config.json",
+                                  serve.model.config_overrides()).sharded(tp)
     profile = opts.profile
     if profile is None:  # as `muxd serve` does: the profile cached by `muxd profile`, or shipped, for this GPU
         profile = find_profile(model, gpu, cache_dir(), by_kind=True)

@@ -78,7 +78,7 @@ def _load(config: Config, rank: Rank | None = None) -> DecoderForCausalLM:
     return load_model(resolve_model_dir(config.model.model_dir), dtype=config.resolved_dtype(),
                       device=rank.device if rank else config.runtime.resolved_device(),
                       load_format=config.model.load_format, rank=rank.index if rank else 0,
-                      tp_size=rank.size if rank else 1)
+                      tp_size=rank.size if rank else 1, overrides=config.model.config_overrides())
 
 
 def _build_parallel(config: Config) -> Engine:

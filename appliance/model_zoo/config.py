@@ -152,7 +152,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """The config.json at `path`, its top-level fields replaced by `overrides` where given (vLLM's
+        --hf-overrides)."""
         path = Path(path)
         if not path.is_file():
             raise ModelLoadError(f"{path}: file not found (a model directory needs config.json)")
@@ -160,6 +162,8 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+        if overrides:
+            return cls.from_dict(_overridden(raw, overrides), source=f"{path} with --hf-overrides")
         return cls.from_dict(raw, source=str(path))
 
     @property
@@ -273,6 +277,20 @@ def _sliding_window(raw: dict[str, Any], arch: str, num_layers: int, source: str
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ModelLoadError(f"{source}: field 'sliding_window' is {window!r}; expected a positive integer or null")
     return window
+
+
+def _overridden(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields with `overrides` in their place. transformers 5 saves the rope in 'rope_parameters',
+    which wins over 'rope_scaling' and 'rope_theta' (`_parse_rope`): an override of those two is made there too,
+    'rope_scaling' replacing the scaling whole, as it replaces the field."""
+    out = {**raw, **overrides}
+    params = raw.get("rope_parameters")
+    rope_fields = {"rope_scaling", "rope_theta"} & set(overrides)
+    if isinstance(params, dict) and "rope_parameters" not in overrides and rope_fields:
+        theta = overrides.get("rope_theta", params.get("rope_theta"))
+        scaling = overrides.get("rope_scaling", params)
+        out["rope_parameters"] = {**(scaling or {}), **({"rope_theta": theta} if theta is not None else {})}
+    return out
 
 
 def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:

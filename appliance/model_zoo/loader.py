@@ -34,9 +34,10 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
-               load_format: str = "auto", seed: int = 0, rank: int = 0, tp_size: int = 1) -> DecoderForCausalLM:
-    """Build the model described by `path`/config.json and fill its weights (rank `rank`'s share of them under
-    `tp_size`-way tensor parallelism).
+               load_format: str = "auto", seed: int = 0, rank: int = 0, tp_size: int = 1,
+               overrides: dict[str, Any] | None = None) -> DecoderForCausalLM:
+    """Build the model described by `path`/config.json (its fields replaced by `overrides` where given) and fill
+    its weights (rank `rank`'s share of them under `tp_size`-way tensor parallelism).
 
     dtype: None keeps the checkpoint's torch_dtype. load_format: 'auto'/'safetensors' read the weights, 'dummy' draws
     random weights of the right shapes (seeded) for benchmarking sizes without a checkpoint.
@@ -44,7 +45,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     path = resolve_model_dir(path)
-    cfg = ModelConfig.from_file(path / "config.json")
+    cfg = ModelConfig.from_file(path / "config.json", overrides)
     if dtype is not None:
         cfg = replace(cfg, dtype=parse_dtype(dtype, "--dtype"))
     with torch.device("meta"):

@@ -112,7 +112,8 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
 
     # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
     contract = cfg.scheduler.contract
-    vocab_size = ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json").vocab_size
+    vocab_size = ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json",
+                                       cfg.model.config_overrides()).vocab_size
     completion_body, chat_body = p.bodies_for(vocab_size, list(contract.classes))
     detokenize_body = t.detokenize_body(vocab_size)
     response_body = responses_body(chat_body)
