@@ -738,9 +738,9 @@ class VllmFlags:
     convert: str = flag("auto", "Only auto or none: muxd generates text.", hidden=True)
     enable_reasoning: bool = flag(False, "Accepted (vLLM 0.8's companion of --reasoning-parser): "
                                   "--reasoning-parser alone decides.", hidden=True)
-    disable_sliding_window: bool = flag(False, "Accepted: muxd has no sliding-window attention; a model whose window "
-                                        "is shorter than --max-model-len is refused, naming the length to give.",
-                                        hidden=True)
+    disable_sliding_window: bool = flag(False, "As vLLM's: the context defaults to the model's sliding window where "
+                                        "that is shorter (muxd has no sliding-window attention and refuses a "
+                                        "longer context).", hidden=True)
     num_scheduler_steps: int = flag(1, "Accepted: each step is planned while the one before runs "
                                     "(--async-scheduling) instead of several steps at once.", hidden=True)
     multi_step_stream_outputs: bool = flag(True, "Accepted: tokens stream as each step reads them.", hidden=True)
@@ -928,6 +928,16 @@ class Config:
             return self.model.dtype
         return None if self.runtime.resolved_device().startswith("cuda") else "float32"
 
+    def model_len(self, model: ModelConfig) -> int:
+        """The context served: --max-model-len, else the model's (with vLLM's --disable-sliding-window, capped to a
+        sliding window shorter than it, where full attention over the window is exact)."""
+        if self.model.max_model_len:
+            return self.model.max_model_len
+        window = model.sliding_window
+        if self.vllm.disable_sliding_window and window is not None:
+            return min(model.max_model_len, window)
+        return model.max_model_len
+
     def check(self) -> ModelConfig:
         """The checks that read files or the machine, before anything slow: the device (and GPUs enough for the
         ranks), the model directory and its config.json (and whether it splits across the ranks), the context length,
@@ -949,7 +959,7 @@ class Config:
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
         path = resolve_model_dir(self.model.model_dir)
         cfg = ModelConfig.from_file(path / "config.json", self.model.config_overrides()).sharded(tp)
-        cfg.check_max_model_len(self.model.max_model_len or cfg.max_model_len)
+        cfg.check_max_model_len(self.model_len(cfg))
         if self.model.load_format != "dummy":
             checkpoint_files(path, check=True)  # each file's header: a truncated download fails here, named
         if (path / "tokenizer.json").is_file():  # the template compiles, the special ids are token ids

@@ -130,7 +130,7 @@ class _Builder:
         cfg, model, mcfg = self.config, self.model, self.model.config
         sched_cfg, cache_cfg, rt = cfg.scheduler, cfg.cache, cfg.runtime
         # before compile and warm-up: a sliding window shorter than the context is refused at once
-        max_len = cfg.model.max_model_len or mcfg.max_model_len
+        max_len = cfg.model_len(mcfg)
         mcfg.check_max_model_len(max_len)
         fused = self.cuda and rt.fused_rope and resolve_backend_name(rt.attention_backend, mcfg, self.dtype,
                                                                       self.device) == "flashinfer"
@@ -164,7 +164,7 @@ class _Builder:
             log.info("prefix caching is off: with %s rope scaling K depends on the sequence length", mcfg.rope.type)
         pool = PagePool(num_pages, cache_cfg.block_size, prefix_caching)
         capacity = num_pages * cache_cfg.block_size
-        max_model_len = cfg.model.max_model_len or min(mcfg.max_model_len, capacity)
+        max_model_len = cfg.model.max_model_len or min(cfg.model_len(mcfg), capacity)
         if max_model_len > capacity:
             raise ConfigError(f"max_model_len {max_model_len} exceeds the KV cache ({num_pages} pages of "
                               f"{cache_cfg.block_size} = {capacity} tokens); lower it or give the cache more memory")
@@ -338,6 +338,6 @@ class _Builder:
         if budget < per_page:
             raise ConfigError(f"KV cache budget of {budget} bytes holds no page ({per_page} bytes per page of "
                               f"{cache.block_size} tokens); raise --kv-cache-memory or --gpu-memory-utilization")
-        model_len = cfg.model.max_model_len or self.model.config.max_model_len
+        model_len = cfg.model_len(self.model.config)
         useful = 2 * cfg.scheduler.max_num_seqs * -(-model_len // cache.block_size)
         return min(budget // per_page, useful)

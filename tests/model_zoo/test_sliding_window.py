@@ -1,5 +1,6 @@
 """Sliding-window attention is not implemented, so a model whose window is shorter than the context it would be
-served with is refused, naming the field and its value; a window that covers the context is served exactly."""
+served with is refused, naming the field and its value; a window that covers the context is served exactly, and
+vLLM's --disable-sliding-window makes the window the default context."""
 from __future__ import annotations
 
 import pytest
@@ -44,6 +45,22 @@ def test_a_context_within_the_window_is_served_exactly(window_of_8):
     assert done.token_ids == ref
     with pytest.raises(RequestError, match="context is 8 tokens"):
         engine.generate(PROMPT, SamplingParams(max_tokens=3))
+
+
+
+def test_disable_sliding_window_serves_the_window_as_the_context(window_of_8):
+    """vLLM's --disable-sliding-window: without --max-model-len the context is the window, as vLLM caps it; a longer
+    --max-model-len is still refused."""
+    path, _ = window_of_8
+    cfg = Config.flat(model=str(path), disable_sliding_window=True, num_gpu_blocks_override=64)
+    cfg.check()  # (`muxd serve`'s check before loading)
+    engine = build_engine(cfg)
+    assert engine.max_model_len == 8
+    [done] = engine.generate(PROMPT[:5], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(done.token_ids) == 3
+    with pytest.raises(ConfigError, match=r"'sliding_window' is 8\b.*context of 9 tokens"):
+        build_engine(Config.flat(model=path, disable_sliding_window=True, num_gpu_blocks_override=64,
+                                 max_model_len=9))
 
 
 def test_mistral_window_covering_the_context_matches_transformers(tmp_path):
