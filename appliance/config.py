@@ -67,6 +67,17 @@ def json_list(text: str, flag: str) -> list[str]:
     return value
 
 
+def json_object(text: str, flag: str, of: str) -> dict[str, Any]:
+    """A flag given as a JSON object (of `of`, e.g. config.json fields), or a ConfigError naming it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag}: cannot read {text!r} as JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: expected a JSON object of {of}, got {text!r}")
+    return value
+
+
 def flag(default: Any, help: str, *names: str, envvar: str | None = None, hidden: bool = False) -> Any:
     """A config field that is also a `muxd serve` flag: `names` are extra spellings (the field's own,
     --field-name, always comes first)."""
@@ -131,24 +142,11 @@ class ModelSettings:
     def config_overrides(self) -> dict[str, Any]:
         """The config.json fields --hf-overrides replaces, with older vLLM's --rope-scaling and --rope-theta among
         them (empty without)."""
-        out: dict[str, Any] = {}
-        if self.hf_overrides is not None:
-            try:
-                out = json.loads(self.hf_overrides)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"--hf-overrides: cannot read {self.hf_overrides!r} as JSON ({exc.msg})") from None
-            if not isinstance(out, dict):
-                raise ConfigError(f"--hf-overrides: expected a JSON object of config.json fields, got "
-                                  f"{self.hf_overrides!r}")
+        out = {} if self.hf_overrides is None else json_object(self.hf_overrides, "--hf-overrides",
+                                                                 "config.json fields")
         older: dict[str, Any] = {}
         if self.rope_scaling is not None:
-            try:
-                older["rope_scaling"] = json.loads(self.rope_scaling)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"--rope-scaling: cannot read {self.rope_scaling!r} as JSON ({exc.msg})") from None
-            if not isinstance(older["rope_scaling"], dict):
-                raise ConfigError(f"--rope-scaling: expected a JSON object (config.json's rope_scaling), got "
-                                  f"{self.rope_scaling!r}")
+            older["rope_scaling"] = json_object(self.rope_scaling, "--rope-scaling", "rope scaling fields")
         if self.rope_theta is not None:
             older["rope_theta"] = self.rope_theta
         for key, value in older.items():
@@ -161,14 +159,8 @@ class ModelSettings:
         """--default-chat-template-kwargs as a dict (empty without)."""
         if self.default_chat_template_kwargs is None:
             return {}
-        try:
-            value = json.loads(self.default_chat_template_kwargs)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--default-chat-template-kwargs: cannot read {self.default_chat_template_kwargs!r} as "
-                              f"JSON ({exc.msg})") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"--default-chat-template-kwargs: expected a JSON object of template variables, got "
-                              f"{self.default_chat_template_kwargs!r}")
+        value = json_object(self.default_chat_template_kwargs, "--default-chat-template-kwargs",
+                            "template variables")
         taken = sorted(set(value) & set(TEMPLATE_VARIABLES))
         if taken:
             raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(taken)} (muxd sets "
@@ -210,13 +202,7 @@ class ModelSettings:
         if self.override_generation_config is None:
             return {}
         flag = "--override-generation-config"
-        try:
-            values = json.loads(self.override_generation_config)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{flag}: cannot read {self.override_generation_config!r} as JSON ({exc.msg})") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{flag}: expected a JSON object of generation config fields, got "
-                              f"{self.override_generation_config!r}")
+        values = json_object(self.override_generation_config, flag, "generation config fields")
         try:
             return sampling_defaults(values, flag, overrides=True)
         except ApplianceError as exc:
@@ -846,12 +832,7 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
 
 def _structured_outputs_backend(text: str) -> str:
     """The backend of vLLM's --structured-outputs-config, which muxd takes only as auto or xgrammar."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--structured-outputs-config: cannot read {text!r} as JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--structured-outputs-config: expected a JSON object, got {text!r}")
+    value = json_object(text, "--structured-outputs-config", "structured-output settings")
     other = sorted(set(value) - {"backend"})
     if other:
         raise ConfigError(f"--structured-outputs-config: muxd takes only 'backend' (xgrammar); leave out "

@@ -42,7 +42,7 @@ def test_an_override_runs_as_the_checkpoint_saved_with_it(tmp_path):
     ({"hf_overrides": "{rope_theta: 1}"}, "--hf-overrides: cannot read '{rope_theta: 1}' as JSON"),
     ({"hf_overrides": "[1]"}, "--hf-overrides: expected a JSON object of config.json fields"),
     ({"rope_scaling": "yarn"}, "--rope-scaling: cannot read 'yarn' as JSON"),
-    ({"rope_scaling": "4"}, "--rope-scaling: expected a JSON object (config.json's rope_scaling)"),
+    ({"rope_scaling": "4"}, "--rope-scaling: expected a JSON object of rope scaling fields, got '4'"),
     ({"rope_theta": 1e6, "hf_overrides": '{"rope_theta": 1e4}'},
      "--rope-theta and --hf-overrides set rope_theta differently; give one"),
 ])
