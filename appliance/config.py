@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import re
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -590,6 +591,8 @@ class ServerSettings:
                                        "checked against.")
     ssl_cert_reqs: int = flag(0, "HTTPS: client certificates 0: not asked for, 1: checked if sent, 2: required "
                               "(Python's ssl.CERT_NONE/OPTIONAL/REQUIRED).")
+    ssl_ciphers: Optional[str] = flag(None, "HTTPS: the TLS 1.2 cipher suites offered, an OpenSSL cipher list (e.g. "
+                                      "ECDHE+AESGCM); default: uvicorn's.")
     uds: Optional[str] = flag(None, "Listen on this Unix domain socket instead of --host and --port.")
 
     def __post_init__(self) -> None:
@@ -603,9 +606,16 @@ class ServerSettings:
                 raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ConfigError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
-        if (self.ssl_ca_certs is not None or self.ssl_cert_reqs) and self.ssl_certfile is None:
-            raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs apply to HTTPS: give --ssl-keyfile and "
-                              "--ssl-certfile too")
+        if (self.ssl_ca_certs is not None or self.ssl_cert_reqs or self.ssl_ciphers is not None) and \
+                self.ssl_certfile is None:
+            raise ConfigError("--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers apply to HTTPS: give --ssl-keyfile "
+                              "and --ssl-certfile too")
+        if self.ssl_ciphers is not None:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(self.ssl_ciphers)
+            except ssl.SSLError:
+                raise ConfigError(f"--ssl-ciphers {self.ssl_ciphers}: OpenSSL knows no cipher of that list (e.g. "
+                                  "ECDHE+AESGCM)") from None
         if self.request_byte_limit < 1:
             raise ConfigError(f"--max-request-bytes must be at least 1 byte, got {self.max_request_bytes!r}")
         if not (self.header_timeout > 0 and self.body_timeout > 0):

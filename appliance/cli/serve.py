@@ -67,8 +67,12 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
 
     app = create_app(config, on_fatal)
     http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
-    tls = {"ssl_keyfile": srv.ssl_keyfile, "ssl_certfile": srv.ssl_certfile, "ssl_ca_certs": srv.ssl_ca_certs,
-           "ssl_cert_reqs": srv.ssl_cert_reqs} if srv.ssl_certfile else {}
+    tls: dict[str, Any] = {}
+    if srv.ssl_certfile:
+        tls = {"ssl_keyfile": srv.ssl_keyfile, "ssl_certfile": srv.ssl_certfile, "ssl_ca_certs": srv.ssl_ca_certs,
+               "ssl_cert_reqs": srv.ssl_cert_reqs}
+        if srv.ssl_ciphers:  # (else uvicorn's default list)
+            tls["ssl_ciphers"] = srv.ssl_ciphers
     server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, uds=srv.uds, http=http,
                                            log_level=config.vllm.uvicorn_log_level or srv.log_level,
                                            access_log=not config.vllm.disable_uvicorn_access_log,

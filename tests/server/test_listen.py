@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -59,14 +60,27 @@ def ready(proc: subprocess.Popen, client: httpx.Client, url: str, log: Path) -> 
 
 
 def test_https_with_a_key_and_certificate(tmp_path):
+    """HTTPS, with --ssl-ciphers limiting TLS 1.2 to one cipher family: a TLS 1.2 client offering only another family
+    is refused, one offering that family is served."""
     key, cert = self_signed(tmp_path)
     port, log = free_port(), tmp_path / "server.log"
-    proc = serve(["--port", str(port), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)], log)
+    proc = serve(["--port", str(port), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                  "--ssl-ciphers", "ECDHE+AESGCM"], log)
     try:
         with httpx.Client(verify=str(cert), timeout=60) as client:
             ready(proc, client, f"https://127.0.0.1:{port}/ready", log)
             out = client.post(f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
+        for ciphers, served in (("ECDHE+AESGCM", True), ("ECDHE+CHACHA20", False)):
+            tls12 = ssl.create_default_context(cafile=str(cert))
+            tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+            tls12.set_ciphers(ciphers)
+            try:
+                with httpx.Client(verify=tls12, timeout=10) as client:
+                    ok = client.get(f"https://127.0.0.1:{port}/health").status_code == 200
+            except httpx.TransportError:
+                ok = False
+            assert ok == served, ciphers
         with httpx.Client(timeout=10) as plain:  # plain HTTP on the HTTPS port gets no answer
             try:
                 refused = plain.get(f"http://127.0.0.1:{port}/health").status_code != 200
