@@ -751,10 +751,24 @@ class VllmFlags:
     max_cpu_loras: Optional[int] = flag(None, "Accepted: muxd serves no LoRA adapters.", hidden=True)
     lora_dtype: Optional[str] = flag(None, "Accepted: muxd serves no LoRA adapters.", hidden=True)
     log_error_stack: bool = flag(False, "Accepted: an unexpected error's traceback is always logged.", hidden=True)
+    prefix_caching_hash_algo: str = flag("sha256", "Accepted (any of vLLM's): muxd keys cached pages by a BLAKE2b "
+                                         "chain of their tokens.", hidden=True)
+    middleware: Optional[list[str]] = flag(None, "Only unset: muxd loads no code named on its command line.",
+                                           hidden=True)
+    logits_processors: Optional[list[str]] = flag(None, "Only unset: muxd runs no custom logits processors.",
+                                                  hidden=True)
+    kv_transfer_config: Optional[str] = flag(None, "Only unset: no KV transfer between instances.", hidden=True)
+    kv_events_config: Optional[str] = flag(None, "Only unset: muxd publishes no KV cache events.", hidden=True)
+    tool_parser_plugin: Optional[str] = flag(None, "Only unset: --tool-call-parser takes muxd's own parsers.",
+                                             hidden=True)
 
     def __post_init__(self) -> None:
-        if not self.lora_modules:  # (none given on the command line: an empty list or tuple)
-            object.__setattr__(self, "lora_modules", None)
+        for name in ("lora_modules", "middleware", "logits_processors"):
+            if not getattr(self, name):  # (none given on the command line: an empty list or tuple)
+                object.__setattr__(self, name, None)
+        if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
+            raise ConfigError(f"--prefix-caching-hash-algo must be one of {', '.join(PREFIX_HASH_ALGOS)}, got "
+                              f"{self.prefix_caching_hash_algo!r}")
         for name, (allowed, why) in _VLLM_ONLY.items():  # the first field at a value muxd cannot honour
             value = getattr(self, name)
             if value not in allowed:
@@ -837,7 +851,17 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
                                       "out"),
     "enable_expert_parallel": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without experts; leave "
                                          "it out"),
+    "middleware": ((None,), "muxd loads no code named on its command line (ASGI middleware); put a proxy in front "
+                            "of it instead"),
+    "logits_processors": ((None,), "muxd runs no custom logits processors; requests may use logit_bias, "
+                                   "allowed_token_ids, bad_words, min_tokens and structured output"),
+    "kv_transfer_config": ((None,), "muxd has no KV transfer between instances (disaggregated prefill); it runs "
+                                    "prefill and decode on one GPU's SM partitions instead"),
+    "kv_events_config": ((None,), "muxd publishes no KV cache events; leave it out"),
+    "tool_parser_plugin": ((None,), "muxd loads no tool parser plugins; --tool-call-parser takes its built-in "
+                                    "parsers"),
 }
+PREFIX_HASH_ALGOS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
 
 
 def _structured_outputs_backend(text: str) -> str:

@@ -22,7 +22,8 @@ from appliance.errors import ConfigError
 
 
 # serve flags that take several values, as vLLM's nargs="+" ones
-SEVERAL = ("--served-model-name", "--cudagraph-capture-sizes", "--cuda-graph-sizes", "--lora-modules")
+SEVERAL = ("--served-model-name", "--cudagraph-capture-sizes", "--cuda-graph-sizes", "--lora-modules",
+           "--logits-processors")
 
 
 def spread(args: list[str]) -> list[str]:

@@ -130,6 +130,12 @@ def test_generate_chat_mode(text_checkpoint):
     (["--rope-scaling", '{"factor": 4}', "--hf-overrides", '{"rope_scaling": null}'],
      "--rope-scaling and --hf-overrides set rope_scaling differently"),
     (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be >= 1, got 0"),
+    (["--middleware", "my.module.Middleware"], "--middleware my.module.Middleware: muxd loads no code named"),
+    (["--logits-processors", "a.B", "c.D"], "--logits-processors a.B c.D: muxd runs no custom logits processors"),
+    (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "muxd has no KV transfer between instances"),
+    (["--kv-events-config", "{}"], "muxd publishes no KV cache events"),
+    (["--tool-parser-plugin", "plugin.py"], "muxd loads no tool parser plugins"),
+    (["--prefix-caching-hash-algo", "md5"], "--prefix-caching-hash-algo must be one of builtin, sha256"),
     (["--scheduling-policy", "priority"], "--scheduling-policy priority: muxd admits requests in arrival order"),
     (["--preemption-mode", "swap"], "--preemption-mode swap: muxd preempts by recomputing"),
     (["--long-prefill-token-threshold", "512"], "--long-prefill-token-threshold 512: --policy decides"),
@@ -250,7 +256,7 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--scheduler-delay-factor", "0", "--config-format", "hf", "--max-loras", "4",
                                "--max-lora-rank", "64", "--max-cpu-loras", "8", "--lora-dtype", "auto",
                                "--log-error-stack", "--hf-overrides", '{"max_position_embeddings": 1024}',
-                               "--rope-theta", "1e6"]).exit_code == 0
+                               "--rope-theta", "1e6", "--prefix-caching-hash-algo", "xxhash"]).exit_code == 0
     more = seen["cfg"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),
             more.vllm.enable_server_load_tracking, more.model.config_overrides()) == (
@@ -424,6 +430,6 @@ def test_several_value_flags_given_no_values_are_unset():
     """A flag of several values that is not given reaches the config as an empty list (typer) or tuple (serve args
     read back from a config): either is unset, not a value to refuse."""
     for empty in ([], ()):
-        cfg = Config.flat(lora_modules=empty, cuda_graph_sizes=empty)
-        assert (cfg.vllm.lora_modules, cfg.runtime.max_graph_batch, cfg.runtime.cudagraph_capture_sizes) == (
-            None, None, None)
+        cfg = Config.flat(lora_modules=empty, cuda_graph_sizes=empty, middleware=empty, logits_processors=empty)
+        assert (cfg.vllm.lora_modules, cfg.runtime.max_graph_batch, cfg.runtime.cudagraph_capture_sizes,
+                cfg.vllm.middleware, cfg.vllm.logits_processors) == (None, None, None, None, None)
