@@ -70,7 +70,8 @@ def span_tokens(r: Request, start: int, end: int) -> list[int]:
         if end - known > 1 or r.pending_row < 0:
             raise RuntimeError(f"{r.request_id}: tokens [{known}, {end}) are not known on the host and only the "
                                f"latest step's token can be read on the device (pending row {r.pending_row})")
-        return span_tokens(r, start, known) + [placeholder(r.pending_row)]
+        head = span_tokens(r, start, known) if start < known else []  # (a decode step: its one pending token)
+        return head + [placeholder(r.pending_row)]
     if start >= n:
         return r.output_token_ids[start - n:end - n]
     if end <= n:

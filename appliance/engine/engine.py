@@ -269,8 +269,9 @@ class Engine:
         detok = self._detok.get(r.request_id)
         runner = self.runner
         logprob = logprob_entry[0].get(logprob_entry[1]) if logprob_entry is not None else None
-        prompt_logprobs = runner.take_prompt_logprobs(r.request_id, r.num_prompt_tokens) \
-            if sp.prompt_logprobs is not None and len(r.output_token_ids) == 1 else None
+        num_prompt, num_output = len(r.prompt_token_ids), len(r.output_token_ids)
+        prompt_logprobs = runner.take_prompt_logprobs(r.request_id, num_prompt) \
+            if sp.prompt_logprobs is not None and num_output == 1 else None
         # the grammar allowed only this token or a stop token; a complete output ends here whatever ignore_eos says
         grammar_done = r.matcher is not None and (not r.matcher.accept(token) or r.matcher.terminated)
         eos = not sp.ignore_eos and token in self.eos_token_ids
@@ -280,8 +281,7 @@ class Engine:
         if stop_token or stop_string:  # what ended it, as vLLM's stop_reason: a stop token or string, not EOS
             reason = "stop"
             stop_reason = detok.matched if stop_string else token if not (eos or grammar_done) else None
-        elif len(r.output_token_ids) >= sp.max_tokens or \
-                r.num_prompt_tokens + len(r.output_token_ids) >= self.max_model_len:
+        elif num_output >= sp.max_tokens or num_prompt + num_output >= self.max_model_len:
             reason = "length"
         text = ""
         if detok:
@@ -293,8 +293,8 @@ class Engine:
             self._forget(r.request_id)
         return RequestOutput(
             request_id=r.request_id, new_token_ids=[token], new_text=text, finished=reason is not None,
-            finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
-            num_output_tokens=len(r.output_token_ids), text=detok.text if (detok and reason) else None,
+            finish_reason=reason, num_prompt_tokens=num_prompt, num_cached_tokens=r.num_cached_tokens or 0,
+            num_output_tokens=num_output, text=detok.text if (detok and reason) else None,
             logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs,
             stop_reason=stop_reason)
 

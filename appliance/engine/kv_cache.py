@@ -140,7 +140,7 @@ class PagePool:
 
     def grow(self, table: PageTable, num_tokens: int) -> bool:
         """Make room for num_tokens tokens in total (one more page at most per call); False if the pool is empty."""
-        if self.pages_for(num_tokens) <= len(table.pages):
+        if -(-num_tokens // self.page_size) <= len(table.pages):  # (pages_for, inline: once a row a step)
             return True
         if self.num_free_pages == 0:
             return False

@@ -230,7 +230,7 @@ class ModelRunner:
         the batch fits a captured size, else an eager forward with `backend` (default: the runner's)."""
         graphs = graphs if graphs is not None else self.graphs
         ids = [r.request_id for r in reqs]
-        spans = [(r.num_tokens - 1, r.num_tokens) for r in reqs]
+        spans = [(n - 1, n) for n in [r.num_tokens for r in reqs]]
         size = graphs.padded_size(len(reqs)) if (graphs is not None and self.use_graphs) else None
         if size is not None:  # (the graph reads placeholders from the token buffer itself)
             host = self.batches.layout(reqs, spans, pad_rows=size - len(reqs), pad_page=self.kv_cache.scratch_page)

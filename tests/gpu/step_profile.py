@@ -2,12 +2,14 @@
 engine` times it) against graph replays alone, at given (batch, context) points.
 
     PYTHONPATH=. python tests/gpu/step_profile.py [--model DIR] [--points 1@8192,1@1024,8@8192] [--steps 30]
-        [--host N]
+        [--host N] [--prefill TOKENS]
 
 Prints per point: wall ms a step, graph replay ms, device-busy ms a step (kernels + copies, union of intervals),
 idle ms between device events, and the device events a step runs that the graph's replays do not (name, count a
 step, ms a step), plus the largest idle gaps by the event before them. With `--host N`, also the N functions of
-the engine's Python that take the most host time a step (cProfile over the same number of steps, run apart)."""
+the engine's Python that take the most host time a step (cProfile over the same number of steps, run apart). With
+`--prefill TOKENS`, also a prefill launch of that many new tokens through all layers, as `bench engine` times it:
+its wall time and the functions taking the most host time in it (`--host N` of them, 25 by default)."""
 from __future__ import annotations
 
 import argparse
@@ -35,10 +37,11 @@ def main():
     ap.add_argument("--points", default="1@8192,1@1024,8@8192")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--host", type=int, default=0, help="print the N functions taking the most host time a step")
+    ap.add_argument("--prefill", type=int, default=0, help="also profile a prefill launch of this many tokens")
     args = ap.parse_args()
-    points = [tuple(int(x) for x in p.split("@")) for p in args.points.split(",")]
-    config = Config.flat(max_num_seqs=max(b for b, _ in points), max_num_batched_tokens=8192,
-                         max_model_len=max(c for _, c in points) + 1024)
+    points = [tuple(int(x) for x in p.split("@")) for p in args.points.split(",") if p]
+    config = Config.flat(max_num_seqs=max([b for b, _ in points] + [1]), max_num_batched_tokens=8192,
+                         max_model_len=max([c for _, c in points] + [args.prefill]) + 1024)
     engine, _ = start_engine(args.model, "dummy", None, config)
     engine.kv_cache.data.normal_()
     bench = EngineBench(engine, measure_ceilings(), iters=args.steps * (2 if args.host else 1) + 10)
@@ -102,11 +105,31 @@ def main():
             print(f"  {ms / k:.4f}  {n[:110]}")
         if host is not None:
             print(f"host: the {args.host} functions taking the most time a step (cProfile, its own time):")
-            stats = pstats.Stats(host)
-            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.host]
-            for (file, line, name), (_, calls, own, total, _) in rows:
-                print(f"  {own / k * 1e3:.4f} ms own, {total / k * 1e3:.4f} ms with callees, {calls / k:6.1f} calls"
-                      f"  {file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({name})")
+            print_host(host, args.host, k)
+    if args.prefill:
+        prefill(bench, args.prefill, args.steps, args.host or 25)
+
+
+def print_host(profile: cProfile.Profile, top: int, k: int) -> None:
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (file, line, name), (_, calls, own, total, _) in rows:
+        print(f"  {own / k * 1e3:.4f} ms own, {total / k * 1e3:.4f} ms with callees, {calls / k:6.1f} calls"
+              f"  {file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({name})")
+
+
+def prefill(bench: EngineBench, tokens: int, launches: int, top: int) -> None:
+    """A prefill launch of `tokens` new tokens through all layers, as `bench engine` times it: wall time, then
+    the same launches under cProfile."""
+    row = bench.prefill(tokens, 0)
+    print(f"\n== prefill of {tokens} tokens: {row.ms:.3f} ms a launch ({row.note or 'eager'})")
+    host = cProfile.Profile()
+    bench.iters = launches * 5  # (bench.prefill times max(3, iters // 5) launches)
+    host.enable()
+    bench.prefill(tokens, 0)
+    host.disable()
+    print(f"host: the {top} functions taking the most time a launch (cProfile, its own time):")
+    print_host(host, top, launches + 1)
 
 
 if __name__ == "__main__":

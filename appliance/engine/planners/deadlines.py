@@ -25,10 +25,11 @@ class Deadlines:
         self.contract, self.pool = contract, pool
         self.headroom = headroom or (lambda name: 1.0)  # TTFT deadlines are planned at headroom x the target
         self._slos = {name: contract.slo_for(name) for name in contract.class_names()}
+        self._slos[None] = self._slos[contract.default_class_name]  # a request of no class
         self._cached: dict[str, int] = {}  # prefix-cache hits estimated while a request waits
 
     def slo(self, r: Request) -> ClassSLO:
-        return self._slos[r.slo_class or self.contract.default_class_name]
+        return self._slos[r.slo_class or None]
 
     def _lookup(self, r: Request) -> int:
         """Tokens of a waiting request the prefix cache holds, as found on first sight."""
