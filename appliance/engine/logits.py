@@ -17,6 +17,8 @@ from appliance.engine.request import Request
 def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] | None = None) -> torch.Tensor:
     """Apply every request's logits processors to its row of `logits` [B, V] in place; returns `logits`. `counts`:
     each row's output tokens before the one sampled now (default: the requests' own count)."""
+    if not any(_processed(r) for r in reqs):  # (most batches: one pass over the rows, not one a processor)
+        return logits
     counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
     penalised = [i for i, r in enumerate(reqs) if r.sampling.penalised]
     if penalised:
@@ -44,6 +46,13 @@ def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] 
     if constrained:
         apply_masks(logits, [reqs[i].matcher for i in constrained], constrained)
     return logits
+
+
+def _processed(r: Request) -> bool:
+    """Whether any processor above may change the request's row."""
+    sp = r.sampling
+    return (sp.penalised or bool(sp.logit_bias) or sp.allowed_token_ids is not None or sp.min_tokens > 0
+            or r.bad_words is not None or r.matcher is not None)
 
 
 def _penalise(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
