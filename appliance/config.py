@@ -594,6 +594,10 @@ class ServerSettings:
     ssl_ciphers: Optional[str] = flag(None, "HTTPS: the TLS 1.2 cipher suites offered, an OpenSSL cipher list (e.g. "
                                       "ECDHE+AESGCM); default: uvicorn's.")
     uds: Optional[str] = flag(None, "Listen on this Unix domain socket instead of --host and --port.")
+    h11_max_incomplete_event_size: Optional[int] = flag(None, "Bytes of a request's line and headers buffered while "
+                                                        "they are incomplete (h11's limit; beyond it, HTTP 400). "
+                                                        "Default: h11's, 16 KiB (vLLM's: 4 MiB).", hidden=True)
+    h11_max_header_count: int = flag(256, "Headers a request may carry; more get HTTP 431 (as vLLM's).", hidden=True)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -623,6 +627,10 @@ class ServerSettings:
                               f"and {self.body_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                               f"{self.tool_call_parser!r}")
@@ -723,6 +731,9 @@ class VllmFlags:
     enable_log_outputs: bool = flag(False, "Only off: muxd does not log outputs.", hidden=True)
     enable_prompt_embeds: bool = flag(False, "Only off: prompts are text or token ids.", hidden=True)
     skip_tokenizer_init: bool = flag(False, "Only off: muxd tokenizes and detokenizes itself.", hidden=True)
+    enable_tokenizer_info_endpoint: bool = flag(False, "GET /tokenizer_info answers the tokenizer's configuration "
+                                                "(tokenizer_config.json's fields, its class, the chat template "
+                                                "served), as vLLM's.", hidden=True)
     enable_server_load_tracking: bool = flag(False, "/load counts the requests in flight (without it /load answers "
                                              "0), as vLLM's.", hidden=True)
     lora_modules: Optional[list[str]] = flag(None, "Only unset: muxd serves no LoRA adapters.", hidden=True)
@@ -761,9 +772,16 @@ class VllmFlags:
     kv_events_config: Optional[str] = flag(None, "Only unset: muxd publishes no KV cache events.", hidden=True)
     tool_parser_plugin: Optional[str] = flag(None, "Only unset: --tool-call-parser takes muxd's own parsers.",
                                              hidden=True)
+    headless: bool = flag(False, "Only off: muxd serves its API from the process that runs the engine.", hidden=True)
+    allowed_local_media_path: Optional[str] = flag(None, "Accepted: muxd serves text-only models, and a request "
+                                                   "with media is refused whatever this says.", hidden=True)
+    allowed_media_domains: Optional[list[str]] = flag(None, "Accepted: as --allowed-local-media-path.", hidden=True)
+    log_config_file: Optional[str] = flag(None, "A logging configuration (JSON, Python's logging.config.dictConfig "
+                                          "schema) for muxd's and the HTTP server's loggers, as vLLM's.",
+                                          hidden=True)
 
     def __post_init__(self) -> None:
-        for name in ("lora_modules", "middleware", "logits_processors"):
+        for name in ("lora_modules", "middleware", "logits_processors", "allowed_media_domains"):
             if not getattr(self, name):  # (none given on the command line: an empty list or tuple)
                 object.__setattr__(self, name, None)
         if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
@@ -783,9 +801,27 @@ class VllmFlags:
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
             raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "
                               f"{self.uvicorn_log_level!r}")
+        if self.log_config_file is not None:
+            self.log_config()
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ConfigError(f"--root-path must start with / and not end with one (e.g. /llm), got "
                               f"{self.root_path!r}")
+
+    def log_config(self) -> dict[str, Any] | None:
+        """--log-config-file's logging configuration (None without one): a JSON object of dictConfig's schema."""
+        if self.log_config_file is None:
+            return None
+        path = Path(self.log_config_file).expanduser()
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"--log-config-file {self.log_config_file}: cannot be read ({exc.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--log-config-file {self.log_config_file}: not valid JSON ({exc})") from None
+        if not isinstance(config, dict) or config.get("version") != 1:
+            raise ConfigError(f"--log-config-file {self.log_config_file}: expected a JSON object of Python's "
+                              "logging.config.dictConfig schema, with \"version\": 1")
+        return config
 
 
 # vLLM flags muxd takes only at the values that ask for nothing it does differently: field -> (those values, why)
@@ -860,6 +896,8 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "kv_events_config": ((None,), "muxd publishes no KV cache events; leave it out"),
     "tool_parser_plugin": ((None,), "muxd loads no tool parser plugins; --tool-call-parser takes its built-in "
                                     "parsers"),
+    "headless": ((False,), "muxd has no multi-node data parallelism (each replica serves its own API; --replicas N "
+                           "spreads them over a Ray cluster); leave it out"),
 }
 PREFIX_HASH_ALGOS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
 

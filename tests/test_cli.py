@@ -163,6 +163,13 @@ def test_generate_chat_mode(text_checkpoint):
     (["--max-logprobs", "5"], "--max-logprobs 5: muxd returns at most 20 alternatives per token"),
     (["--ssl-keyfile", __file__], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
     (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/cert.pem"], "--ssl-certfile /no/cert.pem: no such file"),
+    (["--h11-max-header-count", "0"], "--h11-max-header-count must be at least 1, got 0"),
+    (["--headless"], "--headless: muxd has no multi-node data parallelism"),
+    (["--log-config-file", "/no/such/logging.json"], "--log-config-file /no/such/logging.json: cannot be read"),
+    (["--log-config-file", __file__], "not valid JSON"),
+    (["--log-config-file", str(Path(__file__).resolve().parents[1] / "appliance" / "model_zoo" / "embedded" /
+                               "config.json")], "with \"version\": 1"),
+    (["--h11-max-incomplete-event-size", "-5"], "--h11-max-incomplete-event-size must be at least 1, got -5"),
     (["--ssl-cert-reqs", "2"], "--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers apply to HTTPS"),
     (["--ssl-ciphers", "ECDHE+AESGCM"], "--ssl-ca-certs, --ssl-cert-reqs and --ssl-ciphers apply to HTTPS"),
     (["--ssl-keyfile", __file__, "--ssl-certfile", __file__, "--ssl-ciphers", "NO-SUCH-CIPHER"],
@@ -256,7 +263,9 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--scheduler-delay-factor", "0", "--config-format", "hf", "--max-loras", "4",
                                "--max-lora-rank", "64", "--max-cpu-loras", "8", "--lora-dtype", "auto",
                                "--log-error-stack", "--hf-overrides", '{"max_position_embeddings": 1024}',
-                               "--rope-theta", "1e6", "--prefix-caching-hash-algo", "xxhash"]).exit_code == 0
+                               "--rope-theta", "1e6", "--prefix-caching-hash-algo", "xxhash",
+                               "--allowed-local-media-path", "/srv/media", "--allowed-media-domains", "example.com",
+                               "example.org"]).exit_code == 0
     more = seen["cfg"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),
             more.vllm.enable_server_load_tracking, more.model.config_overrides()) == (
@@ -345,13 +354,60 @@ def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, monkeypatc
     default = seen["uvicorn"]
     paths = {getattr(route, "path", None) for route in default.app.routes}
     assert default.access_log and {"/docs", "/redoc", "/openapi.json"} <= paths and default.app.root_path == ""
+    assert "/tokenizer_info" not in paths and default.h11_max_incomplete_event_size is None
+    assert default.http.keywords["max_header_count"] == 256  # (vLLM's default)
     result = runner.invoke(app, ["serve", str(text_checkpoint), "--disable-uvicorn-access-log",
-                                 "--disable-fastapi-docs", "--root-path", "/llm"])
+                                 "--disable-fastapi-docs", "--root-path", "/llm", "--enable-tokenizer-info-endpoint",
+                                 "--h11-max-incomplete-event-size", "4194304", "--h11-max-header-count", "100"])
     assert result.exit_code == 0, result.output
     off = seen["uvicorn"]
     assert off.access_log is False and not logging.getLogger("uvicorn.access").handlers
     assert not {"/docs", "/redoc", "/openapi.json"} & {getattr(route, "path", None) for route in off.app.routes}
     assert off.app.root_path == "/llm"
+    assert "/tokenizer_info" in {getattr(route, "path", None) for route in off.app.routes}
+    assert off.h11_max_incomplete_event_size == 4194304 and off.http.keywords["max_header_count"] == 100
+
+
+def test_log_config_file_configures_the_loggers_and_reaches_uvicorn(text_checkpoint, monkeypatch, tmp_path):
+    """vLLM's --log-config-file: a dictConfig JSON applied at start and handed to uvicorn; one that logging cannot
+    apply stops the start naming the flag."""
+    import json
+    import logging
+
+    seen = {}
+
+    class FakeServer:
+        def __init__(self, config, state, shutdown_timeout):
+            seen["uvicorn"] = config
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr("appliance.cli.serve.DrainingServer", FakeServer)
+    log_file = tmp_path / "muxd.log"
+    config = {"version": 1, "disable_existing_loggers": False,
+              "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file)}},
+              "loggers": {"muxd.logtest": {"handlers": ["file"], "level": "WARNING", "propagate": False}}}
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps(config))
+    result = runner.invoke(app, ["serve", str(text_checkpoint), "--log-config-file", str(path)])
+    assert result.exit_code == 0, result.output
+    logger = logging.getLogger("muxd.logtest")
+    try:
+        assert seen["uvicorn"].log_config == config and logger.level == logging.WARNING
+        logger.warning("written by the configured handler")
+        logger.info("below the configured level")
+        for handler in logger.handlers:
+            handler.flush()
+        assert log_file.read_text() == "written by the configured handler\n"
+    finally:
+        for handler in list(logger.handlers):
+            handler.close()
+            logger.removeHandler(handler)
+    config["handlers"]["file"]["class"] = "logging.NoSuchHandler"
+    path.write_text(json.dumps(config))
+    result = runner.invoke(app, ["serve", str(text_checkpoint), "--log-config-file", str(path)])
+    assert result.exit_code == 2 and f"--log-config-file {path}: Unable to configure handler" in result.output
 
 
 def test_seed_flag_makes_unseeded_sampling_repeat(text_checkpoint):

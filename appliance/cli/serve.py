@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import logging.config
 import os
 import sys
 import threading
@@ -52,7 +53,14 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
     except ApplianceError as exc:
         fail(exc)
     srv = config.server
-    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_config = config.vllm.log_config()
+    if log_config is None:
+        logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:
+        try:
+            logging.config.dictConfig(log_config)
+        except (ValueError, TypeError, AttributeError, ImportError) as exc:
+            fail(ConfigError(f"--log-config-file {config.vllm.log_config_file}: {exc}"))
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -66,7 +74,8 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
         timer.start()
 
     app = create_app(config, on_fatal)
-    http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout)
+    http = functools.partial(HeaderDeadlineProtocol, header_timeout=srv.header_timeout,
+                             max_header_count=srv.h11_max_header_count)
     tls: dict[str, Any] = {}
     if srv.ssl_certfile:
         tls = {"ssl_keyfile": srv.ssl_keyfile, "ssl_certfile": srv.ssl_certfile, "ssl_ca_certs": srv.ssl_ca_certs,
@@ -76,6 +85,8 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
     server = DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, uds=srv.uds, http=http,
                                            log_level=config.vllm.uvicorn_log_level or srv.log_level,
                                            access_log=not config.vllm.disable_uvicorn_access_log,
+                                           h11_max_incomplete_event_size=srv.h11_max_incomplete_event_size,
+                                           log_config=log_config,
                                            timeout_graceful_shutdown=5, **tls), app.state.muxd, srv.shutdown_timeout)
     where = f"unix socket {srv.uds}" if srv.uds else f"{'https' if tls else 'http'}://{srv.host}:{srv.port}"
     typer.echo(f"muxd {__version__}: serving {config.model.model_name} on {where} (loading the model; GET /ready "

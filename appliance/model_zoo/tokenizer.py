@@ -41,6 +41,15 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+def _plain(value: Any) -> Any:
+    """A tokenizer_config.json value with each token spelled {"content": ...} as its text."""
+    if isinstance(value, dict):
+        return value["content"] if isinstance(value.get("content"), str) else {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _token_ids(value: Any, where: str) -> list[int] | None:
     """eos_token_id / bos_token_id: an integer id >= 0, a list of them, or null; anything else is refused."""
     if value is None:
@@ -61,6 +70,7 @@ class TokenizerConfig:
     template: jinja2.Template | None
     eos_token_ids: list[int] | None  # None: not given (the eos token's id then)
     bos_token_id: int | None
+    fields: dict[str, Any]  # tokenizer_config.json as read ({} without one)
 
 
 def read_tokenizer_config(model_dir: Path, chat_template: str | None = None) -> TokenizerConfig:
@@ -79,7 +89,7 @@ def read_tokenizer_config(model_dir: Path, chat_template: str | None = None) -> 
     template = compile_chat_template(source, f"{where}: chat template" if chat_template is None else where) \
         if source is not None else None
     return TokenizerConfig(_token_text(config.get("bos_token")), _token_text(config.get("eos_token")), source,
-                           template, eos, bos[0] if bos else None)
+                           template, eos, bos[0] if bos else None, config)
 
 
 # generation_config.json's sampling fields -> (the request field they default, transformers' own default: a value
@@ -187,6 +197,7 @@ class Tokenizer:
         cfg = read_tokenizer_config(model_dir, chat_template)
         self.bos_token, self.eos_token = cfg.bos_token, cfg.eos_token
         self.chat_template, self._template = cfg.chat_template, cfg.template
+        self._fields = cfg.fields
         eos = cfg.eos_token_ids
         if eos is None and self.eos_token is not None:
             found = self._tok.token_to_id(self.eos_token)
@@ -219,6 +230,17 @@ class Tokenizer:
         for token in added:
             longest = max(longest, len(self._normalize(token["content"]).encode()))
         return max(longest, 4)  # an unknown character becomes one unk token and spans up to 4 bytes
+
+    def info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: tokenizer_config.json's fields (less the paths of vocabulary files; a token
+        spelled {"content": ...} as its text), `tokenizer_class` and the chat template served."""
+        info = {k: _plain(v) for k, v in self._fields.items() if k not in ("vocab_file", "merges_file")}
+        info["tokenizer_class"] = self._fields.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        else:
+            info.pop("chat_template", None)
+        return info
 
     @property
     def raw(self) -> HFTokenizer:

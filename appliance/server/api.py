@@ -8,7 +8,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -173,6 +173,13 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
              "requests in flight on /v1 and /invocations; without it, 0.")
     async def load():
         return r.ServerLoad(server_load=state.traffic.in_flight if cfg.vllm.enable_server_load_tracking else 0)
+
+    if cfg.vllm.enable_tokenizer_info_endpoint:  # (as vLLM's: the route exists with the flag only)
+        @app.get("/tokenizer_info", response_model=dict[str, Any], responses=openapi.errors(400, 500, 503),
+                 summary="vLLM's tokenizer information: tokenizer_config.json's fields (less vocabulary file "
+                 "paths, tokens as their text), tokenizer_class and the chat template served.")
+        async def tokenizer_info():
+            return state.require_ready().tokenizer_info()
 
     @app.post("/tokenize", response_model=r.TokenizeResponse, responses=openapi.errors(400, 401, 404, 413, 500, 503),
               summary="Token ids of a prompt, or of chat messages rendered through the chat template (as vLLM).")

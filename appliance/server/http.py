@@ -2,6 +2,7 @@
 within --header-timeout seconds of opening, or of the end of its previous response, or it is closed. uvicorn's own
 keep-alive timeout closes idle connections only until their first byte arrives, so a client that sends its headers
 one byte at a time would otherwise hold a connection forever. (The body deadline is the gate's: server/gate.py.)
+A request of more than `max_header_count` headers (--h11-max-header-count) gets HTTP 431 and the connection closes.
 Also the X-Request-Id response header of --enable-request-id-headers.
 """
 from __future__ import annotations
@@ -18,10 +19,35 @@ log = logging.getLogger("muxd.server")
 
 
 class HeaderDeadlineProtocol(H11Protocol):
-    def __init__(self, *args: Any, header_timeout: float = 10.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout: float = 10.0, max_header_count: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self._header_timer: asyncio.TimerHandle | None = None
+        self.max_header_count = max_header_count
+        self._too_many_headers: int | None = None  # the count of a request refused for it
+        if max_header_count is not None:
+            parse = self.conn.next_event
+
+            def next_event():  # uvicorn answers a RemoteProtocolError with 400 (send_400_response, below)
+                event = parse()
+                if isinstance(event, h11.Request) and len(event.headers) > max_header_count:
+                    self._too_many_headers = len(event.headers)
+                    raise h11.RemoteProtocolError("too many headers", error_status_hint=431)
+                return event
+
+            self.conn.next_event = next_event  # type: ignore[method-assign]
+
+    def send_400_response(self, msg: str) -> None:
+        if self._too_many_headers is None:
+            return super().send_400_response(msg)
+        body = (f"the request has {self._too_many_headers} headers; this server takes at most "
+                f"{self.max_header_count}").encode()
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -114,6 +114,9 @@ class OpenAIServing:
             else None
         return r.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        return self._tokenizer().info()
+
     async def detokenize(self, body: t.DetokenizeRequest) -> r.DetokenizeResponse:
         self.check_model(body.model)
         return r.DetokenizeResponse(prompt=self._tokenizer().decode(body.tokens))
