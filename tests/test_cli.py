@@ -335,11 +335,9 @@ def test_a_vllm_config_file_and_human_readable_integers(text_checkpoint, tmp_pat
     assert half.exit_code == 2 and "1.5K: a binary suffix (K) takes a whole number" in half.output
 
 
-def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, monkeypatch):
-    """--disable-uvicorn-access-log turns uvicorn's access log off, --disable-fastapi-docs removes /docs, /redoc and
-    /openapi.json, --root-path is the app's root_path; without them, all three are as uvicorn and FastAPI default."""
-    import logging
-
+@pytest.fixture
+def uvicorn_config(monkeypatch) -> dict:
+    """{"uvicorn": the uvicorn.Config of the latest `muxd serve` invoked}, whose server is not run."""
     seen = {}
 
     class FakeServer:
@@ -350,6 +348,15 @@ def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, monkeypatc
             pass
 
     monkeypatch.setattr("appliance.cli.serve.DrainingServer", FakeServer)
+    return seen
+
+
+def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, uvicorn_config):
+    """--disable-uvicorn-access-log turns uvicorn's access log off, --disable-fastapi-docs removes /docs, /redoc and
+    /openapi.json, --root-path is the app's root_path; without them, all three are as uvicorn and FastAPI default."""
+    import logging
+
+    seen = uvicorn_config
     assert runner.invoke(app, ["serve", str(text_checkpoint)]).exit_code == 0
     default = seen["uvicorn"]
     paths = {getattr(route, "path", None) for route in default.app.routes}
@@ -368,22 +375,13 @@ def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, monkeypatc
     assert off.h11_max_incomplete_event_size == 4194304 and off.http.keywords["max_header_count"] == 100
 
 
-def test_log_config_file_configures_the_loggers_and_reaches_uvicorn(text_checkpoint, monkeypatch, tmp_path):
+def test_log_config_file_configures_the_loggers_and_reaches_uvicorn(text_checkpoint, uvicorn_config, tmp_path):
     """vLLM's --log-config-file: a dictConfig JSON applied at start and handed to uvicorn; one that logging cannot
     apply stops the start naming the flag."""
     import json
     import logging
 
-    seen = {}
-
-    class FakeServer:
-        def __init__(self, config, state, shutdown_timeout):
-            seen["uvicorn"] = config
-
-        def run(self):
-            pass
-
-    monkeypatch.setattr("appliance.cli.serve.DrainingServer", FakeServer)
+    seen = uvicorn_config
     log_file = tmp_path / "muxd.log"
     config = {"version": 1, "disable_existing_loggers": False,
               "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file)}},
