@@ -680,6 +680,10 @@ class VllmFlags:
                                    hidden=True)
     disable_uvicorn_access_log: bool = flag(False, "Turn off the HTTP server's access log.", hidden=True)
     disable_fastapi_docs: bool = flag(False, "Serve no /docs, /redoc and /openapi.json.", hidden=True)
+    disable_access_log_for_endpoints: Optional[str] = flag(None, "Paths whose requests the access log leaves out, "
+                                                           "comma-separated (e.g. /health,/metrics).", hidden=True)
+    disable_uvicorn_metrics_access_log: bool = flag(False, "Leave /health and /metrics out of the access log.",
+                                                    hidden=True)
     root_path: Optional[str] = flag(None, "The path prefix a proxy serves muxd under (FastAPI's root_path): routes "
                                     "answer with and without it.", hidden=True)
     max_log_len: Optional[int] = flag(None, "Accepted: muxd logs no prompts.", hidden=True)
@@ -803,9 +807,20 @@ class VllmFlags:
                               f"{self.uvicorn_log_level!r}")
         if self.log_config_file is not None:
             self.log_config()
+        self.quiet_paths()
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ConfigError(f"--root-path must start with / and not end with one (e.g. /llm), got "
                               f"{self.root_path!r}")
+
+    def quiet_paths(self) -> frozenset[str]:
+        """The paths the access log leaves out (--disable-access-log-for-endpoints, and /health and /metrics with
+        --disable-uvicorn-metrics-access-log)."""
+        given = [p.strip() for p in (self.disable_access_log_for_endpoints or "").split(",") if p.strip()]
+        bad = [p for p in given if not p.startswith("/")]
+        if bad:
+            raise ConfigError(f"--disable-access-log-for-endpoints takes paths starting with / (e.g. "
+                              f"/health,/metrics), got {', '.join(map(repr, bad))}")
+        return frozenset(given + (["/health", "/metrics"] if self.disable_uvicorn_metrics_access_log else []))
 
     def log_config(self) -> dict[str, Any] | None:
         """--log-config-file's logging configuration (None without one): a JSON object of dictConfig's schema."""

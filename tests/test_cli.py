@@ -375,6 +375,34 @@ def test_vllm_server_flags_reach_uvicorn_and_the_app(text_checkpoint, uvicorn_co
     assert off.h11_max_incomplete_event_size == 4194304 and off.http.keywords["max_header_count"] == 100
 
 
+def test_access_log_leaves_out_the_paths_asked(text_checkpoint, uvicorn_config):
+    """vLLM's --disable-access-log-for-endpoints (comma-separated paths) and --disable-uvicorn-metrics-access-log
+    (/health and /metrics): uvicorn's access log drops those requests, whatever their query string."""
+    import logging
+
+    from appliance.server.http import QuietPaths
+
+    logger = logging.getLogger("uvicorn.access")
+
+    def logged(path: str) -> bool:
+        record = logger.makeRecord("uvicorn.access", logging.INFO, __file__, 0, '%s - "%s %s HTTP/%s" %d',
+                                   ("127.0.0.1:5000", "GET", path, "1.1", 200), None)
+        return logger.filter(record)
+
+    try:
+        result = runner.invoke(app, ["serve", str(text_checkpoint), "--disable-access-log-for-endpoints",
+                                     " /v1/models, /ready,", "--disable-uvicorn-metrics-access-log"])
+        assert result.exit_code == 0, result.output
+        assert not any(logged(p) for p in ("/v1/models", "/ready?x=1", "/health", "/metrics"))
+        assert logged("/v1/completions") and logged("/v1/models/extra")
+    finally:
+        for f in [f for f in logger.filters if isinstance(f, QuietPaths)]:
+            logger.removeFilter(f)
+    result = runner.invoke(app, ["serve", str(text_checkpoint), "--disable-access-log-for-endpoints", "health"])
+    assert result.exit_code == 2 and "takes paths starting with / (e.g. /health,/metrics), got 'health'" in \
+        result.output
+
+
 def test_log_config_file_configures_the_loggers_and_reaches_uvicorn(text_checkpoint, uvicorn_config, tmp_path):
     """vLLM's --log-config-file: a dictConfig JSON applied at start and handed to uvicorn; one that logging cannot
     apply stops the start naming the flag."""

@@ -22,7 +22,7 @@ from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
-from appliance.server.http import HeaderDeadlineProtocol
+from appliance.server.http import HeaderDeadlineProtocol, QuietPaths
 from appliance.server.lifecycle import DrainingServer
 
 FATAL_EXIT_S = 30.0  # after a fatal error, how long the server may take to end before the process exits anyway
@@ -88,6 +88,9 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
                                            h11_max_incomplete_event_size=srv.h11_max_incomplete_event_size,
                                            log_config=log_config,
                                            timeout_graceful_shutdown=5, **tls), app.state.muxd, srv.shutdown_timeout)
+    quiet = config.vllm.quiet_paths()
+    if quiet:  # (after uvicorn's Config has set up its loggers)
+        logging.getLogger("uvicorn.access").addFilter(QuietPaths(quiet))
     where = f"unix socket {srv.uds}" if srv.uds else f"{'https' if tls else 'http'}://{srv.host}:{srv.port}"
     typer.echo(f"muxd {__version__}: serving {config.model.model_name} on {where} (loading the model; GET /ready "
                "turns 200 when it is up)")

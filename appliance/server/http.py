@@ -3,7 +3,8 @@ within --header-timeout seconds of opening, or of the end of its previous respon
 keep-alive timeout closes idle connections only until their first byte arrives, so a client that sends its headers
 one byte at a time would otherwise hold a connection forever. (The body deadline is the gate's: server/gate.py.)
 A request of more than `max_header_count` headers (--h11-max-header-count) gets HTTP 431 and the connection closes.
-Also the X-Request-Id response header of --enable-request-id-headers.
+Also the X-Request-Id response header of --enable-request-id-headers, and the access log's filter of
+--disable-access-log-for-endpoints.
 """
 from __future__ import annotations
 
@@ -102,3 +103,17 @@ class RequestIdHeader:
             await send(message)
 
         await self.app(scope, receive, sending)
+
+
+class QuietPaths(logging.Filter):
+    """Leaves out of uvicorn's access log the requests for some paths (their query strings aside)."""
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's: (client, method, path with query, HTTP version, status)
+        if not isinstance(args, tuple) or len(args) < 3:
+            return True
+        return str(args[2]).partition("?")[0] not in self.paths
