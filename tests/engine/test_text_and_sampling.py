@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 
 import pytest
 
-from appliance.config import Config
+from appliance.config import EMBEDDED_MODEL_DIR, Config
 from appliance.engine.async_engine import AsyncEngine
+from appliance.engine import detokenizer as detok_module
 from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
@@ -32,6 +34,81 @@ def stream_text(detok: Detokenizer, ids: list[int]) -> tuple[list[str], bool]:
         detok.flush()
         pieces.append(detok.delta(finished=True))
     return pieces, hit
+
+
+# The detokenizer's two paths give the same text: the tokenizers library's DecodeStream and the same algorithm in
+# Python, over random token ids (byte pieces that split characters, special tokens shown and skipped, stop strings);
+# a stream that fails on a token hands over to Python without a character lost or repeated.
+needs_stream = pytest.mark.skipif(detok_module.DecodeStream is None, reason="tokenizers before 0.21: no DecodeStream")
+STREAMED = []  # whether each run meant to use the stream did (a context ending inside a character does not)
+
+
+def streamed(tok: Tokenizer, prompt: list[int], ids: list[int], stop: list[str], skip: bool,
+             stream: bool) -> tuple[list[str], str, bool]:
+    """(pieces streamed, the whole text, whether a stop string ended it) by the DecodeStream path or the Python one."""
+    saved = detok_module.DecodeStream
+    if not stream:
+        detok_module.DecodeStream = None
+    try:
+        d = Detokenizer(tok, prompt, stop, skip_special_tokens=skip)
+        if stream:
+            STREAMED.append(d._stream is not None)
+        else:
+            assert d._stream is None
+        pieces, hit = stream_text(d, ids)
+        return pieces, d.text, hit
+    finally:
+        detok_module.DecodeStream = saved
+
+
+@pytest.fixture(scope="module", params=["embedded", "text"])
+def any_tokenizer(request, text_checkpoint):
+    return Tokenizer(EMBEDDED_MODEL_DIR if request.param == "embedded" else text_checkpoint)
+
+
+@needs_stream
+def test_both_paths_stream_the_same_text(any_tokenizer):
+    tok = any_tokenizer
+    rng = random.Random(0)
+    vocab = tok.vocab_size
+    texts = ["Gr\u00fc\u00dfe aus K\u00f6ln \u65e5\u672c\u8a9e \U0001F600 done", "def f(x):\n    return x  # ok",
+             "stop here STOP now"]
+    cases = [tok.encode(t, add_special_tokens=False) for t in texts]
+    cases += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(150)]
+    for i, ids in enumerate(cases):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
+        stop = ["STOP"] if i % 3 == 0 else []
+        skip = i % 2 == 0
+        both = [streamed(tok, prompt, ids, stop, skip, stream) for stream in (True, False)]
+        assert both[0] == both[1], (prompt, ids)
+    assert sum(STREAMED[-len(cases):]) > len(cases) // 2  # (most through the stream)
+
+
+@needs_stream
+def test_a_stream_that_fails_hands_over_to_python_mid_text(any_tokenizer):
+    tok = any_tokenizer
+    text = "Gr\u00fc\u00dfe aus K\u00f6ln \u65e5\u672c\u8a9e \U0001F600 and more text"
+    ids = tok.encode(text, add_special_tokens=False)
+    expected = streamed(tok, [], ids, [], True, False)
+    for fail_at in range(len(ids)):
+        d = Detokenizer(tok, [], [])
+        real, steps = d._stream, [0]
+
+        class Failing:
+            def step(self, raw, token):
+                steps[0] += 1
+                if steps[0] > fail_at:
+                    raise Exception("the text no longer starts with its prefix")
+                return real.step(raw, token)
+
+        d._stream = Failing()
+        pieces = []
+        for t in ids:
+            d.push(t)
+            pieces.append(d.delta(finished=False))
+        d.flush()
+        pieces.append(d.delta(finished=True))
+        assert "".join(pieces) == "".join(expected[0]) and d._stream is None
 
 
 def test_incremental_detokenization_handles_multibyte_characters(text_checkpoint):
