@@ -26,24 +26,23 @@ class HeaderDeadlineProtocol(H11Protocol):
         self.header_timeout = header_timeout
         self._header_timer: asyncio.TimerHandle | None = None
         self.max_header_count = max_header_count
-        self._too_many_headers: int | None = None  # the count of a request refused for it
         if max_header_count is not None:
             parse = self.conn.next_event
 
-            def next_event():  # uvicorn answers a RemoteProtocolError with 400 (send_400_response, below)
+            def next_event():
                 event = parse()
                 if isinstance(event, h11.Request) and len(event.headers) > max_header_count:
-                    self._too_many_headers = len(event.headers)
-                    raise h11.RemoteProtocolError("too many headers", error_status_hint=431)
+                    self._refuse_headers(len(event.headers), max_header_count)
+                    return h11.NEED_DATA  # (uvicorn's loop stops; the connection is closing)
                 return event
 
             self.conn.next_event = next_event  # type: ignore[method-assign]
 
-    def send_400_response(self, msg: str) -> None:
-        if self._too_many_headers is None:
-            return super().send_400_response(msg)
-        body = (f"the request has {self._too_many_headers} headers; this server takes at most "
-                f"{self.max_header_count}").encode()
+    def _refuse_headers(self, count: int, limit: int) -> None:
+        """HTTP 431 naming the count, then close (the request never reaches the app)."""
+        self._disarm()
+        log.warning("refused a request of %d headers (--h11-max-header-count %d)", count, limit)
+        body = f"the request has {count} headers; this server takes at most {limit}".encode()
         headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
         for event in (h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large"),
                       h11.Data(data=body), h11.EndOfMessage()):

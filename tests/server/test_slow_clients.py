@@ -113,6 +113,7 @@ def test_h11_limits_refuse_too_many_headers_with_431_and_too_many_bytes_with_400
     refused = exchange(server, head(40))
     assert refused.startswith(b"HTTP/1.1 431"), refused
     assert b"the request has 41 headers; this server takes at most 40" in refused
+    assert "refused a request of 41 headers (--h11-max-header-count 40)" in server.log.read_text()
     # h11 limits what it buffers of a head still incomplete: 30 KiB (over h11's default 16 KiB) is within
     # --h11-max-incomplete-event-size 64 KiB, 70 KiB is not
     assert exchange(server, head(30, 1024), pause=True).startswith(b"HTTP/1.1 200")
