@@ -64,18 +64,18 @@ class Detokenizer:
             except Exception:  # noqa: BLE001 - (e.g. a text that no longer starts with its prefix): Python from here
                 self._stream = None
             else:
-                if piece is None:
-                    return False
-                start = len(self.text)
-                self.text += piece
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-                return self._check_stop(start)
+                return piece is not None and self._release(piece)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
+        return self._release(full[len(prefix):])
+
+    def _release(self, piece: str) -> bool:
+        """Append the text of the tokens read since the last release and move the offsets past them; whether a
+        stop string now ends the text."""
         start = len(self.text)
-        self.text += full[len(prefix):]
+        self.text += piece
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._check_stop(start)
 

@@ -25,7 +25,6 @@ class HeaderDeadlineProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self._header_timer: asyncio.TimerHandle | None = None
-        self.max_header_count = max_header_count
         if max_header_count is not None:
             parse = self.conn.next_event
 
