@@ -7,7 +7,10 @@ and, with `sync_rows`, synchronous for comparison.
 Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
 prefill of its whole batch. A prefill row runs through the executor, as served: up to --prefill-graph-rows tokens
 it replays the piecewise graphs (its note says so). With tensor parallelism (`-tp N`) every row runs through the
-executor, which every rank follows, and the floors are one rank's (its share of the weights and KV on its GPU).
+executor, which every rank follows, and the floors are one rank's: its share of the weights and KV on its GPU over the
+copy bandwidth (FLOPs over the GEMM rate), plus what the rank sends over the link in the step's collectives (the
+all-reduces of the embedding and of each layer's two row-parallel projections, the all-gather of the logits) over the
+link's measured rate.
 """
 from __future__ import annotations
 
@@ -123,6 +126,10 @@ class ModelCosts:
     num_layers: int
     num_heads: int
     head_dim: int
+    hidden_size: int = 0
+    vocab_size: int = 0
+    elem: int = 2
+    tp_size: int = 1
 
     @classmethod
     def of(cls, engine: Engine) -> "ModelCosts":
@@ -134,7 +141,18 @@ class ModelCosts:
         weights = (total - (0 if tied else embed.numel())) * elem
         layer_linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
         kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-        return cls(weights, kv, layer_linear, embed.numel(), cfg.num_layers, cfg.num_heads, cfg.head_dim)
+        return cls(weights, kv, layer_linear, embed.numel(), cfg.num_layers, cfg.num_heads, cfg.head_dim,
+                   cfg.hidden_size, cfg.vocab_size, elem, cfg.tp_size)
+
+    def link_bytes(self, tokens: int, logit_rows: int) -> float:
+        """Bytes one rank sends to the others in a forward of `tokens` tokens whose last `logit_rows` rows make
+        logits (ring collectives: an all-reduce sends 2 (n - 1) / n of its tensor, an all-gather n - 1 shards)."""
+        n = self.tp_size
+        if n == 1:
+            return 0.0
+        reduced = (2 * self.num_layers + 1) * tokens * self.hidden_size * self.elem * 2 * (n - 1) / n
+        gathered = (n - 1) * logit_rows * -(-self.vocab_size // n) * self.elem
+        return reduced + gathered
 
     def decode_bytes(self, batch: int, context: int) -> int:
         return self.weight_bytes + batch * context * self.kv_bytes_per_token
@@ -154,6 +172,9 @@ class EngineBench:
     def __init__(self, engine: Engine, ceilings: Ceilings, iters: int = 20, warmup: int = 3) -> None:
         self.engine, self.ceilings = engine, ceilings
         self.costs = ModelCosts.of(engine)
+        if self.costs.tp_size > 1 and ceilings.link_bytes_per_s is None:
+            raise ValueError("a tensor-parallel engine's floors need the link between its GPUs measured "
+                             "(measure_ceilings(gpus=N))")
         self.iters, self.warmup = iters, warmup
         self.rng = np.random.default_rng(0)
         self.vocab = engine.model.config.vocab_size
@@ -207,10 +228,16 @@ class EngineBench:
         return Kernels(f"decode b={batch} ctx={context}", replay_ms, kernel_rows(events, replays),
                        by_role(events, replays, self.costs.num_layers, floors))
 
+    def _link_s(self, tokens: int, logit_rows: int) -> float:
+        """Seconds the step's collectives take at the link's measured rate (0 on one GPU)."""
+        sent = self.costs.link_bytes(tokens, logit_rows)
+        return sent / self.ceilings.link_bytes_per_s if sent else 0.0
+
     def decode(self, batch: int, context: int, graphs: bool = True, overlap: bool | None = None) -> Row:
         """A decode row; `overlap` False runs the engine's synchronous loop (None: as the engine is configured)."""
         label = f"decode b={batch} ctx={context}"
-        floor = self.costs.decode_bytes(batch, context) / self.ceilings.copy_bytes_per_s * 1e3
+        floor = (self.costs.decode_bytes(batch, context) / self.ceilings.copy_bytes_per_s
+                 + self._link_s(batch, batch)) * 1e3
         kind = "decode" if graphs else "decode-eager"
         overlapping = self.engine.async_scheduling
         if overlap is not None:
@@ -247,7 +274,7 @@ class EngineBench:
 
     def prefill(self, new: int, cached: int) -> Row:
         label = f"prefill new={new} cached={cached}"
-        floor = self.costs.prefill_flops(new, cached) / self.ceilings.gemm_flops_per_s * 1e3
+        floor = (self.costs.prefill_flops(new, cached) / self.ceilings.gemm_flops_per_s + self._link_s(new, 1)) * 1e3
         engine = self.engine
         if cached + new + 1 > engine.max_model_len:
             return Row("prefill", label, float("nan"), floor, note=f"longer than max_model_len {engine.max_model_len}")
@@ -310,7 +337,7 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
         sync_rows: bool = False, kernels: Iterable[tuple[int, int]] = ()) -> EngineBenchResult:
     """`sync_rows`: each decode row also with the engine's synchronous loop (kind decode-sync), for comparison;
     `kernels`: (batch, context) of decode steps whose kernels the profiler breaks down."""
-    ceilings = measure_ceilings()
+    ceilings = measure_ceilings(gpus=config.parallel.tensor_parallel_size if config is not None else 1)
     config = config or Config.flat(max_num_seqs=max(batches), max_num_batched_tokens=max(n for n, _ in prefills),
                                     max_model_len=max(n + c for n, c in prefills) + 64)
     engine, startup = start_engine(model_dir, load_format, dtype, config)
@@ -351,8 +378,9 @@ def run(model_dir: str, *, load_format: str = "dummy", dtype: str | None = None,
 def render(result: EngineBenchResult) -> str:
     """The result as a Markdown table (what docs/PERFORMANCE.md carries)."""
     c = result.ceilings
+    link = f", GPU-to-GPU link {c['link_GBps']:.0f} GB/s (one way)" if "link_GBps" in c else ""
     lines = [f"device: {c['device']}; copy {c['copy_TBps']:.2f} TB/s (read+write), bf16 GEMM "
-             f"{c['gemm_TFLOPps']:.0f} TFLOP/s, both measured in this run", "",
+             f"{c['gemm_TFLOPps']:.0f} TFLOP/s{link}, measured in this run", "",
              "| row | measured ms | floor ms | ratio | device ms | host ms | host busy ms | note |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in result.rows:

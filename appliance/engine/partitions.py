@@ -103,8 +103,8 @@ class PartitionSet:
                 raise PartitionError(f"a decode partition of {want} SMs does not fit a GPU of {total} SMs")
             groups, _, remaining = _check(driver.cuDevSmResourceSplitByCount(1, whole, 0, want),
                                           f"splitting {want} of {total} SMs")
-            decode_stream, decode_keep = _green_stream(driver, dev, groups[0])
-            prefill_stream, prefill_keep = _green_stream(driver, dev, remaining)
+            decode_stream, decode_keep = _green_stream(driver, dev, index, groups[0])
+            prefill_stream, prefill_keep = _green_stream(driver, dev, index, remaining)
             splits.append(Partition(f"decode{int(groups[0].sm.smCount)}", int(groups[0].sm.smCount),
                                     int(remaining.sm.smCount), decode_stream, prefill_stream,
                                     decode_keep + prefill_keep))
@@ -116,10 +116,10 @@ class PartitionSet:
         return out
 
 
-def _green_stream(driver, dev, resource) -> tuple[torch.cuda.ExternalStream, list]:
+def _green_stream(driver, dev, index: int, resource) -> tuple[torch.cuda.ExternalStream, list]:
     desc = _check(driver.cuDevResourceGenerateDesc([resource], 1), "cuDevResourceGenerateDesc")
     ctx = _check(driver.cuGreenCtxCreate(desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
                  "cuGreenCtxCreate")
     raw = _check(driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0),
                  "cuGreenCtxStreamCreate")
-    return torch.cuda.ExternalStream(int(raw)), [ctx, raw]
+    return torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", index)), [ctx, raw]

@@ -7,7 +7,7 @@ from appliance.engine.factory import build_engine
 
 
 def test_batches_without_one_row_still_give_every_row(llama_checkpoint, monkeypatch):
-    monkeypatch.setattr(engine_bench, "measure_ceilings", lambda: Ceilings("cpu", 1e9, 1e9))
+    monkeypatch.setattr(engine_bench, "measure_ceilings", lambda gpus=1: Ceilings("cpu", 1e9, 1e9))
     monkeypatch.setattr(engine_bench, "start_engine", lambda model_dir, load_format, dtype, config: (
         build_engine(config.replace(model=model_dir, load_format=load_format)), {}))
     monkeypatch.setattr("torch.cuda.synchronize", lambda: None)  # the bench's timing fence; nothing on a CPU

@@ -75,8 +75,16 @@ def test_the_profiler_and_the_engine_bench_time_steps_that_every_rank_runs(check
                       Point("mixed", sms, new=8, batch=2, context=20)):
             assert timer.measure(point) > 0
         monkeypatch.setattr("torch.cuda.synchronize", lambda: None)  # the bench's timing fence; nothing on a CPU
-        bench = EngineBench(engine, Ceilings("cpu", 1e9, 1e9), iters=2, warmup=1)
-        assert bench.decode(2, 20).ms > 0 and bench.prefill(16, 8).ms > 0
+        with pytest.raises(ValueError, match="link between its GPUs"):
+            EngineBench(engine, Ceilings("cpu", 1e9, 1e9))
+        bench = EngineBench(engine, Ceilings("cpu", 1e9, 1e9, link_bytes_per_s=1e8), iters=2, warmup=1)
+        decode, prefill = bench.decode(2, 20), bench.prefill(16, 8)
+        assert decode.ms > 0 and prefill.ms > 0
+        # each floor adds what rank 0 sends in the step's collectives at the link's rate: the embedding's and the
+        # layers' all-reduces (half of each tensor on two ranks) and its half of the logits
+        cfg, elem = engine.model.config, next(engine.model.parameters()).element_size()
+        sent = ((2 * cfg.num_layers + 1) * 2 * cfg.hidden_size + 2 * -(-cfg.vocab_size // 2)) * elem
+        assert decode.floor_ms == pytest.approx((bench.costs.decode_bytes(2, 20) / 1e9 + sent / 1e8) * 1e3)
         assert engine.pool.num_free_pages == engine.pool.num_pages  # every request they seated was released
     finally:
         engine.close()

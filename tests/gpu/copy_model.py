@@ -18,14 +18,16 @@ def periodic_prompt(seed: int, length: int, period: int = PERIOD) -> list[int]:
     return [base[i % period] for i in range(length)]
 
 
-def train_copy_model(path: Path, device: str = "cuda", steps: int = 500, seed: int = 0) -> Path:
-    """Train and save (bf16 safetensors, Hugging Face layout) into path; returns path."""
+def train_copy_model(path: Path, device: str = "cuda", steps: int = 500, seed: int = 0, heads: int = 2,
+                     kv_heads: int = 1) -> Path:
+    """Train and save (bf16 safetensors, Hugging Face layout) into path; returns path. `heads` query heads of 128
+    over `kv_heads` KV heads."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+        vocab_size=VOCAB, hidden_size=128 * heads, intermediate_size=256 * heads, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
