@@ -95,6 +95,12 @@ def _attend_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
     return _padded(attend, qkv.shape[0])
 
 
+def rotates_in_attention(attend: Callable[..., torch.Tensor]) -> bool:
+    """Whether a call that a capture's `cut` receives is attention that rotates q and k itself (its rows: a fused
+    QKV projection and the positions; the rest: cos_sin, num_heads, q_norm, k_norm, eps)."""
+    return attend is _attend_rope
+
+
 def _padded(attend: Callable[[int, ForwardContext], torch.Tensor], rows: int) -> torch.Tensor:
     """attend(tokens, context) for the batch's tokens; rows past them pad the GEMMs to a cheaper size (runner): they
     have no KV and a zero output."""

@@ -232,6 +232,10 @@ class FlashInferAttention:
         q = rope_write_kv(qkv, positions, cos_sin, num_heads, kv, metadata.slot_mapping, q_norm, k_norm, eps)
         return self._run(q, kv)
 
+    def attend_rotated(self, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
+        """Paged attention of q already rotated (its K/V already written) for the prepared batch, into `out`."""
+        self._active.run(q, (kv[0], kv[1]), out=out)
+
     def _run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         if self.triton is not None:  # such an instance runs nothing but its decode batches (prepare checks)
             return self.triton.run(q, kv[0], kv[1])

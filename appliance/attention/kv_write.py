@@ -82,12 +82,14 @@ def rope_kernel_takes(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, 
 
 def launch_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                          kv: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
-                         k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """`rope_write_kv` by the Triton kernel, whatever the device (Triton's interpreter runs it on a CPU)."""
+                         k_norm: torch.Tensor | None = None, eps: float = 0.0,
+                         q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """`rope_write_kv` by the Triton kernel, whatever the device (Triton's interpreter runs it on a CPU); q into
+    `q_out` ([T, H, D], contiguous) where given."""
     dim, kv_heads = cos_sin.shape[-1], kv.shape[-2]
     group = num_heads // kv_heads
     norm = q_norm is not None and k_norm is not None
-    q = qkv.new_empty(qkv.shape[0], num_heads, dim)
+    q = qkv.new_empty(qkv.shape[0], num_heads, dim) if q_out is None else q_out
     _triton_rope_kernel()[(qkv.shape[0], kv_heads)](
         qkv, positions, cos_sin, slot_mapping, q, kv[0], kv[1], q_norm if norm else qkv, k_norm if norm else qkv,
         qkv.stride(0), cos_sin.shape[0], float(eps), HEADS=num_heads, KV_HEADS=kv_heads, GROUP=group,

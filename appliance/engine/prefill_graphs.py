@@ -2,9 +2,12 @@
 
 A short prefill's time is set by the host launching 32 layers' kernels, not by the GPU, and a host that changes
 speed makes it unpredictable. Here each decoder layer is captured as two graphs, the part before attention and the
-part after it; attention (the rotation where attention applies it, its KV write and the paged kernel, whose plan
-changes with every batch) runs eagerly between them, as in vLLM's piecewise capture. A prefill of layers
-[start, end) on `size` rows then costs the host two graph launches and one attention call per layer.
+part after it; the paged attention kernel, whose plan changes with every batch, runs eagerly between them, as in
+vLLM's piecewise capture. Where attention rotates q and k itself (one kernel rotates them and writes K and V at their
+slots, attention/kv_write.py) that kernel stays in the first graph, reading the slots from a fixed buffer of the set
+(padding rows write the scratch page), and only the paged kernel runs eagerly; otherwise the rotation and the KV write
+run eagerly with it. A prefill of layers [start, end) on `size` rows then costs the host two graph launches and one
+attention call per layer.
 
 Capture cuts the model's own forward: while a set captures, the forward context's `cut` hook ends the current graph
 at each attention call, runs attention on fixed buffers, and begins the next graph. Inputs (positions, the hidden
@@ -21,6 +24,8 @@ import torch
 
 from appliance.attention import (AttentionBackend, AttentionMetadata, ForwardContext, current_context, forward_context,
                                  set_layer)
+from appliance.attention.context import rotates_in_attention
+from appliance.attention.kv_write import launch_rope_write_kv, rope_kernel_takes
 from appliance.engine.graphs import CAPTURE_MODE, quiet_capture
 from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.layers import settle
@@ -29,6 +34,7 @@ from appliance.model_zoo.llama import DecoderForCausalLM
 log = logging.getLogger("muxd.graphs")
 
 Carried = tuple[torch.Tensor, torch.Tensor | None]
+ROTATE_IN_GRAPH = True  # the rotary + K/V write kernel captured in the graphs where attention takes it (else eager)
 
 
 class PrefillGraphs:
@@ -46,6 +52,9 @@ class PrefillGraphs:
             self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
             self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
             self.out = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+            self.slots = torch.zeros(n, dtype=torch.long, device=device)  # the K/V slot of each row (rotated form)
+            self.q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)  # q rotated in a graph
+        self.scratch_slot = kv_cache.scratch_page * kv_cache.page_size
         self.inputs: list[torch.Tensor] = []  # attention's row inputs (q, k, v or a fused QKV), sized at warm-up
         self._calls: dict[int, tuple] = {}  # per layer: how the captures call its attention (`_cut`)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # per size: [before attn 0, after attn 0, ...]
@@ -73,6 +82,7 @@ class PrefillGraphs:
                 with forward_context(ctx):
                     self.positions.zero_()
                     self.hidden.zero_()
+                    self.slots.fill_(self.scratch_slot)
                     ctx.cut = self._size_inputs
                     self._layers(size)  # warm-up on the capture stream (library handles, kernel loading)
                     stream.synchronize()
@@ -124,26 +134,55 @@ class PrefillGraphs:
     def _cut(self, attend: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], *rest) -> torch.Tensor:
         """The forward context's attention while capturing: the graph so far ends with attention's row inputs in the
         fixed buffers (the set's positions stay where they are), then attention runs eagerly on them, and the next
-        graph begins reading its output buffer. Replays make the same call (`_attend`)."""
+        graph begins reading its output buffer. Where the rotation can stay in the graph, the graph ends with q
+        rotated and K/V written instead, and only the paged kernel runs eagerly. Replays make the same call
+        (`_attend`)."""
         size = rows[0].shape[0]
-        fixed = []
-        for buffer, x in zip(self.inputs, rows, strict=True):
-            if x.data_ptr() == self.positions.data_ptr():
-                fixed.append(None)
-            else:
-                buffer[:size].copy_(x)
-                fixed.append(buffer)
         layer = current_context().layer  # the rest (e.g. a layer's q/k norm weights) may differ by layer
-        self._calls[layer] = (attend, fixed, rest)
+        if self._rotate(attend, rows, rest):
+            self._calls[layer] = None
+        else:
+            fixed = []
+            for buffer, x in zip(self.inputs, rows, strict=True):
+                if x.data_ptr() == self.positions.data_ptr():
+                    fixed.append(None)
+                else:
+                    buffer[:size].copy_(x)
+                    fixed.append(buffer)
+            self._calls[layer] = (attend, fixed, rest)
         self._end()
         out = self._attend(size, layer)
         self._begin()
         return out
 
+    def _rotate(self, attend: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], rest: tuple) -> bool:
+        """While capturing: rotate q into the set's q buffer and write K/V at the set's slots with the rotary kernel
+        (captured), where the call is a rotating attention, the backend attends on rotated q and the kernel takes
+        the tensors; returns whether it did."""
+        ctx = current_context()
+        if not (ROTATE_IN_GRAPH and rotates_in_attention(attend) and hasattr(self.backend, "attend_rotated")):
+            return False
+        (qkv, positions), (cos_sin, num_heads, q_norm, k_norm, eps) = rows, rest
+        kv = ctx.kv_cache[ctx.layer]
+        if not (qkv.is_cuda and num_heads == self.q.shape[1] and cos_sin.shape[-1] == self.q.shape[2]
+                and rope_kernel_takes(qkv, cos_sin, num_heads, kv, q_norm, k_norm)):
+            return False
+        size = qkv.shape[0]
+        launch_rope_write_kv(qkv, positions, cos_sin, num_heads, kv, self.slots[:size], q_norm, k_norm, eps,
+                             q_out=self.q[:size])
+        return True
+
     def _attend(self, size: int, layer: int) -> torch.Tensor:
         """Attention of `layer` (the current one) for the context's batch as captured, on the first `size` rows of
         the fixed buffers, its output into the set's output buffer."""
-        attend, fixed, rest = self._calls[layer]
+        call = self._calls[layer]
+        if call is None:  # q rotated in the graph: the batch's rows attend, into the output's first rows
+            ctx = current_context()
+            tokens = ctx.metadata.num_tokens
+            backend = ctx.backend
+            backend.attend_rotated(self.q[:tokens], ctx.kv_cache[layer], self.out[:tokens])
+            return self.out[:size]
+        attend, fixed, rest = call
         rows = (self.positions[:size] if buffer is None else buffer[:size] for buffer in fixed)
         self.out[:size].copy_(attend(*rows, *rest))
         return self.out[:size]
@@ -175,10 +214,13 @@ class PrefillGraphs:
             self.hidden[:tokens].copy_(carried[0])
             self.residual[:tokens].copy_(carried[1])
         self.positions[:tokens].copy_(positions)
+        self.slots[:tokens].copy_(metadata.slot_mapping)
         if size > tokens:
             self.hidden[tokens:size].zero_()
             self.residual[tokens:size].zero_()
             self.positions[tokens:size].zero_()
+            self.slots[tokens:size].fill_(self.scratch_slot)
+            self.out[tokens:size].zero_()  # (the rotated form writes the batch's rows only)
         kv = self.kv_cache.data
         with forward_context(ForwardContext(backend or self.backend, metadata, kv)):
             for i in range(start, end):
