@@ -94,6 +94,8 @@ class PrefillGraphs:
                     raise RuntimeError(f"piecewise capture of {size} rows made {len(graphs)} graphs for "
                                        f"{self.model.num_layers} layers: each layer must call attention once")
                 self._graphs[size] = graphs
+        if all(call is None for call in self._calls.values()):
+            self.inputs = []  # every layer rotates in its graph: no replay reads the row inputs' buffers
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_allocated() - before
