@@ -83,13 +83,23 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                                     "by name (launches and device ms a step, against the graph replay's time) and by "
                                     "role (projections, attention, LM head, against the bytes each reads): "
                                     "BATCH@CONTEXT items, e.g. 1@1024,64@1024."),
+        log_level: str = typer.Option("warning", "--log-level", help="Logging on stderr while the engine starts "
+                                      "and runs (info: its start-up stages, on every rank): debug, info, warning, "
+                                      "error."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the result as JSON here."),
         markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the Markdown table here."),
     ) -> None:
         """Time the engine on one GPU: decode steps by batch and context, prefills by new and cached tokens, each
         with its floor from ceilings measured in the same run."""
+        import logging
+
         import torch
 
+        if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            typer.secho(f"error: --log-level {log_level!r}: one of debug, info, warning, error", fg=typer.colors.RED,
+                        err=True)
+            raise typer.Exit(code=2)
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         bs, ctx, pre = _ints(batches, "--batches"), _ints(contexts, "--contexts"), _prefills(prefill)
         profiled = _kernel_rows(kernels)
         if not torch.cuda.is_available():

@@ -34,6 +34,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 FAILURE_GRACE_S = 5.0  # how long a failed send or collective waits for the watcher to name the rank that died
 JOIN_TIMEOUT_S = 10.0
 SHUTDOWN = b""  # the message that ends a rank
+RANK_LOG_LEVEL = "MUXD_RANK_LOG_LEVEL"  # rank 0's logging level, which the ranks it starts take
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class RankGroup:
         """Start ranks 1..size-1, each running `target(*args, index, size, store_port, conn)`, and join them as
         rank 0."""
         os.environ.update(MULTICAST_OFF)
+        os.environ[RANK_LOG_LEVEL] = str(logging.getLogger().getEffectiveLevel())  # the other ranks log as this one
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False)
         ctx = mp.get_context("spawn")
@@ -234,8 +236,9 @@ class RankGroup:
 def _rank_main(target: Callable[..., None], *args: Any) -> None:
     """A rank's process: multicast off, gone when rank 0 is, its error (if any) told to rank 0 before it exits."""
     os.environ.update(MULTICAST_OFF)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank {args[-4]} %(name)s: "
-                                                      "%(message)s")
+    level = os.environ.get(RANK_LOG_LEVEL, "")
+    logging.basicConfig(level=int(level) if level.isdigit() else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s rank {args[-4]} %(name)s: %(message)s")
     parent = mp.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()

@@ -137,3 +137,8 @@ def test_the_table_shows_the_roles_and_the_gaps():
     assert "| between kernels | | 0.082 | | |" in table  # a 0.6 ms replay, 0.518 ms of kernels
     assert "by role: no roles here" in table
     assert result.to_json()["kernels"][0]["roles"][0]["role"] == QKV
+
+
+def test_a_bad_log_level_is_named_before_anything_starts():
+    result = CliRunner().invoke(app, ["bench", "engine", "--log-level", "loud"])
+    assert result.exit_code == 2 and "--log-level 'loud'" in result.output

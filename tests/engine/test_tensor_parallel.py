@@ -109,3 +109,19 @@ def test_a_rank_that_dies_ends_the_engine_with_its_error(checkpoints):
             engine.step()
     finally:
         engine.close()
+
+
+def test_the_other_ranks_log_at_rank_0s_level(checkpoints, capfd):
+    """(`muxd serve --log-level info -tp 2`: every rank's start-up stages, each line naming its rank)"""
+    import logging
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        engine = build_engine(Config.flat(model=str(checkpoints / "llama"), tensor_parallel_size=2,
+                                          max_model_len=64, dist_timeout=60))
+        engine.close()
+    finally:
+        root.setLevel(level)
+    assert "INFO rank 1 muxd.engine: policy: serial (the default on CPU)" in capfd.readouterr().err
