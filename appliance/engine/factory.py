@@ -152,7 +152,7 @@ class _Builder:
         self.startup["kv_pages"] = num_pages
         predictor = self._predictor()  # every rank: prefill graphs are captured at its GEMM buckets
         if predictor is not None:  # rank 0 of a tensor-parallel engine reads each step's tokens at once
-            predictor.host = predictor.host.with_loop(rt.async_scheduling and self.group is None)
+            predictor.host = predictor.host.with_loop(rt.async_scheduling and self.rank is None)
         # a step samples one token per running request at most: the token buffer holds them all
         max_rows = max(sched_cfg.max_num_seqs, self.max_graph_batch)
         if follower:
@@ -210,7 +210,8 @@ class _Builder:
             executor.capture_prefill(graph_rows)
             self.startup["prefill_graph_capture_s"] = time.perf_counter() - start
             self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
-        if self.cuda and self.group is None:  # (a tensor-parallel rank would need its peers in step)
+        if self.cuda and self.rank is None:  # (on a tensor-parallel rank, any rank: its collectives would need the
+            # others in step)
             start = time.perf_counter()
             executor.warm_kernels(self.config.scheduler.max_num_seqs)
             self.startup["kernel_warm_s"] = time.perf_counter() - start

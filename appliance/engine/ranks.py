@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from appliance.errors import RankError
-from appliance.model_zoo.parallel import PHASES, set_groups
+from appliance.model_zoo.parallel import PHASES, abort_groups, set_groups
 
 log = logging.getLogger("muxd.ranks")
 # NVLink multicast (NVLS) can put a host's GPUs out of service; set in every process muxd starts
@@ -207,6 +207,7 @@ class RankGroup:
         for other in self.procs:
             if other.is_alive():
                 other.terminate()  # blocked in a collective with the dead rank: nothing left for it to do
+        abort_groups()  # and so is this rank, maybe inside a replayed graph's collective, which no timeout watches
         for callback in self._callbacks:
             callback(RankError(self.failure))
 

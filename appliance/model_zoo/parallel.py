@@ -62,6 +62,19 @@ def set_groups(groups: dict[str, Any]) -> None:
     _groups.update(groups)
 
 
+def abort_groups() -> None:
+    """Abort this process's communicators (every phase's and the default group's): its collectives waiting on a rank
+    that died return with an error, those inside replayed CUDA graphs too, which no timeout watches."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None or not dist.is_initialized():
+        return
+    for group in [*_groups.values(), None]:
+        try:
+            abort(group)
+        except Exception:  # noqa: BLE001 - a backend without abort (gloo) or a group already gone: nothing to do
+            pass
+
+
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Collectives called inside this block use `name`'s process group (outside any block: decode's)."""
