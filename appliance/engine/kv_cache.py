@@ -26,10 +26,13 @@ class KVCache:
                  device: str | torch.device) -> None:
         self.num_pages, self.page_size = num_pages, page_size
         self.scratch_page = num_pages
-        # empty, not zeros: attention never reads a slot before writing it, and on CPU zeroing a large cache
-        # would touch every page of it at start-up
+        # empty on a CPU: attention never reads a slot before writing it, and zeroing a large cache would touch every
+        # page of it at start-up; zeros on a GPU (milliseconds), where benchmarks take a context as computed without
+        # writing it (`muxd bench engine` fills rank 0's with random values, the other ranks' stay zero)
         self.data = torch.empty(cfg.num_layers, 2, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
+        if self.data.is_cuda:
+            self.data.zero_()
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
