@@ -27,8 +27,8 @@ def train_copy_model(path: Path, device: str = "cuda", steps: int = 500, seed: i
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=128 * heads, intermediate_size=256 * heads, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
