@@ -49,6 +49,17 @@ class ShortFirstLayerwise(Planner):
         return StepPlan(decode=decode, prefill=works, decode_sms=next(self.sizes) if decode and busy else None)
 
 
+def stepper(e: Engine, outputs: dict[str, list[int]]):
+    """steps(n): step the engine n times (None: until every request ended), each output's tokens into `outputs`."""
+    def steps(n: int | None = None) -> None:
+        count = 0
+        while e.has_unfinished() and (n is None or count < n):
+            for out in e.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            count += 1
+    return steps
+
+
 def engine(path, **kw) -> Engine:
     return build_engine(Config.flat(model=path, device="cuda",
                                     num_gpu_blocks_override=1024, max_num_seqs=16, attention_backend="flashinfer",
@@ -77,13 +88,7 @@ def test_multiplexed_outputs_equal_serial_with_switches_preemption_and_abort(cop
         setattr(mux.runner, name, spy)
 
     outputs: dict[str, list[int]] = {}
-
-    def steps(n: int | None = None) -> None:
-        count = 0
-        while mux.has_unfinished() and (n is None or count < n):
-            for out in mux.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            count += 1
+    steps = stepper(mux, outputs)
 
     ids = [mux.add_request(p, GREEDY) for p in decoders]
     steps(10)  # the decoders prefill (a layer a step), then decode

@@ -56,7 +56,7 @@ def test_two_gpus_decode_as_one_on_the_fast_path(copy_model, split_kv_model, whi
 
 
 def test_two_gpus_multiplexed_with_switches_preemption_and_abort(split_kv_model):
-    from test_multiplex import ShortFirstLayerwise
+    from test_multiplex import ShortFirstLayerwise, stepper
 
     decoders = [periodic_prompt(s, 30 + s) for s in range(4)]
     long_prompt, short_prompt, doomed = periodic_prompt(10, 150), periodic_prompt(11, 40), periodic_prompt(12, 90)
@@ -67,13 +67,7 @@ def test_two_gpus_multiplexed_with_switches_preemption_and_abort(split_kv_model)
         assert mux.executor.multiplexed
         planner = mux.scheduler.planner = ShortFirstLayerwise()
         outputs: dict[str, list[int]] = {}
-
-        def steps(n: int | None = None) -> None:
-            count = 0
-            while mux.has_unfinished() and (n is None or count < n):
-                for out in mux.step():
-                    outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-                count += 1
+        steps = stepper(mux, outputs)
 
         ids = [mux.add_request(p, GREEDY) for p in decoders]
         steps(10)
