@@ -81,7 +81,8 @@ def test_the_profiler_and_the_engine_bench_time_steps_that_every_rank_runs(check
         decode, prefill = bench.decode(2, 20), bench.prefill(16, 8)
         assert decode.ms > 0 and prefill.ms > 0
         # each floor adds what rank 0 sends in the step's collectives at the link's rate: the embedding's and the
-        # layers' all-reduces (half of each tensor on two ranks) and its half of the logits
+        # layers' all-reduces (on two ranks a whole tensor: half reduce-scattered, half gathered) and its half of the
+        # logits
         cfg, elem = engine.model.config, next(engine.model.parameters()).element_size()
         sent = ((2 * cfg.num_layers + 1) * 2 * cfg.hidden_size + 2 * -(-cfg.vocab_size // 2)) * elem
         assert decode.floor_ms == pytest.approx((bench.costs.decode_bytes(2, 20) / 1e9 + sent / 1e8) * 1e3)
