@@ -1,5 +1,5 @@
 """Test instrumentation: observe every iteration an engine launches (its plan and the logits its forwards made), and
-step an engine through scripted arrivals and aborts."""
+step an engine through scripted arrivals and aborts, or a number of steps at a time."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -64,3 +64,14 @@ def step_through(engine, arrivals: dict, aborts: dict | None, record: Callable) 
                 outs[o.request_id].append(record(o))
         k += 1
     return dict(outs)
+
+
+def stepper(engine, outputs: dict[str, list[int]]) -> Callable[[int | None], None]:
+    """steps(n): step the engine n times (None: until every request ended), each output's tokens into `outputs`."""
+    def steps(n: int | None = None) -> None:
+        count = 0
+        while engine.has_unfinished() and (n is None or count < n):
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            count += 1
+    return steps

@@ -57,6 +57,7 @@ class PrefillGraphs:
         self.scratch_slot = kv_cache.scratch_page * kv_cache.page_size
         self.inputs: list[torch.Tensor] = []  # attention's row inputs (q, k, v or a fused QKV), sized at warm-up
         self._calls: dict[int, tuple] = {}  # per layer: how the captures call its attention (`_cut`)
+        self.rotates = False  # some layer's graph rotates q and writes K/V (at `slots`, into `q`)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # per size: [before attn 0, after attn 0, ...]
         self._capturing: list[torch.cuda.CUDAGraph] | None = None
         self.capture_seconds = 0.0
@@ -94,6 +95,7 @@ class PrefillGraphs:
                     raise RuntimeError(f"piecewise capture of {size} rows made {len(graphs)} graphs for "
                                        f"{self.model.num_layers} layers: each layer must call attention once")
                 self._graphs[size] = graphs
+        self.rotates = any(call is None for call in self._calls.values())  # some layer reads slots and q
         if all(call is None for call in self._calls.values()):
             self.inputs = []  # every layer rotates in its graph: no replay reads the row inputs' buffers
         torch.cuda.synchronize()
@@ -181,8 +183,7 @@ class PrefillGraphs:
         if call is None:  # q rotated in the graph: the batch's rows attend, into the output's first rows
             ctx = current_context()
             tokens = ctx.metadata.num_tokens
-            backend = ctx.backend
-            backend.attend_rotated(self.q[:tokens], ctx.kv_cache[layer], self.out[:tokens])
+            ctx.backend.attend_rotated(self.q[:tokens], ctx.kv_cache[layer], self.out[:tokens])
             return self.out[:size]
         attend, fixed, rest = call
         rows = (self.positions[:size] if buffer is None else buffer[:size] for buffer in fixed)
@@ -216,13 +217,15 @@ class PrefillGraphs:
             self.hidden[:tokens].copy_(carried[0])
             self.residual[:tokens].copy_(carried[1])
         self.positions[:tokens].copy_(positions)
-        self.slots[:tokens].copy_(metadata.slot_mapping)
+        if self.rotates:
+            self.slots[:tokens].copy_(metadata.slot_mapping)
         if size > tokens:
             self.hidden[tokens:size].zero_()
             self.residual[tokens:size].zero_()
             self.positions[tokens:size].zero_()
-            self.slots[tokens:size].fill_(self.scratch_slot)
-            self.out[tokens:size].zero_()  # (the rotated form writes the batch's rows only)
+            if self.rotates:
+                self.slots[tokens:size].fill_(self.scratch_slot)
+                self.out[tokens:size].zero_()  # (the rotated form writes the batch's rows only)
         kv = self.kv_cache.data
         with forward_context(ForwardContext(backend or self.backend, metadata, kv)):
             for i in range(start, end):

@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 from copy_model import periodic_prompt
+from spies import stepper
 
 from appliance.config import Config
 from appliance.engine.engine import Engine
@@ -47,17 +48,6 @@ class ShortFirstLayerwise(Planner):
             works = (PrefillWork(r.request_id, r.num_computed_tokens, chunk_end(r, 4096), layer, layer + 1),)
         busy = bool(works) or sched.has_inflight()
         return StepPlan(decode=decode, prefill=works, decode_sms=next(self.sizes) if decode and busy else None)
-
-
-def stepper(e: Engine, outputs: dict[str, list[int]]):
-    """steps(n): step the engine n times (None: until every request ended), each output's tokens into `outputs`."""
-    def steps(n: int | None = None) -> None:
-        count = 0
-        while e.has_unfinished() and (n is None or count < n):
-            for out in e.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            count += 1
-    return steps
 
 
 def engine(path, **kw) -> Engine:

@@ -7,6 +7,7 @@ import time
 
 import torch
 from copy_model import periodic_prompt
+from spies import stepper
 
 from appliance.config import Config
 from appliance.engine.engine import Engine
@@ -92,13 +93,7 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     late = [periodic_prompt(10 + s, 600 + 97 * s) for s in range(3)]
     expected = ref.generate(decoders + late, GREEDY)
     outputs: dict[str, list[int]] = {}
-
-    def steps(n: int | None = None) -> None:
-        count = 0
-        while mux.has_unfinished() and (n is None or count < n):
-            for o in mux.step():
-                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            count += 1
+    steps = stepper(mux, outputs)
 
     beside = []  # decode steps that ran while prefill layers did: each refines the planner's contention guard
     observe = mux._observe

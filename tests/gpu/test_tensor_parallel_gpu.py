@@ -56,7 +56,8 @@ def test_two_gpus_decode_as_one_on_the_fast_path(copy_model, split_kv_model, whi
 
 
 def test_two_gpus_multiplexed_with_switches_preemption_and_abort(split_kv_model):
-    from test_multiplex import ShortFirstLayerwise, stepper
+    from spies import stepper
+    from test_multiplex import ShortFirstLayerwise
 
     decoders = [periodic_prompt(s, 30 + s) for s in range(4)]
     long_prompt, short_prompt, doomed = periodic_prompt(10, 150), periodic_prompt(11, 40), periodic_prompt(12, 90)
