@@ -98,10 +98,8 @@ def serve_rank(config: Config, index: int, size: int, store_port: int, conn) -> 
     """A rank other than 0 (its process's entry): join the ranks, load its share, build its executor as rank 0
     builds its own, then run the steps rank 0 sends until it says stop."""
     rank = join_as(index, size, store_port, config.runtime.resolved_device(), config.parallel.dist_timeout)
-    try:
-        _Builder(config, _load(config, rank), rank=rank).build_follower().follow(conn)
-    finally:
-        leave()
+    if _Builder(config, _load(config, rank), rank=rank).build_follower().follow(conn):
+        leave(together=True)  # with rank 0, which leaves as it says stop (after a failure the process just exits)
 
 
 class _Builder:

@@ -32,7 +32,7 @@ log = logging.getLogger("muxd.ranks")
 # NVLink multicast (NVLS) can put a host's GPUs out of service; set in every process muxd starts
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FAILURE_GRACE_S = 5.0  # how long a failed send or collective waits for the watcher to name the rank that died
-JOIN_TIMEOUT_S = 10.0
+JOIN_TIMEOUT_S = 10.0  # how long rank 0 waits for a rank to leave the group, then to exit, before it forces either
 SHUTDOWN = b""  # the message that ends a rank
 RANK_LOG_LEVEL = "MUXD_RANK_LOG_LEVEL"  # rank 0's logging level, which the ranks it starts take
 
@@ -80,9 +80,15 @@ def join_as(index: int, size: int, store_port: int, device: str, timeout_s: floa
     return rank
 
 
-def leave() -> None:
+def leave(together: bool = False) -> None:
+    """Leave the process group. `together`: every rank leaves at this point (rank 0's close says stop and leaves at
+    once, the others as they read it): a barrier first, so that no rank tears down a communicator while another still
+    needs it; on NCCL the teardown itself waits for every rank (the phases' groups share the default group's
+    resources), so a rank that left late, or was killed first, would leave the others waiting for ever."""
     set_groups({})
     if dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -212,7 +218,8 @@ class RankGroup:
             callback(RankError(self.failure))
 
     def close(self) -> None:
-        """Stop every other rank (politely, then by force) and leave the process group."""
+        """Stop every other rank and leave the process group with them (politely; by force after a failure, or when
+        a rank does not leave or exit in time)."""
         if self._closing:
             return
         self._closing = True
@@ -220,6 +227,7 @@ class RankGroup:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(SHUTDOWN)
+        self._leave(together=self.failure is None)  # the others leave as they read the word
         for proc in self.procs:
             proc.join(JOIN_TIMEOUT_S)
             if proc.is_alive():
@@ -230,8 +238,22 @@ class RankGroup:
         self._watcher.join(JOIN_TIMEOUT_S)
         for conn in self.conns:
             conn.close()
-        with contextlib.suppress(Exception):  # a group a dead rank left broken
-            leave()
+
+    def _leave(self, together: bool) -> None:
+        """Leave the process group within JOIN_TIMEOUT_S; past it (a rank that never reaches the barrier), abort this
+        rank's communicators, which ends the wait. After a failure the communicators are aborted already."""
+        def run() -> None:
+            with contextlib.suppress(Exception):  # a group a dead rank left broken
+                leave(together)
+
+        leaving = threading.Thread(target=run, name="muxd-ranks-leave", daemon=True)
+        leaving.start()
+        leaving.join(JOIN_TIMEOUT_S)
+        if leaving.is_alive():
+            log.warning("the tensor-parallel ranks did not leave the process group together in %.0f s; aborting "
+                        "rank 0's communicators", JOIN_TIMEOUT_S)
+            abort_groups()
+            leaving.join(JOIN_TIMEOUT_S)
 
 
 def _rank_main(target: Callable[..., None], *args: Any) -> None:

@@ -79,15 +79,16 @@ class LeaderExecutor(_Phases):
 class FollowerExecutor(_Phases):
     """A rank other than 0: runs what rank 0 sends until it says stop (or is gone)."""
 
-    def follow(self, conn: Any) -> None:
+    def follow(self, conn: Any) -> bool:
+        """Run rank 0's steps; True when rank 0 said stop (and so leaves the group now too), False when it is gone."""
         wire = WireDecoder()
         while True:
             try:
                 payload = conn.recv_bytes()
             except EOFError:  # rank 0 is gone
-                return
+                return False
             if payload == SHUTDOWN:
-                return
+                return True
             step = wire.read(payload)
             for rid in step.plan.finished:
                 self.settle(rid)  # this rank's kernels may still write the pages rank 0 has freed

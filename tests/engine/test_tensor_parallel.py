@@ -9,6 +9,7 @@ import signal
 import threading
 
 import pytest
+import torch
 from tiny_models import build_tiny_checkpoint
 
 from appliance.bench.ceilings import Ceilings
@@ -112,8 +113,10 @@ def test_a_rank_that_dies_ends_the_engine_with_its_error(checkpoints):
         engine.close()
 
 
-def test_the_other_ranks_log_at_rank_0s_level(checkpoints, capfd):
-    """(`muxd serve --log-level info -tp 2`: every rank's start-up stages, each line naming its rank)"""
+def test_the_other_ranks_log_at_rank_0s_level_and_leave_with_it(checkpoints, capfd):
+    """(`muxd serve --log-level info -tp 2`: every rank's start-up stages, each line naming its rank.) On close the
+    ranks leave the process group together, as NCCL's teardown needs: the other rank exits by itself, not killed
+    after waiting in the leaving barrier for a rank 0 that would leave only once it had gone."""
     import logging
 
     root = logging.getLogger()
@@ -126,3 +129,5 @@ def test_the_other_ranks_log_at_rank_0s_level(checkpoints, capfd):
     finally:
         root.setLevel(level)
     assert "INFO rank 1 muxd.engine: policy: serial (the default on CPU)" in capfd.readouterr().err
+    assert [p.exitcode for p in engine.executor.group.procs] == [0]
+    assert not torch.distributed.is_initialized()
