@@ -67,6 +67,9 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                                  "kernels (Hopper and later)."),
         compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile each layer."),
         cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
+        prefill_graph_rows: Optional[int] = typer.Option(None, "--prefill-graph-rows", help="Prefill launches of up "
+                                                         "to this many tokens replay piecewise CUDA graphs (as serve's "
+                                                         "flag, default 2048; 0: none): fewer rows start faster."),
         async_scheduling: bool = typer.Option(True, "--async-scheduling/--no-async-scheduling",
                                               help="The engine's overlapped loop (plan the next step while one runs), "
                                                    "as `muxd serve` runs it by default."),
@@ -116,7 +119,7 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                               + iters + 64,
                               attention_backend=attention_backend, decode_kernel=decode_kernel, decode_blas=decode_blas,
                               fused_rope=fused_rope, pdl=pdl,
-                              compile=compile, cuda_graph=cuda_graph,
+                              compile=compile, cuda_graph=cuda_graph, prefill_graph_rows=prefill_graph_rows,
                               async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,
                                   prefills=pre, iters=iters, config=config,
