@@ -49,8 +49,8 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     if profile is None:  # as `muxd serve` does: the profile cached by `muxd profile`, or shipped, for this GPU
         profile = find_profile(model, gpu, cache_dir(), by_kind=True)
     predictor = load_predictor(profile, model, gpu)
-    # the engine's loop: overlapped unless told otherwise (or rank 0 of a tensor-parallel engine)
-    predictor.host = predictor.host.with_loop(serve.runtime.async_scheduling and tp == 1)
+    # the engine's loop: overlapped unless told otherwise
+    predictor.host = predictor.host.with_loop(serve.runtime.async_scheduling)
     # prefill launches up to the engine's graph size replay graphs on a GPU (the host's cheaper launches)
     predictor.host = predictor.host.with_graphs(serve.captured_graph_rows)
     try:

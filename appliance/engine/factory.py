@@ -27,7 +27,7 @@ from appliance.engine.planners.registry import build_planner
 from appliance.engine.ranks import Rank, RankGroup, join_as, leave
 from appliance.engine.runner import ModelRunner
 from appliance.engine.scheduler import Scheduler
-from appliance.engine.tp_executor import FollowerExecutor, FollowerRunner, LeaderExecutor
+from appliance.engine.tp_executor import FollowerExecutor, FollowerRunner, LeaderExecutor, LeaderRunner
 from appliance.errors import ConfigError
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.loader import load_model, resolve_model_dir
@@ -149,8 +149,8 @@ class _Builder:
         kv_cache = KVCache(mcfg, num_pages, cache_cfg.block_size, self.dtype, self.device)
         self.startup["kv_pages"] = num_pages
         predictor = self._predictor()  # every rank: prefill graphs are captured at its GEMM buckets
-        if predictor is not None:  # rank 0 of a tensor-parallel engine reads each step's tokens at once
-            predictor.host = predictor.host.with_loop(rt.async_scheduling and self.rank is None)
+        if predictor is not None:
+            predictor.host = predictor.host.with_loop(rt.async_scheduling)
         # a step samples one token per running request at most: the token buffer holds them all
         max_rows = max(sched_cfg.max_num_seqs, self.max_graph_batch)
         if follower:
@@ -169,9 +169,12 @@ class _Builder:
         contract = sched_cfg.contract
         planner = self._planner(predictor, partitions)
         scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
-        runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows, rt.decode_kernel, rt.decode_blas)
-        executor = Executor(runner, partitions) if self.group is None else LeaderExecutor(runner, partitions,
-                                                                                          self.group)
+        if self.group is None:
+            runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows, rt.decode_kernel, rt.decode_blas)
+            executor = Executor(runner, partitions)
+        else:
+            runner = LeaderRunner(model, kv_cache, rt.attention_backend, max_rows, rt.decode_kernel, rt.decode_blas)
+            executor = LeaderExecutor(runner, partitions, self.group)
         self._capture(executor, predictor)
         graph_rows = self.graph_rows
         graphs = runner.graphs

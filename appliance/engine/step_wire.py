@@ -21,7 +21,7 @@ from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, SamplingParams
 
 STEP, RELEASE = 1, 2
-MIXED, MIXED_GRAPHS, USE_GRAPHS, PREFILL_AFTER_DECODE = 1, 2, 4, 8
+MIXED, MIXED_GRAPHS, USE_GRAPHS, PREFILL_AFTER_DECODE, HOLD_SAMPLING = 1, 2, 4, 8, 16
 HEADER = 10  # kind, flags, partition, released, new, token counts, page updates, decode rows, prefill works, launches
 
 
@@ -46,6 +46,7 @@ class Step:
     mixed_graphs: bool = False
     use_graphs: bool = True
     prefill_rows: tuple[int | None, ...] = ()
+    hold_sampling: bool = False  # rank 0 samples the forward's rows after the step's prefill launches
 
 
 class WireEncoder:
@@ -63,7 +64,7 @@ class WireEncoder:
         return np.asarray([RELEASE, 0, -1, len(gone), 0, 0, 0, 0, 0, 0, *gone], dtype=np.int64).tobytes()
 
     def step(self, plan: StepPlan, requests: dict[str, Request], partition: int, mixed_graphs: bool,
-             use_graphs: bool, prefill_rows: tuple[int | None, ...]) -> bytes:
+             use_graphs: bool, prefill_rows: tuple[int | None, ...], hold_sampling: bool = False) -> bytes:
         new: list[int] = []
         counts: list[int] = []
         pages: list[int] = []
@@ -90,7 +91,7 @@ class WireEncoder:
         works = [x for w in plan.prefill for x in (sent_[w.request_id].number, w.token_start, w.token_end,
                                                    w.layer_start, w.layer_end)]
         flags = (MIXED * plan.mixed | MIXED_GRAPHS * mixed_graphs | USE_GRAPHS * use_graphs
-                 | PREFILL_AFTER_DECODE * plan.prefill_after_decode)
+                 | PREFILL_AFTER_DECODE * plan.prefill_after_decode | HOLD_SAMPLING * hold_sampling)
         header = [STEP, flags, partition, 0, len(new) // 3, len(counts) // 2, len(pages) // 3, len(plan.decode),
                   len(plan.prefill), len(prefill_rows)]
         rows = [-1 if r is None else r for r in prefill_rows]
@@ -141,4 +142,5 @@ class WireDecoder:
         prefill = tuple(PrefillWork(str(works[i]), *works[i + 1:i + 5]) for i in range(0, len(works), 5))
         plan = StepPlan(decode=decode, prefill=prefill, mixed=bool(flags & MIXED), finished=gone,
                         prefill_after_decode=bool(flags & PREFILL_AFTER_DECODE))
-        return Step(kind, plan, partition, bool(flags & MIXED_GRAPHS), bool(flags & USE_GRAPHS), rows)
+        return Step(kind, plan, partition, bool(flags & MIXED_GRAPHS), bool(flags & USE_GRAPHS), rows,
+                    bool(flags & HOLD_SAMPLING))

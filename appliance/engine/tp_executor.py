@@ -5,8 +5,10 @@ Rank 0's `LeaderExecutor` decides each step as the single-GPU executor does, sen
 the same SM partition and the same shapes, so that each collective has all ranks. Prefill launches and prefill graphs
 use the prefill process group, everything else decode's, and prefill launches keep their launch order across streams
 (a communicator's collectives must run in the order every rank issued them). A follower samples nothing: rank 0
-samples, and the tokens reach the others with the next step that uses them — which is why the engine's loop is not
-overlapped here: rank 0 reads every step's tokens before it plans the next.
+samples, and sends the tokens it writes into its token buffer to the others' buffers (a broadcast after sampling), so
+the engine's loop overlaps here too: a step launched before rank 0 has read the tokens of the one before names each
+such token by its row of the buffer (engine/batch.py), on every rank, and every rank reads it there on the device. A
+follower reads back a step's tokens after launching the next, as rank 0 does.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from appliance.engine.ranks import SHUTDOWN, RankGroup
 from appliance.engine.request import Request
 from appliance.engine.runner import ModelRunner, Sampled
 from appliance.engine.step_wire import STEP, WireDecoder, WireEncoder
-from appliance.model_zoo.parallel import phase
+from appliance.model_zoo.parallel import phase, share_from_first
 
 
 class _Phases(Executor):
@@ -48,7 +50,6 @@ class LeaderExecutor(_Phases):
         super().__init__(runner, partitions)
         self.group = group
         self.wire = WireEncoder()
-        self.overlaps = False  # the other ranks learn each token from the step message that uses it
 
     def _forget(self, request_ids: tuple[str, ...]) -> None:
         payload = self.wire.release(request_ids)
@@ -58,16 +59,19 @@ class LeaderExecutor(_Phases):
 
     def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions,
             hold_sampling: bool = False) -> LaunchedStep:
-        if hold_sampling:  # (the engine never holds here: this executor does not overlap)
-            raise RuntimeError("a tensor-parallel step samples with its forward")
         self.group.send(self.wire.step(plan, requests, self.partitions.partitions.index(decisions.partition),
-                                       decisions.mixed_graphs, self.runner.use_graphs, decisions.prefill_rows))
+                                       decisions.mixed_graphs, self.runner.use_graphs, decisions.prefill_rows,
+                                       hold_sampling))
         with self.group.guard():
-            return super().run(plan, requests, decisions)
+            return super().run(plan, requests, decisions, hold_sampling)
 
     def collect(self, step: LaunchedStep) -> list[int]:
         with self.group.guard():
             return super().collect(step)
+
+    def finish_sampling(self, step: LaunchedStep) -> None:
+        with self.group.guard():  # (its broadcast: the other ranks wait for these tokens since their forward)
+            super().finish_sampling(step)
 
     def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
         self.group.on_failure(callback)
@@ -82,12 +86,15 @@ class FollowerExecutor(_Phases):
     def follow(self, conn: Any) -> bool:
         """Run rank 0's steps; True when rank 0 said stop (and so leaves the group now too), False when it is gone."""
         wire = WireDecoder()
+        previous: LaunchedStep | None = None  # read back after the next step is launched, as on rank 0
         while True:
             try:
                 payload = conn.recv_bytes()
             except EOFError:  # rank 0 is gone
                 return False
             if payload == SHUTDOWN:
+                if previous is not None:
+                    self.collect(previous)
                 return True
             step = wire.read(payload)
             for rid in step.plan.finished:
@@ -96,17 +103,38 @@ class FollowerExecutor(_Phases):
             if step.kind == STEP:
                 self.runner.use_graphs = step.use_graphs
                 launched = self.run(step.plan, wire.requests, Decisions(self.partitions.partitions[step.partition],
-                                                                        step.mixed_graphs, step.prefill_rows))
-                self.collect(launched)  # (as rank 0 does before its next step)
+                                                                        step.mixed_graphs, step.prefill_rows),
+                                    step.hold_sampling)
+                if launched.held is not None:  # rank 0's tokens come after the step's prefill launches, as there
+                    self.finish_sampling(launched)
+                if previous is not None:
+                    self.collect(previous)
+                previous = launched if launched.rows else None
+                if previous is None:
+                    self.collect(launched)
             self.poll()
 
 
-class FollowerRunner(ModelRunner):
-    """A follower's runner: the same forwards (the LM head's all-gather included), no sampling."""
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: samples, and sends what it writes into the token buffer to the other ranks."""
 
     def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request],
                counts: list[int] | None = None, out: torch.Tensor | None = None) -> Sampled:
-        return (torch.zeros(len(ids), dtype=torch.long, device=self.device) if out is None else out.zero_()), {}
+        tokens, logprobs = super().sample(ids, logits, requests, counts, out)
+        if out is not None and ids:
+            share_from_first(out)
+        return tokens, logprobs
+
+
+class FollowerRunner(ModelRunner):
+    """A follower's runner: the same forwards (the LM head's all-gather included), no sampling: the token buffer
+    gets rank 0's tokens (a prefill's first token, sampled apart from it, reaches this rank with the next step)."""
+
+    def sample(self, ids: list[str], logits: torch.Tensor, requests: dict[str, Request],
+               counts: list[int] | None = None, out: torch.Tensor | None = None) -> Sampled:
+        if out is None:
+            return torch.zeros(len(ids), dtype=torch.long, device=self.device), {}
+        return (share_from_first(out) if ids else out), {}
 
     def _record_prompt_logprobs(self, r: Request, w: PrefillWork, logits: torch.Tensor) -> None:
         pass

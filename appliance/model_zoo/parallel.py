@@ -115,6 +115,12 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _all_reduce(x.contiguous())
 
 
+def share_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place (on the current stream, like every collective here)."""
+    dist.broadcast(x, src=0, group=_group())  # (every phase's group holds all the ranks: its rank 0 is rank 0)
+    return x
+
+
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name, where it exists
 
 

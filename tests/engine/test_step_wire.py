@@ -1,8 +1,9 @@
 """The step message of a tensor-parallel engine, without processes: what the other ranks rebuild from the messages
 alone is what rank 0 holds (tokens, pages, the plan and its decisions), through new tokens, grown and rebuilt page
-tables, releases and a request sent again after it left."""
+tables, releases, a request sent again after it left and tokens still on the device."""
 from __future__ import annotations
 
+from appliance.engine.batch import placeholder, span_tokens
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, SamplingParams
 from appliance.engine.step_wire import RELEASE, STEP, WireDecoder, WireEncoder
@@ -59,6 +60,22 @@ def test_the_other_ranks_rebuild_every_request_from_the_messages():
     again = step.plan.prefill[0].request_id
     assert again != number["a"]
     _same(dec.requests[again], a)
+
+
+def test_a_token_still_on_the_device_goes_as_its_row_of_the_token_buffer():
+    """The overlapped loop launches a step before the host has read the token it continues from: the other ranks
+    get that token's placeholder (its row of the token buffer, which rank 0's broadcast filled on every rank), and
+    a step whose rows rank 0 samples after its prefill launches says so."""
+    enc, dec = WireEncoder(), WireDecoder()
+    r = _request("r", list(range(20)), [1, 2])
+    r.output_token_ids.append(99)
+    r.num_pending, r.pending_row = 1, 3
+    step = dec.read(enc.step(StepPlan(decode=("r",)), {"r": r}, 0, False, True, (), hold_sampling=True))
+    copy = dec.requests[step.plan.decode[0]]
+    assert copy.output_token_ids == [99, placeholder(3)] and step.hold_sampling
+    assert span_tokens(copy, 21, 22) == [placeholder(3)]  # what its next forward reads on the device
+    step = dec.read(enc.step(StepPlan(decode=("r",)), {"r": r}, 0, False, True, ()))
+    assert not step.hold_sampling
 
 
 def test_a_decode_step_sends_only_what_changed():

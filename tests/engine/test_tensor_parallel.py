@@ -1,12 +1,14 @@
 """Tensor parallelism on a CPU: two ranks over gloo (rank 0 in this process, rank 1 started by the engine) generate
-what one rank does, token for token, for Llama (a vocabulary the ranks split unevenly), Qwen2 (biases, GQA groups of
-7 over 4 KV heads split 2 ways) and Qwen3 (one KV head, replicated on both ranks); the profiler's and the engine
-bench's steps run on both ranks; and a rank that dies ends the engine with a RankError naming it, never a hang."""
+what one rank does, token for token (the engine's loop overlapped and not, rows sampled at once and held), for Llama
+(a vocabulary the ranks split unevenly), Qwen2 (biases, GQA groups of 7 over 4 KV heads split 2 ways) and Qwen3 (one
+KV head, replicated on both ranks); the profiler's and the engine bench's steps run on both ranks; a rank that dies
+ends the engine with a RankError naming it, never a hang; and the ranks leave the process group together."""
 from __future__ import annotations
 
 import os
 import signal
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from tiny_models import build_tiny_checkpoint
 from appliance.bench.ceilings import Ceilings
 from appliance.bench.engine_bench import EngineBench
 from appliance.config import Config
+from appliance.engine import step_wire
+from appliance.engine.batch import span_tokens
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.errors import RankError
@@ -38,15 +42,26 @@ def checkpoints(tmp_path_factory):
 
 
 def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
+    """Greedy outputs, preemptions, and how many tokens rank 0 sent the other ranks as placeholders (sampled by a
+    step still running: the overlapped loop; the other ranks read them from their token buffers)."""
     settings = dict(max_model_len=64, max_num_batched_tokens=32, dist_timeout=60, **extra)
     engine = build_engine(Config.flat(model=str(path), tensor_parallel_size=tp, policy=policy, **settings))
+    placeholders = 0
+
+    def spans(*args):
+        nonlocal placeholders
+        ids = span_tokens(*args)
+        placeholders += sum(i < 0 for i in ids)
+        return ids
+
     try:
         prompts = [PREFIX + [40, 41, 42], PREFIX + [50, 51], [7, 8, 9, 10, 11, 12, 13]]
         params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
                                  prompt_logprobs=1 if i == 2 else None)
                   for i in range(len(prompts))]
-        done = engine.generate(prompts, params)
-        return [c.token_ids for c in done], engine.num_preemptions
+        with mock.patch.object(step_wire, "span_tokens", spans):
+            done = engine.generate(prompts, params)
+        return [c.token_ids for c in done], engine.num_preemptions, placeholders
     finally:
         engine.close()
 
@@ -56,14 +71,44 @@ def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
     ("qwen2", "chunked", {"chunk_budget": 8}),  # mixed steps: prompt chunks beside decode rows
     ("qwen3", "serial", {"num_gpu_blocks_override": 5, "max_tokens": 24}),  # a pool so small that requests are
     # preempted
+    ("llama", "serial", {"async_scheduling": False}),  # the synchronous loop: every token known when sent
 ])
 def test_two_ranks_generate_what_one_does(checkpoints, family, policy, extra):
-    one, preempted_one = _generate(checkpoints / family, 1, policy, **extra)
-    two, preempted_two = _generate(checkpoints / family, 2, policy, **extra)
+    one, preempted_one, _ = _generate(checkpoints / family, 1, policy, **extra)
+    two, preempted_two, placeholders = _generate(checkpoints / family, 2, policy, **extra)
     assert two == one
     assert preempted_two == preempted_one
     if "num_gpu_blocks_override" in extra:
         assert preempted_one > 0  # the preempted requests were sent to rank 1 again, whole
+    # overlapped (the default), decode steps are launched before the tokens they continue from are read
+    assert (placeholders > 0) == extra.get("async_scheduling", True)
+
+
+@pytest.mark.parametrize("policy", ["serial", "layerwise", "chunked"])
+def test_rows_sampled_once_the_token_before_is_read_reach_the_other_rank(checkpoints, policy):
+    """A penalised, seeded row needs its latest token on the host before it samples: rank 0 launches the next
+    forward first (and the step's prefill layers: layerwise) and samples that row after it (held); the other rank
+    takes those tokens into its token buffer at the same point of its step, after the same collectives. Two ranks
+    still generate what one does."""
+    prompts = [PREFIX + [40, 41, 42], [7, 8, 9, 10, 11, 12, 13], list(range(30, 60))]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.9, seed=4, presence_penalty=1.5, repetition_penalty=1.3,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
+    outputs, held = [], []
+    for tp in (1, 2):
+        engine = build_engine(Config.flat(model=str(checkpoints / "llama"), tensor_parallel_size=tp, max_model_len=64,
+                                          max_num_batched_tokens=32, chunk_budget=8, policy=policy, dist_timeout=60))
+        finish = engine.executor.finish_sampling
+        engine.executor.finish_sampling = lambda step, finish=finish: held.append((tp, step.plan)) or finish(step)
+        try:
+            outputs.append([c.token_ids for c in engine.generate(prompts, params)])
+        finally:
+            engine.close()
+    assert outputs[1] == outputs[0]
+    assert any(tp == 2 for tp, _ in held)
+    if policy == "layerwise":  # prefill layers launched between the held forward and its sampling
+        assert any(tp == 2 and plan.prefill and not plan.mixed for tp, plan in held)
 
 
 def test_the_profiler_and_the_engine_bench_time_steps_that_every_rank_runs(checkpoints, monkeypatch):

@@ -60,9 +60,11 @@ def test_the_simulator_runs_a_tensor_parallel_configuration():
 
 
 def test_the_simulator_plans_for_the_engines_loop():
-    """Overlapped by default; synchronous with --no-async-scheduling and on rank 0 of a tensor-parallel engine."""
+    """Overlapped by default, tensor-parallel engines too; synchronous with --no-async-scheduling."""
     opts = dict(model=str(MODELS / "llama-3.1-70b"))
     assert simulated_bench(BenchOptions(**opts), "h200")[0].predictor.host.overlapped
     assert not simulated_bench(BenchOptions(**opts, serve_args=["--no-async-scheduling"]),
                                "h200")[0].predictor.host.overlapped
-    assert not simulated_bench(BenchOptions(**opts, serve_args=["-tp", "2"]), "h200")[0].predictor.host.overlapped
+    assert simulated_bench(BenchOptions(**opts, serve_args=["-tp", "2"]), "h200")[0].predictor.host.overlapped
+    assert not simulated_bench(BenchOptions(**opts, serve_args=["-tp", "2", "--no-async-scheduling"]),
+                               "h200")[0].predictor.host.overlapped
