@@ -169,12 +169,10 @@ class _Builder:
         contract = sched_cfg.contract
         planner = self._planner(predictor, partitions)
         scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
-        if self.group is None:
-            runner = ModelRunner(model, kv_cache, rt.attention_backend, max_rows, rt.decode_kernel, rt.decode_blas)
-            executor = Executor(runner, partitions)
-        else:
-            runner = LeaderRunner(model, kv_cache, rt.attention_backend, max_rows, rt.decode_kernel, rt.decode_blas)
-            executor = LeaderExecutor(runner, partitions, self.group)
+        runner = (ModelRunner if self.group is None else LeaderRunner)(model, kv_cache, rt.attention_backend, max_rows,
+                                                                       rt.decode_kernel, rt.decode_blas)
+        executor = Executor(runner, partitions) if self.group is None else LeaderExecutor(runner, partitions,
+                                                                                          self.group)
         self._capture(executor, predictor)
         graph_rows = self.graph_rows
         graphs = runner.graphs

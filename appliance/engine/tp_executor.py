@@ -109,8 +109,10 @@ class FollowerExecutor(_Phases):
                     self.finish_sampling(launched)
                 if previous is not None:
                     self.collect(previous)
-                previous = launched if launched.rows else None
-                if previous is None:
+                    previous = None
+                if launched.rows:
+                    previous = launched
+                else:
                     self.collect(launched)
             self.poll()
 
