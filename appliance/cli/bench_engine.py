@@ -125,10 +125,13 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                                   prefills=pre, iters=iters, config=config,
                                   startup_only=startup_only or multiplex, sync_rows=compare_sync,
                                   kernels=profiled)
-        table = engine_bench.render(result)
-        if multiplex:
-            table = multiplex_bench.run_multiplex(result, granularity, batch=max(bs), context=ctx[0],
-                                               prefill_tokens=max(n for n, _ in pre), iters=iters)
+        try:
+            table = engine_bench.render(result)
+            if multiplex:
+                table = multiplex_bench.run_multiplex(result, granularity, batch=max(bs), context=ctx[0],
+                                                   prefill_tokens=max(n for n, _ in pre), iters=iters)
+        finally:
+            result.bench.engine.close()
         if json_out:
             engine_bench.save(result, json_out)
         if markdown_out:

@@ -84,7 +84,8 @@ def leave(together: bool = False) -> None:
     """Leave the process group. `together`: every rank leaves at this point (rank 0's close says stop and leaves at
     once, the others as they read it): a barrier first, so that no rank tears down a communicator while another still
     needs it; on NCCL the teardown itself waits for every rank (the phases' groups share the default group's
-    resources), so a rank that left late, or was killed first, would leave the others waiting for ever."""
+    resources), so a rank that left late, or was killed first, would leave the others waiting for ever; and it waits
+    until no CUDA graph holds a collective of the group (the executors destroy theirs first)."""
     set_groups({})
     if dist.is_initialized():
         if together:
@@ -216,6 +217,10 @@ class RankGroup:
         abort_groups()  # and so is this rank, maybe inside a replayed graph's collective, which no timeout watches
         for callback in self._callbacks:
             callback(RankError(self.failure))
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
 
     def close(self) -> None:
         """Stop every other rank and leave the process group with them (politely; by force after a failure, or when

@@ -12,6 +12,8 @@ follower reads back a step's tokens after launching the next, as rank 0 does.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 from typing import Any, Callable
 
 import torch
@@ -42,6 +44,15 @@ class _Phases(Executor):
         with phase("prefill"):
             super().capture_prefill(graph_rows)
 
+    def drop_collectives(self, healthy: bool = True) -> None:
+        """Destroy the CUDA graphs (each holds the collectives it captured) before this rank leaves the process group:
+        NCCL's teardown, an abort's too, waits until no graph holds one. `healthy`: wait for the launched work first
+        (after a rank died it may never finish; a graph still running is freed when it ends)."""
+        if healthy and self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        self.drop_graphs()
+        gc.collect()
+
 
 class LeaderExecutor(_Phases):
     """Rank 0: every step (and every release of requests) goes to the other ranks before it runs here."""
@@ -50,6 +61,7 @@ class LeaderExecutor(_Phases):
         super().__init__(runner, partitions)
         self.group = group
         self.wire = WireEncoder()
+        atexit.register(self.close)  # at exit this runs before the group's own close, which keeps the graphs
 
     def _forget(self, request_ids: tuple[str, ...]) -> None:
         payload = self.wire.release(request_ids)
@@ -77,6 +89,9 @@ class LeaderExecutor(_Phases):
         self.group.on_failure(callback)
 
     def close(self) -> None:
+        atexit.unregister(self.close)
+        if not self.group.closed:
+            self.drop_collectives(healthy=self.group.failure is None)
         self.group.close()
 
 
@@ -95,6 +110,7 @@ class FollowerExecutor(_Phases):
             if payload == SHUTDOWN:
                 if previous is not None:
                     self.collect(previous)
+                self.drop_collectives()
                 return True
             step = wire.read(payload)
             for rid in step.plan.finished:

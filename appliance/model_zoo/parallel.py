@@ -10,6 +10,7 @@ torch layers and never calls anything here.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 PHASES = ("decode", "prefill")
+ABORT_WAIT_S = 10.0  # how long an abort of the communicators is waited for (it goes on by itself past that)
 
 
 @dataclass(frozen=True)
@@ -62,17 +64,25 @@ def set_groups(groups: dict[str, Any]) -> None:
     _groups.update(groups)
 
 
-def abort_groups() -> None:
+def abort_groups(wait_s: float = ABORT_WAIT_S) -> None:
     """Abort this process's communicators (every phase's and the default group's): its collectives waiting on a rank
-    that died return with an error, those inside replayed CUDA graphs too, which no timeout watches."""
+    that died return with an error, those inside replayed CUDA graphs too, which no timeout watches. The abort runs on
+    a thread of its own, waited for at most `wait_s`: NCCL ends the collectives at once, but then waits until every
+    CUDA graph that captured one of them is destroyed."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is None or not dist.is_initialized():
         return
-    for group in [*_groups.values(), None]:
-        try:
-            abort(group)
-        except Exception:  # noqa: BLE001 - a backend without abort (gloo) or a group already gone: nothing to do
-            pass
+
+    def run() -> None:
+        for group in [*_groups.values(), None]:
+            try:
+                abort(group)
+            except Exception:  # noqa: BLE001 - a backend without abort (gloo) or a group already gone: nothing to do
+                pass
+
+    aborting = threading.Thread(target=run, name="muxd-abort", daemon=True)
+    aborting.start()
+    aborting.join(wait_s)
 
 
 @contextlib.contextmanager
