@@ -197,6 +197,26 @@ def test_no_decode_runs_prefill_on_all_sms_in_tbt_sized_chunks():
     assert [(w.layer_start, w.layer_end) for w in plan.prefill] == [(0, 8)]
 
 
+def test_a_prompt_joins_the_batch_unless_that_makes_more_prompts_late():
+    """Every member's first token comes when the whole batch has run: a 1,000-token prompt (20 ms, due in 120 ms)
+    batched with a 7,000-token one (140 ms) would miss; alone first it makes it, and the long one after it (done at
+    160 ms, due at 240) too. Prompts that make no prompt late prefill together."""
+    contract = CONTRACT.replace("ttft: {ms: 1000}", "ttft: {ms: 100, per_1k_tokens_ms: 20}")
+    rig = Rig(contract=contract)
+    short, long_ = rig.request(1_000), rig.request(7_000)
+    plan = rig.plan()
+    assert {w.request_id for w in plan.prefill} == {short.request_id}
+    assert long_.status is RequestStatus.WAITING
+    while short.status is not RequestStatus.DECODING:
+        rig.finish(plan)
+        plan = rig.plan()
+    assert {w.request_id for w in plan.prefill} == {long_.request_id}
+
+    rig = Rig(contract=contract)
+    a, b = rig.request(1_000), rig.request(1_000)  # 40 ms together, both due in 120 ms
+    assert {w.request_id for w in rig.plan().prefill} == {a.request_id, b.request_id}
+
+
 def test_reorders_shortest_first_when_no_ttft_breaks():
     rig = Rig(max_prefill_tokens=1)  # one prompt per batch, so the order shows
     rig.decoding(1)

@@ -11,6 +11,7 @@ from appliance.engine.planners.deadlines import Deadlines, reorder
 from appliance.engine.request import Request, RequestStatus
 from appliance.engine.scheduler import Scheduler
 from appliance.predictor.predictor import Predictor
+from appliance.predictor.shapes import PrefillItem
 
 if TYPE_CHECKING:
     from appliance.engine.planners.mux import MuxOptions, MuxStats
@@ -32,22 +33,38 @@ class MuxBatches:
 
     def start(self, sched: Scheduler, now: float) -> None:
         """A new batch: the paused one back, else the waiting prompts in serve order while they fit its token budget
-        and the KV pool."""
+        and the KV pool, and while joining leaves no more prompts late (planned deadlines) than serving the joiner
+        right after the batch would: every member's first token comes when the whole batch has run, so a short
+        prompt batched with long ones waits for them, while long prompts batched behind a short one cost it little."""
         if self.paused:
             self.batch, self.paused = self.paused, []
             return
-        candidates = self.order(sched, now)
+        dl, p = self.deadlines(sched), self.predictor
         budget = self.options.max_prefill_tokens
-        for r in candidates:
+        members: list[Request] = []
+        items: list[PrefillItem] = []
+        took = 0.0  # seconds the batch's prefill takes so far
+        for r in self.order(sched, now):
             if sched.num_running >= sched.max_num_seqs:
                 break
-            work = self.deadlines(sched).item(r).new
-            if self.batch and work > budget:
-                break
+            item = dl.item(r)
+            if members:
+                if item.new > budget:
+                    break
+                takes = p.prefill_ms([*items, item], self.prefill_sms) / 1e3
+                alone = p.prefill_ms([item], self.prefill_sms) / 1e3
+                due = [dl.deadline(m) for m in members]
+                late_together = sum(now + takes > d for d in due) + (now + takes > dl.deadline(r))
+                late_apart = sum(now + took > d for d in due) + (now + took + alone > dl.deadline(r))
+                if late_apart < late_together:
+                    break
             # a prompt the KV pool cannot hold yet does not block the ones behind it (it stays first in line)
             if self.admit(sched, r):
                 self.batch.append(r.request_id)
-                budget -= work
+                members.append(r)
+                items.append(item)
+                took = p.prefill_ms(items, self.prefill_sms) / 1e3
+                budget -= item.new
 
     def maybe_pause(self, sched: Scheduler, now: float) -> None:
         """MuxWise: the most urgent waiting prompt pauses the running batch at its next layer boundary when it
