@@ -34,35 +34,35 @@ class MuxBatches:
     def start(self, sched: Scheduler, now: float) -> None:
         """A new batch: the paused one back, else the waiting prompts in serve order while they fit its token budget
         and the KV pool, and while joining leaves no more prompts late (planned deadlines) than serving the joiner
-        right after the batch would: every member's first token comes when the whole batch has run, so a short
-        prompt batched with long ones waits for them, while long prompts batched behind a short one cost it little."""
+        right after the batch would (every member's first token comes when the whole batch has run: a short prompt
+        batched with long ones waits for them all)."""
         if self.paused:
             self.batch, self.paused = self.paused, []
             return
         dl, p = self.deadlines(sched), self.predictor
         budget = self.options.max_prefill_tokens
-        members: list[Request] = []
         items: list[PrefillItem] = []
+        due: list[float] = []  # the members' deadlines
         took = 0.0  # seconds the batch's prefill takes so far
         for r in self.order(sched, now):
             if sched.num_running >= sched.max_num_seqs:
                 break
             item = dl.item(r)
-            if members:
+            deadline = dl.deadline(r)
+            if items:
                 if item.new > budget:
                     break
                 takes = p.prefill_ms([*items, item], self.prefill_sms) / 1e3
                 alone = p.prefill_ms([item], self.prefill_sms) / 1e3
-                due = [dl.deadline(m) for m in members]
-                late_together = sum(now + takes > d for d in due) + (now + takes > dl.deadline(r))
-                late_apart = sum(now + took > d for d in due) + (now + took + alone > dl.deadline(r))
+                late_together = sum(now + takes > d for d in due) + (now + takes > deadline)
+                late_apart = sum(now + took > d for d in due) + (now + took + alone > deadline)
                 if late_apart < late_together:
                     break
             # a prompt the KV pool cannot hold yet does not block the ones behind it (it stays first in line)
             if self.admit(sched, r):
                 self.batch.append(r.request_id)
-                members.append(r)
                 items.append(item)
+                due.append(deadline)
                 took = p.prefill_ms(items, self.prefill_sms) / 1e3
                 budget -= item.new
 
