@@ -108,6 +108,7 @@ class RankGroup:
         self.failure: str | None = None
         self._failed = threading.Event()
         self._callbacks: list[Callable[[BaseException], None]] = []
+        self._before_leaving: list[Callable[[bool], None]] = []
         self._reports: dict[int, str] = {}
         self._closing = False
         self._wake_recv, self._wake_send = mp.Pipe(duplex=False)
@@ -218,9 +219,10 @@ class RankGroup:
         for callback in self._callbacks:
             callback(RankError(self.failure))
 
-    @property
-    def closed(self) -> bool:
-        return self._closing
+    def before_leaving(self, callback: Callable[[bool], None]) -> None:
+        """Have `callback(healthy)` called as the group closes, before this rank leaves the process group (at exit
+        too); `healthy`: no rank has failed."""
+        self._before_leaving.append(callback)
 
     def close(self) -> None:
         """Stop every other rank and leave the process group with them (politely; by force after a failure, or when
@@ -229,6 +231,11 @@ class RankGroup:
             return
         self._closing = True
         atexit.unregister(self.close)
+        for callback in self._before_leaving:
+            try:
+                callback(self.failure is None)
+            except Exception:  # noqa: BLE001 - leaving matters more: the ranks must not wait for this one
+                log.exception("before leaving the tensor-parallel ranks")
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(SHUTDOWN)

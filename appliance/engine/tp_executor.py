@@ -12,7 +12,6 @@ follower reads back a step's tokens after launching the next, as rank 0 does.
 """
 from __future__ import annotations
 
-import atexit
 import gc
 from typing import Any, Callable
 
@@ -61,7 +60,7 @@ class LeaderExecutor(_Phases):
         super().__init__(runner, partitions)
         self.group = group
         self.wire = WireEncoder()
-        atexit.register(self.close)  # at exit this runs before the group's own close, which keeps the graphs
+        group.before_leaving(self.drop_collectives)
 
     def _forget(self, request_ids: tuple[str, ...]) -> None:
         payload = self.wire.release(request_ids)
@@ -89,9 +88,6 @@ class LeaderExecutor(_Phases):
         self.group.on_failure(callback)
 
     def close(self) -> None:
-        atexit.unregister(self.close)
-        if not self.group.closed:
-            self.drop_collectives(healthy=self.group.failure is None)
         self.group.close()
 
 

@@ -155,7 +155,10 @@ def test_a_rank_that_dies_ends_the_engine_with_its_error(checkpoints):
         with pytest.raises(RankError):  # and so it stays
             engine.step()
     finally:
+        healthy: list[bool] = []
+        engine.executor.group.before_leaving(healthy.append)
         engine.close()
+    assert healthy == [False]  # (told so: no waiting for work a dead rank will never finish)
 
 
 def test_the_other_ranks_log_at_rank_0s_level_and_leave_with_it(checkpoints, capfd):
@@ -170,9 +173,11 @@ def test_the_other_ranks_log_at_rank_0s_level_and_leave_with_it(checkpoints, cap
     try:
         engine = build_engine(Config.flat(model=str(checkpoints / "llama"), tensor_parallel_size=2,
                                           max_model_len=64, dist_timeout=60))
+        healthy: list[bool] = []  # (what rank 0 must do before it leaves: drop its graphs, which hold collectives)
+        engine.executor.group.before_leaving(healthy.append)
         engine.close()
     finally:
         root.setLevel(level)
     assert "INFO rank 1 muxd.engine: policy: serial (the default on CPU)" in capfd.readouterr().err
-    assert [p.exitcode for p in engine.executor.group.procs] == [0]
+    assert healthy == [True] and [p.exitcode for p in engine.executor.group.procs] == [0]
     assert not torch.distributed.is_initialized()
