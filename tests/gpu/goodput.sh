@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Goodput side by side on the device: each job replays a trace in process against one policy at the given rates
-# (`muxd bench sweep --in-process --rates`), Llama-3.1-8B shapes with dummy weights, judged by
-# configs/slo/chat-queue.yaml. Jobs naming the same GPU run in turn, GPUs run in parallel; results are packed into
-# $OUT/goodput.tgz (one directory per job) and the tables printed last.
+# (`muxd bench sweep --in-process --rates`), Llama-3.1-8B shapes (MODEL=DIR for another) with dummy weights, judged by
+# configs/slo/chat-queue.yaml (SLO=FILE for another). Jobs naming the same GPU run in turn, GPUs run in parallel;
+# results are packed into $OUT/goodput.tgz (one directory per job) and the tables printed last.
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET[:FLAGS]] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
 # FLAGS adds `muxd serve` flags to one job, '+' between them (0:chat-short:mux:19:500::--no-temporal-prefill).
 # TRACE `chat-short` replays the synthetic short-prompt chat workload instead (`--workload chat-short`). The served
 # context is MAX_MODEL_LEN where set, else 8192 for chat-short and 32768 for a trace (as docs/PERFORMANCE.md
 # measures them), so one call can mix both.
+# GPU may name several (0,1) for a job run over tensor parallelism (FLAGS -tp+2).
 # PROFILE defaults to the shipped H200 profile (another GPU falls back to the roofline prior, with a warning);
+# PROFILE=none serves with no profile (the roofline prior, refitted online);
 # SERVE_ARGS adds `muxd serve` flags to every job (e.g. SERVE_ARGS=--mixed-chunks), and to the result names.
 # MAX_IDLE=S cuts every wait with no request in flight to S seconds (`muxd bench --max-idle`): serial on Azure at its
 # capacity (0.09 req/s) spreads 500 requests over 5,540 s, and with MAX_IDLE=0.2 they replay in 136 s.
@@ -32,6 +34,7 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-results}
 profile=${PROFILE:-appliance/predictor/profiles/llama-3.1-8b-h200.json}
 model=${MODEL:-configs/models/llama-3.1-8b}
+slo=${SLO:-configs/slo/chat-queue.yaml}
 work=$(mktemp -d)
 mkdir -p "$out" && rm -f "$out/done"
 run_job() {
@@ -43,13 +46,14 @@ run_job() {
     name="$(basename "${trace%.*}")-$policy${budget:+$budget}-$rates-$n${SKIP:+-skip$SKIP}${SEED:+-seed$SEED}${extra:+-$(echo "$extra" | tr -d ' -')}"
     # the same job on two GPUs (a repeat) keeps both results
     [ "$(printf '%s\n' "${jobs[@]}" | grep -c "^[0-9]*:${1#*:}$")" -gt 1 ] && name="$name-gpu$gpu"
-    serve="--load-format dummy --slo configs/slo/chat-queue.yaml --profile $profile --max-model-len $maxlen $extra"
+    serve="--load-format dummy --slo $slo --max-model-len $maxlen $extra"
+    [ "$profile" != none ] && serve="$serve --profile $profile"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
     replay="--trace $trace --max-requests $n"
     case "$trace" in *mooncake*) replay="$replay --spread-ties";; chat-short) replay="--workload chat-short --num-prompts $n";; esac
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
         $replay --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
-        --slo configs/slo/chat-queue.yaml --attainment 0.99 --serve-args "$serve" --save-detailed \
+        --slo "$slo" --attainment 0.99 --serve-args "$serve" --save-detailed \
         ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} ${SEED:+--seed "$SEED"} ${SAVE_STEPS:+--save-steps} \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
     echo "job $1: exit $?" >> "$work/$name.log"
