@@ -141,9 +141,12 @@ def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdo
     new, reused = ranges.prefill_new, ranges.prefill_reused
     batch, context = ranges.decode_batch, ranges.decode_context
     core: list[Point] = []
+    want_prefill = [(new[0], 0), (_mid(new), 0), (new[-1], 0), (_mid(new), reused[-1]), (new[-1], _mid(reused))]
+    # fallbacks where those repeat (a workload without prefix-cache hits: reused is (0,)): other prompt lengths, so
+    # that the core still holds the fit's samples
+    want_prefill += [(new[len(new) // 4], 0), (new[3 * len(new) // 4], 0), *((n, 0) for n in new)]
     for s in prefill_sms:
-        core += [Point("prefill", s, n, r) for n, r in
-                 [(new[0], 0), (_mid(new), 0), (new[-1], 0), (_mid(new), reused[-1]), (new[-1], _mid(reused))]]
+        core += [Point("prefill", s, n, r) for n, r in list(dict.fromkeys(want_prefill))[:5]]
     wanted = [(batch[0], context[0]), (batch[-1], context[0]), (_mid(batch), context[-1]),
               (_mid(batch), _mid(context)), (batch[0], context[-1])]
     wanted += [(b, c) for c in reversed(context) for b in reversed(batch)]  # fallbacks when some do not fit

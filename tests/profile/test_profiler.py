@@ -24,6 +24,7 @@ from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.catalog import BUNDLED, cache_profile, find_profile
 from appliance.predictor.profile import load_predictor, serving_range
+from appliance.predictor.solo import fit_solo
 from appliance.profile.calibrate import calibrate_serving, serving_factors
 from appliance.profile.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.profile.profiler import (
@@ -67,6 +68,28 @@ def test_grid_puts_the_fit_core_first_then_held_out_points_then_the_rest():
     assert {p.sms for p in points if p.kind == "mixed"} == {132}
     assert all(not p.holdout for p in points[last_held + 1:])
     assert sum(p.holdout for p in points) == 2 * (4 + 4 + 1) + 3
+
+
+def test_a_workload_without_prefix_hits_has_the_fit_core_first_too():
+    """A trace with no prefix-cache hits (reused is (0,)) collapses the core's prompts with a cached part onto those
+    without; other prompt lengths stand in, so that a budget that runs out after the core still leaves a fit (it
+    once left 3 prefill samples a partition for a 4-term fit, and `muxd profile --trace` of Azure code failed)."""
+    ranges = Ranges.from_lengths([128, 500, 1500, 3000, 7400, 2000], [10] * 6, [0] * 6)
+    assert ranges.prefill_reused == (0,)
+    points = plan_points(ranges, 132, [16, 32], holdout=1)
+    core = points[:next(i for i, p in enumerate(points) if p.holdout)]
+    for s in (132, 116, 100):
+        assert len({p.new for p in core if p.kind == "prefill" and p.sms == s}) >= 4
+
+    def ms(p: Point) -> float:  # a step time of the fit's form, scaled with the SMs
+        if p.kind == "prefill":
+            return 132 / p.sms * (2.0 + 0.1 * p.new / 1e3 + 0.02 * (p.new / 1e3) ** 2)
+        return 132 / p.sms * (5.0 + 0.05 * p.batch + 0.002 * p.batch * p.context / 1e3)
+
+    model = fit_solo([p.sample(ms(p)) for p in core if p.kind in ("prefill", "decode")])
+    for s in (132, 116, 100):
+        unseen = Point("prefill", s, 5000, 0)
+        assert model.prefill_ms(unseen.items, s) == pytest.approx(ms(unseen), rel=0.02)
 
 
 def test_mixed_steps_are_measured_over_the_longest_cached_prefix():
