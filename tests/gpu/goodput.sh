@@ -45,7 +45,7 @@ run_job() {
     [ "$trace" = chat-short ] && maxlen=${MAX_MODEL_LEN:-8192}
     name="$(basename "${trace%.*}")-$policy${budget:+$budget}-$rates-$n${SKIP:+-skip$SKIP}${SEED:+-seed$SEED}${extra:+-$(echo "$extra" | tr -d ' -')}"
     # the same job on two GPUs (a repeat) keeps both results
-    [ "$(printf '%s\n' "${jobs[@]}" | grep -c "^[0-9]*:${1#*:}$")" -gt 1 ] && name="$name-gpu$gpu"
+    [ "$(printf '%s\n' "${jobs[@]}" | grep -c "^[0-9,]*:${1#*:}$")" -gt 1 ] && name="$name-gpu$gpu"
     serve="--load-format dummy --slo $slo --max-model-len $maxlen $extra"
     [ "$profile" != none ] && serve="$serve --profile $profile"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
