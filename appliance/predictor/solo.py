@@ -240,23 +240,26 @@ def features(sample: Sample, decode_plan: DecodePlan | None = None, gemm: GemmTa
 
 def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None,
              gemm: GemmTable | None = None, prefill_plan: PrefillPlan | None = None) -> SoloModel:
-    """Least-squares fit per (phase, SM count) of solo samples (prefill and mixed with a host floor); each
-    partition needs at least as many distinct samples as terms. Mixed samples are optional. With `decode_plan`,
-    decode also fits the critical path of the attention kernel's waves, with `gemm` prefill the measured GEMM
-    time, and with both `gemm` and `prefill_plan` the critical path of the prefill attention kernel (each where a
-    partition has the samples for it and it predicts a sample left out of the fit better, `_prefill_form`)."""
+    """Least-squares fit per (phase, SM count) of solo samples (prefill and mixed with a host floor); a partition
+    needs at least as many distinct samples as terms, and one with fewer is left out like one never measured (the
+    model predicts it from the nearest narrower partition, `_partition`), so a profile whose budget ran out part way
+    through the grid still serves; prefill and decode each need one partition fitted. Mixed samples are optional.
+    With `decode_plan`, decode also fits the critical path of the attention kernel's waves, with `gemm` prefill the
+    measured GEMM time, and with both `gemm` and `prefill_plan` the critical path of the prefill attention kernel
+    (each where a partition has the samples for it and it predicts a sample left out of the fit better,
+    `_prefill_form`)."""
     tables: dict[str, dict[int, tuple[float, ...]]] = {"prefill": {}, "decode": {}, "mixed": {}}
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in samples:
         if s.kind in tables:
             groups.setdefault((s.kind, s.sms), []).append(s)
+    short: dict[str, list[str]] = {"prefill": [], "decode": []}
     for (kind, sms), group in sorted(groups.items()):
         terms = {"prefill": PREFILL_TERMS, "decode": DECODE_TERMS, "mixed": MIXED_TERMS}[kind]
         if len(group) < len(terms):
-            if kind == "mixed":
-                continue  # too few to fit: the composed estimate stands
-            raise ConfigError(f"{kind} on {sms} SMs has {len(group)} samples; the fit of {', '.join(terms)} needs "
-                              f"at least {len(terms)}")
+            if kind != "mixed":  # (too few mixed samples: the composed estimate stands)
+                short[kind].append(f"{len(group)} on {sms} SMs")
+            continue
         plan = decode_plan if kind == "decode" and len(group) >= len(DECODE_PLAN_TERMS) else None
         table = gemm if (kind == "prefill" and gemm is not None and sms in gemm.ms
                          and len(group) >= len(PREFILL_GEMM_TERMS)) else None
@@ -269,6 +272,10 @@ def fit_solo(samples: Sequence[Sample], decode_plan: DecodePlan | None = None,
         if kind == "prefill":  # (a, b, c, d[, q[, w]], h) -> (a, b, c, d, h[, q[, w]])
             beta = (*beta[:4], beta[-1], *beta[4:-1])
         tables[kind][sms] = tuple(float(v) for v in beta)
+    for kind, terms in (("prefill", PREFILL_TERMS), ("decode", DECODE_TERMS)):
+        if short[kind] and not tables[kind]:  # (with no samples at all, SoloModel says so)
+            raise ConfigError(f"no {kind} partition has the samples its fit needs ({', '.join(short[kind])}); the "
+                              f"fit of {', '.join(terms)} needs at least {len(terms)}")
     mixed = tables["mixed"][max(tables["mixed"])] if tables["mixed"] else None  # measured on all SMs only
     return SoloModel(tables["prefill"], tables["decode"], mixed, decode_plan, gemm, prefill_plan,
                      MeasuredRange.of(samples))

@@ -157,6 +157,13 @@ def _fit_profile(result: "ProfileResult", done: dict[str, tuple[Point, float]], 
     fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
     held = [(p, ms) for p, ms in done.values() if p.holdout]
     profile = build_profile(fit, model=model, **header)
+    sm_count, splits = header["sm_count"], header["decode_partitions"]
+    short = [f"prefill on {s} SMs" for s in sorted({sm_count, *(sm_count - d for d in splits)})
+             if str(s) not in profile.prefill]
+    short += [f"decode on {s} SMs" for s in sorted({*splits, sm_count}) if str(s) not in profile.decode]
+    if short:
+        log.warning("%s: too few samples to fit, predicted from the nearest narrower partition (run again with "
+                    "--resume to measure them)", ", ".join(short))
     result.errors, result.worst = score_held_out(profile, model.num_layers, held)
     profile.fit.update({f"holdout_{k}": v for k, v in result.errors.items()})
     profile.fit["samples_fit"], profile.fit["samples_holdout"] = float(len(fit)), float(len(held))

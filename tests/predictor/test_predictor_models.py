@@ -203,6 +203,33 @@ def test_fit_needs_enough_samples():
                  + [Sample("decode", 132, 5.0, decode=DecodeLoad(1, 10))] * 3)
 
 
+def test_a_partition_with_too_few_samples_is_predicted_from_its_neighbour():
+    """A budget that ran out part way through the grid leaves some partitions a sample or two: they are left out as
+    if never measured, and the narrower partition beside them stands in (never optimistic)."""
+    def prefill(sms: int, n: int, r: int = 0) -> Sample:
+        a, b, c, d = TRUE_PREFILL[sms]
+        return Sample("prefill", sms, a * n * n + b * n * r + c * n + d, prefill=(PrefillItem(n, r),))
+
+    def decode(sms: int, batch: int, context: int) -> Sample:
+        e, f, g = TRUE_DECODE[sms]
+        return Sample("decode", sms, e * batch * context + f * batch + g, decode=DecodeLoad(batch, batch * context))
+
+    full = [(256, 0), (1024, 0), (4096, 0), (1024, 2048), (4096, 1024)]
+    samples = [prefill(s, n, r) for s in (32, 100) for n, r in full] + [prefill(132, 512), prefill(132, 2048)]
+    samples += [decode(s, b, c) for s in (32, 132) for b, c in ((1, 512), (64, 512), (16, 4096))]
+    samples += [decode(100, 8, 1024)]
+    model = fit_solo(samples)
+    assert sorted(model.prefill) == [32, 100] and sorted(model.decode) == [32, 132]
+    item = [PrefillItem(3000, 500)]
+    assert model.prefill_ms(item, 132) == pytest.approx(model.prefill_ms(item, 100))  # 100 SMs stand in for 132
+    assert model.prefill_ms(item, 132) >= prefill(132, 3000, 500).ms
+    load = DecodeLoad(8, 8 * 1024)
+    assert model.decode_ms(load, 100) == pytest.approx(model.decode_ms(load, 32))
+    # with no partition fitted for a phase there is no model
+    with pytest.raises(ConfigError, match=r"no decode partition .*1 on 100 SMs"):
+        fit_solo([s for s in samples if s.kind == "prefill"] + [decode(100, 8, 1024)])
+
+
 def test_contention_guard_returns_cell_maximum_and_learns_online():
     guard = ContentionGuard(default=1.3)
     items, load = [PrefillItem(3000, 0)], DecodeLoad(16, 16 * 4000)

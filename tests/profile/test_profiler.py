@@ -2,6 +2,7 @@
 and loaded by the server's predictor, held-out errors, resuming an interrupted run, and clear errors."""
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import logging
@@ -23,12 +24,16 @@ from appliance.engine.planners.registry import tune_chunk_budget
 from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.catalog import BUNDLED, cache_profile, find_profile
-from appliance.predictor.profile import load_predictor, serving_range
+from appliance.predictor.profile import load_predictor, model_shape, read_profile, serving_range
+from appliance.predictor.roofline import DEVICES
+from appliance.predictor.shapes import PrefillItem
 from appliance.predictor.solo import fit_solo
+from appliance.predictor.synthetic import SyntheticGPU
 from appliance.profile.calibrate import calibrate_serving, serving_factors
 from appliance.profile.grid import Point, Ranges, plan_points, reused_tokens
 from appliance.profile.profiler import (
     NOISY_SPREAD,
+    SAMPLES_FORMAT,
     ProfileResult,
     read_samples,
     refit_profile,
@@ -90,6 +95,31 @@ def test_a_workload_without_prefix_hits_has_the_fit_core_first_too():
     for s in (132, 116, 100):
         unseen = Point("prefill", s, 5000, 0)
         assert model.prefill_ms(unseen.items, s) == pytest.approx(ms(unseen), rel=0.02)
+
+
+def test_a_log_cut_short_leaves_its_short_partitions_to_their_neighbours(tmp_path, caplog):
+    """Samples of a run whose budget ran out two points into a partition's prefill: the profile fits the others and
+    says which partition the narrower one beside it stands in for, instead of refusing to fit at all."""
+    model = ModelConfig.from_file(REPO / "configs" / "models" / "llama-3.1-8b" / "config.json")
+    gpu = SyntheticGPU(model, DEVICES["h100"])
+    points = [p for p in plan_points(Ranges(), 132, [16, 32], holdout=0) if p.kind in ("prefill", "decode")]
+    cut = [p for p in points if (p.kind, p.sms) != ("prefill", 116)]
+    cut += [p for p in points if (p.kind, p.sms) == ("prefill", 116)][:2]
+    header = {"format": SAMPLES_FORMAT, "model": "llama-3.1-8b", "shape": model_shape(model),
+              "gpu": "NVIDIA H100 80GB HBM3", "sm_count": 132, "decode_partitions": [16, 32], "decode_plan": None,
+              "prefill_plan": None}
+    log_path = tmp_path / "p.json.samples.jsonl"
+    log_path.write_text("\n".join([json.dumps(header)] + [json.dumps({
+        **dataclasses.asdict(p), "ms": gpu.prefill_ms(p.items, p.sms) if p.kind == "prefill"
+        else gpu.decode_ms(p.load, p.sms)}) for p in cut]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="muxd.profile"):
+        refit_profile(log_path, tmp_path / "p.json", model)
+    profile = read_profile(tmp_path / "p.json")
+    assert "116" not in profile.prefill and {"100", "132"} <= set(profile.prefill)
+    assert "prefill on 116 SMs: too few samples to fit" in caplog.text
+    predictor = profile.predictor(model.num_layers, "cut")
+    items = [PrefillItem(2048, 0)]
+    assert predictor.prefill_ms(items, 116) == pytest.approx(predictor.prefill_ms(items, 100))
 
 
 def test_mixed_steps_are_measured_over_the_longest_cached_prefix():
