@@ -23,7 +23,7 @@ from appliance.engine.request import SamplingParams
 from appliance.errors import ApplianceError, ConfigError
 from appliance.server.api import create_app
 from appliance.server.http import HeaderDeadlineProtocol, QuietPaths
-from appliance.server.lifecycle import DrainingServer
+from appliance.server.lifecycle import DrainingServer, leave_if_loading
 
 FATAL_EXIT_S = 30.0  # after a fatal error, how long the server may take to end before the process exits anyway
 
@@ -97,6 +97,8 @@ def serve(config: Config, model_tag: Optional[str] = typer.Argument(
     server.run()
     if fatal:
         typer.secho(f"error: {fatal[0]}", fg=typer.colors.RED, err=True)
+    leave_if_loading(1 if fatal else 0)
+    if fatal:
         raise typer.Exit(code=1)
 
 

@@ -1,12 +1,14 @@
 """Start-up and shutdown of the served engine: load in the background (/health answers at once, /ready after a
 warm-up), and drain on SIGTERM/SIGINT: refuse new requests (503), let running ones finish within
 --shutdown-timeout, end the rest with an error, then stop the server with exit code 0. A second signal hurries.
+A signal while the model is still loading stops the server at once (`leave_if_loading`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +27,7 @@ from appliance.server.serving import OpenAIServing
 
 log = logging.getLogger("muxd.server")
 FLUSH_TIMEOUT_S = 5.0  # after ending the last requests, how long their final events may take to reach the clients
+LOAD_THREAD = "muxd-load"
 
 
 class ServerState:
@@ -176,5 +179,18 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
         except RuntimeError:  # the loop closed while loading: nobody is waiting any more
             pass
 
-    threading.Thread(target=run, name="muxd-load", daemon=True).start()
+    threading.Thread(target=run, name=LOAD_THREAD, daemon=True).start()
     return await done
+
+
+def leave_if_loading(code: int) -> None:
+    """After the server stopped: if the model is still loading, end the process now with `code`. The load thread
+    cannot be stopped, and finalising the interpreter under it (torch's threads in the middle of building the
+    engine) aborts in C++ ("terminate called without an active exception", exit 134)."""
+    if not any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        return
+    log.info("stopped while the model was loading")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,11 +1,12 @@
 """SIGTERM drains a real `muxd serve` process: new work gets 503 and /ready 503, a request that can finish within
 --shutdown-timeout finishes, the rest end with an error (an SSE error event then [DONE], or a JSON 503), the log
-holds no traceback, and the process exits 0."""
+holds no traceback, and the process exits 0; also while the model is still loading."""
 from __future__ import annotations
 
 import json
 import signal
 import threading
+import time
 
 import httpx
 from live_server import ServerProcess
@@ -70,3 +71,27 @@ def test_sigterm_drains_then_exits_zero(request, tmp_path):
     text = log.read_text()
     assert "Traceback" not in text and "ERROR" not in text
     assert "shutdown timeout: ended" in text
+
+
+def test_sigterm_while_the_model_loads_exits_zero(request, tmp_path):
+    """A signal after the server answers but before the model is up (a pod deleted during start-up): exit 0 at once.
+    Letting the interpreter finalise under the load thread aborted in C++ (exit 134)."""
+    log = tmp_path / "server.log"
+    server = ServerProcess(["--model", request.config.getoption("--serve-model"), "--kv-cache-memory", "32MiB"], log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the HTTP server answers; the model loads for seconds after that
+            assert time.monotonic() < deadline and server.proc.poll() is None, log.read_text()
+            try:
+                ready = httpx.get(server.url + "/ready", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "loading"
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "stopped while the model was loading" in text
+    assert "terminate called" not in text and "Traceback" not in text
