@@ -133,11 +133,17 @@ def plan_points(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int],
     return [p for p in points if kv_tokens is None or p.tokens <= kv_tokens]
 
 
+def phase_partitions(sm_count: int, decode_partitions: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The SM counts profiled for prefill (all SMs and each split's rest, widest first) and for decode (each split,
+    then all SMs)."""
+    splits = sorted(decode_partitions)
+    return sorted({sm_count, *(sm_count - d for d in splits)}, reverse=True), [*splits, sm_count]
+
+
 def _plan(ranges: Ranges, sm_count: int, decode_partitions: Sequence[int], holdout: int, seed: int,
           kv_tokens: int) -> list[Point]:
     splits = sorted(decode_partitions)
-    prefill_sms = sorted({sm_count, *(sm_count - d for d in splits)}, reverse=True)
-    decode_sms = [*splits, sm_count]
+    prefill_sms, decode_sms = phase_partitions(sm_count, splits)
     new, reused = ranges.prefill_new, ranges.prefill_reused
     batch, context = ranges.decode_batch, ranges.decode_context
     core: list[Point] = []

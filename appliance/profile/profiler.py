@@ -33,7 +33,7 @@ from appliance.predictor.profile import (
     save_profile,
 )
 from appliance.predictor.roofline import DEVICES, device_spec
-from appliance.profile.grid import Point
+from appliance.profile.grid import Point, phase_partitions
 
 log = logging.getLogger("muxd.profile")
 from appliance.attention.flashinfer_backend import CUDA_CORE_DECODE_GROUPS
@@ -157,10 +157,9 @@ def _fit_profile(result: "ProfileResult", done: dict[str, tuple[Point, float]], 
     fit = [p.sample(ms) for p, ms in done.values() if not p.holdout]
     held = [(p, ms) for p, ms in done.values() if p.holdout]
     profile = build_profile(fit, model=model, **header)
-    sm_count, splits = header["sm_count"], header["decode_partitions"]
-    short = [f"prefill on {s} SMs" for s in sorted({sm_count, *(sm_count - d for d in splits)})
-             if str(s) not in profile.prefill]
-    short += [f"decode on {s} SMs" for s in sorted({*splits, sm_count}) if str(s) not in profile.decode]
+    prefill_sms, decode_sms = phase_partitions(header["sm_count"], header["decode_partitions"])
+    short = [f"prefill on {s} SMs" for s in prefill_sms if str(s) not in profile.prefill]
+    short += [f"decode on {s} SMs" for s in decode_sms if str(s) not in profile.decode]
     if short:
         log.warning("%s: too few samples to fit, predicted from the nearest narrower partition (run again with "
                     "--resume to measure them)", ", ".join(short))

@@ -49,10 +49,10 @@ class MuxBatches:
                 break
             item = dl.item(r)
             deadline = dl.deadline(r)
+            if items and item.new > budget:
+                break
+            takes = p.prefill_ms([*items, item], self.prefill_sms) / 1e3  # the batch's prefill with it
             if items:
-                if item.new > budget:
-                    break
-                takes = p.prefill_ms([*items, item], self.prefill_sms) / 1e3
                 alone = p.prefill_ms([item], self.prefill_sms) / 1e3
                 late_together = sum(now + takes > d for d in due) + (now + takes > deadline)
                 late_apart = sum(now + took > d for d in due) + (now + took + alone > deadline)
@@ -63,7 +63,7 @@ class MuxBatches:
                 self.batch.append(r.request_id)
                 items.append(item)
                 due.append(deadline)
-                took = p.prefill_ms(items, self.prefill_sms) / 1e3
+                took = takes
                 budget -= item.new
 
     def maybe_pause(self, sched: Scheduler, now: float) -> None:
