@@ -4,7 +4,9 @@ the GPU) instead of running kernels.
 
 It executes plans the way the multiplex executor will: a plan with partitions runs its decode step on the decode
 SMs while its prefill layers queue on the prefill stream and complete later (decode slowed by contention while
-the stream is busy); a plan without partitions runs on all SMs after in-flight prefill drains. It records every
+the stream is busy); for a policy served on SM partitions, prefill alone without partitions queues on all SMs and
+the planner runs again at once (a decode step waits until such a launch has ended); any other plan without
+partitions runs on all SMs after in-flight prefill drains. It records every
 output token's time, so TTFT and every TBT gap come out per request as `RequestTimeline`s for the bench metrics.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from appliance.config import SPATIAL_POLICIES
 from appliance.engine.kv_cache import PagePool, PageTable
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.planners.base import Planner
@@ -80,6 +83,7 @@ class _Launch:
     end: float
     works: tuple[PrefillWork, ...]
     items: tuple[PrefillItem, ...]
+    all_sms: bool = False  # launched on every SM: nothing else runs until it ends
 
 
 @dataclass
@@ -151,6 +155,8 @@ class Simulator:
             elif plan.spatial:
                 result.spatial_steps += 1
                 self._run_spatial(plan)
+            elif not plan.decode and not plan.mixed and self.planner.name in SPATIAL_POLICIES:
+                self._queue_all_sms(plan)
             else:
                 self._run_all_sms(plan)
             if row is not None:
@@ -294,6 +300,20 @@ class Simulator:
         for work in plan.prefill:
             self._tokens(self.sched.complete_prefill(work, SAMPLED_TOKEN), end)
 
+    def _queue_all_sms(self, plan: StepPlan) -> None:
+        """Prefill alone on all SMs: queued on the prefill stream as the executor launches it, without waiting, so
+        the planner runs again once the host has launched it; until it ends it holds every SM (a decode step on a
+        partition waits for it)."""
+        start = max(self.clock.now, self.stream[-1].end if self.stream else self.clock.now)
+        duration = self._prefill_ms(plan.prefill, None)
+        self._queued = _Launch(start, start + duration / 1e3, plan.prefill, prefill_items(plan.prefill), True)
+        self.stream.append(self._queued)
+        layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start
+        tokens = sum(w.num_tokens for w in plan.prefill)
+        host = self._launch(layers, tokens)
+        self.clock.now += (self._host_step(0) + (host.prefill_launch(layers, tokens) if host is not None
+                                                 else 0.0)) / 1e3
+
     def _run_spatial(self, plan: StepPlan) -> None:
         """Prefill layers queue on the prefill stream; the decode step runs now on its partition, slowed while the
         stream is busy; the planner runs again when it ends (or at the next event without decode)."""
@@ -312,6 +332,7 @@ class Simulator:
                                                      else 0.0)) / 1e3
             self._wait()
             return
+        now = max([now] + [launch.end for launch in self.stream if launch.all_sms])  # (its SMs are busy till then)
         busy = next((launch for launch in self.stream if launch.start <= now < launch.end), None)
         concurrent = busy.items if busy else ()
         load = self._load(plan)

@@ -197,6 +197,35 @@ def test_no_decode_runs_prefill_on_all_sms_in_tbt_sized_chunks():
     assert [(w.layer_start, w.layer_end) for w in plan.prefill] == [(0, 8)]
 
 
+def test_no_decode_queues_one_chunk_on_all_sms_behind_the_running_one():
+    """Prefill launched on every SM holds them all until it ends (a decode partition cannot take SMs from it): at
+    most one chunk queues behind the one running, then empty plans wait for the oldest launch."""
+    rig = Rig()
+    r = rig.request(10_000)
+    first, second, third = rig.plan(), rig.plan(), rig.plan()
+    assert [(w.layer_start, w.layer_end) for w in first.prefill + second.prefill] == [(0, 8), (8, 16)]
+    assert third.empty and rig.sched.launched_layer(r) == 16  # 2 x 50 ms queued: nothing more
+    rig.sched.complete_prefill(first.prefill[0], None)  # the oldest ends: one more chunk may queue
+    assert [(w.layer_start, w.layer_end) for w in rig.plan().prefill] == [(16, 24)]
+    assert rig.plan().empty
+
+
+def test_nothing_queues_on_all_sms_behind_the_launch_that_ends_a_prompt():
+    """A prompt whose last layers are in flight decodes next: its first decode step must not wait behind the next
+    prompt's layers on every SM (that wait would be its first gap between tokens)."""
+    rig = Rig()
+    a = rig.request(1_000)  # 20 ms for all 32 layers: one launch ends it
+    first = rig.plan()
+    assert [(w.request_id, w.layer_start, w.layer_end) for w in first.prefill] == [(a.request_id, 0, LAYERS)]
+    b = rig.request(10_000)
+    assert rig.plan().empty  # a's prompt ends in flight: b waits
+    rig.sched.complete_prefill(first.prefill[0], 7)
+    assert a.status is RequestStatus.DECODING
+    plan = rig.plan()  # a decodes now, b beside it on the split
+    assert plan.decode == (a.request_id,) and plan.decode_sms is not None
+    assert [w.request_id for w in plan.prefill] == [b.request_id]
+
+
 def test_a_prompt_joins_the_batch_unless_that_makes_more_prompts_late():
     """Every member's first token comes when the whole batch has run: a 1,000-token prompt (20 ms, due in 120 ms)
     batched with a 7,000-token one (140 ms) would miss; alone first it makes it, and the long one after it (done at

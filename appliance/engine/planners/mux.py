@@ -126,8 +126,15 @@ class MuxPlanner:
 
     def _prefill_all_sms(self, sched: Scheduler, batch: list[Request], start: int, items: list[PrefillItem],
                          tbt: float) -> StepPlan:
-        """No decode: prefill on all SMs, in chunks of about one TBT so that new arrivals are seen."""
+        """No decode: prefill on all SMs in chunks of about one planning target, launched without waiting but never
+        more than one queued behind the one running, and none behind a launch that completes a prompt (an empty plan
+        waits for the oldest launch). Kernels launched on every SM hold them all until they end: a completed prompt's
+        first decode step would wait behind them (its first gap), and an arriving prompt can pause the batch only
+        after them."""
         p = self.predictor
+        if self._queued_ms(sched) > tbt * (1 + 1e-9) or self._completes_prompt(sched):
+            self.stats.last_mode = "wait"
+            return StepPlan()
         per_layer = p.prefill_ms(items) / p.num_layers
         k = max(1, min(p.num_layers - start, int(tbt // per_layer) if per_layer > 0 else p.num_layers))
         self.stats.prefill_only_steps += 1
@@ -304,6 +311,22 @@ class MuxPlanner:
             default = self.contract.slo_for(None)
             slos = {default.name: default}
         return min(slo.tbt_ms * self.control(name).tbt.headroom for name, slo in slos.items())
+
+    def _queued_ms(self, sched: Scheduler) -> float:
+        """The predicted time, on all SMs, of the prefill launched and not complete yet (each launch whole, the one
+        running too); works of one layer range count as one launch."""
+        p = self.predictor
+        launches: dict[tuple[int, int], list[PrefillItem]] = {}
+        for works in sched.inflight.values():
+            for w in works:
+                launches.setdefault((w.layer_start, w.layer_end), []).append(PrefillItem(w.num_tokens, w.token_start))
+        return sum(p.prefill_ms(items) * (end - start) / p.num_layers for (start, end), items in launches.items())
+
+    def _completes_prompt(self, sched: Scheduler) -> bool:
+        """Whether prefill in flight ends a prompt (its request decodes next)."""
+        num_layers = self.predictor.num_layers
+        return any(w.layer_end >= num_layers and rid in sched.requests and w.token_end >= sched.requests[rid].num_tokens
+                   for rid, works in sched.inflight.items() for w in works)
 
     def _inflight_items(self, sched: Scheduler) -> list[PrefillItem]:
         dl = self._dl(sched)
