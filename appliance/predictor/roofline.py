@@ -1,14 +1,15 @@
 """The SM-scaling roofline prior: step latency from the model's shapes and the device's ceilings, before any
-profile exists. Compute scales with the SM count; memory bandwidth saturates at an inflection SM count (a few SMs
-already pull most of HBM); attention is costed per request. Under tensor parallelism a step is one rank's share
-of the work plus its collectives: two all-reduces per layer and one for the embedding, and the all-gather of the
-logits, at the device's link bandwidth whatever the partition. One calibration factor per phase, fitted from a few
-measured samples, scales it to the real engine (Bullet, DuetServe).
+profile exists. Compute and memory bandwidth rise with the SM count and saturate (a few SMs already pull much of
+HBM; neither grows in proportion on a large partition); attention is costed per request. Under tensor parallelism a
+step is one rank's share of the work plus its collectives: two all-reduces per layer and one for the embedding, and
+the all-gather of the logits, at the device's link bandwidth whatever the partition. One calibration factor per
+phase, fitted from a few measured samples, scales it to the real engine (Bullet, DuetServe).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,15 +22,20 @@ from appliance.predictor.shapes import DecodeLoad, PrefillItem, Sample
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """Ceilings of one GPU. `flops` and `bandwidth` are achievable rates on all SMs (bf16 GEMM, HBM read+write);
-    bandwidth grows linearly with SMs up to `bw_knee_sms` and stays flat after; partitions are multiples of
-    `granularity` SMs; `contention` is the worst decode slowdown when a prefill fills the rest of the GPU."""
+    """Ceilings of one GPU. `flops` and `bandwidth` are the rates measured on all SMs by a large bf16 GEMM and an
+    HBM copy; a step's kernels on `sms` SMs reach `flops_fraction * (1 - exp(-sms / flops_sms))` of the first and
+    `bw_fraction * (1 - exp(-sms / bw_sms))` of the second (a few SMs already pull much of HBM, and neither rate
+    grows in proportion to the SMs on a large partition); partitions are multiples of `granularity` SMs;
+    `contention` is the worst decode slowdown when a prefill fills the rest of the GPU."""
 
     name: str
     sm_count: int
     flops: float
     bandwidth: float
-    bw_knee_sms: int
+    bw_sms: float
+    bw_fraction: float = 1.0
+    flops_sms: float | None = None  # None: compute in proportion to the SMs
+    flops_fraction: float = 1.0
     memory_bytes: float = 80e9
     granularity: int = 8
     layer_overhead_ms: float = 0.01
@@ -38,21 +44,31 @@ class DeviceSpec:
     link_latency_ms: float = 0.012  # per collective
 
     def flops_at(self, sms: int) -> float:
-        return self.flops * min(sms, self.sm_count) / self.sm_count
+        sms = min(sms, self.sm_count)
+        if self.flops_sms is None:
+            return self.flops * sms / self.sm_count
+        return self.flops * self.flops_fraction * -math.expm1(-sms / self.flops_sms)
 
     def bandwidth_at(self, sms: int) -> float:
-        return self.bandwidth * min(1.0, sms / self.bw_knee_sms)
+        return self.bandwidth * self.bw_fraction * -math.expm1(-min(sms, self.sm_count) / self.bw_sms)
 
 
-# Measured (GPU_FACTS): H100 SXM copy ~3.0 TB/s, bf16 GEMM ~790 TFLOP/s; a 512 MB read-modify-write took 0.36 ms on
-# 132 SMs, 0.50 on 32 and 0.89 on 16, which a linear rise to a knee at 44 SMs reproduces within 5 %. H200: 4.3 TB/s,
-# same GEMM rate; its knee is assumed to scale with its bandwidth. The CPU entry only lets CPU runs plan something:
-# the CPU runner ignores partitions. Links (assumed, not measured: no machine of several GPUs has been lent): NCCL's
-# all-reduce bus bandwidth over NVLink 4 without multicast, about 360 GB/s, and some 12 us a small collective; gloo
-# over the loopback for the CPU.
+# Measured (GPU_FACTS): H100 SXM copy ~3.0 TB/s, H200 4.3 TB/s, bf16 GEMM ~790 TFLOP/s on both. The curves' four
+# numbers were fitted to the solo steps of the Llama-3.1-8B profiles (H200 of 2026-11-22, H100 of 2026-11-25: prefill
+# of 1k tokens or more, and decode, on 16 to 132 SMs): a step's kernels reach 0.75 (H200) and 0.725 (H100) of the copy
+# rate, half of that on 22 (H200) and 15 (H100) SMs, and 0.70 of the GEMM rate on all SMs with the GEMM rate per SM on
+# 20 (one compute curve for both, the same chip). Against the samples, the mean error went from 23 % to 6-8 % for
+# those prefills and from 31-40 % to 9-12 % for decode; on the Llama-3.1-70B profile over two H200s, left out of the
+# fit, from 17 % to 5 % and from 26 % to 13 %. Prefills of short prompts stay about 1.3-1.45x the prior (fixed costs
+# per launch the roofline does not count: calibration and the online factors take them). The CPU entry only lets CPU
+# runs plan something: the CPU runner ignores partitions. Links: NCCL's all-reduce bus bandwidth over NVLink 4 without
+# multicast, about 360 GB/s (assumed; `muxd bench engine -tp 2` measured 391 GB/s one way between two H200s), and some
+# 12 us a small collective; gloo over the loopback for the CPU.
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("H100", 132, 790e12, 3.0e12, 44, memory_bytes=80e9),
-    "h200": DeviceSpec("H200", 132, 790e12, 4.3e12, 63, memory_bytes=141e9),
+    "h100": DeviceSpec("H100", 132, 790e12, 3.0e12, 22, bw_fraction=0.725, flops_sms=140, flops_fraction=1.15,
+                       memory_bytes=80e9),
+    "h200": DeviceSpec("H200", 132, 790e12, 4.3e12, 32, bw_fraction=0.75, flops_sms=140, flops_fraction=1.15,
+                       memory_bytes=141e9),
     "cpu": DeviceSpec("CPU", 16, 1e12, 50e9, 4, memory_bytes=16e9, granularity=4, layer_overhead_ms=0.05,
                       link_bandwidth=2e9, link_latency_ms=0.05),
 }

@@ -74,7 +74,7 @@ def rig(tmp_path_factory):
     predictor = load_predictor(path, model, "NVIDIA H100 80GB HBM3")
     contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
     inp, out = (wl.LengthDist.parse(x) for x in wl.preset("chat-short"))
-    specs = wl.synthetic(400, 18.0, inp, out, seed=1)  # short prompts at a rate where the host and the tail matter
+    specs = wl.synthetic(400, 14.0, inp, out, seed=1)  # short prompts at a rate where the host and the tail matter
     return model, gpu, predictor, contract, specs
 
 
@@ -149,10 +149,10 @@ def test_past_capacity_mux_misses_on_ttft_and_holds_tbt(rig, rate):
 
 def test_planning_from_the_prior_keeps_the_contract_on_a_profiled_gpu():
     """`--planner-prior`: no profile of the model on this GPU, as a server meets it (mux by default). The planner
-    starts from the roofline prior, which puts a decode step about 25 % (on a partition up to 40 %) and a short
-    prefill up to 37 % under what the shipped H100 profile measured; the simulated GPU and host are that profile's.
-    The controller finds the difference in the tail and keeps the contract; planning open loop from the prior breaks
-    the TBT target."""
+    starts from the roofline prior, which puts decode steps and long prefills within about 10 % of what the shipped
+    H100 profile measured and short prefills up to 1.5x under it; the simulated GPU and host are that profile's. The
+    controller keeps the contract from there, as it does planning from the profile; planning open loop from the
+    prior breaks the TBT target."""
     contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
     profile = ROOT / "appliance" / "predictor" / "profiles" / "llama-3.1-8b-h100.json"
     opts = BenchOptions(model=str(ROOT / "configs" / "models" / "llama-3.1-8b"), profile=profile, planner_prior=True,
@@ -166,9 +166,7 @@ def test_planning_from_the_prior_keeps_the_contract_on_a_profiled_gpu():
     report = bench.run("mux", specs).report
     assert report.met and report.tbt_ms <= 50.0, report.reasons
     profiled, _, _ = simulated_bench(dataclasses.replace(opts, planner_prior=False), "h100")
-    headroom = [b.run("mux", specs).report.summary["planner"]["control"]["default"]["tbt"]["headroom"]
-                for b in (bench, profiled)]
-    assert headroom[0] < 0.95 * headroom[1]  # the prior's optimism found in the tail: it plans tighter
+    assert profiled.run("mux", specs).report.met
     planner = bench.planner("mux")
     planner.options.control = False
     result = Simulator(planner, bench.timer, bench.sim, host=bench.host).run(specs)

@@ -282,13 +282,16 @@ def test_predictor_applies_the_guard_only_beside_prefill():
 
 def test_roofline_scales_with_sms():
     m = RooflineModel(LLAMA_8B, DEVICES["h100"])
-    # decode is memory bound: past the bandwidth knee more SMs do not help; below it they do
+    # decode is memory bound: a few SMs pull much of the bandwidth, which saturates: past 64 SMs, twice the SMs
+    # gain a few per cent; below it they gain much
     load = DecodeLoad(16, 16 * 4096)
-    assert m.decode_ms(load, 64) == pytest.approx(m.decode_ms(load, 132))
-    assert m.decode_ms(load, 16) > 2 * m.decode_ms(load, 64)
-    # a long prefill is compute bound: half the SMs, about twice the time
+    assert m.decode_ms(load, 132) < m.decode_ms(load, 64) < 1.1 * m.decode_ms(load, 132)
+    assert m.decode_ms(load, 16) > 1.7 * m.decode_ms(load, 64)
+    # a long prefill is compute bound: fewer SMs take longer, and each SM computes more on a small partition than
+    # on a large one (half the SMs, 1.6x the time; half of those, 1.8x)
     items = [PrefillItem(8192, 0)]
-    assert m.prefill_ms(items, 66) / m.prefill_ms(items, 132) == pytest.approx(2.0, rel=0.02)
+    assert 1.5 < m.prefill_ms(items, 66) / m.prefill_ms(items, 132) < 2.0
+    assert m.prefill_ms(items, 66) / m.prefill_ms(items, 132) < m.prefill_ms(items, 33) / m.prefill_ms(items, 66) < 2
     # attention-aware: the same new tokens after a long cached prefix cost more
     assert m.prefill_ms([PrefillItem(2048, 32768)], 132) > 1.5 * m.prefill_ms([PrefillItem(2048, 0)], 132)
     # a mixed batch costs less than its parts run one after the other (the weights are read once)

@@ -19,6 +19,7 @@ from appliance.predictor.shapes import DecodeLoad, PrefillItem
 from appliance.predictor.split import MIN_OBSERVATIONS, ONLINE_WINDOW, SplitSlowdown, fit, span_k
 from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
 from appliance.slo.contract import load_contract
+from appliance.workload import shaping as wl
 from appliance.workload.shaping import spread_ties
 from appliance.workload.traces import load_trace
 
@@ -101,10 +102,10 @@ def test_the_simulated_planner_learns_the_split_slowdown_from_its_launches():
 
 
 class SlowMixedGPU(SyntheticGPU):
-    """A GPU whose mixed steps run 1.25x longer while serving than the profile measured."""
+    """A GPU whose mixed steps run 1.5x longer while serving than the profile measured."""
 
     def mixed_ms(self, items, load):
-        return super().mixed_ms(items, load) * 1.25
+        return super().mixed_ms(items, load) * 1.5
 
 
 def test_mux_sizes_its_mixed_chunks_to_the_mixed_steps_it_measured():
@@ -114,13 +115,14 @@ def test_mux_sizes_its_mixed_chunks_to_the_mixed_steps_it_measured():
     contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
     bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(MODEL, DEVICES["h100"])), truth=gpu,
                            options=SchedulerSettings(mixed_chunks=True))
-    specs = load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")[:150]
-    run = bench.run("mux", specs, 3.0)
+    specs = load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")
+    run = bench.run("mux", specs, 2.0)
     stats = run.planner.stats
     assert stats.chunk_steps > 0 and stats.chunk_steps + stats.aggregated_steps >= 32  # mixed steps, measured
     learned = run.planner.predictor.mixed
     assert len(learned.window) >= MIN_OBSERVATIONS
-    assert 1.15 < learned.factor([PrefillItem(1024, 0)]) < 1.35  # (the profile is a fit: not exactly 1.25)
+    # (the profile is a fit of the synthetic GPU: it puts mixed steps about 12 % over it, so not exactly 1.5)
+    assert 1.2 < learned.factor([PrefillItem(1024, 0)]) < 1.45
     solo, span, measured = (np.array(x) for x in zip(*learned.window))
     refined = solo * np.maximum(1.0, learned.flat + learned.per_1k * span)
     assert np.abs(refined / measured - 1).mean() < 0.5 * np.abs(solo / measured - 1).mean()
@@ -129,7 +131,7 @@ def test_mux_sizes_its_mixed_chunks_to_the_mixed_steps_it_measured():
     assert snapshot["stats"]["chunk_steps"] == stats.chunk_steps
     # the replay learned on its own copy: the next one starts from the profile, as a fresh server does
     assert not predictor.mixed.window and not predictor.split.window
-    assert bench.run("mux", specs, 2.0).planner.predictor is not run.planner.predictor
+    assert bench.run("mux", specs, 1.5).planner.predictor is not run.planner.predictor
 
 
 def test_the_predictor_learns_prefill_on_all_sms_faster_or_slower_than_profiled():
@@ -165,8 +167,8 @@ def test_the_simulated_planner_learns_prefill_on_all_sms_from_its_temporal_steps
                                   "llama-3.1-8b").predictor(MODEL.num_layers, "profile")
     contract = load_contract(ROOT / "configs" / "slo" / "chat-queue.yaml")
     bench = SimulatedBench(contract, predictor, SimConfig(num_pages=kv_pages(MODEL, DEVICES["h100"])), truth=gpu)
-    specs = load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")[:150]
-    run = bench.run("mux", specs, 3.0)
+    inp, out = (wl.LengthDist.parse(x) for x in wl.preset("chat-short"))
+    run = bench.run("mux", wl.synthetic(300, 10.0, inp, out, seed=1))  # short prompts: layers on all SMs go faster
     assert run.planner.stats.temporal_steps >= MIN_OBSERVATIONS
     learned = run.planner.predictor.full
     assert len(learned.window) >= MIN_OBSERVATIONS
