@@ -155,7 +155,7 @@ def test_mux_first_gaps_do_not_wait_behind_prefill_queued_on_all_sms():
     """With no decode, mux launches prefill on every SM without waiting; a prompt that ends there decodes next, and
     its first decode step cannot start before what was queued on all SMs behind it. The planner queues nothing
     there behind a launch that ends a prompt, so first gaps keep the TBT target like the others (queued behind, a
-    long prompt's layers made them up to 4.6x the target on this replay)."""
+    long prompt's layers made them up to 8x the target on this replay)."""
     gpu = SyntheticGPU(LLAMA_8B, DEVICES["h200"])
     specs = retime(load_trace(ROOT / "tests" / "data" / "azure_code_2023_head200.csv")[:100], rate=2.0)
     contract = default_contract()
