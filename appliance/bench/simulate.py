@@ -156,7 +156,7 @@ class Simulator:
                 result.spatial_steps += 1
                 self._run_spatial(plan)
             elif not plan.decode and not plan.mixed and self.planner.name in SPATIAL_POLICIES:
-                self._queue_all_sms(plan)
+                self._queue(plan, None, all_sms=True)  # as the executor launches it: the planner runs again at once
             else:
                 self._run_all_sms(plan)
             if row is not None:
@@ -300,29 +300,14 @@ class Simulator:
         for work in plan.prefill:
             self._tokens(self.sched.complete_prefill(work, SAMPLED_TOKEN), end)
 
-    def _queue_all_sms(self, plan: StepPlan) -> None:
-        """Prefill alone on all SMs: queued on the prefill stream as the executor launches it, without waiting, so
-        the planner runs again once the host has launched it; until it ends it holds every SM (a decode step on a
-        partition waits for it)."""
-        start = max(self.clock.now, self.stream[-1].end if self.stream else self.clock.now)
-        duration = self._prefill_ms(plan.prefill, None)
-        self._queued = _Launch(start, start + duration / 1e3, plan.prefill, prefill_items(plan.prefill), True)
-        self.stream.append(self._queued)
-        layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start
-        tokens = sum(w.num_tokens for w in plan.prefill)
-        host = self._launch(layers, tokens)
-        self.clock.now += (self._host_step(0) + (host.prefill_launch(layers, tokens) if host is not None
-                                                 else 0.0)) / 1e3
-
-    def _run_spatial(self, plan: StepPlan) -> None:
-        """Prefill layers queue on the prefill stream; the decode step runs now on its partition, slowed while the
-        stream is busy; the planner runs again when it ends (or at the next event without decode)."""
-        now = self.clock.now
+    def _queue(self, plan: StepPlan, sms: int | None, all_sms: bool = False) -> HostModel | None:
+        """Queue the plan's prefill layers on the prefill stream (on `sms` SMs; `all_sms`: launched on every SM,
+        holding them all until they end) and hand their launch to the planner; without decode rows the clock moves
+        by the host's launch alone. Returns the host that launched them."""
         if plan.prefill:
-            start = max(now, self.stream[-1].end if self.stream else now)
-            duration = self._prefill_ms(plan.prefill, plan.prefill_sms, observe=bool(plan.decode))
-            items = prefill_items(plan.prefill)
-            self._queued = _Launch(start, start + duration / 1e3, plan.prefill, items)
+            start = max(self.clock.now, self.stream[-1].end if self.stream else self.clock.now)
+            duration = self._prefill_ms(plan.prefill, sms, observe=bool(plan.decode))
+            self._queued = _Launch(start, start + duration / 1e3, plan.prefill, prefill_items(plan.prefill), all_sms)
             self.stream.append(self._queued)
         layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill else 0
         tokens = sum(w.num_tokens for w in plan.prefill)
@@ -330,8 +315,18 @@ class Simulator:
         if not plan.decode:
             self.clock.now += (self._host_step(0) + (host.prefill_launch(layers, tokens) if host is not None
                                                      else 0.0)) / 1e3
+        return host
+
+    def _run_spatial(self, plan: StepPlan) -> None:
+        """Prefill layers queue on the prefill stream; the decode step runs now on its partition, slowed while the
+        stream is busy; the planner runs again when it ends (or at the next event without decode)."""
+        now = self.clock.now
+        host = self._queue(plan, plan.prefill_sms)
+        if not plan.decode:
             self._wait()
             return
+        layers = plan.prefill[0].layer_end - plan.prefill[0].layer_start if plan.prefill else 0
+        tokens = sum(w.num_tokens for w in plan.prefill)
         now = max([now] + [launch.end for launch in self.stream if launch.all_sms])  # (its SMs are busy till then)
         busy = next((launch for launch in self.stream if launch.start <= now < launch.end), None)
         concurrent = busy.items if busy else ()
