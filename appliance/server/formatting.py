@@ -252,14 +252,17 @@ class ChatFormat(_Format):
                 more_reasoning, more_text = thoughts.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
             delta.reasoning = (reasoning or None) if self.show_reasoning else None
-        if mode == "auto" and self.parser != "none":
+        if mode == "auto" and self.parser != "none":  # content until the calls begin, then each call as it comes
             stream = self._calls.setdefault(choice.index, CallStream(self.parser))
             delta.content = stream.feed(text) or None
+            delta.tool_calls = _call_deltas(stream.call_deltas())
             if out.finished:
                 rest, calls = stream.finish()
                 delta.content = ((delta.content or "") + rest) or None
                 if calls:
-                    delta.tool_calls, reason = _deltas(calls), "tool_calls"
+                    reason = "tool_calls"
+                    if not stream.announced:  # calls the streaming scan did not see: whole, at the end
+                        delta.tool_calls = _deltas(calls)
         elif mode == "named":
             if not choice.started or out.new_text:
                 delta.tool_calls = [r.ToolCallDelta(index=0, function=r.FunctionCall(arguments=out.new_text))]
@@ -269,9 +272,7 @@ class ChatFormat(_Format):
                     delta.tool_calls[0].function.name = call.name
         elif mode == "required":  # each call once its name is written, then its arguments as they come
             forced = self._forced.setdefault(choice.index, ForcedCalls())
-            delta.tool_calls = [r.ToolCallDelta(index=k, id=call_id, type="function" if call_id else None,
-                                                function=r.FunctionCall(name=name, arguments=args))
-                                for k, call_id, name, args in forced.feed(out.new_text)] or None
+            delta.tool_calls = _call_deltas(forced.feed(out.new_text))
             if out.finished and forced.complete:
                 reason = "tool_calls"
         else:
@@ -336,6 +337,13 @@ class ChatFormat(_Format):
 def _prompt_entries(prompt: list[TokenLogprob | None] | None, n: int) -> list[TokenLogprob | None]:
     """A prompt's log-probabilities, or n nulls when the engine reported none (a prompt of one token has none)."""
     return prompt if prompt is not None else [None] * n
+
+
+def _call_deltas(news: list[tuple[int, str | None, str | None, str]]) -> list[r.ToolCallDelta] | None:
+    """Chunks' tool call deltas from ForcedCalls.feed's news: a call's id, type and name once, then its arguments."""
+    return [r.ToolCallDelta(index=k, id=call_id, type="function" if call_id else None,
+                            function=r.FunctionCall(name=name, arguments=args))
+            for k, call_id, name, args in news] or None
 
 
 def _deltas(calls: list[ToolCall]) -> list[r.ToolCallDelta]:

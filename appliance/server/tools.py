@@ -144,9 +144,12 @@ class ForcedCalls:
     """The output of tool_choice "required" (the JSON list its grammar forces, [{"name": ..., "parameters": {...}},
     ...]) read as it streams: `feed` it text deltas and get, per call, its id and name once the name is written, then
     its arguments' text as it arrives; `calls()` are the calls written so far, the last one's arguments perhaps cut
-    short (max_tokens)."""
+    short (max_tokens). `keys`: the names a call object gives its arguments (CallStream reads the models' own
+    formats, which say "arguments" or "parameters"); text between call objects that holds no JSON punctuation (a
+    model's <tool_call> tags, Llama's ';') is skipped."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: tuple[str, ...] = ("parameters",)) -> None:
+        self.keys = keys
         self.text = ""
         self._at = 0  # characters scanned
         self._depth, self._in_string, self._escape, self._string_at = 0, False, False, 0
@@ -178,6 +181,11 @@ class ForcedCalls:
         return out
 
     @property
+    def announced(self) -> int:
+        """Calls `feed` has announced so far."""
+        return len(self._ids)
+
+    @property
     def complete(self) -> bool:
         """The list is closed (the output is the whole JSON)."""
         return self._depth == 0 and bool(self._names)
@@ -206,7 +214,7 @@ class ForcedCalls:
                     elif self._key == "name":
                         self._names[-1] = text
             return
-        opens_parameters = self._depth == 2 and self._value and self._key == "parameters" and not c.isspace() \
+        opens_parameters = self._depth == 2 and self._value and self._key in self.keys and not c.isspace() \
             and self._spans and self._spans[-1][0] is None
         if opens_parameters:
             self._spans[-1][0] = i
@@ -243,13 +251,18 @@ def _call(value: dict[str, Any]) -> ToolCall:
 
 class CallStream:
     """Streams content while the output may be plain text and holds back what may be a call, for one choice: feed
-    it text deltas, then `finish()` the calls."""
+    it text deltas; once the calls begin, `call_deltas()` streams each call as "required" does (its id and name once
+    written, then its arguments' text as it arrives, as vLLM's tool parsers stream them); `finish()` gives the calls
+    of the whole output (parse_calls), which decide whether it called at all."""
 
     def __init__(self, parser: str) -> None:
         self.parser = parser
         self.text = ""
         self.sent = 0
         self.calling = False
+        self._section = 0  # where the calls begin in the text (the first <tool_call>, or Llama's first '{')
+        self._scanned = 0  # characters of the calls handed to the scanner
+        self._scanner = ForcedCalls(keys=("arguments", "parameters"))
 
     def feed(self, delta: str) -> str:
         """The content that may be shown now."""
@@ -257,16 +270,35 @@ class CallStream:
         if self.calling or self.parser == "none":
             return self._release(len(self.text)) if self.parser == "none" else ""
         if self.parser == "llama3_json":
-            head = self.text.lstrip().removeprefix("<|python_tag|>").lstrip()
+            lead = self.text.lstrip()
+            if lead and "<|python_tag|>".startswith(lead):  # the tag may be arriving
+                return ""
+            head = lead.removeprefix("<|python_tag|>").lstrip()
             if head.startswith("{") or (not head and self.text.strip() == ""):
                 self.calling = bool(head)
+                self._section = self.text.find("{")
                 return ""
             return self._release(len(self.text))
         at = self.text.find("<tool_call>", self.sent)
         if at >= 0:
-            self.calling = True
+            self.calling, self._section = True, at
             return self._release(at)
         return self._release(len(self.text) - partial_suffix(self.text, "<tool_call>"))
+
+    def call_deltas(self) -> list[tuple[int, str | None, str | None, str]]:
+        """The calls' news since the last call, as ForcedCalls.feed gives them: (call index, id and name when first
+        announced else None, arguments text new since)."""
+        if not self.calling:
+            return []
+        new = self.text[self._section + self._scanned:]
+        first = self._scanned == 0
+        self._scanned += len(new)
+        return self._scanner.feed(("[" if first else "") + new)
+
+    @property
+    def announced(self) -> int:
+        """Calls `call_deltas` has announced so far."""
+        return self._scanner.announced
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not shown yet, calls) at the end of the output."""

@@ -77,7 +77,8 @@ def test_a_grammar_waits_for_thinking_unless_the_prompt_closed_it_or_a_call_is_f
 
 
 def test_tool_calls_after_the_reasoning_are_parsed_from_the_content():
-    """Qwen3 thinks, then calls a tool: the call is read from what follows </think>, streamed and whole alike."""
+    """Qwen3 thinks, then calls a tool: the call is read from what follows </think>, streamed (its name once, then
+    its arguments as they come) and whole alike."""
     from appliance.engine.request import RequestOutput
     from appliance.server.formatting import ChatFormat, Choice, usage_of
     from appliance.server.protocol import ChatCompletionRequest
@@ -88,7 +89,7 @@ def test_tool_calls_after_the_reasoning_are_parsed_from_the_content():
            '\n</tool_call>'
     pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
     fmt, choice = ChatFormat("id", "m", None, body, "hermes", thinking=False), Choice(0)
-    streamed = {"reasoning": "", "content": "", "calls": []}
+    streamed = {"reasoning": "", "content": "", "calls": []}  # calls: (name, arguments), deltas joined per index
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         out = RequestOutput("r", [1], piece, last, "stop" if last else None, 3, 0, i + 1)
@@ -97,7 +98,12 @@ def test_tool_calls_after_the_reasoning_are_parsed_from_the_content():
             delta = chunk.choices[0].delta
             streamed["reasoning"] += delta.reasoning or ""
             streamed["content"] += delta.content or ""
-            streamed["calls"] += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+            for c in delta.tool_calls or []:
+                if c.index == len(streamed["calls"]):  # announced: id, type and name come once, first
+                    assert c.id and c.type == "function" and c.function.name
+                    streamed["calls"].append((c.function.name, ""))
+                name, arguments = streamed["calls"][c.index]
+                streamed["calls"][c.index] = (name, arguments + (c.function.arguments or ""))
             reason = chunk.choices[0].finish_reason
     assert streamed == {"reasoning": "\nI should call it.", "content": "\n\n",
                         "calls": [("weather", '{"city": "Oslo"}')]} and reason == "tool_calls"

@@ -66,14 +66,58 @@ def test_streamed_calls_equal_whole_ones(name, step):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [(CALL["name"], CALL["arguments"])]
 
 
+def _joined(news) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) per call from CallStream.call_deltas' news: announced once, then arguments appended."""
+    calls = []
+    for k, call_id, name, args in news:
+        if k == len(calls):
+            assert call_id and name
+            calls.append((call_id, name, args))
+        else:
+            assert call_id is None and name is None and k < len(calls)
+            calls[k] = (calls[k][0], calls[k][1], calls[k][2] + args)
+    return calls
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_auto_calls_stream_their_name_once_then_their_arguments(parser, step):
+    """vLLM's tool parsers stream a call as it is written: its id and name once, then its arguments in pieces; two
+    calls (Hermes blocks, or Llama JSON objects after the python tag, joined by ';') stream apart, and what a client
+    joins is the calls of the whole output. The arguments arrive before the output ends."""
+    other = {"name": "get_time", "arguments": {"zone": "CET"}}
+    if parser == "hermes":
+        text = "Checking. " + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in (CALL, other))
+    else:
+        text = "<|python_tag|>" + "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]})
+                                            for c in (CALL, other))
+    stream = CallStream(parser)
+    news, shown, before_end = [], "", 0
+    for i in range(0, len(text), step):
+        shown += stream.feed(text[i:i + step])
+        got = stream.call_deltas()
+        news += got
+        before_end += sum(len(args) for *_, args in got)
+    rest, calls = stream.finish()
+    joined = _joined(news)
+    assert [(name, json.loads(args)) for _, name, args in joined] == [(c.name, json.loads(c.arguments))
+                                                                      for c in calls]
+    assert [name for _, name, _ in joined] == ["get_weather", "get_time"] and stream.announced == 2
+    assert (shown + rest).strip() == ("Checking." if parser == "hermes" else "")
+    assert len({call_id for call_id, _, _ in joined}) == 2
+    assert sum(1 for k, call_id, *_ in news if call_id) == 2 and len(news) > 2 + (step == 7)  # in pieces
+
+
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "none"])
 def test_plain_text_stays_content(parser):
     text = "It is sunny in <b>Zürich</b>; {not a call}"
     stream = CallStream(parser)
     shown = "".join(stream.feed(text[i:i + 4]) for i in range(0, len(text), 4))
     rest, calls = stream.finish()
-    assert shown + rest == text and calls == []
+    assert shown + rest == text and calls == [] and stream.call_deltas() == [] and stream.announced == 0
     assert parse_calls(text, parser) == (text, [])
+    tagged = CallStream(parser)  # text that begins like Llama's python tag is held only while it may be the tag
+    assert "".join(tagged.feed(c) for c in "<|p<b>") == "<|p<b>" and tagged.finish() == ("", [])
 
 
 def test_forced_calls_and_choice_grammar():
@@ -88,3 +132,15 @@ def test_forced_calls_and_choice_grammar():
                                                     "tool_choice": "required"})
     schema = json.loads(request.grammar().schema)
     assert schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+
+
+def test_a_call_left_malformed_comes_again_as_content():
+    """A Hermes call cut short (max_tokens) streamed its name and the arguments written; the whole output does not
+    parse as a call, so it is content at the end: nothing the model wrote is lost."""
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'
+    stream = CallStream("hermes")
+    shown = "".join(stream.feed(text[i:i + 5]) for i in range(0, len(text), 5))
+    joined = _joined(stream.call_deltas())
+    rest, calls = stream.finish()
+    assert [(name, args) for _, name, args in joined] == [("get_weather", '{"city": "Os')] and calls == []
+    assert shown + rest == text
