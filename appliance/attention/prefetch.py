@@ -3,8 +3,8 @@
 A one-row decode step reads about 14 GB of weights (Llama-3.1-8B) in some 270 kernels; each matrix-vector kernel
 starts and ends below the memory's rate, and muxd's split-KV attention kernel, bound by latency at one row, leaves the
 memory idle for most of its run. With this on, the attention programs first pull the layer's output projection
-weights (the next kernel's bytes, which no kernel of the step writes) into L2 with the priority to stay, and load
-their K/V with the priority to go; the projection then reads its weights from L2. At most `L2_SHARE` of the GPU's
+weights (the next kernel's bytes, which no kernel of the step writes) into L2, and load their K/V with the
+priority to leave L2 first; the projection then reads its weights from L2. At most `L2_SHARE` of the GPU's
 L2 is prefetched a layer. `set_enabled` (the runtime's `--l2-prefetch` setting) turns it on for the process; it
 takes effect at one row (`MAX_ROWS`), on CUDA devices of compute capability 9.0 and later, with muxd's split-KV
 decode kernel.

@@ -65,9 +65,10 @@ def _split(seqlen_ptr, indptr_ptr, b, s, PAGE: tl.constexpr, PPB: tl.constexpr, 
 
 @triton.jit
 def _prefetch_l2(ptr, nbytes, LINES: tl.constexpr = 64):
-    """Pull this program's share of the `nbytes` bytes at ptr (a byte pointer) into L2, with the priority to stay
-    there (evict_last): the programs of the grid split the bytes in runs of whole 128-byte lines. A prefetch is a
-    hint: nothing waits on it, and it reads only what no kernel of the step writes (attention/prefetch.py)."""
+    """Pull this program's share of the `nbytes` bytes at ptr (a byte pointer) into L2 (at the normal priority:
+    the K/V loads beside it go first, and nothing stays pinned after): the programs of the grid split the bytes in
+    runs of whole 128-byte lines. A prefetch is a hint: nothing waits on it, and it reads only what no kernel of the
+    step writes (attention/prefetch.py)."""
     nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     per = tl.cdiv(tl.cdiv(nbytes, nprog), 128) * 128
@@ -76,7 +77,7 @@ def _prefetch_l2(ptr, nbytes, LINES: tl.constexpr = 64):
     line = tl.arange(0, LINES).to(tl.int64) * 128
     for off in range(start, end, LINES * 128):
         at = tl.minimum(off + line, end - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                   [(ptr + at).to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
 
 
