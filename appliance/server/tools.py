@@ -197,6 +197,8 @@ class ForcedCalls:
 
     def _arguments(self, k: int) -> str:
         start, end = self._spans[k]
+        if start is not None and self.text[start] == '"':  # arguments given as a JSON string: whole, once closed
+            return "" if end is None else json.loads(self.text[start:end])
         return "" if start is None else self.text[start:end]
 
     def _scan(self, i: int, c: str) -> None:
@@ -213,6 +215,8 @@ class ForcedCalls:
                         self._key = text
                     elif self._key == "name":
                         self._names[-1] = text
+                    elif self._key in self.keys and self._spans[-1][0] == self._string_at:
+                        self._spans[-1][1] = i + 1  # arguments given as a string end with it
             return
         opens_parameters = self._depth == 2 and self._value and self._key in self.keys and not c.isspace() \
             and self._spans and self._spans[-1][0] is None

@@ -144,3 +144,17 @@ def test_a_call_left_malformed_comes_again_as_content():
     rest, calls = stream.finish()
     assert [(name, args) for _, name, args in joined] == [("get_weather", '{"city": "Os')] and calls == []
     assert shown + rest == text
+
+
+def test_arguments_written_as_a_json_string_stream_whole_once_closed():
+    """A model may write a call's arguments as a JSON string (parse_calls takes it as the arguments' text): the
+    stream gives that text once the string closes, never the quoted, escaped form."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>'
+    stream = CallStream("hermes")
+    news = []
+    for i in range(0, len(text), 3):
+        stream.feed(text[i:i + 3])
+        news += stream.call_deltas()
+    _, calls = stream.finish()
+    assert [(name, args) for _, name, args in _joined(news)] == [("get_weather", '{"city": "Oslo"}')]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
