@@ -407,9 +407,6 @@ class RuntimeSettings:
     pdl: bool = flag(True, "On Hopper and later GPUs, launch the kernels of one-row steps (the single-token "
                      "compiled graph's and muxd's Triton kernels) with programmatic dependent launch: each launch "
                      "overlaps the end of the kernel before it; off: plain launches.")
-    l2_prefetch: bool = flag(False, "Experimental, on Hopper and later GPUs: in one-row decode steps, muxd's "
-                             "split-KV attention kernel first pulls the layer's output projection weights into L2 "
-                             "(attention/prefetch.py); off: no prefetch.")
     compile: Optional[bool] = flag(None, "torch.compile each decoder layer (default: on with CUDA, off on CPU).")
     cuda_graph: bool = flag(True, "Replay decode steps as CUDA graphs (CUDA with the flashinfer backend); off for "
                             "debugging.")

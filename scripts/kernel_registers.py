@@ -4,7 +4,7 @@ kernel hides its loads' latency with the programs resident on an SM and the K/V 
 pipelines the page loop: `--stages` - 1 tiles ahead, each in shared memory); registers and shared memory both bound
 the programs. Each kernel is compiled as a launch specializes it (pointers and strides divisible by 16: without that
 Triton cannot pipeline the loads) and tiled as muxd launches it unless --warps, --pages-per-block or --stages says
-otherwise; the split kernel also in its form that prefetches the next projection's weights (attention/prefetch.py).
+otherwise.
 
     python scripts/kernel_registers.py [--arch 90] [--warps W] [--group 4] [--pages-per-block P] [--stages S]
 """
@@ -43,16 +43,12 @@ def main() -> None:
     target = GPUTarget("cuda", args.arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     gp = max(16, 1 << (args.group - 1).bit_length())
-    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PDL": True,  # as launched on sm_90
-             "PREFETCH": False}
+    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PDL": True}  # as launched on sm_90
     split = (args.warps or tiling.NUM_WARPS, args.pages_per_block or tiling.PAGES_PER_BLOCK,
              args.stages or tiling.NUM_STAGES)
-    partial_types = ["*", "*", "*", "*i32", "*i32", "*i32", "*fp32", "*fp32", "fp32", "i32", "i32", "i64", "i64",
-                     "i64", "*u8", "i64"]
     cases = {  # name: kernel, runtime argument types, (warps, pages a loop), other constants
-        "decode_partial": (kernels.decode_partial, partial_types, split, {"SPLITS": 16}),
-        "decode_partial (L2 prefetch)": (kernels.decode_partial, partial_types, split,
-                                         {"SPLITS": 64, "PREFETCH": True}),  # one row's splits
+        "decode_partial": (kernels.decode_partial, ["*", "*", "*", "*i32", "*i32", "*i32", "*fp32", "*fp32", "fp32",
+                                                    "i32", "i32", "i64", "i64", "i64"], split, {"SPLITS": 16}),
         "decode_merge": (kernels.decode_merge, ["*fp32", "*fp32", "*i32", "*", "i32", "i32"],
                          (args.warps or 4, split[1], args.stages or 3), {"SPLITS": 16}),  # Triton's defaults
         "decode_balanced": (kernels.decode_balanced, ["*", "*", "*", "*i32", "*i32", "*i32", "*i32", "*fp32", "*fp32",

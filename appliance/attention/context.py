@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -34,7 +34,7 @@ class AttentionBackend(Protocol):
 
     # optional: forward_rope(qkv, positions, cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps) -> output
     # [T, H, D], the q/k norms (where given), rotary embedding and K/V write fused (kv_write.rope_write_kv); without
-    # it, `apply_rope` and then `forward`. A context with `prefetch` adds the keyword `prefetch` (a byte tensor).
+    # it, `apply_rope` and then `forward`
 
 
 @dataclass
@@ -47,9 +47,6 @@ class ForwardContext:
     # the capture ends its graph, runs attend(*rows, *rest) (this batch's attention; `rows`, the inputs of one row
     # per token, moved to the capture's own buffers) and begins the next graph
     cut: Callable[..., torch.Tensor] | None = None
-    # per layer, bytes its attention may pull into L2 while it runs (attention/prefetch.py: the output projection's
-    # weights, for graphs of one row where `--l2-prefetch` is on); None: nothing
-    prefetch: Sequence[torch.Tensor | None] | None = None
 
 
 _context: ForwardContext | None = None
@@ -91,9 +88,7 @@ def _attend_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
         backend, kv, metadata = ctx.backend, ctx.kv_cache[ctx.layer], ctx.metadata
         fused = getattr(backend, "forward_rope", None)
         if fused is not None:
-            prefetch = None if ctx.prefetch is None else ctx.prefetch[ctx.layer]
-            return fused(qkv[:n], positions[:n], cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps,
-                         **({} if prefetch is None else {"prefetch": prefetch}))
+            return fused(qkv[:n], positions[:n], cos_sin, num_heads, kv, metadata, q_norm, k_norm, eps)
         q, k, v = apply_rope(qkv[:n], positions[:n], cos_sin, num_heads, q_norm, k_norm, eps)
         return backend.forward(q, k, v, kv, metadata)
 

@@ -222,29 +222,21 @@ class FlashInferAttention:
 
     def forward_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                      kv: torch.Tensor, metadata: AttentionMetadata, q_norm: torch.Tensor | None = None,
-                     k_norm: torch.Tensor | None = None, eps: float = 0.0,
-                     prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """`forward` of a fused QKV projection not yet rotated: one kernel normalises (where q_norm and k_norm are
-        given) and rotates q and k and writes k and v. prefetch: bytes muxd's split kernel pulls into L2 while it
-        runs (attention/prefetch.py; other kernels ignore it)."""
+        given) and rotates q and k and writes k and v."""
         triton = self.triton
         if (getattr(triton, "fuses_rope", False) and triton.head_dim == cos_sin.shape[-1]
                 and num_heads == triton.num_heads and rope_kernel_takes(qkv, cos_sin, num_heads, kv, q_norm, k_norm)):
-            return triton.run_rope(qkv, positions, cos_sin, kv, metadata.slot_mapping, q_norm, k_norm, eps,
-                                   **_prefetching(triton, prefetch))
+            return triton.run_rope(qkv, positions, cos_sin, kv, metadata.slot_mapping, q_norm, k_norm, eps)
         q = rope_write_kv(qkv, positions, cos_sin, num_heads, kv, metadata.slot_mapping, q_norm, k_norm, eps)
-        return self._run(q, kv, prefetch)
+        return self._run(q, kv)
 
     def attend_rotated(self, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> None:
         """Paged attention of q already rotated (its K/V already written) for the prepared batch, into `out`."""
         self._active.run(q, (kv[0], kv[1]), out=out)
 
-    def _run(self, q: torch.Tensor, kv: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         if self.triton is not None:  # such an instance runs nothing but its decode batches (prepare checks)
-            return self.triton.run(q, kv[0], kv[1], **_prefetching(self.triton, prefetch))
+            return self.triton.run(q, kv[0], kv[1])
         return self._active.run(q, (kv[0], kv[1]))
-
-
-def _prefetching(kernel, prefetch: torch.Tensor | None) -> dict:
-    """The `prefetch` keyword for a kernel that takes it (muxd's split kernel), none for any other."""
-    return {"prefetch": prefetch} if prefetch is not None and isinstance(kernel, TritonDecode) else {}

@@ -27,7 +27,6 @@ import torch
 
 from appliance.attention.metadata import AttentionMetadata
 from appliance.attention.pdl import launch_options
-from appliance.attention.prefetch import launch_args as prefetch_args
 from appliance.attention.pinned import PinnedRing
 
 MAX_BATCH = 8          # graph batches up to this many rows run the split-KV kernel, larger ones the balanced one
@@ -113,22 +112,19 @@ class TritonDecode:
     def plan(self, m: AttentionMetadata) -> None:
         _copy_plan(self, m, [m.kv_indptr, m.seq_lens, np.asarray(m.kv_indices, dtype=np.int32)])
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """q [batch, H, D]; k/v cache [pages, page_size, Hkv, D] of one layer -> [batch, H, D]. prefetch: bytes
-        the programs pull into L2 first (attention/prefetch.py)."""
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [batch, H, D]; k/v cache [pages, page_size, Hkv, D] of one layer -> [batch, H, D]."""
         partial, merge, _ = _build()
         out = torch.empty_like(q)
         b = q.shape[0]
         page = k_cache.shape[1]
         launch = launch_options(q.device, b)
-        pf, pf_launch = prefetch_args(prefetch, q)
         partial[(b, self.num_kv_heads, self.splits)](
             q, k_cache, v_cache, self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse,
-            self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *pf,
+            self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=self.head_dim, PAGE=page,
             PPB=self.pages_per_block, SPLITS=self.splits, num_warps=self.num_warps, num_stages=self.num_stages,
-            **launch, **pf_launch)
+            **launch)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=self.head_dim, PAGE=page, PPB=self.pages_per_block,
                                    SPLITS=self.splits, **launch)
@@ -136,24 +132,23 @@ class TritonDecode:
 
     def run_rope(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv: torch.Tensor,
                  slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                 eps: float = 0.0, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                 eps: float = 0.0) -> torch.Tensor:
         """`run` of a fused QKV projection [batch, (H + 2 Hkv) D] not yet rotated, with the rotary kernel's work
         (kv_write.rope_write_kv: q/k norms where given, the rotation by cos_sin at `positions`, the new K/V written
         at `slot_mapping` of kv [2, pages, page_size, Hkv, D]) done by the attention kernel -> [batch, H, D]. For
-        tensors `kv_write.rope_kernel_takes`. prefetch: as `run`'s."""
+        tensors `kv_write.rope_kernel_takes`."""
         _, merge, partial_rope = _build()
         b, page, d = qkv.shape[0], kv.shape[2], self.head_dim
         out = qkv.new_empty(b, self.num_heads, d)
         norm = q_norm is not None and k_norm is not None
         launch = launch_options(qkv.device, b)
-        pf, pf_launch = prefetch_args(prefetch, qkv)
         partial_rope[(b, self.num_kv_heads, self.splits)](
             qkv, positions, cos_sin, slot_mapping, q_norm if norm else qkv, k_norm if norm else qkv, kv[0], kv[1],
             self.indptr, self.indices, self.seq_lens, self.partial_out, self.partial_lse, self.scale_log2, float(eps),
-            qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), *pf, HEADS=self.num_heads,
+            qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), HEADS=self.num_heads,
             KV_HEADS=self.num_kv_heads, G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=d, PAGE=page,
             PPB=self.pages_per_block, SPLITS=self.splits, NORM=norm, num_warps=self.num_warps,
-            num_stages=self.num_stages, **launch, **pf_launch)
+            num_stages=self.num_stages, **launch)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=d, PAGE=page, PPB=self.pages_per_block, SPLITS=self.splits,
                                    **launch)

@@ -15,12 +15,10 @@ def _span(seq_len, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
 
 @triton.jit
 def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2, stride_kp, stride_kt, stride_kh,
-            GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, EMPTY_OK: tl.constexpr = False,
-            EVICT: tl.constexpr = ""):
+            GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, EMPTY_OK: tl.constexpr = False):
     """The online softmax of the query tile q [GP, D] over one KV head's pages [p0, p1) of a row (PPB pages a
     step), its tokens before `seq_len`: its running max m, sum l and unnormalised output acc. EMPTY_OK: a step may
-    hold no token of the row even when it is the split's first (m stays -inf, l 0). EVICT: the K/V loads' L2
-    eviction policy ("evict_first" beside lines prefetched to stay, `_prefetch_l2`)."""
+    hold no token of the row even when it is the split's first (m stays -inf, l 0)."""
     d = tl.arange(0, D)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
@@ -38,7 +36,7 @@ def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2,
         tok = page_local * PAGE + n % PAGE
         valid = in_split & (tok < seq_len)
         off = page * stride_kp + (n % PAGE) * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
+        k = tl.load(k_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k)) * scale_log2
         sc = tl.where(valid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
@@ -47,7 +45,7 @@ def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2,
         alpha = tl.exp2(m - m_new)
         pr = tl.exp2(sc - m_new[:, None])
         l = l * alpha + tl.sum(pr, 1)
-        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
+        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
         m = m_new
     return m, l, acc
@@ -64,24 +62,6 @@ def _split(seqlen_ptr, indptr_ptr, b, s, PAGE: tl.constexpr, PPB: tl.constexpr, 
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, LINES: tl.constexpr = 64):
-    """Pull this program's share of the `nbytes` bytes at ptr (a byte pointer) into L2 (at the normal priority:
-    the K/V loads beside it go first, and nothing stays pinned after): the programs of the grid split the bytes in
-    runs of whole 128-byte lines. A prefetch is a hint: nothing waits on it, and it reads only what no kernel of the
-    step writes (attention/prefetch.py)."""
-    nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    per = tl.cdiv(tl.cdiv(nbytes, nprog), 128) * 128
-    start = pid.to(tl.int64) * per
-    end = tl.minimum(start + per, nbytes)
-    line = tl.arange(0, LINES).to(tl.int64) * 128
-    for off in range(start, end, LINES * 128):
-        at = tl.minimum(off + line, end - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [(ptr + at).to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _store_partial(po_ptr, plse_ptr, m, l, acc, row, s, used, qmask, d, SPLITS: tl.constexpr, D: tl.constexpr):
     """A split's normalised partial output and log-sum-exp for the merge (splits past the row's end store none)."""
     keep = qmask & (s + row * 0 < used)  # (a vector: the interpreter takes no scalar in a mask)
@@ -92,11 +72,9 @@ def _store_partial(po_ptr, plse_ptr, m, l, acc, row, s, used, qmask, d, SPLITS: 
 
 @triton.jit
 def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_ptr, plse_ptr, scale_log2,
-                   stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, pf_ptr, pf_bytes,
+                   stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-                   SPLITS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-    if PREFETCH:  # the next projection's weights into L2 (attention/prefetch.py), before any wait
-        _prefetch_l2(pf_ptr, pf_bytes)
+                   SPLITS: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched early (attention/pdl.py): wait for the kernel before
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -110,7 +88,7 @@ def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=qmask[:, None],
                 other=0.0)
     m, l, acc = _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2, stride_kp, stride_kt,
-                        stride_kh, GP, D, PAGE, PPB, False, "evict_first" if PREFETCH else "")
+                        stride_kh, GP, D, PAGE, PPB)
     if PDL:  # the next kernel may launch now: its programs wait in SM slots these programs no longer need
         tl.extra.cuda.gdc_launch_dependents()
     _store_partial(po_ptr, plse_ptr, m, l, acc, b * num_heads + h * G + g, s, used, qmask, d, SPLITS, D)
@@ -137,15 +115,13 @@ def _rotated(src, w_ptr, heads, mask, d, cos, sin, eps, dtype: tl.constexpr, D: 
 @triton.jit
 def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr,
                         seqlen_ptr, po_ptr, plse_ptr, scale_log2, eps, stride_qkv, positions, stride_kp, stride_kt,
-                        stride_kh, pf_ptr, pf_bytes, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, G: tl.constexpr,
-                        GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr,
-                        NORM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                        stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr,
+                        NORM: tl.constexpr, PDL: tl.constexpr = False):
     # `decode_partial` of a fused QKV projection not yet rotated, the rotary kernel's work folded in: each program
     # normalises (NORM) and rotates its group's query heads itself; the split holding the row's newest token writes
     # that token's rotated K and its V to the cache, and adds it to its softmax from registers (its loop reads the
     # cache's older tokens only, so no program reads what another writes in this launch)
-    if PREFETCH:  # the next projection's weights into L2 (attention/prefetch.py), before any wait
-        _prefetch_l2(pf_ptr, pf_bytes)
     if PDL:  # launched early (attention/pdl.py): wait for the kernel before
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -162,7 +138,7 @@ def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k
     qmask = g < G
     q = _rotated(src, qw_ptr, h * G + g, qmask, d, cos, sin, eps, dtype, D, NORM).to(dtype)
     m, l, acc = _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len - 1, p0, p1, h, scale_log2, stride_kp, stride_kt,
-                        stride_kh, GP, D, PAGE, PPB, True, "evict_first" if PREFETCH else "")
+                        stride_kh, GP, D, PAGE, PPB, True)
     if s == used - 1:  # the newest token's page is the last split's
         one = tl.arange(0, 1)
         k = _rotated(src, kw_ptr, HEADS + h + one, one == 0, d, cos, sin, eps, dtype, D, NORM).to(dtype)  # [1, D]

@@ -65,8 +65,6 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                                         "writes K/V (flashinfer backend); off: the compiled layers rotate."),
         pdl: bool = typer.Option(True, "--pdl/--no-pdl", help="Programmatic dependent launch of one-row steps' "
                                  "kernels (Hopper and later)."),
-        l2_prefetch: bool = typer.Option(False, "--l2-prefetch/--no-l2-prefetch", help="One-row attention pulls the "
-                                         "output projection's weights into L2 first (experimental, as serve's)."),
         compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile each layer."),
         cuda_graph: bool = typer.Option(True, "--cuda-graph/--no-cuda-graph", help="Decode CUDA graphs."),
         prefill_graph_rows: Optional[int] = typer.Option(None, "--prefill-graph-rows", help="Prefill launches of up "
@@ -120,7 +118,7 @@ def engine_bench_command(bench_app: typer.Typer) -> None:
                               max_model_len=max(max(n + c for n, c in pre), *ctx, *(c for _, c in profiled))
                               + iters + 64,
                               attention_backend=attention_backend, decode_kernel=decode_kernel, decode_blas=decode_blas,
-                              fused_rope=fused_rope, pdl=pdl, l2_prefetch=l2_prefetch,
+                              fused_rope=fused_rope, pdl=pdl,
                               compile=compile, cuda_graph=cuda_graph, prefill_graph_rows=prefill_graph_rows,
                               async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size)
         result = engine_bench.run(model, load_format=load_format, dtype=dtype, batches=bs, contexts=ctx,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.attention import pdl, prefetch, resolve_backend_name
+from appliance.attention import pdl, resolve_backend_name
 from appliance.config import SPATIAL_POLICIES, Config
 from appliance.engine.compile import cache_dir, compile_layers
 from appliance.engine.engine import Engine
@@ -134,7 +134,6 @@ class _Builder:
                                                                       self.device) == "flashinfer"
         model.rotate_in_attention(max_len if fused else None)
         pdl.set_enabled(rt.pdl)
-        prefetch.set_enabled(rt.l2_prefetch)
         compiled = False
         if rt.compile if rt.compile is not None else self.cuda:
             compiled = compile_layers(model)

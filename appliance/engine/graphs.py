@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, page_layout
-from appliance.attention import prefetch as l2
 from appliance.attention.pinned import PinnedRing
 from appliance.engine.batch import HostBatch, resolve
 from appliance.engine.kv_cache import KVCache
@@ -138,8 +137,6 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
         stream = self.stream or torch.cuda.Stream()
-        # with `--l2-prefetch`, one row's attention pulls its layer's output projection into L2
-        weights = [layer.self_attn.o_proj.weight for layer in self.model.model.layers]
         for size in reversed(self.sizes):
             backend = self.make_backend(size)
             meta = self._static_metadata(size)
@@ -147,8 +144,7 @@ class DecodeGraphs:
             positions.zero_()  # capture on a valid batch: token 0 at position 0 of the scratch page, every row
             ids.zero_()
             slots.fill_(self.kv_cache.scratch_page * self.kv_cache.page_size)
-            ctx = ForwardContext(backend, meta, self.kv_cache.data,
-                                 prefetch=l2.targets(weights, self.kv_cache.data.device, size))
+            ctx = ForwardContext(backend, meta, self.kv_cache.data)
             # the plan's copies (queued when the context opens) on the capture stream, before its warm-up reads them
             with torch.cuda.stream(stream), forward_context(ctx):
                 self._forward(size)  # warm-up on the capture stream (library handles, workspaces)

@@ -88,19 +88,6 @@ def test_rope_in_the_split_kernel_decodes_as_the_rotary_kernel(copy_model, monke
     decodes_as_reference(engine, ref, (1, 3, 8), 5)
 
 
-def test_l2_prefetch_decodes_as_the_reference(copy_model):
-    """With `--l2-prefetch` (attention/prefetch.py), the one-row graph's attention pulls each layer's output
-    projection into L2 first (where the GPU is Hopper or later): one-row and 3-row steps decode greedily as the torch
-    backend does, beside eager steps, and free every page."""
-    from appliance.attention import prefetch
-
-    try:
-        engine, ref = fast(copy_model, l2_prefetch=True), reference(copy_model)
-        decodes_as_reference(engine, ref, (1, 3), 5)
-    finally:
-        prefetch.set_enabled(False)  # the process-wide setting, for the engines of later tests
-
-
 def test_given_capture_sizes_are_the_graphs_and_larger_batches_run_eagerly(copy_model):
     """vLLM's --cudagraph-capture-sizes: the engine captures exactly those decode graphs; a batch of 2 rows replays
     the 3-row graph, one of 5 rows runs eagerly; both decode as the torch backend does."""
