@@ -1,12 +1,15 @@
 """The OpenAPI document, made to tell the truth: invalid bodies are 400 (never FastAPI's 422) with the OpenAI error
 body, each route lists the statuses it can answer (Retry-After on 429/503), /metrics is Prometheus text, streams
-are text/event-stream, and the bearer scheme is declared when --api-key is set.
+are text/event-stream, the bearer scheme is declared when --api-key is set, and a route serving several methods
+(/ping: GET and POST) has an operation ID per method.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
@@ -63,7 +66,7 @@ def install(app: FastAPI, api_key: bool) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
+                                 routes=_one_method_each(app.routes))
             for path, item in schema.get("paths", {}).items():
                 for op in item.values():
                     op.get("responses", {}).pop("422", None)
@@ -83,3 +86,19 @@ def install(app: FastAPI, api_key: bool) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _one_method_each(routes: list[Any]) -> list[Any]:
+    """The routes as documented: a route serving several methods stands as one copy a method, each with its own
+    operation ID (FastAPI gives all of a route's methods the same one, which OpenAPI forbids). The app keeps serving
+    the route itself, so that a 405 lists all of its methods in Allow."""
+    documented = []
+    for route in routes:
+        if not isinstance(route, APIRoute) or len(route.methods) < 2 or route.operation_id:
+            documented.append(route)
+            continue
+        for method in sorted(route.methods):
+            one = copy.copy(route)
+            one.methods, one.operation_id = {method}, f"{route.name}_{method.lower()}"
+            documented.append(one)
+    return documented

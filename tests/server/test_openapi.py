@@ -45,3 +45,27 @@ def test_schemathesis_coverage_phase_finds_no_failure(server):
     figures = reliability.schemathesis_run(server, examples=8, phases="coverage", max_response_time=120)
     assert figures["exit_code"] == 0 and figures["failures"] == {} and not figures["errors"], figures
     assert figures["operations_tested"] == 16 and figures["test_cases"] >= 1000
+
+
+def test_each_operation_has_its_own_id_and_a_405_lists_every_method():
+    """/ping serves GET and POST as one route: the document gives each method its own operation ID (FastAPI would
+    give both one, which OpenAPI forbids, and warn), and the route still answers other methods with both in Allow."""
+    import warnings
+
+    from fastapi.testclient import TestClient
+
+    from appliance.config import Config
+    from appliance.server.api import create_app
+
+    cfg = Config.flat(model="embedded")
+    cfg.check()
+    app = create_app(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI's "Duplicate Operation ID" warning fails the test
+        schema = app.openapi()
+    ids = [op["operationId"] for item in schema["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids))
+    assert {m: op["operationId"] for m, op in schema["paths"]["/ping"].items()} == {"get": "ping_get",
+                                                                                      "post": "ping_post"}
+    response = TestClient(app).options("/ping")
+    assert response.status_code == 405 and response.headers["allow"] == "GET, POST"
