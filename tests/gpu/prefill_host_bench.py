@@ -160,7 +160,7 @@ def main() -> None:
                       f"{queued[-1]['launch_ms']:6.2f} ms (max {queued[-1]['max_launch_ms']:.2f}), CPU "
                       f"{queued[-1]['cpu_ms']:6.2f} ms")
             # which CUDA runtime calls (cudaLaunchKernel, cudaMemcpyAsync, ...: recorded by the CUDA activity, with
-            # their host time) those launches spend the host in, the device busy on the decode stream
+            # their host time) those launches spend the host in, behind the eager layers or the decode stream busy
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(5):
