@@ -265,8 +265,7 @@ class CallStream:
         self.sent = 0
         self.calling = False
         self._section = 0  # where the calls begin in the text (the first <tool_call>, or Llama's first '{')
-        self._scanned = 0  # characters of the calls handed to the scanner
-        self._scanner = ForcedCalls(keys=("arguments", "parameters"))
+        self._scanner = ForcedCalls(keys=("arguments", "parameters"))  # reads "[" + the text from there
 
     def feed(self, delta: str) -> str:
         """The content that may be shown now."""
@@ -294,10 +293,7 @@ class CallStream:
         announced else None, arguments text new since)."""
         if not self.calling:
             return []
-        new = self.text[self._section + self._scanned:]
-        first = self._scanned == 0
-        self._scanned += len(new)
-        return self._scanner.feed(("[" if first else "") + new)
+        return self._scanner.feed(("[" + self.text[self._section:])[len(self._scanner.text):])
 
     @property
     def announced(self) -> int:
