@@ -68,4 +68,4 @@ def test_each_operation_has_its_own_id_and_a_405_lists_every_method():
     assert {m: op["operationId"] for m, op in schema["paths"]["/ping"].items()} == {"get": "ping_get",
                                                                                       "post": "ping_post"}
     response = TestClient(app).options("/ping")
-    assert response.status_code == 405 and response.headers["allow"] == "GET, POST"
+    assert response.status_code == 405 and set(response.headers["allow"].split(", ")) == {"GET", "POST"}  # any order
