@@ -49,6 +49,13 @@ def _running(app: str) -> int:
     return status.deployments[ENGINE_DEPLOYMENT].replica_states.get("RUNNING", 0)
 
 
+def _scaling_up(app: str) -> bool:
+    """Whether the autoscaler has asked for more engine replicas than run (Ray's status says UPSCALING)."""
+    status = serve.status().applications.get(app)
+    return status is not None and ENGINE_DEPLOYMENT in status.deployments and \
+        status.deployments[ENGINE_DEPLOYMENT].status == "UPSCALING"
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster and the muxd app with two replicas of two seats each (so requests queue)."""
@@ -181,13 +188,26 @@ def test_autoscaling_up_under_load_and_down_when_idle(cluster):
     _wait(lambda: _running(APP_NAME) == 1, 120, "the autoscaled app to start with one replica")
 
     async def load():
-        async with httpx.AsyncClient(base_url=url, timeout=180) as client:
-            tasks = [asyncio.ensure_future(_stream(client, {"prompt": f"load {i}", "max_tokens": 1900, **LONG}))
-                     for i in range(6)]
+        # six requests outstanding (two seats, so four queued) until a second replica runs: each one ended is sent
+        # again, so the load the autoscaler averages cannot run out on a slow machine before the replica is up
+        stop = asyncio.Event()
+
+        async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+            while not stop.is_set():
+                await _stream(client, {"prompt": f"load {i}", "max_tokens": 1900, **LONG})
+
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            tasks = [asyncio.ensure_future(client_loop(client, i)) for i in range(6)]
             try:
+                # the autoscaler's decision, then the replica it starts (importing and building an engine under
+                # the load of six streams takes a 2-core machine far longer than the decision)
                 await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: _wait(lambda: _running(APP_NAME) == 2, 90, "a second replica under load"))
+                    None, lambda: _wait(lambda: _scaling_up(APP_NAME) or _running(APP_NAME) == 2,
+                                        90, "the autoscaler to ask for a second replica under load"))
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: _wait(lambda: _running(APP_NAME) == 2, 240, "the second replica to run"))
             finally:
+                stop.set()
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
