@@ -18,13 +18,22 @@ $(STAMP): pyproject.toml
 	else $(BIN)/pip install -q -e '.[test]'; fi
 	touch $(STAMP)
 
+# The GPU machines' Triton (the CUDA lock's) apart from the one installed: the tests compile muxd's kernels with both,
+# since a newer Triton may accept kernel code the GPU machines' rejects
+GPU_TRITON := $(VENV)/gpu-triton/.installed
+$(GPU_TRITON): $(STAMP) packaging/lock/requirements-cuda.txt
+	rm -rf $(VENV)/gpu-triton
+	$(BIN)/pip install -q --no-deps --target $(VENV)/gpu-triton \
+		"$$(grep -o '^triton==[0-9.]*' packaging/lock/requirements-cuda.txt)"
+	touch $@
+
 venv: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/muxd serve --port 8000
 
 # two workers (CI has two cores), each test file on one of them (a file's module fixtures start servers once)
-test: $(STAMP)
+test: $(STAMP) $(GPU_TRITON)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # the binary holds exactly the packages of the CPU lock (the CPU image's too), each checked against its hash
