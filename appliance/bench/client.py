@@ -159,7 +159,8 @@ async def probe_server(base_url: str, model: str | None = None, timeout: float =
 
 # ---- in-process target --------------------------------------------------------------------------------------------
 class InProcessTarget:
-    """An AsyncEngine in this process (no HTTP): every engine output is one token arrival."""
+    """An AsyncEngine in this process (no HTTP): every engine output is one token arrival. A request of the workload
+    is named `trace-<index>` in the engine (so a step log's request ids name the workload's requests)."""
 
     def __init__(self, engine: Any, temperature: float = 0.0, label: str = "in-process",
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -168,7 +169,7 @@ class InProcessTarget:
     async def send(self, prompt: str | list[int], spec: RequestSpec, timeline: RequestTimeline) -> None:
 
         params = SamplingParams(max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=True)
-        request = self.engine.make_request(prompt, params)
+        request = self.engine.make_request(prompt, params, f"trace-{timeline.index}" if timeline.index >= 0 else None)
         async for out in self.engine.stream(request):
             now = self.clock()
             timeline.token_times.extend([now] * len(out.new_token_ids))

@@ -8,9 +8,9 @@ driver since the previous launch; `stacks`, given `stacks_after_ms`: where a slo
 time of its decode or mixed kernels (`device_ms`, on CUDA), whether the next step was launched before its tokens were
 read (`overlapped`), the host time since the previous step's launch ended less the time spent reading tokens
 (`gap_ms`: the engine's bookkeeping, outputs and streaming, or an idle wait), the plan's mode, decode partition and
-prefill layers, the prefill launches in flight, and, given a predictor, its figure for the step beside what the
-executor measured; a temporal step also has the device time of its prefill layers after decode (`after_ms`,
-`after_items`).
+prefill layers, the requests it prefills (`prefill_ids`; an in-process replay names them `trace-<index>`) and those it
+preempted, the prefill launches in flight, and, given a predictor, its figure for the step beside what the executor
+measured; a temporal step also has the device time of its prefill layers after decode (`after_ms`, `after_items`).
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
 executor; `detach` restores them; `log_predictor` picks the predictor for an engine's log.
@@ -57,11 +57,14 @@ def _allocations() -> dict[str, int]:
 
 
 def planned_row(t: float, plan: Any, sched: Any, inflight: int) -> dict[str, Any]:
-    """A step as planned, as the log keeps it (the simulator's step log too): when, what it runs, the planner's mode
-    and headroom, the prefill launches in flight and the prompts waiting."""
+    """A step as planned, as the log keeps it (the simulator's step log too): when, what it runs (the requests whose
+    prompts it prefills by id, and those it preempted where any), the planner's mode and headroom, the prefill
+    launches in flight and the prompts waiting."""
     return {"t": t, "decode": len(plan.decode), "decode_sms": plan.decode_sms, "mixed": plan.mixed,
             "layers": (plan.prefill[0].layer_end - plan.prefill[0].layer_start) if plan.prefill else 0,
             "prefill_tokens": sum(w.num_tokens for w in plan.prefill),
+            "prefill_ids": [w.request_id for w in plan.prefill],
+            **({"preempted": list(plan.preempted)} if plan.preempted else {}),
             "mode": getattr(getattr(sched.planner, "stats", None), "last_mode", ""),
             "inflight": inflight, "waiting": len(sched.waiting), "headroom": sched.planner.headrooms()}
 

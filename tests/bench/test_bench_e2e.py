@@ -157,6 +157,8 @@ def test_in_process_token_id_prompts_for_a_model_without_tokenizer(llama_checkpo
     logged = json.loads((tmp_path / "mux" / "result.json").read_text())
     assert sum(st["decode"] for st in logged["steps"]) >= 4 * 4 and all("plan_ms" in st for st in logged["steps"])
     assert isinstance(logged["prefills"], list)
+    # each step names the requests it prefills: in process, by their place in the workload
+    assert {rid for st in logged["steps"] for rid in st["prefill_ids"]} == {f"trace-{i}" for i in range(4)}
 
 
 def test_save_steps_sets_the_profile_beside_chunked_steps(llama_checkpoint, tmp_path):
