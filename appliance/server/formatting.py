@@ -205,11 +205,18 @@ class CompletionFormat(_Format):
         for token_id, lp in entries:
             out.tokens.append(self.token(token_id))
             out.token_logprobs.append(lp.logprob if lp else None)
-            out.top_logprobs.append({self.token(t): v for t, v in lp.top[:self.logprobs]} if lp else None)
+            out.top_logprobs.append(self._top(lp) if lp else None)
             out.text_offset.append(offset)  # offsets in the text, whatever names the tokens
             offset += len(self.text(token_id))
         self._offsets[index] = offset
         return out
+
+    def _top(self, lp: TokenLogprob) -> dict[str, float]:
+        """The token itself, then the `logprobs` likeliest (as OpenAI and vLLM: up to logprobs + 1 entries)."""
+        top = {self.token(lp.token_id): lp.logprob}
+        for t, v in lp.top[:self.logprobs]:
+            top.setdefault(self.token(t), v)
+        return top
 
 
 class ChatFormat(_Format):

@@ -148,11 +148,27 @@ def test_completion_logprobs_with_echo(client, model_name):
     n = out.usage.prompt_tokens + 3
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
     assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
-    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert all(len(t) <= 3 and lp.tokens[i] in t for i, t in enumerate(lp.top_logprobs) if i)  # token + top 2
     assert lp.text_offset == sorted(lp.text_offset)
     plain = client.completions.create(model=model_name, prompt="def main():", max_tokens=3, temperature=0,
                                       logprobs=0, extra_body={"ignore_eos": True})
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[-3:], abs=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token(client, model_name, stream):
+    """As OpenAI and vLLM: each top_logprobs entry is the sampled token and the `logprobs` likeliest (up to
+    logprobs + 1 entries), so logprobs=0 still names the sampled token."""
+    for k in (0, 1):
+        out = client.completions.create(model=model_name, prompt="def main():", max_tokens=8, temperature=2.0,
+                                        seed=5, logprobs=k, stream=stream, extra_body={"ignore_eos": True})
+        lps = [c.choices[0].logprobs for c in out if c.choices] if stream else [out.choices[0].logprobs]
+        entries = [(t, v, top) for lp in lps for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)]
+        assert len(entries) == 8
+        for token, value, top in entries:
+            assert top[token] == pytest.approx(value) and 1 <= len(top) <= k + 1
+        if k == 0:
+            assert all(len(top) == 1 for _, _, top in entries)
 
 
 def test_echo_with_max_tokens_zero_returns_the_scored_prompt_alone(server, model_name, tokenizer):
@@ -541,7 +557,7 @@ def test_prompt_logprobs_as_vllm_returns_them(client, server, model_name, tokeni
         assert list(entry)[0] == str(ids[i]) and len(entry) in (2, 3)  # the token first, then the top 2
         top = sorted((v["rank"], v["logprob"]) for v in entry.values() if v["rank"] <= 2)
         assert [rank for rank, _ in top] == [1, 2]
-        assert sorted(echo["top_logprobs"][i].values(), reverse=True) == [v for _, v in top]
+        assert sorted(echo["top_logprobs"][i].values()) == sorted(v["logprob"] for v in entry.values())
     only = _post(server, "completions", {**body, "prompt_logprobs": 0, "n": 2})
     for c in only["choices"]:
         assert c["prompt_logprobs"][0] is None
