@@ -5,6 +5,7 @@ outputs arrive, turned into stream chunks or a final body, for completions (`Com
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import AsyncIterator
 
 from pydantic import BaseModel
@@ -79,6 +80,7 @@ def usage_of(choices: list[Choice], group: int | None = None) -> r.Usage:
 class _Format:
     def __init__(self, rid: str, model: str, tokenizer: Tokenizer | None, body: p._SamplingRequest) -> None:
         self.rid, self.model, self.tokenizer = rid, model, tokenizer
+        self.created = int(time.time())  # every chunk of a stream shows the same (as OpenAI and vLLM)
         self.as_ids = bool(body.return_tokens_as_token_ids)
         self.with_ids = bool(body.return_token_ids)  # token ids beside the text (vLLM's return_token_ids)
         self.prompt_top = body.prompt_logprobs if body.returns_prompt_logprobs else None
@@ -125,7 +127,7 @@ class _Format:
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         """The last chunk of a stream with include_usage: no choice, the usage of all."""
-        return r.CompletionResponse(id=self.rid, model=self.model, choices=[], usage=usage)
+        return r.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
 
 
 class CompletionFormat(_Format):
@@ -174,7 +176,8 @@ class CompletionFormat(_Format):
                                   token_ids=out.new_token_ids if self.with_ids else None,
                                   prompt_token_ids=self.prompt_ids[self._prompt(choice.index)]
                                   if self.with_ids and first else None)
-        return [r.CompletionResponse(id=self.rid, model=self.model, choices=[body], usage=usage)]
+        return [r.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[body],
+                                     usage=usage)]
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
         bodies = []
@@ -188,7 +191,7 @@ class CompletionFormat(_Format):
                                              logprobs=self._logprobs(c.index, c.prompt_logprobs if self.echo else None,
                                                                      c.logprobs, self.echo),
                                              prompt_logprobs=self.prompt_logprobs(c)))
-        return r.CompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage)
+        return r.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=bodies, usage=usage)
 
     def _logprobs(self, index: int, prompt: list[TokenLogprob | None] | None, tokens: list[TokenLogprob],
                   echoed: bool = False) -> r.CompletionLogprobs | None:
@@ -240,12 +243,12 @@ class ChatFormat(_Format):
         self._reasoning: dict[int, ReasoningStream] = {}
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
-        return r.ChatCompletionChunk(id=self.rid, model=self.model, choices=[], usage=usage)
+        return r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
 
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
-        return [r.ChatCompletionChunk(id=self.rid, model=self.model, usage=usage, choices=[r.ChatChunkChoice(
-            index=i, delta=r.ChatDelta(role="assistant", content=""))], prompt_token_ids=self.prompt_ids if i == 0
-            else None) for i in range(n)]
+        return [r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, usage=usage, choices=[
+            r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content=""))],
+            prompt_token_ids=self.prompt_ids if i == 0 else None) for i in range(n)]
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         delta = r.ChatDelta()
@@ -289,9 +292,9 @@ class ChatFormat(_Format):
                 logprobs is None and not (out.new_token_ids and (self.with_ids or self.tokenizer is None)):
             return []
         choice.started = True
-        return [r.ChatCompletionChunk(id=self.rid, model=self.model, usage=usage, choices=[r.ChatChunkChoice(
-            index=choice.index, delta=delta, finish_reason=reason, stop_reason=out.stop_reason, logprobs=logprobs,
-            token_ids=out.new_token_ids if self.with_ids else None)])]
+        return [r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, usage=usage, choices=[
+            r.ChatChunkChoice(index=choice.index, delta=delta, finish_reason=reason, stop_reason=out.stop_reason,
+                              logprobs=logprobs, token_ids=out.new_token_ids if self.with_ids else None)])]
 
     def final(self, choices: list[Choice], usage: r.Usage) -> BaseModel:
         bodies = []
@@ -325,8 +328,8 @@ class ChatFormat(_Format):
                                        stop_reason=c.last.stop_reason, logprobs=self._logprobs(c.logprobs, final=True),
                                        token_ids=c.token_ids if self.with_ids else None))
         first = next((c for c in choices if c.last is not None), None)  # every choice has the same prompt
-        return r.ChatCompletionResponse(id=self.rid, model=self.model, choices=bodies, usage=usage,
-                                        prompt_logprobs=self.prompt_logprobs(first) if first else None,
+        return r.ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=bodies,
+                                        usage=usage, prompt_logprobs=self.prompt_logprobs(first) if first else None,
                                         prompt_token_ids=self.prompt_ids)
 
     def _logprobs(self, tokens: list[TokenLogprob], final: bool = False) -> r.ChatLogprobs | None:

@@ -8,7 +8,6 @@ and hosted tools (web search, files, ...) are not served: a request that needs t
 from __future__ import annotations
 
 import re
-import time
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -343,7 +342,6 @@ class ResponsesFormat(ChatFormat):
                  parser: str, thinking: bool | None) -> None:
         super().__init__(rid, model, None, chat, parser, thinking)
         self.request = request
-        self.created = int(time.time())
         self.sequence = 0
         self.items: list[_Item] = []
         self.calls: dict[int, _Item] = {}  # a chat tool-call index -> its item
