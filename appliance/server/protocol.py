@@ -444,6 +444,13 @@ class CompletionRequest(_SamplingRequest):
         return self
 
     @model_validator(mode="after")
+    def _best_of_at_least_n(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of < self.num_choices:  # as vLLM
+            raise RequestError(f"best_of={self.best_of} is less than n={self.num_choices}; best_of choices are "
+                               "generated and the n likeliest returned", "best_of", CONFLICT)
+        return self
+
+    @model_validator(mode="after")
     def _bounded_batch(self) -> "CompletionRequest":
         prompts, each = len(self.prompts()), self.num_generated
         if prompts * each > MAX_SEQUENCES:

@@ -171,6 +171,7 @@ BAD_BODIES = [
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "n": 1000}, "n"),
     ("completions", {"prompt": "hi", "best_of": 0}, "best_of"),
+    ("completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),  # fewer than n (vLLM refuses it too)
     ("completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
     ("completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
