@@ -91,6 +91,7 @@ def validation_error(errors: list[dict[str, Any]]) -> JSONResponse:
         return error_response(400, f"request body is not valid JSON: {detail}", "invalid_request_error",
                               None, "invalid_json")
     messages: dict[str, str] = {}
+    mismatched: set[str] = set()  # fields whose message is a union member's type mismatch
     located = [(_where(tuple(e.get("loc", ()))), e) for e in errors]
     deeper = {where for where, _ in located}
     for where, e in located:
@@ -100,19 +101,28 @@ def validation_error(errors: list[dict[str, Any]]) -> JSONResponse:
             messages[where] = ("request body must be a JSON object, sent with the header 'Content-Type: "
                                "application/json'")
             continue
-        if where in messages:
-            continue  # a union reports one error per member; the first says enough
+        if where in messages and (where not in mismatched or _mismatch(e)):
+            continue  # a union reports one error per member: the first whose type the value has says enough
+        mismatched.discard(where)
+        if _mismatch(e):
+            mismatched.add(where)
         if e.get("type") == "extra_forbidden":
             messages[where] = f"unrecognized request argument supplied: {where}"
             continue
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         value = e.get("input")
-        if isinstance(value, (int, float, str)) and len(repr(value)) <= 40 and e.get("type") != "missing":
+        if isinstance(value, (int, float, str)) and len(repr(value)) <= 40 and e.get("type") != "missing" and \
+                f"got {value!r}" not in msg:
             msg += f" (got {value!r})"
         messages[where] = f"{where or 'request body'}: {msg}"
     param = next(iter(messages), None) or None
     return error_response(400, "; ".join(messages.values()) or "invalid request", "invalid_request_error", param,
                           "invalid_value")
+
+
+def _mismatch(error: dict[str, Any]) -> bool:
+    """A value of another type than the one expected (in a union: the member the value is not meant for)."""
+    return str(error.get("type", "")).endswith("_type")
 
 
 def install_handlers(app: FastAPI) -> None:
