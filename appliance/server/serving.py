@@ -110,8 +110,8 @@ class OpenAIServing:
     async def tokenize(self, body: t.TokenizeRequest) -> r.TokenizeResponse:
         self.check_model(body.model)
         ids = await self._off_loop(self._tokenize, body)
-        strs = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs \
-            else None
+        # as vLLM (convert_ids_to_tokens): the vocabulary's pieces ('Ġw'), whole where a token is part of a character
+        strs = [self.tokenizer.raw.id_to_token(t) for t in ids] if body.return_token_strs else None
         return r.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     def tokenizer_info(self) -> dict[str, Any]:

@@ -103,6 +103,15 @@ def test_tokenize_detokenize_version(server, model_name):
         assert response.status_code in (400, 404) and response.json()["error"]["param"] == param
 
 
+def test_token_strs_are_the_vocabulary_pieces(server, tokenizer):
+    """As vLLM (the tokenizer's convert_ids_to_tokens): each token's piece as the vocabulary spells it, so a token
+    of part of a character is not a replacement character."""
+    body = httpx.post(server.url + "/tokenize", json={"prompt": "hello world\n\u00e9",
+                                                       "return_token_strs": True}).json()
+    assert body["token_strs"] == [tokenizer.raw.id_to_token(t) for t in body["tokens"]]
+    assert "\ufffd" not in "".join(body["token_strs"])
+
+
 def test_n_choices_with_seeds_streamed_and_not(client, model_name):
     kw = dict(model=model_name, prompt="import os\n" * 8, max_tokens=8, temperature=1.0, seed=11, n=3,
               extra_body={"ignore_eos": True})
