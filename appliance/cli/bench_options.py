@@ -29,7 +29,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "trace_format": (Annotated[str, typer.Option("--trace-format", "--dataset-name", help=f"auto, "
                                                  f"{', '.join(FORMATS)}; random: a synthetic workload.",
                                                  rich_help_panel=_W)], "auto"),
-    "num_prompts": (Annotated[int, typer.Option(help="Synthetic: number of requests.", rich_help_panel=_W)], 100),
+    "num_prompts": (Annotated[Optional[int], typer.Option(help="Number of requests: synthetic (default 100), or "
+                                                               "the trace's first N (as --max-requests).",
+                                                          rich_help_panel=_W)], None),
     "workload": (Annotated[Optional[str], typer.Option(help="A named synthetic workload instead of a trace: "
                                                           "chat-short (prompts lognormal, median 1,000 tokens; outputs "
                                                           "lognormal, median 250; Poisson arrivals unless "
@@ -227,6 +229,16 @@ def _options(**kw: Any) -> BenchOptions:
     if kw["trace_format"] not in ("auto", *FORMATS):
         raise ConfigError(f"--trace-format (--dataset-name) must be one of auto, random, {', '.join(FORMATS)}, "
                           f"got {kw['trace_format']!r}")
+    if kw["trace_format"] != "auto" and kw["trace"] is None:
+        raise ConfigError(f"--dataset-name {kw['trace_format']} reads a trace file: give --dataset-path (--trace)")
+    if kw["num_prompts"] is None:
+        kw["num_prompts"] = 100
+    elif kw["num_prompts"] < 1:
+        raise ConfigError(f"--num-prompts must be >= 1, got {kw['num_prompts']}")
+    elif kw["trace"] is not None:  # vLLM's --num-prompts with a dataset: that many of its requests
+        if kw["max_requests"] is not None:
+            raise ConfigError("--num-prompts and --max-requests both limit the trace's requests; give one")
+        kw["max_requests"] = kw["num_prompts"]
     if kw.pop("save_result") and kw["result_dir"] is None:
         kw["result_dir"] = Path(".")
     if kw["result_filename"] is not None and not kw["result_filename"].strip():
