@@ -28,6 +28,7 @@ from appliance.workload.metrics import METRIC_NAMES, PERCENTILES, SLO, RequestTi
 from appliance.workload.traces import RequestSpec, load_trace
 
 SLOW_LAUNCH_MS = 25.0  # --save-steps: a step launch slower than this gets its engine-thread stacks sampled
+CHECK_TIMEOUT_S = 60.0  # the test request before a replay fails after this long (or --request-timeout) unanswered
 
 
 @dataclass
@@ -227,8 +228,12 @@ class Session:
         """One short request before the replay, so a wrong model name or endpoint fails clearly and at once."""
         probe = RequestSpec(0.0, 1, 2)
         timeline = RequestTimeline(arrival=0.0)
+        wait = self.opts.request_timeout or CHECK_TIMEOUT_S
         try:
-            await self.target.send(prompt[:8] if isinstance(prompt, list) else prompt[:64], probe, timeline)
+            await asyncio.wait_for(self.target.send(prompt[:8] if isinstance(prompt, list) else prompt[:64], probe,
+                                                    timeline), wait)
+        except asyncio.TimeoutError:
+            timeline.error = f"no answer within {wait:g} s; --request-timeout sets the wait"
         except Exception as exc:  # noqa: BLE001 - reported as a configuration problem
             timeline.error = f"{type(exc).__name__}: {exc}"
         if timeline.error or not timeline.token_times:

@@ -3,13 +3,17 @@ same, vLLM's result keys, and bad input refused with a message naming what is wr
 """
 from __future__ import annotations
 
+import http.server
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from fake_server import FakeServer
 from typer.testing import CliRunner
 
+from appliance.bench import run
 from appliance.cli.main import app
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -39,3 +43,37 @@ def test_num_prompts_limits_a_trace(fake, tmp_path):
     assert json.loads((tmp_path / "result.json").read_text())["num_prompts"] == 3
     result = invoke(*args, "--num-prompts", "3", "--max-requests", "4")
     assert result.exit_code == 2 and "--num-prompts" in result.output and "--max-requests" in result.output
+
+
+class _Silent(http.server.BaseHTTPRequestHandler):
+    """Lists a model, then never answers a completion (a wedged server, or another service on the port)."""
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "m", "max_model_len": 2048}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        time.sleep(30)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_never_answers_fails_the_test_request(monkeypatch):
+    monkeypatch.setattr(run, "CHECK_TIMEOUT_S", 1.0)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        result = invoke("--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", "embedded",
+                        "--num-prompts", "2", "--input-len", "8", "--output-len", "2")
+    finally:
+        server.shutdown()
+    assert result.exit_code == 2, result.output
+    assert "the test request failed (no answer within 1 s" in result.output
+    assert time.monotonic() - started < 25
