@@ -93,6 +93,7 @@ def write_results(out_dir: Path, results: Sequence[dict[str, Any]], filename: st
     out_dir.mkdir(parents=True, exist_ok=True)
     if len(results) == 1:
         path = out_dir / (filename or "result.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results[0], indent=2))
         return [path]
     paths = []

@@ -246,6 +246,12 @@ def _options(**kw: Any) -> BenchOptions:
     kw["percentile_metrics"] = _metric_names(kw["percentile_metrics"])
     if kw["max_concurrency"] is not None and kw["max_concurrency"] < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
+    if kw["request_timeout"] is not None and not kw["request_timeout"] > 0:
+        raise ConfigError(f"--request-timeout must be > 0 seconds, got {kw['request_timeout']:g}")
+    if kw["skip"] < 0:
+        raise ConfigError(f"--skip must be >= 0, got {kw['skip']}")
+    if kw["result_dir"] is not None and kw["result_dir"].exists() and not kw["result_dir"].is_dir():
+        raise ConfigError(f"--result-dir {kw['result_dir']} is a file; give a directory")
     if kw["max_idle"] is not None and kw["max_idle"] < 0:
         raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
     if kw["planner_prior"] and not kw["simulate"]:

@@ -77,3 +77,25 @@ def test_a_server_that_never_answers_fails_the_test_request(monkeypatch):
     assert result.exit_code == 2, result.output
     assert "the test request failed (no answer within 1 s" in result.output
     assert time.monotonic() - started < 25
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--request-timeout", "0"], "--request-timeout must be > 0 seconds, got 0"),
+    (["--request-timeout", "-1"], "--request-timeout must be > 0 seconds, got -1"),
+    (["--skip", "-1"], "--skip must be >= 0, got -1"),
+])
+def test_out_of_range_numbers_are_refused(args, message):
+    result = invoke("--url", "http://127.0.0.1:9", "--tokenizer", "embedded", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_result_paths(fake, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    result = invoke("--url", "http://127.0.0.1:9", "--tokenizer", "embedded", "--result-dir", str(taken))
+    assert result.exit_code == 2 and f"--result-dir {taken} is a file" in result.output, result.output
+    result = invoke("--url", fake.url, "--tokenizer", "embedded", "--num-prompts", "2", "--input-len", "8",
+                    "--output-len", "2", "--result-dir", str(tmp_path), "--result-filename", "runs/a.json")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "runs" / "a.json").read_text())["completed"] == 2
