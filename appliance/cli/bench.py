@@ -19,13 +19,13 @@ from appliance.bench.rates import RatePlan, criteria, measure_rates, parse_rates
 from appliance.bench.run import BenchOptions, Session, load_workload, prompt_synth, shape, variants
 from appliance.bench.simulated import run_simulated, simulated_measures
 from appliance.bench.sweep import SweepResult, find_capacity, write_summary
-from appliance.cli.bench_options import with_common_options
+from appliance.cli.bench_options import BenchGroup, with_common_options
 from appliance.errors import ConfigError
 from appliance.workload import shaping as wl
 from appliance.workload.metrics import RequestTimeline
 from appliance.workload.traces import RequestSpec
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(cls=BenchGroup, add_completion=False, pretty_exceptions_enable=False,
                   help="Replay a request trace (or a synthetic workload) against an OpenAI-compatible server, the "
                        "muxd appliance per scheduling policy, or the engine in process; report latency, SLO "
                        "attainment, goodput and capacity.")

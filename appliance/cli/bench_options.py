@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from appliance.bench.launcher import parse_cluster_args, parse_policies, parse_routers, parse_serve_args
 from appliance.bench.run import BenchOptions
@@ -106,8 +109,8 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                               "at low rates take their busy time only.",
                                                          rich_help_panel=_T)], None),
     "goodput": (Annotated[Optional[list[str]], typer.Option(help="vLLM-style SLO, a request is good when it meets "
-                                                                 "every target: ttft:MS tpot:MS e2el:MS (repeat the "
-                                                                 "flag or quote them together).",
+                                                                 "every target: ttft:MS tpot:MS e2el:MS (after one "
+                                                                 "flag as in vLLM, or repeat the flag).",
                                                             rich_help_panel=_S)], None),
     "slo": (Annotated[Optional[Path], typer.Option(help="YAML SLO contract (per-request targets).",
                                                    rich_help_panel=_S)], None),
@@ -181,6 +184,29 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
                                               rich_help_panel=_O)], True),
 }
+
+
+_PAIR = re.compile(r"\w+:[-+.\w]*")
+
+
+def fold_goodput(args: list[str]) -> list[str]:
+    """vLLM's `--goodput ttft:MS tpot:MS` (several pairs after one flag) as one `--goodput` per pair."""
+    out: list[str] = []
+    take = 0  # 2: the next word is --goodput's value; 1: later KEY:MS words are more pairs
+    for arg in args:
+        if take == 1 and _PAIR.fullmatch(arg):
+            out += ["--goodput", arg]
+            continue
+        take = 2 if arg == "--goodput" else (1 if take == 2 or arg.startswith("--goodput=") else 0)
+        out.append(arg)
+    return out
+
+
+class BenchGroup(TyperGroup):
+    """The `muxd bench` group: takes vLLM's `--goodput` form before typer parses (for `sweep` too)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, fold_goodput(args))
 
 
 def with_common_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -99,3 +99,16 @@ def test_result_paths(fake, tmp_path):
                     "--output-len", "2", "--result-dir", str(tmp_path), "--result-filename", "runs/a.json")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "runs" / "a.json").read_text())["completed"] == 2
+
+
+def test_goodput_takes_several_pairs_after_one_flag(fake, tmp_path):
+    """vLLM's form, `--goodput ttft:MS tpot:MS`, for a replay and for a sweep."""
+    args = ["--url", fake.url, "--tokenizer", "embedded", "--num-prompts", "2", "--input-len", "8", "--output-len", "2"]
+    result = invoke(*args, "--goodput", "ttft:60000", "tpot:60000", "--result-dir", str(tmp_path / "one"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "one" / "result.json").read_text())["slo"] == "ttft:60000 tpot:60000"
+    result = invoke("sweep", *args, "--goodput", "ttft:60000", "e2el:60000", "--rates", "50",
+                    "--result-dir", str(tmp_path / "sweep"))
+    assert result.exit_code == 0, result.output
+    point = json.loads(next((tmp_path / "sweep" / "points").glob("*.json")).read_text())
+    assert point["slo"] == "ttft:60000 e2el:60000"
