@@ -13,6 +13,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
+from appliance.bench.client import ENDPOINTS
 from appliance.bench.launcher import parse_cluster_args, parse_policies, parse_routers, parse_serve_args
 from appliance.bench.run import BenchOptions
 from appliance.errors import ApplianceError, ConfigError
@@ -66,7 +67,8 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                   help="Base URL of a running OpenAI-compatible server (e.g. "
                                                        "http://127.0.0.1:8000); default: start muxd serve.",
                                                   rich_help_panel=_T)], None),
-    "endpoint": (Annotated[str, typer.Option(help="completions or chat.", rich_help_panel=_T)], "completions"),
+    "endpoint": (Annotated[str, typer.Option(help="completions or chat (or their paths, /v1/completions, "
+                                                  "/v1/chat/completions).", rich_help_panel=_T)], "completions"),
     "served_model_name": (Annotated[Optional[str], typer.Option(help="Model name to send (default: the first of "
                                                                      "GET /v1/models).", rich_help_panel=_T)], None),
     "model": (Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory (or 'embedded') to serve "
@@ -246,8 +248,10 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError("--cluster-args configures the muxd cluster that --routers starts; give --routers")
     if kw["serve_args"] and kw["url"]:
         raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
-    if kw["endpoint"] not in ("completions", "chat"):
-        raise ConfigError(f"--endpoint must be completions or chat, got {kw['endpoint']!r}")
+    kw["endpoint"] = {path: name for name, path in ENDPOINTS.items()}.get(kw["endpoint"], kw["endpoint"])
+    if kw["endpoint"] not in ENDPOINTS:
+        raise ConfigError(f"--endpoint must be completions or chat (vLLM's {' or '.join(ENDPOINTS.values())}), "
+                          f"got {kw['endpoint']!r}")
     if kw["trace_format"] == "random":  # vLLM's --dataset-name random: a synthetic workload
         if kw["trace"] is not None:
             raise ConfigError("--dataset-name random is a synthetic workload; leave out --trace/--dataset-path")
