@@ -247,7 +247,8 @@ class Session:
         opts = self.opts
         requested = rate if rate is not None else opts.request_rate
         out: dict[str, Any] = {
-            "date": result.started_at, "backend": self.backend, "label": self.label, "policy": self.policy,
+            "date": result.started_at, "endpoint_type": self.backend, "backend": self.backend, "label": self.label,
+            "policy": self.policy,
             **({"router": self.router, "cluster_args": " ".join(opts.cluster_args)} if self.router else {}),
             "model_id": self.model_id, "tokenizer_id": opts.tokenizer or opts.model,
             "trace": str(opts.trace) if opts.trace else "synthetic", "num_prompts": len(specs),

@@ -9,6 +9,7 @@ as `request_throughput`, `request_goodput`, `p99_ttft_ms`, plus `slo_attainment`
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, Sequence
@@ -170,7 +171,7 @@ def summarize(timelines: Sequence[RequestTimeline], duration: float | None = Non
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": _rate(len(done), dur), "request_goodput": None,
         "output_throughput": _rate(total_out, dur), "total_token_throughput": _rate(total_in + total_out, dur),
-        "slo": None, "good_requests": None, "slo_attainment": None,
+        "slo": None, "good_requests": None, "slo_attainment": None, **_peaks(done),
     }
     if slo is not None:
         good = sum(good_flags(timelines, slo, specs))
@@ -187,6 +188,18 @@ def summarize(timelines: Sequence[RequestTimeline], duration: float | None = Non
     if detailed:
         result.update(detailed_arrays(timelines))
     return result
+
+
+def _peaks(done: Sequence[RequestTimeline]) -> dict[str, Any]:
+    """vLLM's peak figures: the most token arrivals within one second (seconds counted from the first arrival) and
+    the most requests in flight at once (each from its arrival to its last token)."""
+    if not done:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(t.arrival for t in done)
+    per_second = np.bincount([max(0, int(x - t0)) for t in done for x in t.token_times])
+    events = sorted([(t.arrival, 1) for t in done] + [(t.token_times[-1], -1) for t in done])  # an end before a start
+    return {"max_output_tokens_per_s": float(per_second.max()),
+            "max_concurrent_requests": max(itertools.accumulate(step for _, step in events))}
 
 
 def _rate(count: float, duration: float) -> float:
@@ -206,14 +219,15 @@ def _stats(name: str, values: list[float], percentiles: Sequence[float]) -> dict
 
 def detailed_arrays(timelines: Sequence[RequestTimeline]) -> dict[str, list]:
     """Per-request arrays under vLLM's --save-detailed keys (ttfts and itls in seconds, as vLLM writes them)."""
-    out: dict[str, list] = {"input_lens": [], "output_lens": [], "ttfts": [], "itls": [], "start_times": [],
-                            "errors": []}
+    out: dict[str, list] = {"input_lens": [], "output_lens": [], "ttfts": [], "itls": [], "latencies": [],
+                            "start_times": [], "errors": []}
     for t in timelines:
         m = request_metrics(t) if t.success else None
         out["input_lens"].append(t.prompt_tokens)
         out["output_lens"].append(m.output_tokens if m else 0)
         out["ttfts"].append(m.ttft if m else 0.0)
         out["itls"].append(list(m.itls) if m else [])
+        out["latencies"].append(m.e2el if m else 0.0)
         out["start_times"].append(t.arrival)
         out["errors"].append(t.error or "")
     return out

@@ -115,3 +115,15 @@ def test_parse_goodput_forms():
     assert parse_goodput([]) is None
     assert parse_goodput(["ttft:300 tpot:50"]).targets == {"ttft": 300.0, "tpot": 50.0}
     assert parse_goodput(["ttft:300,e2el:2000"]).targets == {"ttft": 300.0, "e2el": 2000.0}
+
+
+def test_vllm_peak_keys_and_latencies():
+    r = summarize(timelines(), detailed=True)
+    # token arrivals per second from the first arrival: A's four in [0, 1) s, then 3, 1 and E's three chunks
+    assert r["max_output_tokens_per_s"] == 4.0
+    assert r["max_concurrent_requests"] == 1  # A, B, C and E never overlap (D failed)
+    assert r["latencies"] == pytest.approx([0.4, 0.6, 0.05, 0.0, 0.9])  # E2E per request, in seconds
+    overlapping = [RequestTimeline(0.0, [0.5, 1.0]), RequestTimeline(0.2, [0.6]), RequestTimeline(1.0, [1.2])]
+    assert summarize(overlapping)["max_concurrent_requests"] == 2  # the first ends as the third starts
+    empty = summarize([RequestTimeline(0.0, error="refused")])
+    assert (empty["max_output_tokens_per_s"], empty["max_concurrent_requests"]) == (0.0, 0)

@@ -118,6 +118,7 @@ def test_endpoint_takes_vllm_paths(fake, tmp_path):
     result = invoke("--url", fake.url, "--tokenizer", "embedded", "--num-prompts", "2", "--input-len", "8",
                     "--output-len", "2", "--endpoint", "/v1/completions", "--result-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "result.json").read_text())["backend"] == "openai"
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["endpoint_type"] == r["backend"] == "openai"  # vLLM writes both
     result = invoke("--url", fake.url, "--tokenizer", "embedded", "--endpoint", "/v1/embeddings")
     assert result.exit_code == 2 and "/v1/chat/completions" in result.output, result.output
