@@ -95,6 +95,9 @@ def prompt_synth(opts: BenchOptions) -> PromptSynth | None:
     source = opts.tokenizer or opts.model or (None if opts.url else "embedded")
     if source is None:
         return None
+    if source == opts.model and opts.tokenizer is None and not model_dir(source).is_dir():
+        raise ConfigError(f"--model {source}: no such model directory; --model is the model muxd serves (with --url, "
+                          "the tokenizer's directory), the name sent to a server is --served-model-name")
     return PromptSynth.from_model_dir(model_dir(source), seed=opts.seed)
 
 

@@ -122,3 +122,10 @@ def test_endpoint_takes_vllm_paths(fake, tmp_path):
     assert r["endpoint_type"] == r["backend"] == "openai"  # vLLM writes both
     result = invoke("--url", fake.url, "--tokenizer", "embedded", "--endpoint", "/v1/embeddings")
     assert result.exit_code == 2 and "/v1/chat/completions" in result.output, result.output
+
+
+def test_model_as_vllm_means_it_is_named_in_the_error():
+    """vLLM's --model is the served name; here it is the model directory, so a name that is none says so."""
+    result = invoke("--url", "http://127.0.0.1:9", "--model", "muxd-embedded", "--num-prompts", "2")
+    assert result.exit_code == 2, result.output
+    assert "--model muxd-embedded" in result.output and "--served-model-name" in result.output
