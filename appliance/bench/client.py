@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Protocol, Sequence
@@ -261,7 +262,7 @@ async def replay(specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]
         t.sent = t.sent + c - t0 if t.sent is not None else None
         t.token_times = [x + c - t0 for x in t.token_times]
     end = max((t.token_times[-1] for t in timelines if t.token_times), default=0.0)
-    notes = []
+    notes = [note] if (note := _failures_note(timelines)) else []
     if short:
         notes.append(f"{short} requests got fewer output tokens than asked: the server may not honour ignore_eos")
     if cut > 0:
@@ -269,6 +270,20 @@ async def replay(specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]
                      f"replay took {wall:.0f} s of wall time; no request spanned a skip, and times are on the "
                      "trace's clock")
     return ReplayResult(getattr(target, "label", "target"), timelines, max(0.0, end), started_at, short, notes)
+
+
+def _failures_note(timelines: Sequence[RequestTimeline], most: int = 3) -> str | None:
+    """How many requests failed and why (the commonest errors first), so a failed count explains itself."""
+    errors = Counter(t.error or "no token arrived" for t in timelines if not t.success)
+    if not errors:
+        return None
+    n = sum(errors.values())
+    if len(errors) == 1:
+        return f"{n} request{'s' if n > 1 else ''} failed: {next(iter(errors))}"
+    shown = errors.most_common(most)
+    rest = n - sum(k for _, k in shown)
+    return (f"{n} requests failed: " + "; ".join(f"{k} x {error}" for error, k in shown)
+            + (f"; {rest} more with other errors" if rest else ""))
 
 
 def client_lag_note(summary: dict[str, Any], threshold_ms: float = 10.0) -> str | None:

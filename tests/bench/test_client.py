@@ -43,6 +43,7 @@ def test_replay_keeps_order_clock_and_failures():
     assert boom.error == "RuntimeError: connection reset" and not boom.success
     assert c.success and result.duration == pytest.approx(c.token_times[-1])
     assert result.short_outputs == 0
+    assert result.notes == ["1 request failed: RuntimeError: connection reset"]  # why, without --save-detailed
     loop = asyncio.new_event_loop()
     try:
         short = loop.run_until_complete(replay([RequestSpec(0.0, 4, 9)], ["x"], StubTarget(), clock=loop.time))
