@@ -183,8 +183,11 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                                            "and host run the profile: what mux "
                                                                            "keeps before `muxd profile`.",
                                                    rich_help_panel=_T)], False),
-    "progress": (Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.",
-                                              rich_help_panel=_O)], True),
+    "progress": (Annotated[bool, typer.Option("--progress/--no-progress", " /--disable-tqdm",
+                                              help="Show a progress bar.", rich_help_panel=_O)], True),
+    "ignore_eos": (Annotated[bool, typer.Option("--ignore-eos", help="Accepted as vLLM's: outputs are always forced "
+                                                                     "to the recorded length (ignore_eos).",
+                                                rich_help_panel=_T)], False),
 }
 
 
@@ -303,7 +306,7 @@ def _options(**kw: Any) -> BenchOptions:
     routers = parse_routers(routers_text) if routers_text is not None else []
     cluster_args = parse_cluster_args(kw.pop("cluster_args"))
     window = wl.parse_window(kw.pop("window")) if kw["window"] else None
-    kw.pop("progress")
+    kw.pop("progress"), kw.pop("ignore_eos")
     return BenchOptions(**{k: v for k, v in kw.items() if k not in ("policies", "serve_args", "window")},
                         window=window, slo=slo, percentiles=percentiles, policies=policies, serve_args=serve_args,
                         routers=routers, cluster_args=cluster_args)

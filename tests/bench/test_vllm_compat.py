@@ -129,3 +129,11 @@ def test_model_as_vllm_means_it_is_named_in_the_error():
     result = invoke("--url", "http://127.0.0.1:9", "--model", "muxd-embedded", "--num-prompts", "2")
     assert result.exit_code == 2, result.output
     assert "--model muxd-embedded" in result.output and "--served-model-name" in result.output
+
+
+def test_vllm_flags_whose_behaviour_is_fixed_here_are_accepted(fake, tmp_path):
+    """--ignore-eos (outputs are always forced to their length) and --disable-tqdm (--no-progress)."""
+    result = invoke("--url", fake.url, "--tokenizer", "embedded", "--num-prompts", "2", "--input-len", "8",
+                    "--output-len", "3", "--ignore-eos", "--disable-tqdm", "--result-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "result.json").read_text())["total_output_tokens"] == 6
