@@ -3,7 +3,6 @@ chunk, /tokenize, /detokenize, /version, a batch of prompts in one completions r
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -179,22 +178,6 @@ def test_completion_top_logprobs_hold_the_sampled_token(client, model_name, stre
             assert top[token] == pytest.approx(value) and 1 <= len(top) <= k + 1
         if k == 0:
             assert all(len(top) == 1 for _, _, top in entries)
-
-
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_every_chunk_of_a_stream_has_the_same_created(client, model_name, endpoint):
-    """As OpenAI and vLLM: `created` is when the request began, the same on every chunk of a stream that lasts
-    several seconds (the usage chunk too)."""
-    kw = dict(model=model_name, max_tokens=48, stream=True, stream_options={"include_usage": True},
-              extra_body={"ignore_eos": True})
-    before = int(time.time())
-    if endpoint == "chat":
-        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], n=2, **kw))
-    else:
-        chunks = list(client.completions.create(prompt="def main():", n=2, **kw))
-    assert int(time.time()) > before  # the stream crossed a second
-    assert len(chunks) > 48 and {c.created for c in chunks} == {chunks[0].created}
-    assert before <= chunks[0].created
 
 
 def test_echo_with_max_tokens_zero_returns_the_scored_prompt_alone(server, model_name, tokenizer):
