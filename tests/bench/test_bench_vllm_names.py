@@ -69,14 +69,12 @@ def test_a_server_that_never_answers_fails_the_test_request(monkeypatch):
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        started = time.monotonic()
         result = invoke("--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", "embedded",
                         "--num-prompts", "2", "--input-len", "8", "--output-len", "2")
     finally:
         server.shutdown()
     assert result.exit_code == 2, result.output
     assert "the test request failed (no answer within 1 s" in result.output
-    assert time.monotonic() - started < 25
 
 
 @pytest.mark.parametrize("args, message", [
