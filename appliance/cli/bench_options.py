@@ -17,6 +17,7 @@ from appliance.bench.client import ENDPOINTS
 from appliance.bench.launcher import parse_cluster_args, parse_policies, parse_routers, parse_serve_args
 from appliance.bench.run import BenchOptions
 from appliance.errors import ApplianceError, ConfigError
+from appliance.predictor.profile import read_profile
 from appliance.slo.contract import load_contract
 from appliance.workload import shaping as wl
 from appliance.workload.metrics import METRIC_NAMES, SLO, parse_goodput
@@ -155,8 +156,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                             "(default: as `muxd serve` finds one: cached by `muxd "
                                                             "profile`, or shipped; else the roofline prior).",
                                                        rich_help_panel=_T)], None),
-    "gpu": (Annotated[str, typer.Option(help="--simulate: the GPU to plan for (h100, h200).", rich_help_panel=_T)],
-            "h100"),
+    "gpu": (Annotated[Optional[str], typer.Option(help="--simulate: the GPU to plan for (h100, h200; default: the "
+                                                       "one --profile was measured on, else h100).",
+                                                  rich_help_panel=_T)], None),
     "device_error": (Annotated[float, typer.Option(help="--simulate: model error injected, the simulated GPU runs "
                                                         "(1 + this) x the profile's times (0.2: 20 % slower, -0.2: "
                                                         "20 % faster); the planner is not told.",
@@ -212,6 +214,17 @@ class BenchGroup(TyperGroup):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         return super().parse_args(ctx, fold_goodput(args))
+
+
+def _profiled_gpu(profile: Path | None) -> str | None:
+    """The GPU a --profile was measured on (None without one, or for a file that is not a profile: the simulation
+    then says why it cannot use it)."""
+    if profile is None:
+        return None
+    try:
+        return read_profile(profile).gpu.name
+    except ConfigError:
+        return None
 
 
 def with_common_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -285,6 +298,8 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError(f"--skip must be >= 0, got {kw['skip']}")
     if kw["result_dir"] is not None and kw["result_dir"].exists() and not kw["result_dir"].is_dir():
         raise ConfigError(f"--result-dir {kw['result_dir']} is a file; give a directory")
+    if kw["gpu"] is None:
+        kw["gpu"] = _profiled_gpu(kw["profile"]) or "h100"
     if kw["max_idle"] is not None and kw["max_idle"] < 0:
         raise ConfigError(f"--max-idle must be >= 0 seconds, got {kw['max_idle']:g}")
     if kw["planner_prior"] and not kw["simulate"]:

@@ -156,3 +156,19 @@ def test_simulate_saves_its_steps_as_the_engine_logs_them(tmp_path):
     refused = runner.invoke(app, ["bench", "diagnose", "--from-steps", str(out / "points" / "mux-2.json"),
                                   "--profile", str(profile), "--model", str(MODEL)], env={"COLUMNS": "200"})
     assert refused.exit_code != 0 and "simulated replay" in refused.output, refused.output
+
+
+def test_simulate_plans_for_the_gpu_the_profile_was_measured_on(tmp_path):
+    """Without --gpu, a --profile measured on an H200 is used as such (not set aside for an H100's roofline prior);
+    --gpu h100 still sets it aside, saying why."""
+    profile = tmp_path / "profile-h200.json"
+    gpu = SyntheticGPU(ModelConfig.from_file(MODEL / "config.json"), DEVICES["h200"])
+    save_profile(synthetic_profile(gpu, partition_choices(132), "llama-3.1-8b"), profile)
+    args = ["bench", "--simulate", "--policies", "serial", "--trace", str(TRACE), "--max-requests", "10",
+            "--spread-ties", "--model", str(MODEL), "--profile", str(profile), "--slo", str(SLO)]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert f"profile {profile}" in result.output and "roofline prior" not in result.output
+    result = runner.invoke(app, [*args, "--gpu", "h100"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "using the roofline prior for H100" in " ".join(result.output.split())
