@@ -321,7 +321,8 @@ def _options(**kw: Any) -> BenchOptions:
     routers = parse_routers(routers_text) if routers_text is not None else []
     cluster_args = parse_cluster_args(kw.pop("cluster_args"))
     window = wl.parse_window(kw.pop("window")) if kw["window"] else None
-    kw.pop("progress"), kw.pop("ignore_eos")
+    for accepted in ("progress", "ignore_eos"):  # read by the command (progress) or changing nothing (ignore_eos)
+        kw.pop(accepted)
     return BenchOptions(**{k: v for k, v in kw.items() if k not in ("policies", "serve_args", "window")},
                         window=window, slo=slo, percentiles=percentiles, policies=policies, serve_args=serve_args,
                         routers=routers, cluster_args=cluster_args)
