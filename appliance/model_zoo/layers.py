@@ -3,6 +3,8 @@ in rope.py), merged linear layers, the split-K output projections, gated MLP, pa
 layer.
 
 Inputs are flat token batches ([num_tokens, hidden]); attention reads its batch layout from the forward context.
+`DecoderLayer.forward_row` is the same layer for one row in the form the single-token graph compiles to fewer
+kernels (`norm_linear`).
 Under tensor parallelism (a config from `ModelConfig.sharded`) each layer holds rank `rank`'s share, Megatron-style:
 QKV and gate/up column-parallel (their rows of the checkpoint's), O and down row-parallel (parallel.py).
 """
@@ -129,6 +131,20 @@ def settle(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dim() == 2 else functools.reduce(torch.add, x.unbind(0)).to(dtype)
 
 
+def norm_linear(x: torch.Tensor, norm: RMSNorm, linear: nn.Linear) -> torch.Tensor:
+    """linear(norm(x)) of one row x [1, K], written so that Inductor makes one kernel of it: the norm's statistic is
+    reduced once for each output feature ([N, K], the same sum N times, over the row each of the projection's
+    programs reads anyway), so it joins the matrix-vector product's reduction as a first loop, where as a reduction
+    of its own it would be a kernel launched before the projection. The rounding is the norm's, then the
+    projection's (fp32 sums of bf16 products)."""
+    k, n = x.shape[-1], linear.weight.shape[0]
+    xf = x.float()
+    stat = (xf * xf).expand(n, k).sum(-1, keepdim=True)
+    h = norm.weight * (xf * torch.rsqrt(stat / k + norm.eps)).to(x.dtype)
+    y = (h.float() * linear.weight.float()).sum(-1).to(x.dtype).unsqueeze(0)
+    return y if linear.bias is None else y + linear.bias
+
+
 def reducing_linear(cfg: ModelConfig, total_in: int, bias: bool, rank: int) -> nn.Linear:
     """The output or down projection: split-K on one rank, row-parallel (the ranks' all-reduce sums) beyond."""
     if cfg.tp_size == 1:
@@ -144,8 +160,10 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": rows, "up_proj": rows}, bias=cfg.mlp_bias)
         self.down_proj = reducing_linear(cfg, total, cfg.mlp_bias, rank)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """mlp(x), or mlp(norm(x)) of one row (`norm_linear`)."""
+        gate_up = self.gate_up_proj(x) if norm is None else norm_linear(x, norm, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -166,8 +184,9 @@ class SelfAttention(nn.Module):
         self.rotary = rotary
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """attention(x), or attention(norm(x)) of one row (`norm_linear`)."""
+        qkv = self.qkv_proj(x) if norm is None else norm_linear(x, norm, self.qkv_proj)
         if self.rotary.cos_sin is not None:  # attention normalises and rotates (its kernel, with the K/V write)
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             out = rope_paged_attention(qkv, positions, self.rotary.cos_sin, self.num_heads, *norms)
@@ -202,3 +221,12 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_row(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """`forward` of one row, as the single-token graph compiles it: returns (the residual stream after the
+        layer, None), the same sum `forward`'s caller makes. Each residual add joins the kernel of the projection
+        whose output it adds (the output and down projections'), and each norm's statistic the kernel of the
+        projection it feeds (`norm_linear`): the statistics' kernels of `forward` compiled are gone."""
+        x = hidden if residual is None else settle(hidden, residual.dtype) + residual
+        x = self.self_attn(positions, x, self.input_layernorm) + x
+        return self.mlp(x, self.post_attention_layernorm) + x, None
