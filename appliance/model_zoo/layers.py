@@ -132,16 +132,17 @@ def settle(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def norm_linear(x: torch.Tensor, norm: RMSNorm, linear: nn.Linear) -> torch.Tensor:
-    """linear(norm(x)) of one row x [1, K], written so that Inductor makes one kernel of it: the norm's statistic is
-    reduced once for each output feature ([N, K], the same sum N times, over the row each of the projection's
-    programs reads anyway), so it joins the matrix-vector product's reduction as a first loop, where as a reduction
-    of its own it would be a kernel launched before the projection. The rounding is the norm's, then the
-    projection's (fp32 sums of bf16 products)."""
+    """linear(norm(x)) of one row x [1, K], written so that Inductor makes one kernel of it, one pass over the
+    weights: for each output feature n, sum(x * g * w[n]) and the norm's statistic sum(x * x) (the same for every n,
+    over the row each of the projection's programs reads anyway) are reduced in the same loop, then the product is
+    scaled by rsqrt(mean + eps). As a reduction of its own, the statistic would be a kernel launched before the
+    projection, which waits for it. fp32 throughout: the normalised row is not rounded to x's dtype before the
+    product, as `linear(norm(x))` rounds it."""
     k, n = x.shape[-1], linear.weight.shape[0]
     xf = x.float()
-    stat = (xf * xf).expand(n, k).sum(-1, keepdim=True)
-    h = norm.weight * (xf * torch.rsqrt(stat / k + norm.eps)).to(x.dtype)
-    y = (h.float() * linear.weight.float()).sum(-1).to(x.dtype).unsqueeze(0)
+    stat = (xf * xf).expand(n, k).sum(-1)
+    dot = ((xf * norm.weight.float()).expand(n, k) * linear.weight.float()).sum(-1)
+    y = (dot * torch.rsqrt(stat / k + norm.eps)).to(x.dtype).unsqueeze(0)
     return y if linear.bias is None else y + linear.bias
 
 
