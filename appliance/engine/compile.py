@@ -6,9 +6,7 @@ variant, and one for a single token) serves all layers and all batch sizes. The 
 sequence) is compiled on CUDA in Inductor's max-autotune mode (without its CUDA graphs; muxd captures its own): its
 coordinate-descent tuning turns the matrix-vector products into fused, tuned reductions (no split-K, the norm before
 each projection in the same kernel), so a one-row decode step reads the weights faster. Its tuning runs once, in the
-engine's warm-up (tens of seconds on an H200), and is cached. On CUDA it compiles `DecoderLayer.forward_row`
-(`ROW_FUSION`): each norm's statistic joins the next projection's kernel and each residual add the kernel of the
-projection it adds, so a layer runs its projections' and attention's kernels only. Other token counts keep the dynamic graph and cuBLAS:
+engine's warm-up (tens of seconds on an H200), and is cached. Other token counts keep the dynamic graph and cuBLAS:
 max-autotune's GEMM templates made decode at 8, 64 and 128 rows slower on an H200, not faster. In the dynamic
 graph the output projection and the residual add stay apart (`residual_add_apart`): Inductor would make them one addmm,
 which ATen runs on CUDA as a copy of the residual into the output and a GEMM that adds it (a copy kernel a layer);
@@ -31,8 +29,6 @@ from appliance.model_zoo.layers import DecoderLayer
 from appliance.model_zoo.llama import DecoderForCausalLM
 
 log = logging.getLogger("muxd.compile")
-
-ROW_FUSION = True  # on CUDA, the single-token graph compiles DecoderLayer.forward_row (`compile_layers`)
 
 
 def cache_dir() -> Path:
@@ -63,10 +59,9 @@ def _torch_default_inductor_dir() -> str | None:
     return os.path.abspath(default_cache_dir())
 
 
-def compile_layers(model: DecoderForCausalLM, row_fusion: bool | None = None) -> bool:
+def compile_layers(model: DecoderForCausalLM) -> bool:
     """Compile every decoder layer and the final norm in place; returns False (and logs why) when torch.compile
-    cannot run here. row_fusion: whether the single-token graph compiles `DecoderLayer.forward_row` (default:
-    `ROW_FUSION` on CUDA)."""
+    cannot run here."""
     device = next(model.parameters()).device
     reason = compile_unavailable_reason(device)
     if reason:
@@ -85,29 +80,25 @@ def compile_layers(model: DecoderForCausalLM, row_fusion: bool | None = None) ->
     # and this Inductor has it: Inductor waits in each kernel only before reading what the kernel before it wrote
     launch = {"triton.enable_pdl": True} if pdl.active(device, rows=1) and hasattr(inductor_config.triton,
                                                                                     "enable_pdl") else {}
-    if row_fusion is None:
-        row_fusion = ROW_FUSION and device.type == "cuda"
-    one_row = DecoderLayer.forward_row if row_fusion else DecoderLayer.forward
-    one_token = torch.compile(one_row, dynamic=False, options={**tuned, **launch} or None)
+    one_token = torch.compile(DecoderLayer.forward, dynamic=False, options={**tuned, **launch} or None)
     for layer in model.model.layers:
         layer.forward = functools.partial(_dispatch, dynamic, one_token, layer)
     # the final norm (and the last residual add) in one kernel, where eagerly it is eight small ones
     norm = model.model.norm
-    norm.forward = functools.partial(_final_norm, torch.compile(_add_norm, dynamic=True), norm, row_fusion)
+    norm.forward = functools.partial(_final_norm, torch.compile(_add_norm, dynamic=True), norm)
     return True
 
 
-def _add_norm(norm, hidden: torch.Tensor, residual: torch.Tensor | None):
+def _add_norm(norm, hidden: torch.Tensor, residual: torch.Tensor):
     """What is compiled: a function of its own, not RMSNorm.forward, whose code object (where Dynamo keeps compiled
     code) every norm shares: compiled as a method, it grew two more graphs for calls without a residual on a GPU."""
     return type(norm).forward(norm, hidden, residual)
 
 
-def _final_norm(compiled, norm, row_fusion: bool, hidden: torch.Tensor, residual: torch.Tensor | None = None):
-    """The final norm's forward: compiled with the residual add (one graph for one row, one for any other count),
-    and without one where one-row layers return the whole stream (row_fusion: one graph more); otherwise without
-    a residual (no layer ran before it) eagerly, as no step's latency depends on that case."""
-    if residual is None and not (row_fusion and hidden.shape[0] == 1):
+def _final_norm(compiled, norm, hidden: torch.Tensor, residual: torch.Tensor | None = None):
+    """The final norm's forward: compiled with the residual add (one graph for one row, one for any other count);
+    without a residual (no layer ran before it) eagerly, as no step's latency depends on that case."""
+    if residual is None:
         return type(norm).forward(norm, hidden)
     return compiled(norm, hidden, residual)
 

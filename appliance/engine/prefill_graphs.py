@@ -115,10 +115,7 @@ class PrefillGraphs:
                 self._begin()
             h, r = layer(positions, hidden, None if i == 0 else residual)
             hidden.copy_(settle(h, hidden.dtype))  # a layer's output may be partial products (SplitKLinear)
-            if r is None:  # a one-row layer returns the whole stream (DecoderLayer.forward_row)
-                residual.zero_()
-            else:
-                residual.copy_(r)
+            residual.copy_(r)
             if capture:
                 self._end()
 

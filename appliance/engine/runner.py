@@ -275,7 +275,8 @@ class ModelRunner:
                 if p.layer_end != start:
                     raise RuntimeError(f"prefill of {w.request_id} resumes at layer {start} but stopped at "
                                        f"{p.layer_end}")
-            carried = (torch.cat([p.hidden for p in partials]), _residuals(partials))
+            carried = (torch.cat([p.hidden for p in partials]),
+                       None if partials[0].residual is None else torch.cat([p.residual for p in partials]))
         batch = self.batches.build(reqs, spans, with_ids=carried is None)
         hidden, residual = self._layers(batch, start, end, carried, reqs, backend, pad_rows, graphs)
         if end < self.num_layers:
@@ -344,11 +345,3 @@ class ModelRunner:
         if extra > 0:
             hidden, residual = hidden[:rows], None if residual is None else residual[:rows]
         return hidden, residual
-
-
-def _residuals(partials: list[_Partial]) -> torch.Tensor | None:
-    """The carried residuals of prefills resumed together: None where none has one (their hidden states are the
-    whole stream, as after a one-row layer or none), else theirs with zeros for those without."""
-    if all(p.residual is None for p in partials):
-        return None
-    return torch.cat([torch.zeros_like(p.hidden) if p.residual is None else p.residual for p in partials])

@@ -3,8 +3,6 @@ in rope.py), merged linear layers, the split-K output projections, gated MLP, pa
 layer.
 
 Inputs are flat token batches ([num_tokens, hidden]); attention reads its batch layout from the forward context.
-`DecoderLayer.forward_row` is the same layer for one row in the form the single-token graph compiles to fewer
-kernels (`norm_linear`).
 Under tensor parallelism (a config from `ModelConfig.sharded`) each layer holds rank `rank`'s share, Megatron-style:
 QKV and gate/up column-parallel (their rows of the checkpoint's), O and down row-parallel (parallel.py).
 """
@@ -131,21 +129,6 @@ def settle(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dim() == 2 else functools.reduce(torch.add, x.unbind(0)).to(dtype)
 
 
-def norm_linear(x: torch.Tensor, norm: RMSNorm, linear: nn.Linear) -> torch.Tensor:
-    """linear(norm(x)) of one row x [1, K], written so that Inductor makes one kernel of it, one pass over the
-    weights: for each output feature n, sum(x * g * w[n]) and the norm's statistic sum(x * x) (the same for every n,
-    over the row each of the projection's programs reads anyway) are reduced in the same loop, then the product is
-    scaled by rsqrt(mean + eps). As a reduction of its own, the statistic would be a kernel launched before the
-    projection, which waits for it. fp32 throughout: the normalised row is not rounded to x's dtype before the
-    product, as `linear(norm(x))` rounds it."""
-    k, n = x.shape[-1], linear.weight.shape[0]
-    xf = x.float()
-    stat = (xf * xf).expand(n, k).sum(-1)
-    dot = ((xf * norm.weight.float()).expand(n, k) * linear.weight.float()).sum(-1)
-    y = (dot * torch.rsqrt(stat / k + norm.eps)).to(x.dtype).unsqueeze(0)
-    return y if linear.bias is None else y + linear.bias
-
-
 def reducing_linear(cfg: ModelConfig, total_in: int, bias: bool, rank: int) -> nn.Linear:
     """The output or down projection: split-K on one rank, row-parallel (the ranks' all-reduce sums) beyond."""
     if cfg.tp_size == 1:
@@ -161,10 +144,8 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": rows, "up_proj": rows}, bias=cfg.mlp_bias)
         self.down_proj = reducing_linear(cfg, total, cfg.mlp_bias, rank)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """mlp(x), or mlp(norm(x)) of one row (`norm_linear`)."""
-        gate_up = self.gate_up_proj(x) if norm is None else norm_linear(x, norm, self.gate_up_proj)
-        gate, up = gate_up.chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -185,9 +166,8 @@ class SelfAttention(nn.Module):
         self.rotary = rotary
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """attention(x), or attention(norm(x)) of one row (`norm_linear`)."""
-        qkv = self.qkv_proj(x) if norm is None else norm_linear(x, norm, self.qkv_proj)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
         if self.rotary.cos_sin is not None:  # attention normalises and rotates (its kernel, with the K/V write)
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             out = rope_paged_attention(qkv, positions, self.rotary.cos_sin, self.num_heads, *norms)
@@ -222,12 +202,3 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def forward_row(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """`forward` of one row, as the single-token graph compiles it: returns (the residual stream after the
-        layer, None), the same sum `forward`'s caller makes. Each residual add joins the kernel of the projection
-        whose output it adds (the output and down projections'), and each norm's statistic the kernel of the
-        projection it feeds (`norm_linear`): the statistics' kernels of `forward` compiled are gone."""
-        x = hidden if residual is None else settle(hidden, residual.dtype) + residual
-        x = self.self_attn(positions, x, self.input_layernorm) + x
-        return self.mlp(x, self.post_attention_layernorm) + x, None

@@ -94,28 +94,3 @@ def test_the_residual_add_stays_out_of_the_projection(tmp_path, monkeypatch):
             torch.testing.assert_close(got, want)
     assert "addmm" in codes["fused"]  # what Inductor does by itself (the pass has something to undo)
     assert "addmm" not in codes["apart"] and "extern_kernels.mm(" in codes["apart"]
-
-
-def test_the_one_row_form_compiled_generates_what_eager_generates(tmp_path, monkeypatch):
-    """The single-token graph as compiled on a GPU (DecoderLayer.forward_row: norms' statistics inside the
-    projections' reductions), here compiled for the CPU, and the final norm of the stream it returns."""
-    import functools
-
-    from appliance.engine import compile as compile_module, factory
-
-    monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    build_tiny_checkpoint("qwen2", tmp_path / "model", num_layers=2)
-    monkeypatch.setattr(factory, "compile_layers", functools.partial(compile_module.compile_layers, row_fusion=True))
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = build_engine(Config.flat(model=tmp_path / "model", num_gpu_blocks_override=64, compile=True))
-    eager = build_engine(Config.flat(model=tmp_path / "model", num_gpu_blocks_override=64))
-    assert compiled.compiled
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    for prompts in ([[1, 5, 7, 9], list(range(3, 30)), [4]], [[6, 2, 8]], [[9]]):  # decode of one row: the last two
-        assert [c.token_ids for c in compiled.generate(prompts, params)] == \
-            [c.token_ids for c in eager.generate(prompts, params)]
-    # layers: the first and the rest for a symbolic count, one graph for one row (each returns no residual); the final
-    # norm: with a residual for one row (a prompt's last) and for a symbolic count, without one for one row
-    assert counters["stats"]["unique_graphs"] == 6
