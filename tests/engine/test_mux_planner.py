@@ -674,3 +674,25 @@ def test_requests_late_only_by_the_planned_deadline_are_not_moved_back():
     args = ([a, b], 0.0, lambda r: cost[id(r)], lambda r: planned[id(r)], lambda r: 0)
     assert reorder(*args) == [b, a]
     assert reorder(*args, due=lambda r: contract[id(r)]) == [a, b]
+
+
+def test_prompts_join_only_while_every_running_request_keeps_room_to_grow():
+    """Each admitted prompt's own growth counts against the next one: a pool of 300 pages, two decoding requests
+    holding 63 pages each and needing 6 more; a 1,000-token prompt fits, then one of 1,410 tokens would leave 16 pages
+    free against the 18 the running requests (the first prompt's 6 now among them) may still take."""
+    rig = Rig()
+    rig.sched = Scheduler(PagePool(300, 16), LAYERS, rig.planner, max_num_seqs=64)
+    rig.sched.clock = lambda: rig.now
+    rig.decoding(2)
+    short, middle, long = rig.request(1000), rig.request(1410), rig.request(2500)
+    calls = []
+    growth = rig.planner.batches.growth
+    rig.planner.batches.growth = lambda sched, q: calls.append(q) or growth(sched, q)
+    rig.plan()
+    assert short.status is RequestStatus.PREFILLING
+    assert middle.status is RequestStatus.WAITING and long.status is RequestStatus.WAITING
+    assert rig.sched.pool.num_free_pages >= rig.planner.batches.reserve(rig.sched)
+    # the running requests' growth summed once for the whole queue (it was summed again for every prompt checked)
+    del calls[:]
+    rig.planner.batches.start(rig.sched, rig.now)
+    assert len(calls) <= len(rig.sched.decoding) + len(rig.sched.prefilling) + 1

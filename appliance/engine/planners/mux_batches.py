@@ -44,6 +44,7 @@ class MuxBatches:
         items: list[PrefillItem] = []
         due: list[float] = []  # the members' deadlines
         took = 0.0  # seconds the batch's prefill takes so far
+        reserve = self.reserve(sched)  # pages the running requests may still take; each admitted prompt adds its own
         for r in self.order(sched, now):
             if sched.num_running >= sched.max_num_seqs:
                 break
@@ -51,15 +52,18 @@ class MuxBatches:
             deadline = dl.deadline(r)
             if items and item.new > budget:
                 break
-            takes = p.prefill_ms([*items, item], self.prefill_sms) / 1e3  # the batch's prefill with it
-            if items:
+            if items:  # (for a first member, once it is admitted: a full pool may turn the whole queue away)
+                takes = p.prefill_ms([*items, item], self.prefill_sms) / 1e3  # the batch's prefill with it
                 alone = p.prefill_ms([item], self.prefill_sms) / 1e3
                 late_together = sum(now + takes > d for d in due) + (now + takes > deadline)
                 late_apart = sum(now + took > d for d in due) + (now + took + alone > deadline)
                 if late_apart < late_together:
                     break
             # a prompt the KV pool cannot hold yet does not block the ones behind it (it stays first in line)
-            if self.admit(sched, r):
+            if self.admit(sched, r, reserve):
+                if not items:
+                    takes = p.prefill_ms([item], self.prefill_sms) / 1e3
+                reserve += self.growth(sched, r)
                 self.batch.append(r.request_id)
                 items.append(item)
                 due.append(deadline)
@@ -113,19 +117,24 @@ class MuxBatches:
         return not any(now + remaining <= dl.deadline(r, planned=False) and now + own + remaining > dl.deadline(r)
                        for r in batch)
 
-    def admit(self, sched: Scheduler, r: Request) -> bool:
+    def admit(self, sched: Scheduler, r: Request, reserve: int | None = None) -> bool:
         """Admit `r` only when the pool keeps room for every running request to grow by its remaining output (up
-        to `growth_tokens`): a decode request preempted for pages would stall for a whole recomputation."""
+        to `growth_tokens`): a decode request preempted for pages would stall for a whole recomputation. reserve:
+        `reserve(sched)` where the caller has it (a loop over the queue sums the running requests once)."""
         pool, horizon = sched.pool, self.options.growth_tokens
-
-        def growth(q: Request) -> int:
-            more = min(q.sampling.max_tokens - len(q.output_token_ids), horizon)
-            return max(0, pool.pages_for(q.num_tokens + more) - len(q.page_table.pages))
-
-        reserve = sum(growth(q) for q in sched.prefilling) + sum(growth(q) for q in sched.decoding)
+        reserve = self.reserve(sched) if reserve is None else reserve
         hit = self.deadlines(sched).item(r).reused // pool.page_size
         need = pool.pages_for(r.num_tokens + min(r.sampling.max_tokens, horizon)) - hit
         return pool.num_free_pages - need >= reserve and sched.admit(r)
+
+    def growth(self, sched: Scheduler, q: Request) -> int:
+        """Pages running request q may still take: for its remaining output, up to `growth_tokens`."""
+        more = min(q.sampling.max_tokens - len(q.output_token_ids), self.options.growth_tokens)
+        return max(0, sched.pool.pages_for(q.num_tokens + more) - len(q.page_table.pages))
+
+    def reserve(self, sched: Scheduler) -> int:
+        """Pages the running requests may still take (`growth` summed)."""
+        return sum(self.growth(sched, q) for q in sched.prefilling) + sum(self.growth(sched, q) for q in sched.decoding)
 
     def order(self, sched: Scheduler, now: float) -> list[Request]:
         """Waiting prompts in serve order (by class priority, then reordered by predicted time: deadlines.py)."""
