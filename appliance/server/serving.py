@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.request import Request
+from appliance.engine.request import Request, RequestOutput
 from appliance.errors import ModelNotFoundError, RequestError
 from appliance.model_zoo.tokenizer import RenderedChat
 from appliance.server import protocol as p
@@ -298,12 +298,15 @@ class OpenAIServing:
         def so_far() -> r.Usage:  # every prompt counted, answered yet or not
             u = usage_of(states, group)
             return r.Usage.of(prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
+
+        def own(out: RequestOutput) -> r.Usage:  # a chunk's continuous usage: its prompt and choice (as vLLM's)
+            return r.Usage.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         try:
             for event in fmt.first(n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
                 yield _event(event)
             async for index, out in outputs:
                 states[index].add(out)
-                for event in fmt.chunk(states[index], out, so_far() if continuous else None):
+                for event in fmt.chunk(states[index], out, own(out) if continuous else None):
                     yield _event(event)
             if body.include_usage or self.force_usage:
                 yield _event(fmt.usage_chunk(usage or so_far()))

@@ -70,6 +70,26 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(client, model_name, end
     assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
 
 
+def test_continuous_usage_counts_each_chunk_s_own_prompt_and_choice(server, model_name, tokenizer):
+    """As vLLM: a chunk's usage is its prompt's tokens and what its choice has generated so far; the last chunk
+    counts every prompt and choice."""
+    prompts = ["hi", "a longer prompt of more tokens"]
+    body = {"model": model_name, "prompt": prompts, "n": 2, "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    response = httpx.post(server.url + "/v1/completions", json=body)
+    assert response.status_code == 200
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    lengths = [len(tokenizer.encode(text)) for text in prompts]
+    counts: dict[int, list[int]] = {}
+    for e in [e for e in events if e["choices"]]:
+        index = e["choices"][0]["index"]
+        counts.setdefault(index, []).append(e["usage"]["completion_tokens"])
+        assert e["usage"]["prompt_tokens"] == lengths[index // 2]
+    assert sorted(counts) == [0, 1, 2, 3]
+    assert all(c == sorted(c) and c[-1] == 4 for c in counts.values())
+    assert events[-1]["usage"]["prompt_tokens"] == sum(lengths) and events[-1]["usage"]["completion_tokens"] == 16
+
+
 def test_continuous_usage_false_is_accepted(server, model_name):
     body = {"model": model_name, "prompt": "hi", "max_tokens": 2, "stream": True,
             "stream_options": {"include_usage": False, "continuous_usage_stats": False}}
