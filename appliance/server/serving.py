@@ -119,7 +119,8 @@ class OpenAIServing:
 
     async def detokenize(self, body: t.DetokenizeRequest) -> r.DetokenizeResponse:
         self.check_model(body.model)
-        return r.DetokenizeResponse(prompt=self._tokenizer().decode(body.tokens))
+        # special tokens kept, as vLLM's /detokenize keeps them (a prompt's BOS, a chat template's markers)
+        return r.DetokenizeResponse(prompt=self._tokenizer().decode(body.tokens, skip_special_tokens=False))
 
     def _defaults(self, body: Any) -> Any:
         """The request with the server's defaults (--return-tokens-as-token-ids) where it leaves a field unset."""

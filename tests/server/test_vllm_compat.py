@@ -115,7 +115,11 @@ def test_tokenize_detokenize_version(server, model_name):
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat["tokens"] == tok.encode(rendered, add_special_tokens=False)
     text = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}).json()
-    assert text == {"prompt": "def main():"}
+    assert text == {"prompt": tok.decode(body["tokens"], skip_special_tokens=False)}
+    assert text["prompt"].endswith("def main():")
+    # special tokens are kept, as vLLM keeps them: a chat template's markers come back as written
+    marked = httpx.post(server.url + "/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert marked == rendered
     for path, bad, param in (("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**6]}, "tokens.0"),
                              ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model")):
         response = httpx.post(server.url + path, json=bad)
