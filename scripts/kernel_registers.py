@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=None, help="software-pipelining stages of the page loop "
                     "(default: each kernel's own)")
     args = ap.parse_args()
+    from appliance.engine.compile import pin_triton_defaults
+
+    pin_triton_defaults()  # compiled as the engine compiles them
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -51,6 +51,12 @@ def use_cache_dirs() -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
 
 
+def pin_triton_defaults() -> None:
+    """Triton's defaults that muxd's kernels (its own and Inductor's) were measured with, where the user set none:
+    floating-point fusion (a * b + c as one FMA) on, which Triton 3.10 turns off by default."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
 def _torch_default_inductor_dir() -> str | None:
     try:  # defers: torch's private helper (2.5 and later), where it exists
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir

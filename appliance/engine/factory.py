@@ -16,7 +16,7 @@ import torch
 
 from appliance.attention import pdl, resolve_backend_name
 from appliance.config import SPATIAL_POLICIES, Config
-from appliance.engine.compile import cache_dir, compile_layers
+from appliance.engine.compile import cache_dir, compile_layers, pin_triton_defaults
 from appliance.engine.engine import Engine
 from appliance.engine.executor import Executor
 from appliance.engine.graphs import capture_sizes
@@ -122,6 +122,7 @@ class _Builder:
 
     def _build(self, tokenizer: Tokenizer | None):
         follower = self.rank is not None and self.rank.index > 0
+        pin_triton_defaults()  # before any kernel compiles
         if self.config.scheduler.policy == "auto":  # mux where SM partitions exist, serial on a CPU
             self.config = self.config.replace(policy="mux" if self.cuda else "serial")
             log.info("policy: %s (the default on %s)", self.config.scheduler.policy, "CUDA" if self.cuda else "CPU")

@@ -94,3 +94,17 @@ def test_the_residual_add_stays_out_of_the_projection(tmp_path, monkeypatch):
             torch.testing.assert_close(got, want)
     assert "addmm" in codes["fused"]  # what Inductor does by itself (the pass has something to undo)
     assert "addmm" not in codes["apart"] and "extern_kernels.mm(" in codes["apart"]
+
+
+def test_triton_keeps_the_fp_fusion_muxd_was_measured_with_unless_the_user_chose(tmp_path, monkeypatch):
+    """Triton 3.10 turns floating-point fusion off by default; an engine pins it on before any kernel compiles, and a
+    value the user set stays."""
+    from appliance.engine import compile as compile_module
+
+    build_tiny_checkpoint("llama", tmp_path, num_layers=1)
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    build_engine(Config.flat(model=tmp_path, num_gpu_blocks_override=16))
+    assert os.environ["TRITON_DEFAULT_FP_FUSION"] == "1"
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    compile_module.pin_triton_defaults()
+    assert os.environ["TRITON_DEFAULT_FP_FUSION"] == "0"
