@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,14 +91,14 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     # ---- prefix cache -----------------------------------------------------------------------------------------
-    def _extend_hashes(self, table: PageTable, token_ids: list[int], num_tokens: int) -> None:
+    def _extend_hashes(self, table: PageTable, token_ids: Sequence[int], num_tokens: int) -> None:
         size = self.page_size
         # (a request whose latest token is still on the device counts it in num_tokens: only known tokens hash)
         for i in range(len(table.hashes), min(num_tokens, len(token_ids)) // size):
             parent = table.hashes[-1] if table.hashes else table.root
             table.hashes.append(_page_hash(parent, token_ids[i * size:(i + 1) * size]))
 
-    def _lookup(self, token_ids: list[int], num_tokens: int,
+    def _lookup(self, token_ids: Sequence[int], num_tokens: int,
                 table: PageTable | None = None) -> tuple[list[bytes], list[int]]:
         """Hash chain of the full pages of token_ids[:num_tokens - 1] and the cached pages of its longest prefix
         (at least one token is always left to compute, so the request gets logits). The hashes are kept on `table`
@@ -115,12 +116,12 @@ class PagePool:
             hit.append(page)
         return hashes, hit
 
-    def cached_prefix(self, token_ids: list[int], num_tokens: int, table: PageTable | None = None) -> list[int]:
+    def cached_prefix(self, token_ids: Sequence[int], num_tokens: int, table: PageTable | None = None) -> list[int]:
         """Pages holding the longest cached prefix of token_ids[:num_tokens], leaving at least one token to compute."""
         return self._lookup(token_ids, num_tokens, table)[1]
 
     # ---- allocation -------------------------------------------------------------------------------------------
-    def allocate(self, table: PageTable, token_ids: list[int], num_tokens: int, reuse: bool = True) -> int | None:
+    def allocate(self, table: PageTable, token_ids: Sequence[int], num_tokens: int, reuse: bool = True) -> int | None:
         """Give an empty table pages for num_tokens tokens, reusing cached prefix pages (unless `reuse` is off: a
         request that must compute every token).
 
@@ -150,7 +151,7 @@ class PagePool:
         table.pages.append(self._take_page())
         return True
 
-    def register(self, table: PageTable, token_ids: list[int], num_computed: int) -> None:
+    def register(self, table: PageTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Enter the table's pages that are full and fully computed into the prefix cache."""
         if not self.enable_prefix_caching:
             return

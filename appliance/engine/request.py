@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from appliance.engine.kv_cache import PageTable
@@ -171,6 +172,35 @@ class BadWords:
         return ids
 
 
+class TokenView(Sequence):
+    """prompt + output, read in place: its length and slices (of step 1) without concatenating the two lists."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        n = len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n:stop - n]
+            return self.prompt[start:] + self.output[:stop - n]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return self.prompt[index] if index < n else self.output[index - n]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -212,9 +242,10 @@ class Request:
         self.pending_row = -1
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt and output tokens known on the host (pending tokens are not among them)."""
-        return self.prompt_token_ids + self.output_token_ids
+    def all_token_ids(self) -> TokenView:
+        """Prompt and output tokens known on the host (pending tokens are not among them), as a view: a slice
+        copies only its tokens (the prefix cache hashes a long context's pages a page at a time)."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -242,7 +242,7 @@ class Scheduler:
         self.planner.observe_tokens(gaps, firsts)
 
     def _register(self, r: Request) -> None:
-        # only when a page has filled up: building all_token_ids for every decoded token costs O(context)
+        # only when a page has filled up (all_token_ids is a view: hashing reads the new pages only)
         if r.num_computed_tokens // self.pool.page_size > r.page_table.num_registered:
             self.pool.register(r.page_table, r.all_token_ids, r.num_computed_tokens)
 

@@ -1,7 +1,11 @@
 """PagePool bookkeeping: allocation, prefix hits, reference counts, LRU eviction of cached pages."""
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from appliance.engine.kv_cache import PagePool, PageTable
+from appliance.engine.request import Request, SamplingParams, TokenView
 
 S = 4
 
@@ -106,3 +110,27 @@ def test_a_salted_table_shares_pages_only_with_its_salt():
     assert pool.allocate(same, tokens(9), 9) == 8 and same.pages[:2] == salted.pages[:2]
     pool.free(same)
     assert same.root == salted.root  # a preempted request keeps its salt for its next admission
+
+
+@given(st.lists(st.integers(0, 99), max_size=20), st.lists(st.integers(0, 99), max_size=20),
+       st.integers(-25, 45), st.integers(-25, 45), st.sampled_from([None, 1, 2, -1]))
+def test_a_request_s_tokens_read_as_the_joined_list(prompt, output, start, stop, step):
+    """A request's prompt + output are read in place (the prefix cache hashes a long context's new pages without
+    joining the two lists each time): length, slices and items as the joined list's."""
+    view, joined = TokenView(prompt, output), prompt + output
+    assert len(view) == len(joined) and list(view) == joined
+    assert view[start:stop:step] == joined[start:stop:step]
+    if -len(joined) <= start < len(joined):
+        assert view[start] == joined[start]
+
+
+def test_registering_a_request_s_pages_through_its_view_caches_what_the_list_would():
+    pool = PagePool(64, 4)
+    tokens = list(range(30))
+    r = Request("a", tokens[:18], SamplingParams(max_tokens=20))
+    r.output_token_ids.extend(tokens[18:])
+    table = PageTable()
+    assert pool.allocate(table, r.all_token_ids, len(tokens)) == 0
+    pool.register(table, r.all_token_ids, len(tokens))
+    again = PageTable()
+    assert pool.allocate(again, tokens, len(tokens)) == 28  # seven full pages shared; one token left to compute
