@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from appliance.predictor.host import LAUNCH_WINDOW, MIN_LAUNCHES, HostModel, LaunchCost, fit_host
+from appliance.predictor.host import LAUNCH_WINDOW, MIN_LAUNCHES, HostModel, LaunchCost, _line, _quantile, fit_host
 
 
 def test_the_gap_hides_prefill_launches_behind_the_decode_kernels():
@@ -115,3 +115,18 @@ def test_launches_that_replay_graphs_are_priced_and_learned_apart_from_eager_one
     old = fit_host([{k: v for k, v in s.items() if k != "prefill_graphs"} for s in steps if not s["prefill_graphs"]])
     assert old.per_layer_ms == pytest.approx(1.0, abs=0.01)
     assert old.graph_per_layer_ms == pytest.approx(old.per_layer_ms * 0.375)
+
+
+def test_the_refit_at_every_launch_is_the_least_squares_line_and_numpy_s_quantile():
+    """The online launch line refits in closed form and takes its quantile from a partial sort (on the engine thread,
+    at every prefill launch): the same figures as np.polyfit and np.quantile."""
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 16, 255, 256):
+        values = rng.random(n) * 10
+        for q in (0.0, 0.3, 0.5, 0.75, 0.98, 1.0):
+            assert _quantile(values, q) == pytest.approx(float(np.quantile(values, q)), rel=1e-12)
+    x = rng.integers(1, 33, 256).astype(float)
+    y = 0.5 + 0.3 * x + rng.random(256)
+    slope, intercept = np.polyfit(x, y, 1)
+    intercept += np.quantile(y - (intercept + slope * x), 0.98)
+    assert _line(x, y, 0.98) == pytest.approx((intercept, slope), rel=1e-9)
