@@ -15,7 +15,7 @@ import torch
 
 from appliance.attention import AttentionMetadata, page_layout
 from appliance.attention.pinned import PinnedRing
-from appliance.engine.request import Request
+from appliance.engine.request import Request, joined_slice
 
 
 @dataclass
@@ -72,11 +72,7 @@ def span_tokens(r: Request, start: int, end: int) -> list[int]:
                                f"latest step's token can be read on the device (pending row {r.pending_row})")
         head = span_tokens(r, start, known) if start < known else []  # (a decode step: its one pending token)
         return head + [placeholder(r.pending_row)]
-    if start >= n:
-        return r.output_token_ids[start - n:end - n]
-    if end <= n:
-        return r.prompt_token_ids[start:end]
-    return r.prompt_token_ids[start:] + r.output_token_ids[:end - n]
+    return joined_slice(r.prompt_token_ids, r.output_token_ids, start, end)
 
 
 class _PageMirror:

@@ -172,6 +172,16 @@ class BadWords:
         return ids
 
 
+def joined_slice(prompt: list[int], output: list[int], start: int, stop: int) -> list[int]:
+    """(prompt + output)[start:stop], 0 <= start and stop <= the total, copying only the slice's tokens."""
+    n = len(prompt)
+    if stop <= n:
+        return prompt[start:stop]
+    if start >= n:
+        return output[start - n:stop - n]
+    return prompt[start:] + output[:stop - n]
+
+
 class TokenView(Sequence):
     """prompt + output, read in place: its length and slices (of step 1) without concatenating the two lists."""
 
@@ -187,13 +197,7 @@ class TokenView(Sequence):
         n = len(self.prompt)
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
-            if step != 1:
-                return list(self)[index]
-            if stop <= n:
-                return self.prompt[start:stop]
-            if start >= n:
-                return self.output[start - n:stop - n]
-            return self.prompt[start:] + self.output[:stop - n]
+            return joined_slice(self.prompt, self.output, start, stop) if step == 1 else list(self)[index]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
