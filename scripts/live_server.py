@@ -3,7 +3,6 @@ idle KV pool, resident memory. Used by the server tests and by scripts/reliabili
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,26 +11,47 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.bench.launcher import wait_until_ready
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from appliance.bench.launcher import BIND_RETRIES, free_port, port_lost, wait_until_ready
+from appliance.errors import ApplianceError
 
 
 class ServerProcess:
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args, self.log = args, log
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self._launch()
+
+    def _launch(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--port", str(self.port), *args],
-                                     stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--port", str(self.port), *self.args],
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env)
 
     def wait_ready(self, timeout: float = 180) -> None:
-        wait_until_ready(self.url, self.proc, timeout, self.log.read_text)
+        """Wait for /ready; a server that exited because its port was taken meanwhile starts again on another."""
+        for attempt in range(BIND_RETRIES + 1):
+            try:
+                return wait_until_ready(self.url, self.proc, timeout, self.log.read_text)
+            except ApplianceError:
+                if not port_lost(self.proc, self.log.read_text()) or attempt == BIND_RETRIES:
+                    raise
+                self._launch()
+
+    def first_answer(self, timeout: float = 120) -> httpx.Response:
+        """The first response of GET /ready (any status: the model may still load), relaunching on a lost port."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(BIND_RETRIES + 1):
+            while self.proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the server did not answer in {timeout:g} s:\n{self.log.read_text()}")
+                try:
+                    return httpx.get(self.url + "/ready", timeout=5)
+                except httpx.TransportError:
+                    time.sleep(0.05)
+            if not port_lost(self.proc, self.log.read_text()) or attempt == BIND_RETRIES:
+                break
+            self._launch()
+        raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()}")
 
     def metrics(self) -> dict[str, float]:
         """Samples by name; labels other than model_name stay in the key as name{label="value"}."""

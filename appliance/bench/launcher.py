@@ -79,10 +79,19 @@ def _extra_flags(text: str | None, flag: str, reserved, instead: str) -> list[st
     return args
 
 
+BIND_RETRIES = 3
+
+
 def free_port() -> int:
+    """A port free now; another process may take it before a server binds it (see `port_lost`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_lost(proc: subprocess.Popen, log_text: str) -> bool:
+    """Whether a server process exited because its port was taken between `free_port()` and its bind."""
+    return proc.poll() is not None and "address already in use" in log_text.lower()
 
 
 class ServerProcess:
@@ -94,12 +103,11 @@ class ServerProcess:
                  ready_timeout: float = 600.0, log_dir: str | Path | None = None, router: str | None = None,
                  cluster_args: list[str] | None = None) -> None:
         self.policy, self.router = policy, router
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         flags = known_policies()[policy] if policy else []
         command = ["cluster", "--router", router, *(cluster_args or [])] if router else ["serve"]
-        self.args = [sys.executable, "-m", "appliance", *command, "--port", str(self.port), "--model", model,
-                     *flags, *(extra or []), "--log-level", "warning"]
+        self._args = [sys.executable, "-m", "appliance", *command, "--port", None, "--model", model,
+                      *flags, *(extra or []), "--log-level", "warning"]
+        self._new_port()
         self.ready_timeout = ready_timeout
         self.stop_timeout = CLUSTER_STOP_S if router else 20.0
         log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="muxd-bench-"))
@@ -120,6 +128,11 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _new_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [str(self.port) if a is None else a for a in self._args]
+
     def start(self) -> None:
         """Launch without waiting (the model loads meanwhile); `wait_ready` blocks until /ready answers 200."""
         if self.proc is None:
@@ -128,8 +141,18 @@ class ServerProcess:
                 self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self) -> None:
+        """Block until /ready answers 200. The free port can be taken by another process before the server binds
+        it: a server that exits for that reason starts again on another port (a few times)."""
         assert self.proc is not None, "start() first"
-        wait_until_ready(self.url, self.proc, self.ready_timeout, self._log_tail)
+        for attempt in range(BIND_RETRIES + 1):
+            try:
+                return wait_until_ready(self.url, self.proc, self.ready_timeout, self._log_tail)
+            except ApplianceError:
+                if not port_lost(self.proc, self._log_tail()) or attempt == BIND_RETRIES:
+                    raise
+                self.proc = None
+                self._new_port()
+                self.start()
 
     def _log_tail(self, lines: int = 20) -> str:
         try:

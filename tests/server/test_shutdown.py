@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 from live_server import ServerProcess
@@ -79,14 +78,7 @@ def test_sigterm_while_the_model_loads_exits_zero(request, tmp_path):
     log = tmp_path / "server.log"
     server = ServerProcess(["--model", request.config.getoption("--serve-model"), "--kv-cache-memory", "32MiB"], log)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # until the HTTP server answers; the model loads for seconds after that
-            assert time.monotonic() < deadline and server.proc.poll() is None, log.read_text()
-            try:
-                ready = httpx.get(server.url + "/ready", timeout=5)
-                break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        ready = server.first_answer()  # the model loads for seconds after the HTTP server answers
         assert ready.status_code == 503 and ready.json()["error"]["code"] == "loading"
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) == 0
