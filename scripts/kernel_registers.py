@@ -51,8 +51,7 @@ def main() -> None:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     gp = max(16, 1 << (args.group - 1).bit_length())
     heads, half = 8 * args.group, args.head_dim // 2  # Llama-3-8B's heads; NORM: Qwen3's q/k norms
-    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PDL": True,  # as launched on sm_90 (one row)
-             "PREFETCH": tiling.PREFETCH_PAGES,
+    shape = {"G": args.group, "GP": gp, "D": args.head_dim, "PAGE": 16, "PDL": True,  # as launched on sm_90
              "HEADS": heads, "KV_HEADS": 8, "GROUP": args.group, "GROUP_PAD": 1 << (args.group - 1).bit_length(),
              "HALF": half}
     row = 8 * args.head_dim

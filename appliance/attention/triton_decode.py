@@ -35,7 +35,6 @@ NUM_WARPS = 2          # (measured faster than 4 warps x 4 pages at 1-8 rows)
 NUM_STAGES = 3         # Triton's software pipelining of the page loop: 2 tiles of K/V in flight a program
 PROGRAMS_PER_SM = 6    # programs of the split kernel an SM holds at once (156 registers a thread at 2 warps; 37 KB
                        # of shared memory at 3 stages)
-PREFETCH_PAGES = 8     # pages of its split (from the first) a one-row program asks L2 for before its PDL wait
 ROPE_IN_ATTENTION = True  # the split kernel rotates q and writes the new K/V itself (`run_rope`: one launch a layer
                           # fewer)
 
@@ -125,7 +124,7 @@ class TritonDecode:
             self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=self.head_dim, PAGE=page,
             PPB=self.pages_per_block, SPLITS=self.splits, num_warps=self.num_warps, num_stages=self.num_stages,
-            PREFETCH=PREFETCH_PAGES if launch["PDL"] else 0, **launch)
+            **launch)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=self.head_dim, PAGE=page, PPB=self.pages_per_block,
                                    SPLITS=self.splits, **launch)
@@ -149,7 +148,7 @@ class TritonDecode:
             qkv.stride(0), cos_sin.shape[0], kv.stride(1), kv.stride(2), kv.stride(3), HEADS=self.num_heads,
             KV_HEADS=self.num_kv_heads, G=self.group, GP=max(16, 1 << (self.group - 1).bit_length()), D=d, PAGE=page,
             PPB=self.pages_per_block, SPLITS=self.splits, NORM=norm, num_warps=self.num_warps,
-            num_stages=self.num_stages, PREFETCH=PREFETCH_PAGES if launch["PDL"] else 0, **launch)
+            num_stages=self.num_stages, **launch)
         merge[(b, self.num_heads)](self.partial_out, self.partial_lse, self.seq_lens, out, out.stride(0),
                                    out.stride(1), D=d, PAGE=page, PPB=self.pages_per_block, SPLITS=self.splits,
                                    **launch)

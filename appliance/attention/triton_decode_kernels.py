@@ -52,32 +52,6 @@ def _attend(q, k_ptr, v_ptr, indices_ptr, first, seq_len, p0, p1, h, scale_log2,
 
 
 @triton.jit
-def _prefetch_split(k_ptr, v_ptr, indices_ptr, first, p0, p1, h, stride_kp, stride_kt, stride_kh, D: tl.constexpr,
-                    PAGE: tl.constexpr, PF: tl.constexpr):
-    """Ask L2 for the K and V of the first PF pages of a split [p0, p1) of KV head h (one prefetch a 128-byte line),
-    without waiting: issued before a PDL wait, the split's reads start while the kernel before is finishing (the
-    cache's pages hold tokens of earlier steps, which no kernel of this step writes)."""
-    LINES: tl.constexpr = D * 2 // 128  # 128-byte lines of one token's head (bf16 / fp16)
-    n = tl.arange(0, PF * PAGE)
-    page_local = p0 + n // PAGE
-    live = page_local < p1
-    page = tl.load(indices_ptr + first + page_local, mask=live, other=0).to(tl.int64)
-    off = page * stride_kp + (n % PAGE) * stride_kt + h * stride_kh
-    line = tl.arange(0, LINES) * (128 // 2)
-    at = off[:, None] + line[None, :]
-    flag = tl.broadcast_to(live[:, None], at.shape).to(tl.int32)
-    _prefetch_l2(k_ptr + at, flag)
-    _prefetch_l2(v_ptr + at, flag)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, flag):
-    """prefetch.global.L2 of each address in `ptrs` whose `flag` is not zero."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; }", "=r,l,r",
-                              [ptrs.to(tl.int64, bitcast=True), flag], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _split(seqlen_ptr, indptr_ptr, b, s, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr):
     """Split s of row b: (the row's tokens, its first page's index, splits in use, the split's pages [p0, p1))."""
     seq_len = tl.load(seqlen_ptr + b)
@@ -100,17 +74,14 @@ def _store_partial(po_ptr, plse_ptr, m, l, acc, row, s, used, qmask, d, SPLITS: 
 def decode_partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, seqlen_ptr, po_ptr, plse_ptr, scale_log2,
                    stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr,
-                   SPLITS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (attention/pdl.py): wait for the kernel before
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     num_heads = tl.num_programs(1) * G
     seq_len, first, used, p0, p1 = _split(seqlen_ptr, indptr_ptr, b, s, PAGE, PPB, SPLITS)
-    if PDL:  # launched early (attention/pdl.py): the layout and the split's K/V before the wait for the kernel before
-        if PREFETCH > 0:
-            _prefetch_split(k_ptr, v_ptr, indices_ptr, first, p0, p1, h, stride_kp, stride_kt, stride_kh, D, PAGE,
-                            PREFETCH)
-        tl.extra.cuda.gdc_wait()
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     qmask = g < G
@@ -146,13 +117,13 @@ def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k
                         seqlen_ptr, po_ptr, plse_ptr, scale_log2, eps, stride_qkv, positions, stride_kp, stride_kt,
                         stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr,
-                        NORM: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                        NORM: tl.constexpr, PDL: tl.constexpr = False):
     # `decode_partial` of a fused QKV projection not yet rotated, the rotary kernel's work folded in: each program
     # normalises (NORM) and rotates its group's query heads itself; the split holding the row's newest token writes
     # that token's rotated K and its V to the cache, and adds it to its softmax from registers (its loop reads the
-    # cache's older tokens only, so no program reads what another writes in this launch). Launched early (PDL), it
-    # reads what the kernel before does not write (the layout, the rotary table, the split's K/V into L2) before it
-    # waits for that kernel (its QKV projection)
+    # cache's older tokens only, so no program reads what another writes in this launch)
+    if PDL:  # launched early (attention/pdl.py): wait for the kernel before
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -162,11 +133,6 @@ def decode_partial_rope(qkv_ptr, pos_ptr, table_ptr, slot_ptr, qw_ptr, kw_ptr, k
     d = tl.arange(0, D)
     cos = tl.load(table_ptr + pos * 2 * D + d).to(tl.float32)  # table [positions, 2, D], equal halves
     sin = tl.load(table_ptr + pos * 2 * D + D + d).to(tl.float32)
-    if PDL:
-        if PREFETCH > 0:
-            _prefetch_split(k_ptr, v_ptr, indices_ptr, first, p0, p1, h, stride_kp, stride_kt, stride_kh, D, PAGE,
-                            PREFETCH)
-        tl.extra.cuda.gdc_wait()
     src = qkv_ptr + b * stride_qkv
     g = tl.arange(0, GP)
     qmask = g < G
