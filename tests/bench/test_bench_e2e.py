@@ -4,12 +4,14 @@ replay hits the server's prefix cache; bad flags are refused before anything sta
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
+from appliance.bench import launcher
 from appliance.bench.launcher import ServerProcess
 from appliance.cli.main import app
 
@@ -29,17 +31,31 @@ def bench(*args: str):
 
 @pytest.fixture(scope="module")
 def booting(tmp_path_factory):
-    """The test's own `muxd serve`, launched at once and waited for only where it is used (it loads meanwhile)."""
-    server = ServerProcess("embedded", log_dir=tmp_path_factory.mktemp("server"))
-    server.start()
-    yield server
-    server.stop()
+    """The test's own `muxd serve`, launched at once and waited for only where it is used (it loads meanwhile). Its
+    first port is one another process holds (`taken`), as when a port is taken between its choice and the bind."""
+    with socket.socket() as holder, pytest.MonkeyPatch.context() as mp:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken, real, drawn = holder.getsockname()[1], launcher.free_port, []
+        mp.setattr(launcher, "free_port", lambda: drawn.append(real() if drawn else taken) or drawn[-1])
+        server = ServerProcess("embedded", log_dir=tmp_path_factory.mktemp("server"))
+        server.taken, server.drawn = taken, drawn
+        server.start()
+        yield server
+        server.stop()
 
 
 @pytest.fixture
 def server(booting):
     booting.wait_ready()
     return booting
+
+
+def test_a_taken_port_is_replaced(server):
+    """The server whose port was taken before its bind started again on another (`muxd bench` launches its servers
+    on free ports)."""
+    assert server.drawn[0] == server.taken and server.port in server.drawn[1:] and str(server.port) in server.args
+    assert httpx.get(server.url + "/ready", timeout=10).status_code == 200
 
 
 @pytest.fixture(scope="module")
