@@ -39,6 +39,20 @@ def serving_range(phase: str) -> tuple[float, float]:
     return SLOPE_RANGE if phase.endswith("_per_1k") else FLOOR_RANGE if phase == "mixed_floor" else SERVING_RANGE
 
 
+def keepable(factors: dict[str, float]) -> tuple[dict[str, float], list[str]]:
+    """Serving factors fitted from replays, split into those a profile may keep and, for the others, why not (a
+    factor outside `serving_range` means the profile does not describe the engine that served)."""
+    kept, dropped = {}, []
+    for phase, factor in factors.items():
+        lo, hi = serving_range(phase)
+        if lo <= factor <= hi:
+            kept[phase] = factor
+        else:
+            dropped.append(f"{phase} came out {factor:.3g} while serving; not kept (outside {lo:g}..{hi:g}: the "
+                           "profile does not describe this engine)")
+    return kept, dropped
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

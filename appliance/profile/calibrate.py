@@ -24,7 +24,7 @@ from appliance.engine.planners.registry import build_planner
 from appliance.engine.steplog import StepLog
 from appliance.errors import ConfigError
 from appliance.predictor.predictor import Predictor
-from appliance.predictor.profile import serving_range
+from appliance.predictor.profile import keepable
 from appliance.predictor.shapes import DecodeLoad, PrefillItem
 from appliance.predictor.split import FACTOR_RANGE, fit, span_k
 from appliance.slo.contract import default_contract
@@ -239,12 +239,9 @@ def calibrate_serving(engine: Engine, workloads: Sequence[tuple[Sequence, float]
         factors, steps, prefills = _replays(engine, timed, policies, synth, predictor)
     finally:
         pool.enable_prefix_caching = caching
-    for phase, factor in list(factors.items()):
-        lo, hi = serving_range(phase)
-        if not lo <= factor <= hi:
-            log.warning("calibration: %s came out %.3g while serving; not kept (outside %g..%g: the profile does "
-                        "not describe this engine)", phase, factor, lo, hi)
-            del factors[phase]
+    factors, dropped = keepable(factors)
+    for why in dropped:
+        log.warning("calibration: %s", why)
     return factors, steps, prefills
 
 

@@ -31,7 +31,7 @@ from appliance.engine.factory import build_engine
 from appliance.engine.steplog import StepLog
 from appliance.errors import ConfigError
 from appliance.model_zoo.loader import load_model
-from appliance.predictor.profile import ProfileFile, load_predictor, read_profile, save_profile
+from appliance.predictor.profile import ProfileFile, keepable, load_predictor, read_profile, save_profile
 from appliance.predictor.split import MIN_OBSERVATIONS
 from appliance.profile.calibrate import (BATCH_BINS, SPAN_BINS, full_prefill_factor, serving_factors,
                                          split_breakdown)
@@ -337,9 +337,13 @@ def calibrate_from_results(args: DiagnoseOptions, paths: list[str]) -> None:
 
 
 def _keep(args: DiagnoseOptions, profile: ProfileFile, factors: dict[str, float]) -> None:
-    """Print `factors`; with --write-serving, write `profile` with them in its serving block."""
+    """Print `factors`; with --write-serving, write `profile` with those a profile may keep in its serving block (as
+    `muxd profile`'s calibration keeps them)."""
     print("  serving factors (measured / profiled, total time):",
           ", ".join(f"{k} {v:.4g}" for k, v in factors.items()) or "too few steps")
+    factors, dropped = keepable(factors)
+    for why in dropped:
+        print(f"  {why}")
     if args.write_serving:
         save_profile(profile.model_copy(update={"serving": {**profile.serving, **factors}}), args.write_serving)
         print(f"  wrote {args.write_serving}")

@@ -261,6 +261,26 @@ def test_serving_factors_from_the_step_log_a_replay_result_holds(profile, tmp_pa
     assert out.exit_code == 2 and "neither a list of steps nor a result JSON" in out.output
 
 
+def test_a_refit_keeps_only_factors_a_profile_may_hold(profile, tmp_path):
+    """`muxd bench diagnose --write-serving` keeps what `muxd profile`'s calibration would keep: a factor outside its
+    range is reported and left out, so the profile it writes is one muxd reads (it wrote such a factor before)."""
+    from typer.testing import CliRunner
+
+    from appliance.cli import app
+
+    src, out = tmp_path / "p.json", tmp_path / "served.json"
+    save_profile(profile.model_copy(update={"serving": {"prefill": 1.2}}), src)
+    p = read_profile(src).predictor(MODEL.num_layers, "profile")
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps([{"launch_ms": 0.4 * p.decode_ms(DecodeLoad(1 + i, 1000 * (1 + i))), "mixed": False,
+                                  "decode": 1 + i, "ctx": 1000 * (1 + i), "layers": 0} for i in range(MIN_STEPS)]))
+    result = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(src), "--from-steps", str(steps),
+                                      "--write-serving", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "decode came out 0.4 while serving; not kept (outside 0.5..5" in " ".join(result.output.split())
+    assert read_profile(out).serving == {"prefill": 1.2}
+
+
 def test_the_split_slowdown_is_broken_down_by_span_and_the_decode_beside(profile, tmp_path):
     """What the one fitted slowdown averages over: launches binned by attention span and the decode batch planned
     beside them (a log row's `decode_beside`); `muxd bench diagnose --from-prefills` prints the table."""
