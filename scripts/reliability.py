@@ -286,15 +286,13 @@ def big_body(server: ServerProcess, megabytes: float) -> dict[str, Any]:
 
 # ---- schemathesis and hypothesis ---------------------------------------------------------------------------------
 def schemathesis_run(server: ServerProcess, examples: int, seed: int = 1, max_response_time: float = 60,
-                     phases: str = "coverage,fuzzing", workers: int = 4) -> dict[str, Any]:
-    """All of schemathesis's checks (positive_data_acceptance replaced as scripts/schemathesis_hooks.py explains),
-    from `workers` concurrent clients (the engine batches their requests)."""
+                     phases: str = "coverage,fuzzing") -> dict[str, Any]:
+    """All of schemathesis's checks (positive_data_acceptance replaced as scripts/schemathesis_hooks.py explains)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json", "--checks", "all",
                "--exclude-checks", "positive_data_acceptance", "-n", str(examples), "--seed", str(seed),
                "--phases", phases, "--max-response-time", str(max_response_time), "--request-timeout", "120",
-               "--workers", str(workers),
                "--generation-database", "none", "--no-color", "--report", "json", "--report-json-path", str(report)]
         env = {**__import__("os").environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
                "PYTHONPATH": str(ROOT / "scripts")}
