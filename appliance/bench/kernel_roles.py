@@ -24,7 +24,7 @@ _LIBRARY_MATMUL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma", re.IGNORECASE)
 # (rotary after QKV: "triton_poi_fused_..._cos_mm_mul_...") carry its name too
 _INDUCTOR_MATMUL = re.compile(r"^triton_(red|per|tem)_.*_(mm|addmm|bmm)(_|$)")
 _SPLIT_K_REDUCE = re.compile(r"splitk_?reduce", re.IGNORECASE)  # not a split-K GEMM itself ("..._splitK_TNN")
-_OWN_ATTENTION = re.compile(r"^decode_(partial|merge|balanced)$")  # attention/triton_decode_kernels.py
+_OWN_ATTENTION = re.compile(r"^decode_(partial|partial_rope|merge|balanced)$")  # attention/triton_decode_kernels.py
 
 
 @dataclass

@@ -103,6 +103,15 @@ def test_kernels_are_attributed_to_roles_by_their_order_in_the_step(one_row):
     assert kind("void cublasLt::splitKreduce_kernel<32>") == "split-k"
 
 
+def test_each_of_muxds_decode_attention_kernels_is_attention():
+    pytest.importorskip("triton")
+    from appliance.attention import triton_decode_kernels
+
+    names = [n for n in vars(triton_decode_kernels) if n.startswith("decode_")]
+    assert {"decode_partial", "decode_partial_rope", "decode_merge", "decode_balanced"} <= set(names)
+    assert {kind(n) for n in names} == {ATTENTION}
+
+
 def test_a_step_whose_matmuls_do_not_count_four_a_layer_gets_no_roles():
     events = _step(32, one_row=False)
     events.insert(3, ("sm90_xmma_gemm_bf16bf16_bf16f32", 0.01))  # a fifth matmul in layer 0
