@@ -7,12 +7,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.bench.launcher import BIND_RETRIES, free_port, port_lost, wait_until_ready
+from appliance.bench.launcher import free_port, port_lost, relaunch_on_lost_port, wait_until_ready
 from appliance.errors import ApplianceError
+
+T = TypeVar("T")
 
 
 class ServerProcess:
@@ -27,20 +30,19 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--port", str(self.port), *self.args],
                                      stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=self.env)
 
+    def _relaunching(self, attempt: Callable[[], T]) -> T:
+        """`attempt()`; a server that exited because its port was taken meanwhile starts again on another."""
+        return relaunch_on_lost_port(attempt, lambda: port_lost(self.proc, self.log.read_text()), self._launch)
+
     def wait_ready(self, timeout: float = 180) -> None:
-        """Wait for /ready; a server that exited because its port was taken meanwhile starts again on another."""
-        for attempt in range(BIND_RETRIES + 1):
-            try:
-                return wait_until_ready(self.url, self.proc, timeout, self.log.read_text)
-            except ApplianceError:
-                if not port_lost(self.proc, self.log.read_text()) or attempt == BIND_RETRIES:
-                    raise
-                self._launch()
+        """Wait for /ready (relaunching on a lost port)."""
+        self._relaunching(lambda: wait_until_ready(self.url, self.proc, timeout, self.log.read_text))
 
     def first_answer(self, timeout: float = 120) -> httpx.Response:
         """The first response of GET /ready (any status: the model may still load), relaunching on a lost port."""
         deadline = time.monotonic() + timeout
-        for attempt in range(BIND_RETRIES + 1):
+
+        def answer() -> httpx.Response:
             while self.proc.poll() is None:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"the server did not answer in {timeout:g} s:\n{self.log.read_text()}")
@@ -48,10 +50,9 @@ class ServerProcess:
                     return httpx.get(self.url + "/ready", timeout=5)
                 except httpx.TransportError:
                     time.sleep(0.05)
-            if not port_lost(self.proc, self.log.read_text()) or attempt == BIND_RETRIES:
-                break
-            self._launch()
-        raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            raise ApplianceError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+
+        return self._relaunching(answer)
 
     def metrics(self) -> dict[str, float]:
         """Samples by name; labels other than model_name stay in the key as name{label="value"}."""

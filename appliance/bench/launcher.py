@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import httpx
 
@@ -80,6 +80,7 @@ def _extra_flags(text: str | None, flag: str, reserved, instead: str) -> list[st
 
 
 BIND_RETRIES = 3
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -92,6 +93,19 @@ def free_port() -> int:
 def port_lost(proc: subprocess.Popen, log_text: str) -> bool:
     """Whether a server process exited because its port was taken between `free_port()` and its bind."""
     return proc.poll() is not None and "address already in use" in log_text.lower()
+
+
+def relaunch_on_lost_port(attempt: Callable[[], T], lost: Callable[[], bool], relaunch: Callable[[], None]) -> T:
+    """`attempt()` (wait for a launched server); when it raises ApplianceError because the server lost its port
+    (`lost()`), `relaunch()` on another and attempt again, up to BIND_RETRIES times. Other failures pass through."""
+    for tries in range(BIND_RETRIES + 1):
+        try:
+            return attempt()
+        except ApplianceError:
+            if not lost() or tries == BIND_RETRIES:
+                raise
+            relaunch()
+    raise AssertionError("unreachable")
 
 
 class ServerProcess:
@@ -144,15 +158,13 @@ class ServerProcess:
         """Block until /ready answers 200. The free port can be taken by another process before the server binds
         it: a server that exits for that reason starts again on another port (a few times)."""
         assert self.proc is not None, "start() first"
-        for attempt in range(BIND_RETRIES + 1):
-            try:
-                return wait_until_ready(self.url, self.proc, self.ready_timeout, self._log_tail)
-            except ApplianceError:
-                if not port_lost(self.proc, self._log_tail()) or attempt == BIND_RETRIES:
-                    raise
-                self.proc = None
-                self._new_port()
-                self.start()
+        relaunch_on_lost_port(lambda: wait_until_ready(self.url, self.proc, self.ready_timeout, self._log_tail),
+                              lambda: port_lost(self.proc, self._log_tail()), self._relaunch)
+
+    def _relaunch(self) -> None:
+        self.proc = None
+        self._new_port()
+        self.start()
 
     def _log_tail(self, lines: int = 20) -> str:
         try:

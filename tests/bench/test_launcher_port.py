@@ -19,3 +19,29 @@ def test_other_start_failures_are_not_retried(monkeypatch, tmp_path):
     finally:
         server.stop()
     assert len(starts) == 1
+
+
+@pytest.mark.parametrize("lost_each_time, succeeds_after, relaunches, raises", [
+    (True, 2, 2, False),                                            # a lost port twice, then ready
+    (False, 2, 0, True),                                            # another failure: at once, no relaunch
+    (True, launcher.BIND_RETRIES + 1, launcher.BIND_RETRIES, True),  # lost every time: gives up
+])
+def test_a_server_is_relaunched_only_for_a_lost_port_and_only_so_often(lost_each_time, succeeds_after, relaunches,
+                                                                       raises):
+    attempts, relaunched = [], []
+
+    def attempt():
+        attempts.append(1)
+        if len(attempts) <= succeeds_after:
+            raise launcher.ApplianceError("exited")
+        return "ready"
+
+    def run():
+        return launcher.relaunch_on_lost_port(attempt, lambda: lost_each_time, lambda: relaunched.append(1))
+
+    if raises:
+        with pytest.raises(launcher.ApplianceError, match="exited"):
+            run()
+    else:
+        assert run() == "ready"
+    assert len(relaunched) == relaunches
