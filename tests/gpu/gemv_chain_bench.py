@@ -19,13 +19,31 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 
+from appliance.bench.ceilings import time_cuda
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _input(x_ptr, nw_ptr, k, cols, HALF: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+           FOLDED: tl.constexpr):
+    """The product's input at columns k + cols, in fp32: silu(gate) * up (ACT), or x times the norm's weights
+    (NORM, unless FOLDED), or x; and x * x for the norm's statistic (only NORM uses it)."""
+    if ACT:
+        g = tl.load(x_ptr + k + cols).to(tl.float32)
+        x = g / (1 + tl.exp(-g)) * tl.load(x_ptr + HALF + k + cols).to(tl.float32)
+        return x, x
+    x = tl.load(x_ptr + k + cols).to(tl.float32)
+    if not NORM:
+        return x, x
+    if FOLDED:
+        return x, x * x
+    return x * tl.load(nw_ptr + k + cols).to(tl.float32), x * x
 
 
 @triton.jit
@@ -45,31 +63,16 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, K: tl.constexpr, HALF: t
         w = tl.load(wp)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k in range(0, K - BLOCK_K, BLOCK_K):
+    for k in range(0, K - BLOCK_K, BLOCK_K):  # the next tile loads while this one is used
         w_next = tl.load(wp + k + BLOCK_K)
-        if ACT:
-            g = tl.load(x_ptr + k + cols).to(tl.float32)
-            u = tl.load(x_ptr + HALF + k + cols).to(tl.float32)
-            x = g / (1 + tl.exp(-g)) * u
-        else:
-            x = tl.load(x_ptr + k + cols).to(tl.float32)
-            if NORM:
-                ss += x * x
-                if not FOLDED:
-                    x = x * tl.load(nw_ptr + k + cols).to(tl.float32)
+        x, sq = _input(x_ptr, nw_ptr, k, cols, HALF, ACT, NORM, FOLDED)
+        if NORM:
+            ss += sq
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
-    k = K - BLOCK_K
-    if ACT:
-        g = tl.load(x_ptr + k + cols).to(tl.float32)
-        u = tl.load(x_ptr + HALF + k + cols).to(tl.float32)
-        x = g / (1 + tl.exp(-g)) * u
-    else:
-        x = tl.load(x_ptr + k + cols).to(tl.float32)
-        if NORM:
-            ss += x * x
-            if not FOLDED:
-                x = x * tl.load(nw_ptr + k + cols).to(tl.float32)
+    x, sq = _input(x_ptr, nw_ptr, K - BLOCK_K, cols, HALF, ACT, NORM, FOLDED)
+    if NORM:
+        ss += sq
     acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if NORM:  # RMSNorm's scale is one number for the row: applied once, after the sum
@@ -191,36 +194,20 @@ def check(device):
 
 
 def timed(fn, iters):
+    """Median ms of one replay of fn() captured as a CUDA graph."""
     fn()  # warm (cuBLAS handles, Triton compiles) outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(5):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return time_cuda(g.replay, iters=iters, warmup=5) * 1e3
 
 
 def copy_rate():
+    """Read + write bytes a second of a 1 GiB copy."""
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * a.numel() / (statistics.median(times) / 1e3)
+    return 2 * a.numel() / time_cuda(lambda: b.copy_(a))
 
 
 def main():
