@@ -98,14 +98,14 @@ def port_lost(proc: subprocess.Popen, log_text: str) -> bool:
 def relaunch_on_lost_port(attempt: Callable[[], T], lost: Callable[[], bool], relaunch: Callable[[], None]) -> T:
     """`attempt()` (wait for a launched server); when it raises ApplianceError because the server lost its port
     (`lost()`), `relaunch()` on another and attempt again, up to BIND_RETRIES times. Other failures pass through."""
-    for tries in range(BIND_RETRIES + 1):
+    for _ in range(BIND_RETRIES):
         try:
             return attempt()
         except ApplianceError:
-            if not lost() or tries == BIND_RETRIES:
+            if not lost():
                 raise
             relaunch()
-    raise AssertionError("unreachable")
+    return attempt()
 
 
 class ServerProcess:
