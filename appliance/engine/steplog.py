@@ -49,10 +49,11 @@ ALLOCATOR_COUNTS = {"device_allocs": "num_device_alloc", "device_frees": "num_de
 
 def _allocations() -> dict[str, int]:
     """The caching allocator's counts of device allocations, frees, retries and stream syncs (a retry frees cached
-    blocks, which waits for the device); empty without CUDA."""
+    blocks, which waits for the device); empty without CUDA. The allocator's own nested statistics, whose top level
+    holds these counts: `memory_stats()` flattens them in Python first, about 0.4 ms of the engine thread a step."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {}
-    stats = torch.cuda.memory_stats()
+    stats = torch.cuda.memory_stats_as_nested_dict()
     return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTS.items()}
 
 
