@@ -111,8 +111,10 @@ def diagnose_command(bench_app: typer.Typer) -> None:
                                                                     "slowdown their planners learned online."),
         serve_args: Optional[str] = typer.Option(None, help="More `muxd serve` flags for the engine, quoted (e.g. "
                                                             "\"--prefill-graph-rows 2048\")."),
-        host_profile: bool = typer.Option(False, "--host-profile", help="cProfile the engine thread's steps: "
-                                                                         "where the host's time goes (shares)."),
+        host_profile: bool = typer.Option(False, "--host-profile", help="cProfile the engine's steps: where the "
+                                                                         "host's time goes (shares; from Python "
+                                                                         "3.12, other threads' calls during a step "
+                                                                         "too)."),
     ) -> None:
         """Where a policy's time goes: replay a trace slice (or --workload) in process and report every step's
         planning, launch and host time, decode steps' wall against device time (CUDA), partitions, layers per

@@ -62,7 +62,7 @@ class DiagnoseOptions:
     from_prefills: list[str] = field(default_factory=list)
     from_results: list[str] = field(default_factory=list)
     serve_args: str | None = None  # more `muxd serve` flags for the engine (e.g. "--prefill-graph-rows 2048")
-    host_profile: bool = False  # cProfile the engine thread's steps (slows the host: read it for shares, not times)
+    host_profile: bool = False  # cProfile the engine's steps (slows the host: read it for shares, not times)
 
 
 def diagnose(args: DiagnoseOptions) -> None:
@@ -238,7 +238,9 @@ def _launch_host(steps: list[dict]) -> None:
 
 
 def _profile_steps(engine) -> cProfile.Profile:
-    """Profile every `engine.step()` (in the thread that runs it: cProfile follows the enabling thread)."""
+    """Profile every `engine.step()`. Before Python 3.12 cProfile records the enabling thread only; from 3.12 on
+    (it runs on `sys.monitoring`) every thread's calls while a step runs, the replay's event loop among them, and
+    its counts of calls that overlap across threads read as recursion."""
     profiler, step = cProfile.Profile(), engine.step
 
     def profiled_step():
