@@ -169,10 +169,27 @@ def timer(llama_checkpoint):
     return StepTimer(engine, reps=1, decode_steps=2)
 
 
-def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path):
+@pytest.fixture(scope="module")
+def held_out_profile(timer, tmp_path_factory):
+    """The SMALL grid profiled with two held-out points per phase: (its points, the run's result); the tests using it
+    only read what it wrote."""
     points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=2)
-    out = tmp_path / "tiny-cpu.json"
-    result = run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    out = tmp_path_factory.mktemp("held-out") / "tiny-cpu.json"
+    return points, run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+
+
+@pytest.fixture(scope="module")
+def full_profile(timer, tmp_path_factory):
+    """The SMALL grid profiled with no point held out (the run's result); the tests using it only read what it
+    wrote."""
+    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
+    out = tmp_path_factory.mktemp("full") / "p.json"
+    return run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+
+
+def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, held_out_profile):
+    points, result = held_out_profile
+    out = result.path
     assert result.measured == len(points) and result.skipped_budget == 0
     assert not timer.engine.scheduler.requests and timer.engine.pool.num_free_pages == timer.engine.pool.num_pages
     assert result.errors["prefill_n"] == 2 and result.errors["decode_n"] == 2 and result.errors["mixed_n"] == 2
@@ -206,13 +223,12 @@ def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, tmp_path
                (p.kind, p.sms, p.new, p.reused, p.batch, p.context))
 
 
-def test_calibration_replays_under_chunked_and_measures_serving_against_the_profile(timer, tmp_path, monkeypatch):
+def test_calibration_replays_under_chunked_and_measures_serving_against_the_profile(timer, full_profile,
+                                                                                    monkeypatch):
     # (on the CPU the engine is not multiplexed: only the chunked replay runs; tests/gpu/test_profile_mux.py has mux)
     # the serial replay idles after each request it replays alone (0.2 s each); a shorter idle keeps them alone
     monkeypatch.setattr(calibrate, "SERIAL_IDLE_S", 0.02)
-    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
-    result = run_profile(timer, points, tmp_path / "p.json", model_name="tiny", budget_s=300,
-                         started=time.perf_counter())
+    result = full_profile
     engine = timer.engine
     planner = engine.scheduler.planner
     predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
@@ -333,12 +349,10 @@ def test_a_profile_whose_repeated_runs_disagree_is_called_noisy(tmp_path):
     assert not ProfileResult(tmp_path / "p.json", tmp_path / "p.json.samples.jsonl").noisy  # nothing repeated
 
 
-def test_chunked_without_a_budget_is_tuned_from_the_profile(timer, llama_checkpoint, tmp_path, caplog):
+def test_chunked_without_a_budget_is_tuned_from_the_profile(full_profile, llama_checkpoint, caplog):
     """What `muxd serve --policy chunked --profile FILE` runs: the largest budget whose step the profile keeps within
     the contract's TBT target; an explicit --chunk-budget, or no profile, keeps vLLM's --max-num-batched-tokens."""
-    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
-    out = tmp_path / "p.json"
-    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    out = full_profile.path
     path, _ = llama_checkpoint
     common = dict(model=str(path), policy="chunked", max_num_batched_tokens=8192)
     assert Config.flat(**common, profile=str(out)).scheduler.tuned_chunk_budget is None
@@ -380,10 +394,8 @@ def test_refit_fits_a_committed_gpu_log_again_with_the_decode_kernels_waves(tmp_
         assert result.exit_code == 2 and message in result.output, result.output
 
 
-def test_refit_of_a_cpu_run_reproduces_its_profile(timer, tmp_path):
-    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=2)
-    out = tmp_path / "cpu.json"
-    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+def test_refit_of_a_cpu_run_reproduces_its_profile(timer, held_out_profile, tmp_path):
+    out = held_out_profile[1].path
     assert json.loads(samples_path_for(out).read_text().splitlines()[0])["decode_plan"] is None  # no flashinfer
     again = refit_profile(samples_path_for(out), tmp_path / "again.json", timer.engine.model.config)
     first, second = json.loads(out.read_text()), json.loads((tmp_path / "again.json").read_text())
@@ -474,14 +486,12 @@ def test_refit_of_a_partition_profiled_at_a_few_sizes_keeps_the_terms_that_predi
     assert abs(predicted - 51.15) / 51.15 < 0.1
 
 
-def test_serving_with_a_bucket_profile_pads_prefills_and_answers_as_serial(timer, llama_checkpoint, tmp_path):
+def test_serving_with_a_bucket_profile_pads_prefills_and_answers_as_serial(timer, full_profile, llama_checkpoint):
     """`muxd serve --policy mux --profile FILE`: the profile's GEMM buckets reach the executor, which pads prefill
     launches by them; the tokens are those of serial execution and no page is lost."""
     from appliance.engine.request import SamplingParams
 
-    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0)
-    out = tmp_path / "p.json"
-    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
+    out = full_profile.path
     path, _ = llama_checkpoint
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [[3 + i * 5 % 97 for i in range(n)] for n in (7, 45, 20)]
@@ -495,15 +505,14 @@ def test_serving_with_a_bucket_profile_pads_prefills_and_answers_as_serial(timer
     assert mux.pool.num_free_pages == mux.pool.num_pages
 
 
-def test_serve_finds_the_profile_muxd_profile_cached_and_the_default_policy_is_serial_on_a_cpu(timer, llama_checkpoint,
+def test_serve_finds_the_profile_muxd_profile_cached_and_the_default_policy_is_serial_on_a_cpu(timer, full_profile,
+                                                                                              llama_checkpoint,
                                                                                               tmp_path, monkeypatch):
     """`muxd profile` keeps a copy of its profile under the cache directory, keyed by the model's shapes, the GPU and
     the muxd version; `muxd serve --policy mux` without --profile loads it. Without --policy, a CPU serves serial."""
     monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path / "cache"))  # its own: later tests' engines must not find it
     path, _ = llama_checkpoint
-    out = tmp_path / "p.json"
-    run_profile(timer, plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=0), out,
-                model_name="tiny", budget_s=300, started=time.perf_counter())
+    out = full_profile.path
     model = timer.engine.model.config
     assert find_profile(model, "cpu", cache_dir()) is None  # nothing cached yet, and no shipped profile fits
     cached = cache_profile(out, model, "cpu", cache_dir())
