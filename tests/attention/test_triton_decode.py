@@ -115,13 +115,14 @@ ROPE = BATCH + textwrap.dedent("""
         positions = torch.tensor(lens) - 1
         qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * D, generator=gen)
         norms = tuple(1 + 0.1 * torch.randn(D, generator=gen) for _ in range(2)) if norm else (None, None)
-        # the reference: the rotary reference, the K/V write, then the split kernel on the rotated q
+        # the reference: the rotary reference, the K/V write, then the torch reference's attention on the rotated q
+        # (the split kernel `run` matches that reference: test_kernel_matches_the_torch_reference_in_the_interpreter)
         ref_cache = cache.clone()
         q, k, v = apply_rope(qkv, positions, table, heads, *norms, 1e-6)
         write_kv(k, v, ref_cache, meta.slot_mapping)
+        expected = TorchAttention().forward(q.contiguous(), k, v, ref_cache.clone(), meta)
         dec = TritonDecode(heads, kv_heads, D, len(lens), 200, torch.device("cpu"))
         dec.plan(meta)
-        expected = dec.run(q.contiguous(), ref_cache[0], ref_cache[1])
         out = dec.run_rope(qkv, positions, table, cache, meta.slot_mapping, *norms, 1e-6)
         err, cache_err = (out - expected).abs().max().item(), (cache - ref_cache).abs().max().item()
         print(heads, kv_heads, lens, norm, err, cache_err)
@@ -132,7 +133,8 @@ ROPE = BATCH + textwrap.dedent("""
 
 def test_rope_folded_into_the_split_kernel_matches_the_rotary_kernel_then_attention():
     """`run_rope` (q/k norms, rotation and the new K/V write inside the attention kernel) against the rotary
-    reference, the K/V write and `run`: the output and every cache entry, GQA groups of 4, 1 and 7."""
+    reference, the K/V write and the torch reference's attention: the output and every cache entry, GQA groups of 4,
+    1 and 7."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", ROPE], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
