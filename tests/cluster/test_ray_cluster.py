@@ -42,6 +42,13 @@ def _wait(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=10).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _running(app: str) -> int:
     status = serve.status().applications.get(app)
     if status is None or ENGINE_DEPLOYMENT not in status.deployments:
@@ -56,6 +63,26 @@ def _scaling_up(app: str) -> bool:
         status.deployments[ENGINE_DEPLOYMENT].status == "UPSCALING"
 
 
+def test_deploy_goes_on_when_serves_proxies_start_slower_than_its_wait(monkeypatch):
+    """Ray Serve gives up on its HTTP proxies after a fixed 60 s (a loaded machine can take longer): `deploy` connects
+    to Serve's controller again and deploys while they start, rather than failing."""
+    starts, runs = [], []
+
+    def start(**options):
+        starts.append(options)
+        if len(starts) == 1:
+            raise TimeoutError("HTTP proxies not available after 60s.")
+
+    monkeypatch.setattr("appliance.cluster.deploy.start_ray", lambda engine, settings: None)
+    monkeypatch.setattr("appliance.cluster.deploy.build_app", lambda engine, settings: "the app")
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "run", lambda app, **options: runs.append((app, options)))
+    engine = Config.flat(port=8123)
+    assert deploy(engine, ClusterSettings(replicas=1)) == f"http://{engine.server.host}:8123"
+    assert len(starts) == 2 and starts[0] == starts[1] == {"http_options": {"host": engine.server.host, "port": 8123}}
+    assert runs == [("the app", {"name": APP_NAME, "route_prefix": "/", "blocking": False})]
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster and the muxd app with two replicas of two seats each (so requests queue)."""
@@ -63,6 +90,8 @@ def cluster():
     settings = ClusterSettings(replicas=2, replica_cpus=0.5, routing_stats_period=0.2, health_check_period=1.0)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     url = deploy(engine, settings)
+    # the replicas are up; Serve's HTTP proxies may still be starting on a loaded machine (`deploy` goes on then)
+    _wait(lambda: _ready(url), 180, "the cluster's /ready")
     yield url, engine
     # the local cluster this fixture started goes down whole with Ray, Serve's actors with it (serve.shutdown() first
     # would only stop them one by one, gracefully, for seconds more)
