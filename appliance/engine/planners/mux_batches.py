@@ -44,7 +44,9 @@ class MuxBatches:
         items: list[PrefillItem] = []
         due: list[float] = []  # the members' deadlines
         took = 0.0  # seconds the batch's prefill takes so far
-        reserve = self.reserve(sched)  # pages the running requests may still take; each admitted prompt adds its own
+        # pages the running requests may still take (each admitted prompt adds its own); a sum over every running
+        # request, so only when a prompt waits
+        reserve = self.reserve(sched) if sched.waiting else 0
         for r in self.order(sched, now):
             if sched.num_running >= sched.max_num_seqs:
                 break
