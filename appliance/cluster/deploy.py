@@ -109,17 +109,17 @@ def deploy(engine: Config, settings: ClusterSettings) -> str:
     from ray import serve  # defers the optional cluster dependency (Ray)
 
     start_ray(engine, settings)
-    srv = engine.server
+    http = {"host": engine.server.host, "port": engine.server.port}
     try:
-        serve.start(http_options={"host": srv.host, "port": srv.port})
+        serve.start(http_options=http)
     except TimeoutError:  # (Ray's GetTimeoutError is one too)
         # Serve waits a fixed 60 s for its HTTP proxies, which a loaded machine can take longer to start; its
         # controller is up by then, and a second call connects to it and lets the proxies go on starting (the URL
         # answers once they are up)
         log.warning("Ray Serve's HTTP proxies are not up after Serve's wait; deploying while they start")
-        serve.start(http_options={"host": srv.host, "port": srv.port})
+        serve.start(http_options=http)
     serve.run(build_app(engine, settings), name=APP_NAME, route_prefix="/", blocking=False)
-    return f"http://{srv.host}:{srv.port}"
+    return f"http://{http['host']}:{http['port']}"
 
 
 def run(engine: Config, settings: ClusterSettings, echo: Callable[[str], Any] = print) -> None:
