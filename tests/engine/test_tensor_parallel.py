@@ -42,11 +42,12 @@ def checkpoints(tmp_path_factory):
 
 
 def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
-    """Greedy outputs, preemptions, and how many tokens rank 0 sent the other ranks as placeholders (sampled by a
-    step still running: the overlapped loop; the other ranks read them from their token buffers)."""
+    """Greedy outputs (and one penalised, seeded row: it is sampled once the token before it is read), preemptions,
+    how many tokens rank 0 sent the other ranks as placeholders (sampled by a step still running: the overlapped loop;
+    the other ranks read them from their token buffers), and the plans of the steps whose sampling was held."""
     settings = dict(max_model_len=64, max_num_batched_tokens=32, dist_timeout=60, **extra)
     engine = build_engine(Config.flat(model=str(path), tensor_parallel_size=tp, policy=policy, **settings))
-    placeholders = 0
+    placeholders, held = 0, []
 
     def spans(*args):
         nonlocal placeholders
@@ -54,14 +55,18 @@ def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
         placeholders += sum(i < 0 for i in ids)
         return ids
 
+    finish = engine.executor.finish_sampling
+    engine.executor.finish_sampling = lambda step: held.append(step.plan) or finish(step)
     try:
-        prompts = [PREFIX + [40, 41, 42], PREFIX + [50, 51], [7, 8, 9, 10, 11, 12, 13]]
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                 prompt_logprobs=1 if i == 2 else None)
-                  for i in range(len(prompts))]
+        # the penalised row decodes while the prompts after it are prefilled
+        prompts = [PREFIX + [40, 41, 42], list(range(30, 60)), PREFIX + [50, 51], [7, 8, 9, 10, 11, 12, 13]]
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        params = [greedy, SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=4, presence_penalty=1.5,
+                                         repetition_penalty=1.3, ignore_eos=True),
+                  greedy, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, prompt_logprobs=1)]
         with mock.patch.object(step_wire, "span_tokens", spans):
             done = engine.generate(prompts, params)
-        return [c.token_ids for c in done], engine.num_preemptions, placeholders
+        return [c.token_ids for c in done], engine.num_preemptions, placeholders, held
     finally:
         engine.close()
 
@@ -74,46 +79,42 @@ def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
     ("llama", "serial", {"async_scheduling": False}),  # the synchronous loop: every token known when sent
 ])
 def test_two_ranks_generate_what_one_does(checkpoints, family, policy, extra):
-    one, preempted_one, _ = _generate(checkpoints / family, 1, policy, **extra)
-    two, preempted_two, placeholders = _generate(checkpoints / family, 2, policy, **extra)
+    """Two ranks generate what one does, the penalised, seeded row too: rank 0 launches the next forward first (and
+    the step's prefill layers: layerwise) and samples that row after it (held); the other rank takes those tokens into
+    its token buffer at the same point of its step, after the same collectives."""
+    one, preempted_one, _, _ = _generate(checkpoints / family, 1, policy, **extra)
+    two, preempted_two, placeholders, held = _generate(checkpoints / family, 2, policy, **extra)
     assert two == one
     assert preempted_two == preempted_one
     if "num_gpu_blocks_override" in extra:
         assert preempted_one > 0  # the preempted requests were sent to rank 1 again, whole
-    # overlapped (the default), decode steps are launched before the tokens they continue from are read
-    assert (placeholders > 0) == extra.get("async_scheduling", True)
-
-
-@pytest.mark.parametrize("policy", ["serial", "layerwise", "chunked"])
-def test_rows_sampled_once_the_token_before_is_read_reach_the_other_rank(checkpoints, policy):
-    """A penalised, seeded row needs its latest token on the host before it samples: rank 0 launches the next
-    forward first (and the step's prefill layers: layerwise) and samples that row after it (held); the other rank
-    takes those tokens into its token buffer at the same point of its step, after the same collectives. Two ranks
-    still generate what one does."""
-    prompts = [PREFIX + [40, 41, 42], [7, 8, 9, 10, 11, 12, 13], list(range(30, 60))]
-    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.9, seed=4, presence_penalty=1.5, repetition_penalty=1.3,
-                             ignore_eos=True),
-              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
-    outputs, held = [], []
-    for tp in (1, 2):
-        engine = build_engine(Config.flat(model=str(checkpoints / "llama"), tensor_parallel_size=tp, max_model_len=64,
-                                          max_num_batched_tokens=32, chunk_budget=8, policy=policy, dist_timeout=60))
-        finish = engine.executor.finish_sampling
-        engine.executor.finish_sampling = lambda step, finish=finish: held.append((tp, step.plan)) or finish(step)
-        try:
-            outputs.append([c.token_ids for c in engine.generate(prompts, params)])
-        finally:
-            engine.close()
-    assert outputs[1] == outputs[0]
-    assert any(tp == 2 for tp, _ in held)
+    # overlapped (the default), decode steps are launched before the tokens they continue from are read, and the
+    # penalised row's sampling is held
+    overlapped = extra.get("async_scheduling", True)
+    assert (placeholders > 0) == overlapped
+    assert bool(held) == overlapped
     if policy == "layerwise":  # prefill layers launched between the held forward and its sampling
-        assert any(tp == 2 and plan.prefill and not plan.mixed for tp, plan in held)
+        assert any(plan.prefill and not plan.mixed for plan in held)
 
 
-def test_the_profiler_and_the_engine_bench_time_steps_that_every_rank_runs(checkpoints, monkeypatch):
-    engine = build_engine(Config.flat(model=str(checkpoints / "qwen2"), tensor_parallel_size=2, max_model_len=64,
-                                      dist_timeout=60))
+def test_the_profiler_and_the_engine_bench_time_steps_that_every_rank_runs_and_the_ranks_leave_together(
+        checkpoints, monkeypatch, capfd):
+    """The profiler's and the engine bench's steps run on both ranks. (`muxd serve --log-level info -tp 2`: every
+    rank's start-up stages, each line naming its rank.) On close the ranks leave the process group together, as NCCL's
+    teardown needs: the other rank exits by itself, not killed after waiting in the leaving barrier for a rank 0 that
+    would leave only once it had gone."""
+    import logging
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)  # the other ranks log at rank 0's level
+    try:
+        engine = build_engine(Config.flat(model=str(checkpoints / "qwen2"), tensor_parallel_size=2,
+                                          max_model_len=64, dist_timeout=60))
+    finally:
+        root.setLevel(level)
+    healthy: list[bool] = []  # (what rank 0 must do before it leaves: drop its graphs, which hold collectives)
+    engine.executor.group.before_leaving(healthy.append)
     try:
         timer = StepTimer(engine, reps=1, decode_steps=1)
         sms = timer.sm_count
@@ -135,6 +136,9 @@ def test_the_profiler_and_the_engine_bench_time_steps_that_every_rank_runs(check
         assert engine.pool.num_free_pages == engine.pool.num_pages  # every request they seated was released
     finally:
         engine.close()
+    assert "INFO rank 1 muxd.engine: policy: serial (the default on CPU)" in capfd.readouterr().err
+    assert healthy == [True] and [p.exitcode for p in engine.executor.group.procs] == [0]
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_rank_that_dies_ends_the_engine_with_its_error(checkpoints):
@@ -159,25 +163,3 @@ def test_a_rank_that_dies_ends_the_engine_with_its_error(checkpoints):
         engine.executor.group.before_leaving(healthy.append)
         engine.close()
     assert healthy == [False]  # (told so: no waiting for work a dead rank will never finish)
-
-
-def test_the_other_ranks_log_at_rank_0s_level_and_leave_with_it(checkpoints, capfd):
-    """(`muxd serve --log-level info -tp 2`: every rank's start-up stages, each line naming its rank.) On close the
-    ranks leave the process group together, as NCCL's teardown needs: the other rank exits by itself, not killed
-    after waiting in the leaving barrier for a rank 0 that would leave only once it had gone."""
-    import logging
-
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.INFO)
-    try:
-        engine = build_engine(Config.flat(model=str(checkpoints / "llama"), tensor_parallel_size=2,
-                                          max_model_len=64, dist_timeout=60))
-        healthy: list[bool] = []  # (what rank 0 must do before it leaves: drop its graphs, which hold collectives)
-        engine.executor.group.before_leaving(healthy.append)
-        engine.close()
-    finally:
-        root.setLevel(level)
-    assert "INFO rank 1 muxd.engine: policy: serial (the default on CPU)" in capfd.readouterr().err
-    assert healthy == [True] and [p.exitcode for p in engine.executor.group.procs] == [0]
-    assert not torch.distributed.is_initialized()
