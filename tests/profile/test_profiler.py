@@ -254,14 +254,12 @@ def test_calibration_replays_under_chunked_and_measures_serving_against_the_prof
                                      if serving_range(k)[0] <= v <= serving_range(k)[1]})
 
 
-def test_an_interrupted_run_resumes_with_the_missing_points_only(timer, tmp_path):
-    points = plan_points(SMALL, timer.sm_count, timer.decode_partitions, holdout=1)
+def test_an_interrupted_run_resumes_with_the_missing_points_only(timer, held_out_profile, tmp_path):
+    points, first = held_out_profile
     out = tmp_path / "p.json"
-    run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter())
     log = samples_path_for(out)
-    lines = log.read_text().splitlines()
+    lines = samples_path_for(first.path).read_text().splitlines()  # a whole run's log, cut as an interruption cuts it
     log.write_text("\n".join(lines[:6]) + "\n" + lines[6][:10])  # five samples and one cut short
-    out.unlink()
     result = run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(),
                          resume=True)
     assert result.resumed == 5 and result.measured == len(points) - 5 and out.is_file()
@@ -427,7 +425,9 @@ def test_prefills_are_profiled_padded_to_gemm_buckets_timed_first_and_a_resume_k
     # a resumed run keeps the table its samples were padded by (here: another one written into the log)
     other = GemmTable((16, 4096), {timer.sm_count: (2.0, 1.0)})
     lines = samples_path_for(out).read_text().splitlines()
-    samples_path_for(out).write_text("\n".join([json.dumps({**head, "gemm": other.to_dict()}), *lines[1:6]]) + "\n")
+    # (each resume below measures the run's last three points again, padded as its log says)
+    kept = lines[1:len(points) - 2]
+    samples_path_for(out).write_text("\n".join([json.dumps({**head, "gemm": other.to_dict()}), *kept]) + "\n")
     run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
     assert json.loads(out.read_text())["gemm"] == other.to_dict()
     assert timer.executor.pad_rows(0)(40) == 4096
@@ -435,12 +435,12 @@ def test_prefills_are_profiled_padded_to_gemm_buckets_timed_first_and_a_resume_k
     assert again.profile.gemm == other.to_dict()
     # a log from before GEMM tables resumes without padding, as its samples ran
     samples_path_for(out).write_text("\n".join([json.dumps({k: v for k, v in head.items() if k != "gemm"}),
-                                                *lines[1:6]]) + "\n")
+                                                *kept]) + "\n")
     run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
     assert json.loads(out.read_text())["gemm"] is None and timer.executor.pad_rows(0) is None
     # samples measured with prefill graphs (none run on the CPU) are not resumed without them
     graphs = GemmTable((16, 4096), {timer.sm_count: (2.0, 1.0)}, graph_rows=512)
-    samples_path_for(out).write_text("\n".join([json.dumps({**head, "gemm": graphs.to_dict()}), *lines[1:6]]) + "\n")
+    samples_path_for(out).write_text("\n".join([json.dumps({**head, "gemm": graphs.to_dict()}), *kept]) + "\n")
     with pytest.raises(ConfigError, match="prefill graphs up to 512 rows.*--prefill-graph-rows 512"):
         run_profile(timer, points, out, model_name="tiny", budget_s=300, started=time.perf_counter(), resume=True)
 
