@@ -77,18 +77,15 @@ def test_the_planner_charges_the_host_as_the_engines_loop_runs(llama_checkpoint)
 
 
 def test_diagnose_replays_a_synthetic_workload(llama_checkpoint, tmp_path):
+    """In process (the test above runs the command through `python -m appliance`): a synthetic workload's requests
+    (two, of outputs of some hundreds of tokens) on a server of --serve-args' two seats, and the refusals."""
     path, _ = llama_checkpoint
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "appliance", "bench", "diagnose", "--model", str(path), "--device", "cpu",
-         "--workload", "chat-short", "-n", "3", "--rate", "50", "--policy", "serial", "--max-model-len", "4096",
-         "--serve-args", "--max-num-seqs 2", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
-        timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "serial: 3 requests at 50.0 req/s" in done.stdout
-    # the refusals in process: the command line above already ran through `python -m appliance`
     base = ["bench", "diagnose", "--model", str(path), "--device", "cpu", "--workload", "chat-short", "--out",
             str(tmp_path)]
+    done = CliRunner().invoke(app, [*base, "-n", "2", "--rate", "50", "--policy", "serial", "--max-model-len", "4096",
+                                    "--serve-args", "--max-num-seqs 2"])
+    assert done.exit_code == 0, done.output[-2000:]
+    assert "serial: 2 requests at 50.0 req/s" in done.stdout
     bad = CliRunner().invoke(app, [*base, "--serve-args", "--no-such-flag 1"])
     assert bad.exit_code == 2 and "--no-such-flag" in bad.stderr
     both = CliRunner().invoke(app, [*base, "--trace", "x.csv"])
