@@ -28,8 +28,8 @@ ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    return serve("--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+def server(shared_serve):
+    return shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512")  # the API tests' server
 
 
 

@@ -380,11 +380,21 @@ def test_chat_template_kwargs_reach_the_template_and_openai_bookkeeping_fields_a
     assert prompt_tokens(**bookkeeping)[0] == plain
 
 
-def test_default_chat_template_kwargs_apply_where_a_request_sets_none(shared_serve, model_name):
+@pytest.fixture(scope="module")
+def defaults_server(shared_serve, tmp_path_factory):
+    """A server of default template variables and a generation config (the tests of each set what the other's
+    default stands in for: max_tokens, or no template variable)."""
+    where = tmp_path_factory.mktemp("generation")
+    (where / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    return shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", THINKING,
+                        "--default-chat-template-kwargs", '{"enable_thinking": false}', "--generation-config",
+                        str(where))
+
+
+def test_default_chat_template_kwargs_apply_where_a_request_sets_none(defaults_server, model_name):
     """--default-chat-template-kwargs (vLLM's): every chat request and /tokenize gets those template variables; a
     request's own chat_template_kwargs replace them name by name."""
-    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", THINKING,
-                          "--default-chat-template-kwargs", '{"enable_thinking": false}')
+    server = defaults_server
     messages = [{"role": "user", "content": "hi"}]
 
     def prompt(**extra) -> tuple[int, int]:
@@ -450,12 +460,10 @@ def test_reasoning_parser_splits_reasoning_from_content_in_bodies_and_streams(sh
     assert httpx.post(server.url + "/tokenize", json={"messages": echoed}).status_code == 200  # as clients send back
 
 
-def test_generation_config_sets_the_sampling_a_request_leaves_unset(shared_serve, model_name, tmp_path_factory):
+def test_generation_config_sets_the_sampling_a_request_leaves_unset(defaults_server, model_name):
     """--generation-config DIR (and auto, the model's own file): its temperature and max_new_tokens stand in for a
     request's unset temperature and max_tokens; what the request sets wins."""
-    where = tmp_path_factory.mktemp("generation")
-    (where / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
-    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--generation-config", str(where))
+    server = defaults_server
 
     def chat(**extra) -> dict:
         body = {"model": model_name, "messages": [{"role": "user", "content": "Count."}], "ignore_eos": True, **extra}
