@@ -31,7 +31,7 @@ def synthetic_profile_file(tmp_path: Path) -> Path:
 
 def test_simulate_prints_capacity_per_policy(tmp_path):
     profile = synthetic_profile_file(tmp_path)
-    args = ["bench", "--simulate", "--policies", "mux,serial", "--trace", str(TRACE), "--max-requests", "30",
+    args = ["bench", "--simulate", "--policies", "mux,serial", "--trace", str(TRACE), "--max-requests", "20",
             "--spread-ties", "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100",
             "--slo", str(ROOT / "configs" / "slo" / "long-context.yaml"), "--result-dir", str(tmp_path / "out")]
     result = runner.invoke(app, args, env={"COLUMNS": "200"})
@@ -42,7 +42,7 @@ def test_simulate_prints_capacity_per_policy(tmp_path):
     by_policy = {r["policy"]: r for r in saved["results"]}
     assert set(by_policy) == {"mux", "serial"}
     for r in by_policy.values():
-        assert r["completed"] == 30 and r["capacity"] is not None and r["capacity_points"]
+        assert r["completed"] == 20 and r["capacity"] is not None and r["capacity_points"]
         assert r["contract_met"] == (r["capacity"] >= r["offered_rate"] * 0.999)  # capacity search agrees
     assert by_policy["mux"]["capacity"] >= by_policy["serial"]["capacity"]
 
@@ -133,7 +133,7 @@ def test_simulate_saves_its_steps_as_the_engine_logs_them(tmp_path):
     engine step log's keys, virtual time), the one replay as profiled; `bench diagnose` will not calibrate from it."""
     profile = synthetic_profile_file(tmp_path)
     out = tmp_path / "sweep"
-    args = ["bench", "sweep", "--simulate", "--policies", "mux,chunked", "--trace", str(TRACE), "--max-requests", "30",
+    args = ["bench", "sweep", "--simulate", "--policies", "mux,chunked", "--trace", str(TRACE), "--max-requests", "20",
             "--spread-ties", "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100", "--slo", str(SLO),
             "--rates", "2", "--save-steps", "--result-dir", str(out), "--no-progress"]
     result = runner.invoke(app, args, env={"COLUMNS": "200"})
