@@ -5,14 +5,27 @@ from __future__ import annotations
 import httpx
 
 
-def test_timeline_endpoint_and_mux_metrics(serve):
-    server = serve("--planner", "layerwise")
-    body = {"model": "muxd-embedded", "prompt": "def main():", "max_tokens": 4, "ignore_eos": True}
-    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
-    trace = httpx.get(server.url + "/debug/timeline").json()
-    names = {e["name"] for e in trace["traceEvents"]}
-    assert {"decode", "prefill launch"} <= names
-    metrics = server.metrics()
+def test_timeline_endpoint_mux_metrics_and_the_timeline_at_shutdown(request, tmp_path):
+    """GET /debug/timeline and the multiplexing series while serving; with --trace-dir the timeline is also written
+    when the server stops (SIGTERM)."""
+    import json
+    import signal
+
+    from live_server import ServerProcess
+
+    server = ServerProcess(["--model", request.config.getoption("--serve-model"), "--planner", "layerwise",
+                            "--trace-dir", str(tmp_path / "traces")], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        body = {"model": "muxd-embedded", "prompt": "def main():", "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        trace = httpx.get(server.url + "/debug/timeline").json()
+        names = {e["name"] for e in trace["traceEvents"]}
+        assert {"decode", "prefill launch"} <= names
+        metrics = server.metrics()
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=60)
     assert metrics["muxd:decode_sms"] == 0  # CPU: the null partition
     assert metrics["muxd:prefill_layers_launched_total"] >= 4  # layerwise: a layer a step, 4 layers
     assert "muxd:partition_switches_total" in metrics
@@ -22,25 +35,8 @@ def test_timeline_endpoint_and_mux_metrics(serve):
     # the engine thread and the event loop each ran Python for this request (their share of one interpreter)
     assert metrics['muxd:thread_cpu_seconds_total{thread="engine"}'] > 0
     assert metrics['muxd:thread_cpu_seconds_total{thread="event_loop"}'] > 0
-
-
-def test_trace_dir_receives_the_timeline_at_shutdown(request, tmp_path):
-    import json
-    import signal
-
-    from live_server import ServerProcess
-
-    server = ServerProcess(["--model", request.config.getoption("--serve-model"), "--trace-dir",
-                            str(tmp_path / "traces")], tmp_path / "server.log")
-    try:
-        server.wait_ready()
-        body = {"prompt": "import os", "max_tokens": 3, "ignore_eos": True}
-        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
-    finally:
-        server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(timeout=60)
-    [trace] = list((tmp_path / "traces").glob("timeline-*.json"))
-    assert any(e["name"] == "decode" for e in json.loads(trace.read_text())["traceEvents"])
+    [saved] = list((tmp_path / "traces").glob("timeline-*.json"))
+    assert any(e["name"] == "decode" for e in json.loads(saved.read_text())["traceEvents"])
 
 
 def test_the_closed_loop_state_is_in_metrics(serve):
