@@ -23,6 +23,8 @@ _LIBRARY_MATMUL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma", re.IGNORECASE)
 # a matmul Inductor generates is a reduction or a template kernel; pointwise kernels that read a matmul's output
 # (rotary after QKV: "triton_poi_fused_..._cos_mm_mul_...") carry its name too
 _INDUCTOR_MATMUL = re.compile(r"^triton_(red|per|tem)_.*_(mm|addmm|bmm)(_|$)")
+# muxd's one-row product (model_zoo/layers.py `row_product`) reduces the weight's transpose, unsqueezed, by a sum
+_ROW_PRODUCT = {"sum", "t", "unsqueeze"}
 _SPLIT_K_REDUCE = re.compile(r"splitk_?reduce", re.IGNORECASE)  # not a split-K GEMM itself ("..._splitK_TNN")
 _OWN_ATTENTION = re.compile(r"^decode_(partial|partial_rope|merge|balanced)$")  # attention/triton_decode_kernels.py
 
@@ -46,6 +48,8 @@ def kind(name: str) -> str:
     if "flashinfer" in name or _OWN_ATTENTION.match(name):
         return ATTENTION
     if _LIBRARY_MATMUL.search(name) or _INDUCTOR_MATMUL.search(name):
+        return "matmul"
+    if re.match(r"triton_(red|per)_", name) and _ROW_PRODUCT <= set(name.split("_")):
         return "matmul"
     return "other"
 

@@ -5,8 +5,10 @@ Every layer has the same code and no layer index reaches the traced code, so one
 variant, and one for a single token) serves all layers and all batch sizes. The single-token graph (decode of one
 sequence) is compiled on CUDA in Inductor's max-autotune mode (without its CUDA graphs; muxd captures its own): its
 coordinate-descent tuning turns the matrix-vector products into fused, tuned reductions (no split-K, the norm before
-each projection in the same kernel), so a one-row decode step reads the weights faster. Its tuning runs once, in the
-engine's warm-up (tens of seconds on an H200), and is cached. Other token counts keep the dynamic graph and cuBLAS:
+each projection in the same kernel), so a one-row decode step reads the weights faster. Where muxd ships a tilings
+table for the GPU, torch and the model's shapes (tilings.py), each kernel takes the table's tiling and nothing is
+tuned; otherwise the tuning runs once, in the engine's warm-up (tens of seconds on an H200), and is cached (a draw:
+tunings differ). Other token counts keep the dynamic graph and cuBLAS:
 max-autotune's GEMM templates made decode at 8, 64 and 128 rows slower on an H200, not faster. In the dynamic
 graph the output projection and the residual add stay apart (`residual_add_apart`): Inductor would make them one addmm,
 which ATen runs on CUDA as a copy of the residual into the output and a GEMM that adds it (a copy kernel a layer);
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from appliance.attention import pdl
+from appliance.engine import tilings
 from appliance.engine.toolchain import compile_unavailable_reason
 from appliance.model_zoo.layers import DecoderLayer
 from appliance.model_zoo.llama import DecoderForCausalLM
@@ -67,7 +70,7 @@ def _torch_default_inductor_dir() -> str | None:
 
 def compile_layers(model: DecoderForCausalLM) -> bool:
     """Compile every decoder layer and the final norm in place; returns False (and logs why) when torch.compile
-    cannot run here."""
+    cannot run here. On CUDA, `model.tilings` says what the single-token graph's kernels are tiled by."""
     device = next(model.parameters()).device
     reason = compile_unavailable_reason(device)
     if reason:
@@ -86,7 +89,11 @@ def compile_layers(model: DecoderForCausalLM) -> bool:
     # and this Inductor has it: Inductor waits in each kernel only before reading what the kernel before it wrote
     launch = {"triton.enable_pdl": True} if pdl.active(device, rows=1) and hasattr(inductor_config.triton,
                                                                                     "enable_pdl") else {}
-    one_token = torch.compile(DecoderLayer.forward, dynamic=False, options={**tuned, **launch} or None)
+    fixed = {}
+    if device.type == "cuda":
+        model.tilings = tilings.choose(tilings.key(model.model.layers[0], device, pdl=bool(launch)))
+        fixed = model.tilings.options()
+    one_token = torch.compile(DecoderLayer.forward, dynamic=False, options={**tuned, **launch, **fixed} or None)
     for layer in model.model.layers:
         layer.forward = functools.partial(_dispatch, dynamic, one_token, layer)
     # the final norm (and the last residual add) in one kernel, where eagerly it is eight small ones

@@ -138,6 +138,8 @@ class _Builder:
         compiled = False
         if rt.compile if rt.compile is not None else self.cuda:
             compiled = compile_layers(model)
+            if getattr(model, "tilings", None) is not None:
+                self.startup["single_token_tilings"] = model.tilings.describe()
         partitions = self._partitions()
         reserve = 0
         if self.cuda or compiled:

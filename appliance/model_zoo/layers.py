@@ -68,6 +68,22 @@ class RotaryEmbedding(nn.Module):
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
+def row_product(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor | None:
+    """x @ weight.T as a reduction, where x is one row being compiled on a GPU for a linear layer without bias: the
+    product written as Inductor's own decomposition of a one-row matrix product writes it (fp32 products summed over
+    the input features, rounded to x's dtype), so that the single-token graph is the same graph whether or not
+    Inductor's coordinate-descent tuning (which makes that decomposition) is on; None otherwise (a GEMM)."""
+    if not (x.is_cuda and linear.bias is None and x.dim() == 2 and x.shape[0] == 1
+            and torch.compiler.is_compiling()):
+        return None
+    return matvec(x, linear.weight)
+
+
+def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as fp32 products summed over the input features, rounded to x's dtype."""
+    return (x.float().unsqueeze(2) * weight.t().float().unsqueeze(0)).sum(dim=1).to(x.dtype)
+
+
 class MergedLinear(nn.Linear):
     """One GEMM for several checkpoint projections (q/k/v, gate/up); `shards` maps each checkpoint name to the rows
     of its tensor this layer holds (all of them on one rank), stacked in order."""
@@ -79,6 +95,10 @@ class MergedLinear(nn.Linear):
         for name, rows in shards.items():
             self.shards[name] = (offset, rows)
             offset += rows.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product = row_product(x, self)
+        return super().forward(x) if product is None else product
 
     def checkpoint_targets(self, name: str) -> dict[str, Target]:
         """Checkpoint tensor name -> where its rows go (the projections sit beside this layer in the checkpoint)."""
@@ -93,12 +113,13 @@ class SplitKLinear(nn.Linear):
     a GPU for 2 to `SPLIT_K_MAX_ROWS` rows, it returns its product as `SPLIT_K` fp32 partial products over slices of
     the input features, [SPLIT_K, rows, out], one batched GEMM, for the reader to sum (`settle`, which the next
     norm fuses into its kernel): cuBLAS would split K there too, but then sums the partials in a kernel of its own.
-    Otherwise (one row, more rows, eager, CPU) a plain linear layer."""
+    Otherwise (one row: `row_product`; more rows, eager, CPU) a plain linear layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.splits(x):
             return partial_products(x, self.weight, SPLIT_K)
-        return super().forward(x)
+        product = row_product(x, self)
+        return super().forward(x) if product is None else product
 
     def splits(self, x: torch.Tensor) -> bool:
         """Whether x's product is returned as partial products."""

@@ -58,9 +58,10 @@ def test_a_bad_kernels_flag_is_named_before_anything_starts(value, message):
     assert result.exit_code == 2 and message in result.output
 
 
-def _step(layers: int, one_row: bool) -> list[tuple[str, float]]:
+def _step(layers: int, one_row: bool | str) -> list[tuple[str, float]]:
     """The kernels of one decode step as they run, with the names an H200 showed at 1 and 64 rows (at one row,
-    muxd's Triton decode attention; at 64, flashinfer's)."""
+    muxd's Triton decode attention; at 64, flashinfer's); one_row="row product": one row's kernels as they are named
+    since the layers write the one-row product themselves (`row_product`), not Inductor's decomposition."""
     attention = [("void flashinfer::BatchPrefillWithPagedKVCacheKernel<flashinfer::KernelTraits>", 0.009),
                  ("void flashinfer::PersistentVariableLengthMergeStatesKernel<8u>", 0.0025)]  # 64 rows
     if one_row:  # Inductor's fused matrix-vector reductions; the rotary kernels carry the QKV matmul's name
@@ -70,6 +71,12 @@ def _step(layers: int, one_row: bool) -> list[tuple[str, float]]:
             "triton_poi_fused__to_copy_add_cat_cos_mm_mul_neg_paged_attention_sin_split_2"
         o, gate_up, down = "triton_red_fused_add_mm_t_view_5", \
             "triton_red_fused__to_copy_add_mean_mm_mul_pow_rsqrt_t_7", "triton_red_fused_mm_mul_silu_split_t_8"
+        if one_row == "row product":
+            qkv = "triton_red_fused__to_copy_add_mean_mul_pow_rope_paged_attention_rsqrt_sum_t_unsqueeze_1"
+            rope = "triton_red_fused__to_copy_mean_pow_3"
+            o, gate_up, down = "triton_red_fused__to_copy_add_mul_sum_t_unsqueeze_view_2", \
+                "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_sum_t_unsqueeze_4", \
+                "triton_red_fused__to_copy_mul_silu_split_sum_t_unsqueeze_5"
         after_down = []
     else:
         norm, qkv, rope = "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", \
@@ -85,7 +92,7 @@ def _step(layers: int, one_row: bool) -> list[tuple[str, float]]:
                      ("void at::native::reduce_kernel<argmax>", 0.004)]
 
 
-@pytest.mark.parametrize("one_row", [True, False])
+@pytest.mark.parametrize("one_row", [True, "row product", False])
 def test_kernels_are_attributed_to_roles_by_their_order_in_the_step(one_row):
     floors = {QKV: 0.38, O: 0.25, GATE_UP: 1.78, DOWN: 0.89, LM_HEAD: 0.25, ATTENTION: 0.03}
     rows = {r.role: r for r in by_role(_step(32, one_row) * 3, steps=3, num_layers=32, floors_ms=floors)}
