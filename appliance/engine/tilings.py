@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from appliance.errors import ConfigError
+
 log = logging.getLogger("muxd.compile")
 
 ENV = "MUXD_TILINGS"
@@ -78,7 +80,10 @@ def choose(want: dict) -> Choice:
     if setting == "tune":
         return Choice("tuned", want)
     if setting:
-        table = load(Path(setting))
+        try:
+            table = load(Path(setting))
+        except ConfigError as exc:
+            raise ConfigError(f"{ENV}={setting}: {exc}") from None
         if table["key"] != want:
             log.warning("%s=%s: its key %s is not this model's and GPU's %s; Inductor tunes the single-token graph",
                         ENV, setting, table["key"], want)
@@ -93,17 +98,17 @@ def choose(want: dict) -> Choice:
 
 
 def load(path: Path) -> dict:
-    """A table file: {"key": ..., "kernels": {hash: tiling}, ...}; a clear error for anything else."""
+    """A table file: {"key": ..., "kernels": {hash: tiling}, ...}; ConfigError naming the file for anything else."""
     try:
         table = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"tilings table {path}: cannot read it as JSON ({exc})") from None
+        raise ConfigError(f"tilings table {path}: cannot read it as JSON ({exc})") from None
     if not isinstance(table, dict) or not isinstance(table.get("key"), dict) \
             or not isinstance(table.get("kernels"), dict):
-        raise ValueError(f"tilings table {path}: wants an object with 'key' and 'kernels' objects")
+        raise ConfigError(f"tilings table {path}: wants an object with 'key' and 'kernels' objects")
     for digest, tiling in table["kernels"].items():
         if not isinstance(tiling, dict) or any(not isinstance(tiling.get(k), int) for k in _CONFIG_KEYS):
-            raise ValueError(f"tilings table {path}: kernel {digest}'s tiling wants integer num_warps and num_stages")
+            raise ConfigError(f"tilings table {path}: kernel {digest}'s tiling wants integer num_warps and num_stages")
     return table
 
 

@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from appliance.engine import tilings
+from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.layers import DecoderLayer, RotaryEmbedding, matvec
 
@@ -71,6 +72,9 @@ def test_choice_follows_the_setting(tmp_path, monkeypatch):
                                                                                        "num_stages": 2}})))
     assert tilings.choose(KEY).kernels == {"h2": {"num_warps": 8, "num_stages": 2}}
     assert tilings.choose({**KEY, "layer": "other"}).source == "tuned"  # a file for another model is not used
+    monkeypatch.setenv(tilings.ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="MUXD_TILINGS=.*missing.json: tilings table .*cannot read it"):
+        tilings.choose(KEY)
 
 
 @pytest.mark.parametrize("text, why", [("not json", "cannot read it as JSON"), ("[]", "'key' and 'kernels'"),
@@ -79,7 +83,7 @@ def test_choice_follows_the_setting(tmp_path, monkeypatch):
 def test_bad_table_files_are_named(tmp_path, text, why):
     path = tmp_path / "t.json"
     path.write_text(text)
-    with pytest.raises(ValueError, match=why) as err:
+    with pytest.raises(ConfigError, match=why) as err:
         tilings.load(path)
     assert str(path) in str(err.value)
 
