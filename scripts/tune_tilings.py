@@ -92,10 +92,11 @@ def main() -> None:
              for g, gpu in enumerate(gpus)}
     run_all(evals)
     for i, t in enumerate(tunings):
-        t["evals"] = {gpu: one_row(result(work / f"eval-{i}-{gpu}.json")) for gpu in gpus}
+        runs = {gpu: result(work / f"eval-{i}-{gpu}.json") for gpu in gpus}
+        t["evals"] = {gpu: one_row(run) for gpu, run in runs.items()}
         t["score"] = sum(score(rows) for rows in t["evals"].values()) / len(gpus)
-        for gpu in gpus:
-            source = result(work / f"eval-{i}-{gpu}.json")["startup"]["single_token_tilings"]["source"]
+        for gpu, run in runs.items():
+            source = run["startup"]["single_token_tilings"]["source"]
             found = tilings.kernel_hashes(work / f"eval-{i}-{gpu}" / "inductor")
             if not source.startswith("file") or not set(t["kernels"]) <= found:
                 sys.exit(f"table {i} on GPU {gpu}: the single-token graph took {source}, "
