@@ -108,8 +108,9 @@ def main() -> None:
     table = {"key": tunings[best]["key"], "kernels": tunings[best]["kernels"],
              "tunings": [{"while_tuning": t["rows"], "with_table": t["evals"], "chosen": i == best}
                          for i, t in enumerate(tunings)],
-             "made": {"date": time.strftime("%Y-%m-%d"), "command": "python scripts/tune_tilings.py "
-                      + " ".join(sys.argv[1:])}}
+             "made": {"date": time.strftime("%Y-%m-%d"), "command": (  # the options that shape the table
+                 f"python scripts/tune_tilings.py --model {ARGS.model} --runs {ARGS.runs} --gpus {ARGS.gpus} "
+                 f"--contexts {ARGS.contexts} --iters {ARGS.iters}")}}
     out = Path(ARGS.out)
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"kept table {best} (every table kernel compiled on every GPU): {len(table['kernels'])} kernels -> {out}")

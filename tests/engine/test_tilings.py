@@ -77,6 +77,26 @@ def test_choice_follows_the_setting(tmp_path, monkeypatch):
         tilings.choose(KEY)
 
 
+def test_shipped_tables_load_and_name_a_model_muxd_ships_a_config_for():
+    """Each shipped table is valid and keyed by the bf16 layer of a model in configs/models (a table whose layer
+    signature no model has would never be chosen)."""
+    from pathlib import Path
+
+    signatures = {}
+    for config in sorted((Path(__file__).resolve().parents[2] / "configs" / "models").glob("*/config.json")):
+        cfg = ModelConfig.from_file(config)
+        with torch.device("meta"):
+            layer = DecoderLayer(cfg, 0, RotaryEmbedding(cfg.head_dim, cfg.rope)).to(torch.bfloat16)
+        signatures[tilings.layer_signature(layer)] = config.parent.name
+    tables = sorted(tilings.SHIPPED.glob("*.json"))
+    assert tables, "no shipped tilings table"
+    for path in tables:
+        table = tilings.load(path)
+        assert set(table["key"]) == {"gpu", "torch", "triton", "layer", "pdl"}, path.name
+        assert table["kernels"], path.name
+        assert path.stem.startswith(signatures.get(table["key"]["layer"], "no model")), path.name
+
+
 @pytest.mark.parametrize("text, why", [("not json", "cannot read it as JSON"), ("[]", "'key' and 'kernels'"),
                                         ('{"key": {}, "kernels": {"h": {"num_warps": "4", "num_stages": 1}}}',
                                          "integer num_warps")])
