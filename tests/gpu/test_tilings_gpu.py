@@ -3,11 +3,15 @@ fresh start (every kernel of the table compiles, nothing is tuned) and decodes a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from copy_model import periodic_prompt
 from test_fast_path import GREEDY, fast
 
+from appliance.config import Config
 from appliance.engine import tilings
+from appliance.engine.factory import build_engine
 
 
 def _start(copy_model, cache, setting, monkeypatch):
@@ -42,3 +46,35 @@ def test_a_table_fixes_the_single_token_graph(copy_model, tmp_path, monkeypatch)
         fixed.close()
     assert set(kernels) <= tilings.kernel_hashes(tmp_path / "fixed" / "inductor")  # the same kernels compiled
     assert tilings.tuned_kernels(tmp_path / "fixed" / "inductor") == {}  # and none was tuned
+
+
+SHIPPED = sorted(tilings.SHIPPED.glob("*.json"))
+
+
+@pytest.mark.parametrize("table_file", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_a_shipped_table_still_names_the_kernels_muxd_compiles(table_file, tmp_path, monkeypatch):
+    """Where a shipped table's GPU, torch and Triton are this machine's, a fresh start of its model (dummy weights)
+    takes the table, and every kernel the table tiles is among those Inductor compiled: a change to the layers'
+    code that changes the kernels' source would leave the table applying to nothing."""
+    import torch
+    import triton
+
+    table = tilings.load(table_file)
+    here = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    if any(table["key"][k] != v for k, v in here.items()):
+        pytest.skip(f"{table_file.name} is for {table['key']}, this machine is {here}")
+    model = Path(__file__).resolve().parents[2] / "configs" / "models" / table_file.stem.rsplit("-", 1)[0]
+    for var, path in (("MUXD_CACHE_DIR", tmp_path), ("TORCHINDUCTOR_CACHE_DIR", tmp_path / "inductor"),
+                      ("TRITON_CACHE_DIR", tmp_path / "triton")):
+        monkeypatch.setenv(var, str(path))
+    monkeypatch.delenv(tilings.ENV, raising=False)
+    engine = build_engine(Config.flat(model=str(model), load_format="dummy", device="cuda", max_model_len=2048,
+                                      max_num_seqs=1, num_gpu_blocks_override=256, compile=True, cuda_graph=True))
+    try:
+        assert engine.startup["single_token_tilings"]["source"] == f"shipped {table_file.stem}"
+        assert len(engine.generate([[5, 6, 7, 8]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        engine.close()
+    compiled = tilings.kernel_hashes(tmp_path / "inductor")
+    missing = set(table["kernels"]) - compiled
+    assert not missing, f"{len(missing)} of {len(table['kernels'])} table kernels were not compiled"
