@@ -10,7 +10,8 @@ graph compiles with coordinate descent off and each kernel takes the table's til
 elsewhere Inductor tunes, as before. `MUXD_TILINGS` chooses otherwise: `tune` (always tune, as the tool does) or
 the path of a table file.
 
-This module owns the table files (`tiling_tables/*.json`), their key and the choice; compile.py applies it.
+This module owns the table files (`tiling_tables/MODEL-GPU.json`, MODEL a directory of configs/models), their key
+and the choice; compile.py applies it.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,8 +81,6 @@ def test_choice_follows_the_setting(tmp_path, monkeypatch):
 def test_shipped_tables_load_and_name_a_model_muxd_ships_a_config_for():
     """Each shipped table is valid and keyed by the bf16 layer of a model in configs/models (a table whose layer
     signature no model has would never be chosen)."""
-    from pathlib import Path
-
     signatures = {}
     for config in sorted((Path(__file__).resolve().parents[2] / "configs" / "models").glob("*/config.json")):
         cfg = ModelConfig.from_file(config)
