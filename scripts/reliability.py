@@ -289,21 +289,23 @@ def big_body(server: ServerProcess, megabytes: float) -> dict[str, Any]:
 
 # ---- schemathesis and hypothesis ---------------------------------------------------------------------------------
 def schemathesis_run(server: ServerProcess, examples: int, seed: int = 1, max_response_time: float = 60,
-                     phases: str = "coverage,fuzzing") -> dict[str, Any]:
-    """All of schemathesis's checks (positive_data_acceptance replaced as scripts/schemathesis_hooks.py explains)."""
+                     phases: str = "coverage,fuzzing", mode: str = "all") -> dict[str, Any]:
+    """All of schemathesis's checks (positive_data_acceptance replaced as scripts/schemathesis_hooks.py explains);
+    `mode`: the cases generated, valid (positive), invalid (negative) or both (all)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json", "--checks", "all",
                "--exclude-checks", "positive_data_acceptance", "-n", str(examples), "--seed", str(seed),
-               "--phases", phases, "--max-response-time", str(max_response_time), "--request-timeout", "120",
-               "--generation-database", "none", "--no-color", "--report", "json", "--report-json-path", str(report)]
+               "--phases", phases, "--mode", mode, "--max-response-time", str(max_response_time),
+               "--request-timeout", "120", "--generation-database", "none", "--no-color", "--report", "json",
+               "--report-json-path", str(report)]
         env = {**__import__("os").environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
                "PYTHONPATH": str(ROOT / "scripts")}
         # run in the temporary directory: schemathesis keeps a crash cache in its working directory
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         doc = json.loads(report.read_text()) if report.is_file() else {}
     failures = {f["code"]: f["count"] for f in doc.get("failures", [])}
-    return {"exit_code": out.returncode, "examples_per_operation": examples, "phases": phases,
+    return {"exit_code": out.returncode, "examples_per_operation": examples, "phases": phases, "mode": mode,
             "operations_tested": (doc.get("operations") or {}).get("tested"),
             "test_cases": (doc.get("test_cases") or {}).get("generated"), "failures": failures,
             "server_errors_5xx": failures.get("ST101", 0),

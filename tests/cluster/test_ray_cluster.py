@@ -1,6 +1,7 @@
 """The cluster on a local Ray cluster (CPU): engine replicas of the embedded model behind the ingress over real
 HTTP: routing, streaming, cancellation, a replica killed mid-stream, scale-up under load and scale-down when idle.
-Skipped without Ray Serve (`pip install 'muxd[cluster]'`); one Ray cluster for the module."""
+Skipped without Ray Serve (`pip install 'muxd[cluster]'`); one Ray cluster for the module. Ray is imported by the
+tests, not at collection (seconds that every pytest worker would pay)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,18 +13,18 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'muxd[cluster]'")
-
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
-from appliance.cluster.deploy import APP_NAME, ENGINE_DEPLOYMENT, build_app, deploy  # noqa: E402
-from appliance.cluster.ingress import REPLICA_HEADER  # noqa: E402
-from appliance.cluster.settings import ClusterSettings  # noqa: E402
-from appliance.config import Config  # noqa: E402
+from appliance.cluster.deploy import APP_NAME, ENGINE_DEPLOYMENT, build_app, deploy
+from appliance.cluster.ingress import REPLICA_HEADER
+from appliance.cluster.settings import ClusterSettings
+from appliance.config import Config
 
 pytestmark = pytest.mark.cluster
 LONG = {"ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_ray_serve():
+    pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'muxd[cluster]'")
 
 
 def _free_port() -> int:
@@ -50,6 +51,8 @@ def _ready(url: str) -> bool:
 
 
 def _running(app: str) -> int:
+    from ray import serve
+
     status = serve.status().applications.get(app)
     if status is None or ENGINE_DEPLOYMENT not in status.deployments:
         return 0
@@ -58,6 +61,8 @@ def _running(app: str) -> int:
 
 def _scaling_up(app: str) -> bool:
     """Whether the autoscaler has asked for more engine replicas than run (Ray's status says UPSCALING)."""
+    from ray import serve
+
     status = serve.status().applications.get(app)
     return status is not None and ENGINE_DEPLOYMENT in status.deployments and \
         status.deployments[ENGINE_DEPLOYMENT].status == "UPSCALING"
@@ -66,6 +71,8 @@ def _scaling_up(app: str) -> bool:
 def test_deploy_goes_on_when_serves_proxies_start_slower_than_its_wait(monkeypatch):
     """Ray Serve gives up on its HTTP proxies after a fixed 60 s (a loaded machine can take longer): `deploy` connects
     to Serve's controller again and deploys while they start, rather than failing."""
+    from ray import serve
+
     starts, runs = [], []
 
     def start(**options):
@@ -86,6 +93,8 @@ def test_deploy_goes_on_when_serves_proxies_start_slower_than_its_wait(monkeypat
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster and the muxd app with two replicas of two seats each (so requests queue)."""
+    import ray
+
     engine = Config.flat(port=_free_port(), max_num_seqs=2, log_level="warning")
     settings = ClusterSettings(replicas=2, replica_cpus=0.5, routing_stats_period=0.2, health_check_period=1.0)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -175,6 +184,8 @@ def test_a_client_that_leaves_frees_its_replica(cluster):
 
 
 def test_a_replica_killed_mid_stream(cluster):
+    import ray
+
     url, _ = cluster
 
     async def run():
@@ -208,6 +219,8 @@ def test_a_replica_killed_mid_stream(cluster):
 
 
 def test_autoscaling_up_under_load_and_down_when_idle(cluster):
+    from ray import serve
+
     url, engine = cluster
     serve.delete(APP_NAME)
     # no delays: the scaling waits only for the load the autoscaler averages over its look-back window
@@ -218,13 +231,16 @@ def test_autoscaling_up_under_load_and_down_when_idle(cluster):
 
     async def load():
         # six requests outstanding (two seats, so four queued) until a second replica runs: each one ended is sent
-        # again, so the load the autoscaler averages cannot run out on a slow machine before the replica is up
+        # again, so the load the autoscaler averages cannot run out on a slow machine before the replica is up.
+        # Whole answers, not streams: no token event passes Serve's proxy, the ingress and this process, whose work
+        # would slow the start of the second replica on a small machine
         stop = asyncio.Event()
 
         async def client_loop(client: httpx.AsyncClient, i: int) -> None:
             while not stop.is_set():
                 try:
-                    await _stream(client, {"prompt": f"load {i}", "max_tokens": 1900, **LONG})
+                    await client.post("/v1/completions", json={"prompt": f"load {i}", "max_tokens": 1900,
+                                                               "ignore_eos": True})
                 except httpx.HTTPError:  # the load matters here, not each stream (routing tests check those)
                     await asyncio.sleep(0.1)
 

@@ -6,7 +6,6 @@ import os
 
 import torch
 from tiny_models import build_tiny_checkpoint
-from torch._dynamo.utils import counters
 
 from appliance.config import Config
 from appliance.engine.compile import _torch_default_inductor_dir, use_cache_dirs
@@ -15,7 +14,7 @@ from appliance.engine.request import SamplingParams
 
 
 def test_compile_caches_go_to_muxds_cache_directory_unless_chosen(tmp_path, monkeypatch):
-    """Importing torch._dynamo (this module did) sets TORCHINDUCTOR_CACHE_DIR to torch's default: that one moves under
+    """Importing torch._dynamo (compiling does) sets TORCHINDUCTOR_CACHE_DIR to torch's default: that one moves under
     muxd's cache directory (where a container keeps it); a directory the user set stays, for Triton's cache too."""
     monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path / "cache"))
     default = _torch_default_inductor_dir()
@@ -37,6 +36,8 @@ def test_compile_caches_go_to_muxds_cache_directory_unless_chosen(tmp_path, monk
 
 
 def test_compiled_layers_are_shared_and_match_eager(tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters  # imported here: seconds that collection would spend on every worker
+
     monkeypatch.setenv("MUXD_CACHE_DIR", str(tmp_path / "cache"))
     # whatever compile_layers sets them to is undone after the test
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))

@@ -15,8 +15,12 @@ from appliance.errors import ConfigError
 from appliance.model_zoo.config import ModelConfig
 from appliance.model_zoo.layers import DecoderLayer, RotaryEmbedding, matvec
 
-pytest.importorskip("torch._inductor.runtime.triton_heuristics")
-from torch._inductor.runtime.triton_heuristics import generate_lookup_hash_from_source_code  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_inductors_triton_heuristics():
+    """Imported when the tests run: at collection it cost seconds (torch._dynamo) on every pytest worker."""
+    pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+
 
 KEY = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.5.0", "layer": "abc", "pdl": True}
 KERNEL = '''
@@ -110,6 +114,8 @@ def test_bad_table_files_are_named(tmp_path, text, why):
 def test_a_tuned_cache_gives_the_hashes_inductor_looks_up(tmp_path):
     """The hash of a kernel file is Inductor's lookup key of the kernel (its size hints as the autotuner prints
     them and its Triton function); a kernel coordinate descent tuned is read with its tiling, others are not."""
+    from torch._inductor.runtime.triton_heuristics import generate_lookup_hash_from_source_code
+
     expected = generate_lookup_hash_from_source_code(str({'x': 1, 'r0_': 4096}),
                                                      KERNEL.split("@triton.jit\n")[1])
     assert tilings.source_hash(KERNEL) == expected

@@ -12,7 +12,13 @@ from appliance.engine.grammar import GrammarSpec
 from appliance.engine.request import SamplingParams
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the test extra) validates the outputs")
-xgrammar = pytest.importorskip("xgrammar", reason="structured output needs xgrammar")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_xgrammar():
+    """xgrammar imported when the tests run: at collection it cost seconds on machines that skip them (no CUDA)."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar")
+
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from copy_model import PERIOD, periodic_prompt
-from torch._dynamo.utils import counters
 
 from appliance.config import Config
 from appliance.engine.engine import Engine
@@ -38,6 +37,8 @@ def decodes_as_reference(engine: Engine, ref: Engine, batches: tuple[int, ...], 
 
 
 def test_fast_path_greedy_equals_torch_backend(copy_model):
+    from torch._dynamo.utils import counters  # imported here: at collection it cost seconds on every pytest worker
+
     counters.clear()
     engine, ref = fast(copy_model), reference(copy_model)
     assert engine.runner.backend_name == "flashinfer" and engine.compiled and engine.runner.graphs is not None
