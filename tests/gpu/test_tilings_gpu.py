@@ -14,10 +14,15 @@ from appliance.engine import tilings
 from appliance.engine.factory import build_engine
 
 
-def _start(copy_model, cache, setting, monkeypatch):
+def _use_cache(cache, monkeypatch):
+    """Every compile cache of the process under `cache` (a fresh directory: a cold start)."""
     for var, path in (("MUXD_CACHE_DIR", cache), ("TORCHINDUCTOR_CACHE_DIR", cache / "inductor"),
                       ("TRITON_CACHE_DIR", cache / "triton")):
         monkeypatch.setenv(var, str(path))
+
+
+def _start(copy_model, cache, setting, monkeypatch):
+    _use_cache(cache, monkeypatch)
     monkeypatch.setenv(tilings.ENV, setting)
     return fast(copy_model)
 
@@ -64,9 +69,7 @@ def test_a_shipped_table_still_names_the_kernels_muxd_compiles(table_file, tmp_p
     if any(table["key"][k] != v for k, v in here.items()):
         pytest.skip(f"{table_file.name} is for {table['key']}, this machine is {here}")
     model = Path(__file__).resolve().parents[2] / "configs" / "models" / table_file.stem.rsplit("-", 1)[0]
-    for var, path in (("MUXD_CACHE_DIR", tmp_path), ("TORCHINDUCTOR_CACHE_DIR", tmp_path / "inductor"),
-                      ("TRITON_CACHE_DIR", tmp_path / "triton")):
-        monkeypatch.setenv(var, str(path))
+    _use_cache(tmp_path, monkeypatch)
     monkeypatch.delenv(tilings.ENV, raising=False)
     engine = build_engine(Config.flat(model=str(model), load_format="dummy", device="cuda", max_model_len=2048,
                                       max_num_seqs=1, num_gpu_blocks_override=256, compile=True, cuda_graph=True))
