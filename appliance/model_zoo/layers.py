@@ -44,7 +44,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        # on the CPU, as `reset_buffers` makes them, even where the model is built on the meta device: there the
+        # maths would run through torch's Python meta kernels, whose first use imports torch._dynamo (seconds)
+        with torch.device("cpu"):
+            self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
         # set by `build_table`: cos and sin of every position [positions, 2, head_dim], attention then rotates q and k
         self.register_buffer("cos_sin", None, persistent=False)
 

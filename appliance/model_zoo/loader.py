@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from appliance.errors import ModelLoadError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
@@ -22,6 +23,21 @@ from appliance.model_zoo.parallel import Target
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # tensors some checkpoints carry that the model recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# torch.nn.init's in-place initialisers (normal_, kaiming_uniform_, ...), which modules call as they are built
+_INITIALISERS = frozenset(getattr(torch.nn.init, name) for name in dir(torch.nn.init)
+                          if name.endswith("_") and not name.startswith("_"))
+
+
+class _SkipInit(TorchFunctionMode):
+    """Leaves the initialisers out while the module tree is built on the meta device: they would draw nothing there
+    (the weights are loaded or drawn after materialising), yet run torch's Python meta kernels, whose first use
+    imports torch._dynamo (seconds of every server start)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALISERS:  # each returns the tensor it fills, which nn.init passes on by name
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -48,7 +64,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
     cfg = ModelConfig.from_file(path / "config.json", overrides)
     if dtype is not None:
         cfg = replace(cfg, dtype=parse_dtype(dtype, "--dtype"))
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = DecoderForCausalLM(cfg.sharded(tp_size), rank)
     model = model.to(cfg.dtype).to_empty(device=device)
     model.model.rotary.reset_buffers()

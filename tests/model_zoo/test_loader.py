@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,12 @@ def test_unsupported_rope_type_and_partial_rotary_are_refused(tmp_path, good_dir
 def test_bad_load_format(good_dir):
     with pytest.raises(ModelLoadError, match="pt"):
         load_model(good_dir, load_format="pt")
+
+
+def test_building_on_the_meta_device_leaves_torch_dynamo_unimported():
+    """No initialiser and no rotary maths run on the meta device: torch's Python meta kernels would import
+    torch._dynamo, seconds of every server start (checked in a fresh process: this one may have imported it)."""
+    code = ("import sys\nfrom appliance.config import EMBEDDED_MODEL_DIR\n"
+            "from appliance.model_zoo.loader import load_model\n"
+            "load_model(EMBEDDED_MODEL_DIR)\nassert 'torch._dynamo' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
