@@ -66,13 +66,29 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
         cfg = replace(cfg, dtype=parse_dtype(dtype, "--dtype"))
     with torch.device("meta"), _SkipInit():
         model = DecoderForCausalLM(cfg.sharded(tp_size), rank)
-    model = model.to(cfg.dtype).to_empty(device=device)
+    _materialise(model, cfg.dtype, torch.device(device))
     model.model.rotary.reset_buffers()
     if load_format == "dummy":
         _fill_dummy(model, seed)
     else:
         _load_safetensors(model, path)
     return model.eval().requires_grad_(False)
+
+
+def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """`model.to(dtype).to_empty(device=device)` by plain allocations: uninitialised parameters and buffers on `device`
+    (floating ones in `dtype`) for those on the meta device; `to_empty` would run torch's Python meta kernels, whose
+    first use imports sympy (about a second of every start)."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                data = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype,
+                                   device=device)
+                module._parameters[name] = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = (torch.empty(buf.shape, dtype=dtype if buf.is_floating_point() else buf.dtype,
+                                                     device=device) if buf.is_meta else buf.to(device))
 
 
 def _fill_dummy(model: DecoderForCausalLM, seed: int) -> None:

@@ -151,10 +151,13 @@ def test_bad_load_format(good_dir):
         load_model(good_dir, load_format="pt")
 
 
-def test_building_on_the_meta_device_leaves_torch_dynamo_unimported():
-    """No initialiser and no rotary maths run on the meta device: torch's Python meta kernels would import
-    torch._dynamo, seconds of every server start (checked in a fresh process: this one may have imported it)."""
+def test_building_on_the_meta_device_leaves_torch_dynamo_and_sympy_unimported():
+    """No initialiser, no rotary maths and no materialising run torch's Python meta kernels, which would import
+    torch._dynamo or sympy, seconds of every server start (checked in a fresh process: this one may have imported
+    them)."""
     code = ("import sys\nfrom appliance.config import EMBEDDED_MODEL_DIR\n"
             "from appliance.model_zoo.loader import load_model\n"
-            "load_model(EMBEDDED_MODEL_DIR)\nassert 'torch._dynamo' not in sys.modules")
+            "model = load_model(EMBEDDED_MODEL_DIR)\n"
+            "assert not {'torch._dynamo', 'sympy'} & set(sys.modules), {'torch._dynamo', 'sympy'} & set(sys.modules)\n"
+            "assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
