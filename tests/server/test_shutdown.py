@@ -76,9 +76,12 @@ def test_sigterm_while_the_model_loads_exits_zero(request, tmp_path):
     """A signal after the server answers but before the model is up (a pod deleted during start-up): exit 0 at once.
     Letting the interpreter finalise under the load thread aborted in C++ (exit 134)."""
     log = tmp_path / "server.log"
-    server = ServerProcess(["--model", request.config.getoption("--serve-model"), "--kv-cache-memory", "32MiB"], log)
+    # 300 layers of dummy weights: the model loads for seconds after the HTTP server answers (the embedded model's
+    # 4 layers take a few tenths of a second, which a loaded machine can spend between the answer and the signal)
+    server = ServerProcess(["--model", request.config.getoption("--serve-model"), "--kv-cache-memory", "32MiB",
+                            "--load-format", "dummy", "--hf-overrides", '{"num_hidden_layers": 300}'], log)
     try:
-        ready = server.first_answer()  # the model loads for seconds after the HTTP server answers
+        ready = server.first_answer()
         assert ready.status_code == 503 and ready.json()["error"]["code"] == "loading"
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) == 0
