@@ -107,15 +107,17 @@ def _package_root() -> str:
 def deploy(engine: Config, settings: ClusterSettings) -> str:
     """Start (or join) Ray, serve the app on --host:--port, wait until every replica is up; returns the URL."""
     from ray import serve  # defers the optional cluster dependency (Ray)
+    from ray.exceptions import RayActorError
 
     start_ray(engine, settings)
     http = {"host": engine.server.host, "port": engine.server.port}
     try:
         serve.start(http_options=http)
-    except TimeoutError:  # (Ray's GetTimeoutError is one too)
-        # Serve waits a fixed 60 s for its HTTP proxies, which a loaded machine can take longer to start; its
-        # controller is up by then, and a second call connects to it and lets the proxies go on starting (the URL
-        # answers once they are up)
+    except (TimeoutError, RayActorError):  # (Ray's GetTimeoutError is a TimeoutError)
+        # Serve waits a fixed 60 s for its HTTP proxies, which a loaded machine can take longer to start (or its
+        # controller gives up on a proxy that has not started and replaces it, whose wait then ends with the actor's
+        # death); the controller is up by then, and a second call connects to it and lets the proxies go on starting
+        # (the URL answers once they are up)
         log.warning("Ray Serve's HTTP proxies are not up after Serve's wait; deploying while they start")
         serve.start(http_options=http)
     serve.run(build_app(engine, settings), name=APP_NAME, route_prefix="/", blocking=False)

@@ -68,17 +68,20 @@ def _scaling_up(app: str) -> bool:
         status.deployments[ENGINE_DEPLOYMENT].status == "UPSCALING"
 
 
-def test_deploy_goes_on_when_serves_proxies_start_slower_than_its_wait(monkeypatch):
-    """Ray Serve gives up on its HTTP proxies after a fixed 60 s (a loaded machine can take longer): `deploy` connects
-    to Serve's controller again and deploys while they start, rather than failing."""
+@pytest.mark.parametrize("give_up", ["timeout", "proxy replaced"])
+def test_deploy_goes_on_when_serves_proxies_start_slower_than_its_wait(monkeypatch, give_up):
+    """Ray Serve gives up on its HTTP proxies after a fixed 60 s (a loaded machine can take longer), or its controller
+    replaces a proxy that has not started, so that Serve's wait ends with the actor's death: `deploy` connects to
+    Serve's controller again and deploys while they start, rather than failing."""
     from ray import serve
+    from ray.exceptions import ActorDiedError
 
     starts, runs = [], []
 
     def start(**options):
         starts.append(options)
         if len(starts) == 1:
-            raise TimeoutError("HTTP proxies not available after 60s.")
+            raise TimeoutError("HTTP proxies not available after 60s.") if give_up == "timeout" else ActorDiedError()
 
     monkeypatch.setattr("appliance.cluster.deploy.start_ray", lambda engine, settings: None)
     monkeypatch.setattr("appliance.cluster.deploy.build_app", lambda engine, settings: "the app")
