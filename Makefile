@@ -33,7 +33,7 @@ serve: $(STAMP)
 	$(BIN)/muxd serve --port 8000
 
 # two workers (CI has two cores), each test file on one of them (a file's module fixtures start servers once); the
-# suite starts hundreds of Python processes, so they keep their bytecode (__pycache__, git-ignored) even where the
+# suite starts many Python processes, so they keep their bytecode (__pycache__, git-ignored) even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE): each would compile muxd's modules again
 test: $(STAMP) $(GPU_TRITON)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadfile
