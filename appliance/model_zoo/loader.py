@@ -79,16 +79,16 @@ def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
     """`model.to(dtype).to_empty(device=device)` by plain allocations: uninitialised parameters and buffers on `device`
     (floating ones in `dtype`) for those on the meta device; `to_empty` would run torch's Python meta kernels, whose
     first use imports sympy (about a second of every start)."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
-                data = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype,
-                                   device=device)
-                module._parameters[name] = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+                module._parameters[name] = torch.nn.Parameter(empty(param), requires_grad=param.requires_grad)
         for name, buf in module._buffers.items():
             if buf is not None:
-                module._buffers[name] = (torch.empty(buf.shape, dtype=dtype if buf.is_floating_point() else buf.dtype,
-                                                     device=device) if buf.is_meta else buf.to(device))
+                module._buffers[name] = empty(buf) if buf.is_meta else buf.to(device)
 
 
 def _fill_dummy(model: DecoderForCausalLM, seed: int) -> None:

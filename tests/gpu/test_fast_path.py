@@ -13,10 +13,13 @@ from appliance.engine.request import SamplingParams
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
 
+# the fast path's engine: Config.flat's keyword arguments beside the model
+FAST = {"device": "cuda", "num_gpu_blocks_override": 512, "max_num_seqs": 32, "attention_backend": "flashinfer",
+        "compile": True, "cuda_graph": True}
+
+
 def fast(path, **kw) -> Engine:
-    return build_engine(Config.flat(model=path, device="cuda",
-                                    num_gpu_blocks_override=512, max_num_seqs=32, attention_backend="flashinfer",
-                                    compile=True, cuda_graph=True, **kw))
+    return build_engine(Config.flat(model=path, **FAST, **kw))
 
 
 def reference(path) -> Engine:

@@ -8,12 +8,9 @@ from pathlib import Path
 import pytest
 import fresh_start
 from copy_model import periodic_prompt
-from test_fast_path import GREEDY
+from test_fast_path import FAST, GREEDY
 
 from appliance.engine import tilings
-
-FAST = {"device": "cuda", "num_gpu_blocks_override": 512, "max_num_seqs": 32, "attention_backend": "flashinfer",
-        "compile": True, "cuda_graph": True}  # test_fast_path.fast's engine
 
 
 def _start(copy_model, cache, setting, prompts):
