@@ -126,10 +126,10 @@ def refuse_unimplemented(request: BaseModel, off_values: dict[str, tuple[Any, ..
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    include_usage: bool | None = Field(None, description="Send a last chunk with the token usage of the request "
-                                                         "(ignored without streaming).")
+    include_usage: bool | None = Field(None, description="Send a last chunk with the token usage of the request; "
+                                                         "unset: true, as vLLM.")
     continuous_usage_stats: bool | None = Field(None, description="Extension (vLLM): the usage so far on every "
-                                                                  "chunk.")
+                                                                  "chunk (with include_usage).")
 
 
 class _SamplingRequest(BaseModel):
@@ -324,11 +324,13 @@ class _SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """As vLLM: stream_options that leave include_usage out ask for the usage (vLLM's default there is true)."""
+        return self.stream_options is not None and self.stream_options.include_usage is not False
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """As vLLM: the usage on every chunk only along with the last chunk's (include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 def _prompt_type(token_id: Any) -> Any:

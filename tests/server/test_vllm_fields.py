@@ -1,8 +1,8 @@
 """Request fields and routes vLLM clients use, in process on the embedded model: at their defaults the fields are
 accepted, those muxd implements do what vLLM's do (add_special_tokens, documents, request_id and X-Request-Id,
-stop_reason, return_token_ids, guided_grammar, allowed_token_ids, bad_words, cache_salt, SageMaker's /ping and
-/invocations, and the server flags --enable-request-id-headers and --enable-force-include-usage), and the rest are
-refused by name with the reason."""
+stop_reason, return_token_ids, stream_options, guided_grammar, allowed_token_ids, bad_words, cache_salt, SageMaker's
+/ping and /invocations, and the server flags --enable-request-id-headers and --enable-force-include-usage), and the
+rest are refused by name with the reason."""
 from __future__ import annotations
 
 import json
@@ -243,3 +243,21 @@ def test_cache_salt_shares_cached_pages_only_within_the_salt(client):
     assert cached(cache_salt="tenant-b") == 0
     empty = client.post("/v1/completions", json={**TEXT, "cache_salt": ""})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+
+
+def _stream(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json=body) as stream:
+        assert stream.status_code == 200
+        return [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", TEXT), ("/v1/chat/completions", CHAT)])
+def test_stream_options_without_include_usage_include_it_as_vllm(client, path, body):
+    """vLLM's stream_options default include_usage to true, and continuous_usage_stats count only with it."""
+    body = {**body, "max_tokens": 3, "ignore_eos": True, "stream": True}
+    for options in ({}, {"continuous_usage_stats": True}):
+        chunks = _stream(client, path, {**body, "stream_options": options})
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+        assert all(("usage" in c) == bool(options) for c in chunks[:-1])
+    off = _stream(client, path, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert off[-1]["choices"] and all("usage" not in c for c in off)
