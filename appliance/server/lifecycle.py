@@ -46,6 +46,7 @@ class ServerState:
         try:
             engine = await _in_daemon_thread(lambda: build_engine(self.cfg))
             engine.on_fatal(self._engine_lost)
+            self.metrics.set_context(engine.max_model_len)
             srv = self.cfg.server
             # a tensor-parallel engine is not rebuilt: its other ranks hold the failed step's state, or are gone
             rebuild = rebuild_engine if self.cfg.parallel.tensor_parallel_size == 1 else None

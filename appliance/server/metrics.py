@@ -1,7 +1,7 @@
 """Prometheus metrics of the server: muxd's own `muxd:*` series, and beside them the `vllm:*` series that dashboards,
 KEDA scalers and the inference gateway read, with vLLM's names, label names (`model_name`, `engine`) and bucket edges.
-Latency histograms are recorded per request by the API layer; engine gauges and counters follow the engine's
-published stats at scrape time.
+Latency and token-count histograms are recorded per request by the API layer; engine gauges and counters follow the
+engine's published stats at scrape time.
 """
 from __future__ import annotations
 
@@ -22,6 +22,17 @@ VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
                     40.0, 80.0)
 VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
+
+
+def vllm_token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's edges of its per-request token histograms: 1, 2, 5, 10, 20, 50, ... up to the context length."""
+    edges, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(edges)
+            edges.append(mantissa * scale)
+        scale *= 10
 _ENGINE_COUNTERS = ("num_preemptions", "partition_switches", "prefill_layers_launched", "prefill_pauses")
 
 
@@ -51,6 +62,8 @@ class Metrics:
         mx = _Family(self.registry, "muxd:", {"model_name": model_name})
         vl = _Family(self.registry, "vllm:", {"model_name": model_name, "engine": "0"})
         self._families = (mx, vl)
+        self._vl = vl
+        self.request_tokens: tuple[Histogram, Histogram] | None = None  # (prompt, generated): set_context makes them
         self.ttft = (mx.hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
                      vl.hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                              VLLM_TTFT_BUCKETS))
@@ -112,8 +125,20 @@ class Metrics:
         self._success = (mx.by_reason("request_success", "Finished requests by finish reason."),
                          vl.by_reason("request_success", "Count of successfully processed requests."))
 
+    def set_context(self, max_model_len: int) -> None:
+        """vLLM's per-request token histograms, whose edges end at the context length (known once the engine is
+        built, before the first request)."""
+        if self.request_tokens is None:
+            edges = vllm_token_buckets(max_model_len)
+            self.request_tokens = (
+                self._vl.hist("request_prompt_tokens", "Number of prefill tokens processed.", edges),
+                self._vl.hist("request_generation_tokens", "Number of generation tokens processed.", edges))
+
     def request_done(self, reason: str | None, prompt: int, cached: int, generated: int, started: float) -> None:
         elapsed = time.monotonic() - started
+        if self.request_tokens is not None:
+            for metric, value in zip(self.request_tokens, (prompt, generated)):
+                metric.observe(value)
         for metric in self.e2e:
             metric.observe(elapsed)
         for metrics, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached), (self.cache_queries, prompt),

@@ -2,7 +2,7 @@
 accepted, those muxd implements do what vLLM's do (add_special_tokens, documents, request_id and X-Request-Id,
 stop_reason, return_token_ids, stream_options, guided_grammar, allowed_token_ids, bad_words, cache_salt, SageMaker's
 /ping and /invocations, and the server flags --enable-request-id-headers and --enable-force-include-usage), and the
-rest are refused by name with the reason."""
+rest are refused by name with the reason; vLLM's per-request token histograms count what they served."""
 from __future__ import annotations
 
 import json
@@ -261,3 +261,23 @@ def test_stream_options_without_include_usage_include_it_as_vllm(client, path, b
         assert all(("usage" in c) == bool(options) for c in chunks[:-1])
     off = _stream(client, path, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
     assert off[-1]["choices"] and all("usage" not in c for c in off)
+
+
+def test_per_request_token_histograms_as_vllm(client):
+    """vllm:request_prompt_tokens and vllm:request_generation_tokens (dashboards' length heatmaps): one observation
+    a finished choice, on vLLM's 1-2-5 edges up to the context length (256 here)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[str, dict[str, float]]:
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        return {f.name: {s.name + s.labels.get("le", ""): s.value for s in f.samples} for f in families
+                if f.name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens")}
+
+    before = samples()
+    prompt = usage(client.post("/v1/completions", json={**TEXT, "max_tokens": 3, "ignore_eos": True, "n": 2}))
+    after = samples()
+    for name, value in (("vllm:request_prompt_tokens", prompt), ("vllm:request_generation_tokens", 3)):
+        edges = [float(k[len(name) + 7:]) for k in after[name] if k.startswith(name + "_bucket")]
+        assert edges == [1, 2, 5, 10, 20, 50, 100, 200, float("inf")]
+        grew = {k: after[name][k] - before.get(name, {}).get(k, 0.0) for k in after[name]}
+        assert grew[name + "_count"] == 2 and grew[name + "_sum"] == 2 * value
