@@ -81,6 +81,8 @@ CONFLICT = "conflicting_fields"  # the error code of fields that contradict each
 Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
 TemplateKwargs = dict[str, Any]
+# OpenAI's values (and vLLM's): the chat template's variable reasoning_effort, as sent
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, e.g. {"enable_thinking": false} '
                        "for Qwen3; they may not replace messages, tools, add_generation_prompt, bos_token, eos_token.")
 
@@ -538,7 +540,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: TemplateKwargs | None = Field(None, description=TEMPLATE_KWARGS_DOC)
     include_reasoning: bool | None = Field(True, description="Extension (vLLM): false leaves the reasoning out "
                                                              "(with --reasoning-parser).")
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+    reasoning_effort: ReasoningEffort | None = Field(
         None, description="The chat template's variable reasoning_effort (templates that do not read it ignore it).")
     store: bool | None = Field(None, description="Accepted and ignored (nothing is stored).")
     metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = Field(None, description="Accepted and "

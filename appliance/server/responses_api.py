@@ -139,7 +139,7 @@ class TextConfig(BaseModel):
 class ReasoningConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    effort: p.ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 

@@ -281,3 +281,14 @@ def test_per_request_token_histograms_as_vllm(client):
         assert edges == [1, 2, 5, 10, 20, 50, 100, 200, float("inf")]
         grew = {k: after[name][k] - before.get(name, {}).get(k, 0.0) for k in after[name]}
         assert grew[name + "_count"] == 2 and grew[name + "_sum"] == 2 * value
+
+
+@pytest.mark.parametrize("effort", ["none", "xhigh"])
+def test_reasoning_effort_takes_openai_s_and_vllm_s_values(client, effort):
+    """OpenAI's and vLLM's reasoning_effort include none and xhigh; the value reaches the template as sent."""
+    body = ChatCompletionRequest.model_validate({**CHAT, "reasoning_effort": effort})
+    assert body.template_variables() == {"reasoning_effort": effort}
+    usage(client.post("/v1/chat/completions", json={**CHAT, "reasoning_effort": effort}))
+    answer = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 16,
+                                                 "reasoning": {"effort": effort}})
+    assert answer.status_code == 200, answer.text
