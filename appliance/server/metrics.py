@@ -33,6 +33,8 @@ def vllm_token_buckets(max_model_len: int) -> tuple[int, ...]:
                 return tuple(edges)
             edges.append(mantissa * scale)
         scale *= 10
+
+
 _ENGINE_COUNTERS = ("num_preemptions", "partition_switches", "prefill_layers_launched", "prefill_pauses")
 
 
