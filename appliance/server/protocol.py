@@ -90,7 +90,10 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 # these by default, so they must not be refused.
 # Chat's `echo` and `chat_template` are chat-only (completions' echo is implemented): CHAT_OFF_VALUES.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
-                                           "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,)}
+                                           "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
+                                           "kv_transfer_params": (), "logits_processors": ([],), "vllm_xargs": ({},),
+                                           "structural_tag": (), "guided_decoding_backend": ("xgrammar", "auto"),
+                                           "guided_whitespace_pattern": ()}
 CHAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False,), "chat_template": ()}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "functions": "the deprecated functions API is not implemented; send tools",
@@ -99,6 +102,12 @@ _WHY = {"suffix": "fill-in-the-middle is not implemented",
                     "slo_class sets the class",
         "use_beam_search": "beam search is not implemented; n and best_of sample several choices",
         "length_penalty": "it weighs beam search's beams, and beam search is not implemented",
+        "kv_transfer_params": "disaggregated prefill and decode (KV transfer) is not implemented",
+        "logits_processors": "custom logits processors are not implemented",
+        "vllm_xargs": "they are arguments of custom logits processors, which are not implemented",
+        "structural_tag": "structural tags are not implemented; send response_format or structured_outputs",
+        "guided_decoding_backend": "structured outputs run on xgrammar",
+        "guided_whitespace_pattern": "JSON outputs take xgrammar's whitespace",
         "echo": "chat's echo (the last message repeated before the answer) is not implemented",
         "chat_template": "a request may not bring its own template; start the server with --chat-template"}
 
@@ -207,6 +216,19 @@ class _SamplingRequest(BaseModel):
                                          description="Extension (vLLM): only false.")
     length_penalty: Finite | None = Field(1.0, json_schema_extra=_off_enum("length_penalty"),
                                           description="Extension (vLLM, for beam search): only 1.")
+    kv_transfer_params: dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("kv_transfer_params"),
+                                                      description="Extension (vLLM): only null.")
+    logits_processors: list[Any] | None = Field(None, json_schema_extra=_off_enum("logits_processors"),
+                                                description="Extension (vLLM): only null or [].")
+    vllm_xargs: dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("vllm_xargs"),
+                                              description="Extension (vLLM): only null or {}.")
+    structural_tag: str | None = Field(None, json_schema_extra=_off_enum("structural_tag"),
+                                       description="Extension (vLLM): only null.")
+    guided_decoding_backend: str | None = Field(None, json_schema_extra=_off_enum("guided_decoding_backend"),
+                                                description="Extension (vLLM): only xgrammar or auto (what muxd "
+                                                            "uses).")
+    guided_whitespace_pattern: str | None = Field(None, json_schema_extra=_off_enum("guided_whitespace_pattern"),
+                                                  description="Extension (vLLM): only null.")
     bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = Field(
         None, description=f"Extension (vLLM): up to {MAX_BAD_WORDS} words of up to {MAX_BAD_WORD_CHARS} characters "
                           "that the output never contains: a word's last token is masked wherever the output ends "

@@ -17,7 +17,9 @@ from in_process import ready_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 TEXT = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
-DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True}
+DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "spaces_between_special_tokens": True,
+            "kv_transfer_params": None, "logits_processors": [], "vllm_xargs": {}, "structural_tag": None,
+            "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": None}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,12 @@ def test_response_ids_come_from_request_id_or_the_header(client):
 @pytest.mark.parametrize("path, field, value, words", [
     ("/v1/completions", "use_beam_search", True, "beam search is not implemented"),
     ("/v1/completions", "length_penalty", 0.5, "beam search is not implemented"),
+    ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}, "KV transfer"),
+    ("/v1/chat/completions", "logits_processors", ["my.Processor"], "custom logits processors"),
+    ("/v1/chat/completions", "vllm_xargs", {"k": 1}, "custom logits processors"),
+    ("/v1/completions", "guided_decoding_backend", "outlines", "run on xgrammar"),
+    ("/v1/chat/completions", "guided_whitespace_pattern", "[ ]?", "xgrammar's whitespace"),
+    ("/v1/completions", "structural_tag", "{}", "structural tags"),
     ("/v1/chat/completions", "echo", True, "chat's echo"),
     ("/v1/chat/completions", "chat_template", "{{ 1 }}", "start the server with --chat-template"),
 ])
