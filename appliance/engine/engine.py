@@ -296,7 +296,8 @@ class Engine:
             finish_reason=reason, num_prompt_tokens=num_prompt, num_cached_tokens=r.num_cached_tokens or 0,
             num_output_tokens=num_output, text=detok.text if (detok and reason) else None,
             logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs,
-            stop_reason=stop_reason)
+            stop_reason=stop_reason,
+            queued_s=None if r.scheduled_time is None else max(0.0, r.scheduled_time - r.arrival_time))
 
     # ---- lifetime ---------------------------------------------------------------------------------------------
     def on_fatal(self, callback) -> None:

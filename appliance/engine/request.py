@@ -236,6 +236,7 @@ class Request:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.last_token_time: float | None = None  # when the engine emitted its latest token (scheduler clock)
+        self.scheduled_time: float | None = None  # when it was first admitted (scheduler clock)
         self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
         self.min_tokens_blocked: list[int] = []  # ids masked while fewer than sampling.min_tokens are out
         self.bad_words = BadWords(sampling.bad_words_token_ids) if sampling.bad_words_token_ids else None
@@ -321,3 +322,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, when asked for (None first)
     stop_reason: int | str | None = None  # (finished by "stop") the stop token id or stop string; None for EOS
+    queued_s: float | None = None  # seconds from its arrival to its first admission (None: never admitted)

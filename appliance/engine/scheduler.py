@@ -88,6 +88,8 @@ class Scheduler:
         request.prefill_layer = 0
         if request.num_cached_tokens is None:
             request.num_cached_tokens = cached
+        if request.scheduled_time is None:
+            request.scheduled_time = self.clock()
         request.start_seq = self._admissions
         self._admissions += 1
         self.prefilling.append(request)

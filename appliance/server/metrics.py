@@ -75,6 +75,15 @@ class Metrics:
         self.e2e = (mx.hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS),
                     vl.hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                             VLLM_E2E_BUCKETS))
+        # a request's phases as vLLM splits its latency: waiting, prefill (admitted to first token), decode (first
+        # token to last), inference (admitted to last token), and its mean time per output token
+        self.phases = {name: vl.hist(f"request_{name}_time_seconds", doc, VLLM_E2E_BUCKETS) for name, doc in (
+            ("queue", "Histogram of time spent in WAITING phase for request."),
+            ("prefill", "Histogram of time spent in PREFILL phase for request."),
+            ("decode", "Histogram of time spent in DECODE phase for request."),
+            ("inference", "Histogram of time spent in RUNNING phase for request."))}
+        self.request_tpot = vl.hist("request_time_per_output_token_seconds",
+                                    "Histogram of time_per_output_token_seconds per request.", VLLM_ITL_BUCKETS)
         running = "Requests prefilling or decoding."
         waiting = "Requests waiting to be scheduled."
         usage = "Fraction of KV-cache pages in use (1 = full)."
@@ -136,8 +145,13 @@ class Metrics:
                 self._vl.hist("request_prompt_tokens", "Number of prefill tokens processed.", edges),
                 self._vl.hist("request_generation_tokens", "Number of generation tokens processed.", edges))
 
-    def request_done(self, reason: str | None, prompt: int, cached: int, generated: int, started: float) -> None:
-        elapsed = time.monotonic() - started
+    def request_done(self, reason: str | None, prompt: int, cached: int, generated: int, started: float,
+                     first: float | None = None, queued: float | None = None) -> None:
+        """A finished choice: its token counts, its latency since `started` (and its first token at `first`, on the
+        same clock) and the seconds it waited for the engine to admit it (`queued`; None: not known)."""
+        now = time.monotonic()
+        elapsed = now - started
+        self._observe_phases(elapsed, None if first is None else first - started, queued, generated)
         if self.request_tokens is not None:
             for metric, value in zip(self.request_tokens, (prompt, generated)):
                 metric.observe(value)
@@ -149,6 +163,17 @@ class Metrics:
                 metric.inc(value)
         for family, counter in zip(self._families, self._success):
             counter.labels(finished_reason=reason or "abort", **family.labels).inc()
+
+    def _observe_phases(self, elapsed: float, ttft: float | None, queued: float | None, generated: int) -> None:
+        if queued is not None:
+            self.phases["queue"].observe(queued)
+            self.phases["inference"].observe(max(0.0, elapsed - queued))
+            if ttft is not None:
+                self.phases["prefill"].observe(max(0.0, ttft - queued))
+        if ttft is not None:
+            self.phases["decode"].observe(elapsed - ttft)
+            if generated > 1:
+                self.request_tpot.observe((elapsed - ttft) / (generated - 1))
 
     def first_token(self, seconds: float) -> None:
         for metric in self.ttft:
@@ -191,6 +216,7 @@ class TokenTimer:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.started = time.monotonic()
+        self.first: float | None = None  # when its first token came
         self._last: float | None = None
 
     def tokens(self, count: int) -> None:
@@ -198,6 +224,7 @@ class TokenTimer:
             return
         now = time.monotonic()
         if self._last is None:
+            self.first = now
             self.metrics.first_token(now - self.started)
             count -= 1
         if count and self._last is not None:

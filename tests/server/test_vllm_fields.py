@@ -300,3 +300,26 @@ def test_reasoning_effort_takes_openai_s_and_vllm_s_values(client, effort):
     answer = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 16,
                                                  "reasoning": {"effort": effort}})
     assert answer.status_code == 200, answer.text
+
+
+def test_request_phase_histograms_split_each_request_as_vllm(client):
+    """vLLM's per-request phases: waiting, prefill and decode (which add up to inference, admission to last token),
+    and the mean time per output token, one observation a finished choice."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = [f"vllm:request_{p}_time_seconds" for p in ("queue", "prefill", "decode", "inference")] \
+        + ["vllm:request_time_per_output_token_seconds"]
+
+    def totals() -> dict[str, tuple[float, float]]:
+        found = {f.name: {s.name: s.value for s in f.samples} for f in
+                 text_string_to_metric_families(client.get("/metrics").text) if f.name in names}
+        return {n: (found[n][n + "_count"], found[n][n + "_sum"]) for n in names}
+
+    before = totals()
+    usage(client.post("/v1/completions", json={**TEXT, "max_tokens": 4, "ignore_eos": True, "n": 2}))
+    after = totals()
+    grew = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in names}
+    assert all(count == 2 and seconds >= 0 for count, seconds in grew.values()), grew
+    queue, prefill, decode, inference, tpot = (grew[n][1] for n in names)
+    assert prefill + decode == pytest.approx(inference, rel=1e-6, abs=1e-9)
+    assert tpot == pytest.approx(decode / 3, rel=1e-6, abs=1e-9) and decode > 0
