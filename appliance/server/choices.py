@@ -20,16 +20,21 @@ _END = object()
 
 class Choices:
     """`requests` are the choices of one prompt or of a batch of prompts, `group` to a prompt (prompt p's are the
-    indices p * group ...; None: one prompt); `shown`: an output as the response shows it, as the stream yields it."""
+    indices p * group ...; None: one prompt); `shown`: an output as the response shows it, as the stream yields it;
+    `max_tokens`: the request's max_tokens as sent (None: not sent), for the metrics."""
 
     def __init__(self, engine: AsyncEngine, requests: list[Request], metrics: Metrics, share_prefill: bool = True,
-                 group: int | None = None, shown: Callable[[RequestOutput], RequestOutput] = lambda out: out) -> None:
+                 group: int | None = None, shown: Callable[[RequestOutput], RequestOutput] = lambda out: out,
+                 max_tokens: int | None = None) -> None:
         self.engine, self.requests, self.metrics, self.shown = engine, requests, metrics, shown
+        self.max_tokens = max_tokens
         self.n = len(requests)
         self.group = group or self.n
         self.share_prefill = share_prefill and self.group > 1
         self._streams: dict[int, AsyncIterator[RequestOutput]] = {}
         self._timers = [TokenTimer(metrics) for _ in requests]
+        self._unfinished = {p: self.group for p in range(0, self.n, self.group)}  # each prompt's running choices
+        self._longest = dict.fromkeys(self._unfinished, 0)  # the most tokens one of its choices generated
         self._tasks: list[asyncio.Task] = []
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -87,7 +92,13 @@ class Choices:
         if out.finished:
             timer = self._timers[index]
             self.metrics.request_done(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
-                                      out.num_output_tokens, timer.started, timer.first, out.queued_s)
+                                      out.num_output_tokens, timer.started, timer.first, out.queued_s,
+                                      self.max_tokens)
+            prompt = index - index % self.group
+            self._longest[prompt] = max(self._longest[prompt], out.num_output_tokens)
+            self._unfinished[prompt] -= 1
+            if not self._unfinished[prompt]:
+                self.metrics.prompt_done(self.group, self._longest[prompt])
         return index, out
 
     async def aclose(self) -> None:

@@ -65,7 +65,9 @@ class Metrics:
         vl = _Family(self.registry, "vllm:", {"model_name": model_name, "engine": "0"})
         self._families = (mx, vl)
         self._vl = vl
-        self.request_tokens: tuple[Histogram, Histogram] | None = None  # (prompt, generated): set_context makes them
+        # vLLM's request-shape histograms in tokens, by name; set_context makes them (their edges end at the context)
+        self.request_tokens: dict[str, Histogram] = {}
+        self.request_n = vl.hist("request_params_n", "Histogram of the n request parameter.", (1, 2, 5, 10, 20))
         self.ttft = (mx.hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
                      vl.hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                              VLLM_TTFT_BUCKETS))
@@ -139,22 +141,30 @@ class Metrics:
     def set_context(self, max_model_len: int) -> None:
         """vLLM's per-request token histograms, whose edges end at the context length (known once the engine is
         built, before the first request)."""
-        if self.request_tokens is None:
+        if not self.request_tokens:
             edges = vllm_token_buckets(max_model_len)
-            self.request_tokens = (
-                self._vl.hist("request_prompt_tokens", "Number of prefill tokens processed.", edges),
-                self._vl.hist("request_generation_tokens", "Number of generation tokens processed.", edges))
+            self.request_tokens = {name: self._vl.hist(f"request_{name}", doc, edges) for name, doc in (
+                ("prompt_tokens", "Number of prefill tokens processed."),
+                ("generation_tokens", "Number of generation tokens processed."),
+                ("params_max_tokens", "Histogram of the max_tokens request parameter."),
+                ("max_num_generation_tokens", "Histogram of maximum number of requested generation tokens."),
+                ("prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding "
+                                               "cached tokens)."))}
 
     def request_done(self, reason: str | None, prompt: int, cached: int, generated: int, started: float,
-                     first: float | None = None, queued: float | None = None) -> None:
+                     first: float | None = None, queued: float | None = None, max_tokens: int | None = None) -> None:
         """A finished choice: its token counts, its latency since `started` (and its first token at `first`, on the
-        same clock) and the seconds it waited for the engine to admit it (`queued`; None: not known)."""
+        same clock), the seconds it waited for the engine to admit it (`queued`; None: not known) and the
+        max_tokens it was given."""
         now = time.monotonic()
         elapsed = now - started
         self._observe_phases(elapsed, None if first is None else first - started, queued, generated)
-        if self.request_tokens is not None:
-            for metric, value in zip(self.request_tokens, (prompt, generated)):
-                metric.observe(value)
+        if self.request_tokens:
+            shape = {"prompt_tokens": prompt, "generation_tokens": generated, "params_max_tokens": max_tokens,
+                     "prefill_kv_computed_tokens": prompt - cached}
+            for name, value in shape.items():
+                if value is not None:
+                    self.request_tokens[name].observe(value)
         for metric in self.e2e:
             metric.observe(elapsed)
         for metrics, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached), (self.cache_queries, prompt),
@@ -163,6 +173,12 @@ class Metrics:
                 metric.inc(value)
         for family, counter in zip(self._families, self._success):
             counter.labels(finished_reason=reason or "abort", **family.labels).inc()
+
+    def prompt_done(self, n: int, longest: int) -> None:
+        """The choices of one prompt all finished: how many it had (n) and the most tokens one generated."""
+        self.request_n.observe(n)
+        if self.request_tokens:
+            self.request_tokens["max_num_generation_tokens"].observe(longest)
 
     def _observe_phases(self, elapsed: float, ttft: float | None, queued: float | None, generated: int) -> None:
         if queued is not None:

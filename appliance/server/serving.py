@@ -245,7 +245,7 @@ class OpenAIServing:
             request.slo_class = slo_class
         each = body.num_generated  # choices generated per prompt
         choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill, group=each,
-                          shown=fmt.shown)
+                          shown=fmt.shown, max_tokens=body.requested_max_tokens())
         await choices.start()  # the first choice is accepted (or refused: 429) before any byte is sent
         ranked = body.num_choices < each  # best_of > n
         prompt_tokens = sum(q.num_prompt_tokens for q in requests[::each])

@@ -279,16 +279,26 @@ def test_per_request_token_histograms_as_vllm(client):
     def samples() -> dict[str, dict[str, float]]:
         families = text_string_to_metric_families(client.get("/metrics").text)
         return {f.name: {s.name + s.labels.get("le", ""): s.value for s in f.samples} for f in families
-                if f.name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens")}
+                if f.name.startswith("vllm:request_") and f.name.endswith(("_tokens", "_params_n"))}
 
     before = samples()
     prompt = usage(client.post("/v1/completions", json={**TEXT, "max_tokens": 3, "ignore_eos": True, "n": 2}))
     after = samples()
-    for name, value in (("vllm:request_prompt_tokens", prompt), ("vllm:request_generation_tokens", 3)):
+    # a choice each: prompt, generated, max_tokens as sent, prompt tokens computed (the second choice's prompt is
+    # cached but for its last page's tokens, so only the count is checked); a prompt each: its longest choice
+    per_choice = {"prompt_tokens": prompt, "generation_tokens": 3, "params_max_tokens": 3,
+                  "prefill_kv_computed_tokens": None}
+    for short, value in [*per_choice.items(), ("max_num_generation_tokens", 3)]:
+        name = "vllm:request_" + short
         edges = [float(k[len(name) + 7:]) for k in after[name] if k.startswith(name + "_bucket")]
         assert edges == [1, 2, 5, 10, 20, 50, 100, 200, float("inf")]
         grew = {k: after[name][k] - before.get(name, {}).get(k, 0.0) for k in after[name]}
-        assert grew[name + "_count"] == 2 and grew[name + "_sum"] == 2 * value
+        count = 2 if short in per_choice else 1
+        assert grew[name + "_count"] == count and (value is None or grew[name + "_sum"] == count * value), name
+    n = after["vllm:request_params_n"]
+    assert n["vllm:request_params_n_bucket2.0"] - before["vllm:request_params_n"].get(
+        "vllm:request_params_n_bucket2.0", 0.0) == 1 and n["vllm:request_params_n_bucket1.0"] == \
+        before["vllm:request_params_n"].get("vllm:request_params_n_bucket1.0", 0.0)
 
 
 @pytest.mark.parametrize("effort", ["none", "xhigh"])
