@@ -98,7 +98,8 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     created = int(time.time())  # the model cards' "created": one value, whichever route returns them
 
     def model_card(name: str) -> r.ModelCard:
-        return r.ModelCard(id=name, max_model_len=state.require_ready().max_model_len, created=created)
+        return r.ModelCard(id=name, root=cfg.model.model_name, max_model_len=state.require_ready().max_model_len,
+                           created=created)
 
     @app.get("/v1/models", response_model=r.ModelList, responses=openapi.errors(401, 500, 503),
              summary="The served model, a card per name it is served under (--served-model-name a b).")

@@ -177,6 +177,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "muxd"
+    root: str = Field(description="The model every served name is an alias of (as vLLM's card: its first name).")
+    parent: None = Field(None, description="As vLLM's card of a base model (no adapters are served).")
     max_model_len: int
 
 

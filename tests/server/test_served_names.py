@@ -13,7 +13,9 @@ from in_process import ready_app
 def test_several_names_are_aliases_of_the_model():
     cfg = Config.flat(served_model_name=["first", "org/second"], kv_cache_memory="16MiB", max_model_len=128)
     with ready_app(cfg) as client:
-        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == ["first", "org/second"]
+        cards = client.get("/v1/models").json()["data"]
+        assert [(c["id"], c["root"], c["parent"]) for c in cards] == [("first", "first", None),
+                                                                        ("org/second", "first", None)]
         assert client.get("/v1/models/org/second").json()["id"] == "org/second"
         body = {"prompt": "hi", "max_tokens": 2}
         assert client.post("/v1/completions", json={**body, "model": "org/second"}).json()["model"] == "org/second"
