@@ -61,6 +61,7 @@ class AsyncEngine:
         self._control_at = 0.0
         self._gc: dict = {}
         self.engine_cpu_s = 0.0  # the engine thread's CPU time so far (its share of the interpreter, with the loop's)
+        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # given each step's outputs, on the loop
         self._publish_stats()
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
@@ -289,6 +290,8 @@ class AsyncEngine:
                       "control": self._control, "gc": self._gc, "engine_cpu_s": self.engine_cpu_s}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None:
+            self.on_step(outputs)
         for out in outputs:
             q = self._streams.get(out.request_id)
             if q is not None:

@@ -56,6 +56,7 @@ class ServerState:
             warm = self.engine.make_request([0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
             async for _ in self.engine.stream(warm):
                 pass
+            self.engine.on_step = self.metrics.step_done  # (the warm-up is not counted)
             self.serving = OpenAIServing(self.engine, self.cfg.model.accepted_names, self.metrics,
                                          self.cfg.model.special_tokens_in_messages)
             self.ready = True

@@ -6,8 +6,12 @@ engine's published stats at scrape time.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+if TYPE_CHECKING:
+    from appliance.engine.request import RequestOutput
 
 disable_created_metrics()  # no *_created series, as in vLLM
 
@@ -84,6 +88,8 @@ class Metrics:
             ("prefill", "Histogram of time spent in PREFILL phase for request."),
             ("decode", "Histogram of time spent in DECODE phase for request."),
             ("inference", "Histogram of time spent in RUNNING phase for request."))}
+        self.step_tokens = vl.hist("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                   (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
         self.request_tpot = vl.hist("request_time_per_output_token_seconds",
                                     "Histogram of time_per_output_token_seconds per request.", VLLM_ITL_BUCKETS)
         running = "Requests prefilling or decoding."
@@ -173,6 +179,15 @@ class Metrics:
                 metric.inc(value)
         for family, counter in zip(self._families, self._success):
             counter.labels(finished_reason=reason or "abort", **family.labels).inc()
+
+    def step_done(self, outputs: list[RequestOutput]) -> None:
+        """An engine step's outputs: its tokens as vLLM counts an iteration's, the tokens it
+        generated and the prompts whose prefill it finished (their first token)."""
+        tokens = 0
+        for out in outputs:
+            new = len(out.new_token_ids)
+            tokens += new + (out.num_prompt_tokens if new and out.num_output_tokens == new else 0)
+        self.step_tokens.observe(tokens)
 
     def prompt_done(self, n: int, longest: int) -> None:
         """The choices of one prompt all finished: how many it had (n) and the most tokens one generated."""

@@ -333,3 +333,21 @@ def test_request_phase_histograms_split_each_request_as_vllm(client):
     queue, prefill, decode, inference, tpot = (grew[n][1] for n in names)
     assert prefill + decode == pytest.approx(inference, rel=1e-6, abs=1e-9)
     assert tpot == pytest.approx(decode / 3, rel=1e-6, abs=1e-9) and decode > 0
+
+
+def test_iteration_tokens_count_each_steps_prompts_and_generated_tokens(client):
+    """vllm:iteration_tokens_total: one observation a step that produced tokens, of the tokens it generated and the
+    prompts whose prefill it finished, so a request adds its prompt and its output to the sum."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def total() -> tuple[float, float]:
+        [family] = [f for f in text_string_to_metric_families(client.get("/metrics").text)
+                    if f.name == "vllm:iteration_tokens_total"]
+        found = {s.name: s.value for s in family.samples}
+        return found["vllm:iteration_tokens_total_count"], found["vllm:iteration_tokens_total_sum"]
+
+    (count0, sum0) = total()
+    prompt = usage(client.post("/v1/completions", json={**TEXT, "max_tokens": 5, "ignore_eos": True}))
+    count1, sum1 = total()
+    assert sum1 - sum0 == prompt + 5
+    assert 1 <= count1 - count0 <= 5  # a step each token at most (the first comes with the prefill)
