@@ -177,7 +177,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "muxd"
-    root: str = Field(description="The model every served name is an alias of (as vLLM's card: its first name).")
+    root: str = Field(description="The model every served name is an alias of: its first served name (vLLM's "
+                                  "card names the model as given here).")
     parent: None = Field(None, description="As vLLM's card of a base model (no adapters are served).")
     max_model_len: int
 
