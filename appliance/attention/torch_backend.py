@@ -1,9 +1,10 @@
-"""Reference attention backend in plain torch: scatter K/V by slot, gather each sequence's pages, SDPA per sequence.
+"""Reference attention backend in plain torch: scatter K/V by slot, gather the batch's pages, SDPA per sequence.
 
 Runs anywhere torch runs (the CPU path) and is the reference the fast backends are checked against.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,12 +24,15 @@ class TorchAttention:
         write_kv(k, v, kv, metadata.slot_mapping)
         m = metadata
         out = torch.empty_like(q)
+        # every sequence's pages in one gather: [2, pages of the batch, page_size, Hkv, D]
+        idx = torch.from_numpy(np.asarray(m.kv_indices[:m.kv_indptr[m.num_seqs]])).to(kv.device, torch.long)
+        pages = kv[:, idx]
         for i in range(m.num_seqs):
             q0, q1 = int(m.qo_indptr[i]), int(m.qo_indptr[i + 1])
             seq_len, q_len = int(m.seq_lens[i]), q1 - q0
-            idx = torch.from_numpy(m.kv_indices[m.kv_indptr[i]:m.kv_indptr[i + 1]]).to(kv.device, torch.long)
-            keys = kv[0][idx].flatten(0, 1)[:seq_len]
-            values = kv[1][idx].flatten(0, 1)[:seq_len]
+            p0, p1 = int(m.kv_indptr[i]), int(m.kv_indptr[i + 1])
+            keys = pages[0, p0:p1].flatten(0, 1)[:seq_len]
+            values = pages[1, p0:p1].flatten(0, 1)[:seq_len]
             # query row j sits at absolute position seq_len - q_len + j and sees keys 0..that position
             mask = None
             if q_len > 1:
