@@ -297,7 +297,7 @@ class Engine:
             num_output_tokens=num_output, text=detok.text if (detok and reason) else None,
             logprobs=[logprob] if logprob is not None else None, prompt_logprobs=prompt_logprobs,
             stop_reason=stop_reason,
-            queued_s=None if r.scheduled_time is None else max(0.0, r.scheduled_time - r.arrival_time))
+            queued_s=max(0.0, r.scheduled_time - r.arrival_time) if reason and r.scheduled_time is not None else None)
 
     # ---- lifetime ---------------------------------------------------------------------------------------------
     def on_fatal(self, callback) -> None:

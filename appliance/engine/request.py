@@ -322,4 +322,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, when asked for (None first)
     stop_reason: int | str | None = None  # (finished by "stop") the stop token id or stop string; None for EOS
-    queued_s: float | None = None  # seconds from its arrival to its first admission (None: never admitted)
+    queued_s: float | None = None  # (on the final output) seconds from its arrival to its first admission

@@ -90,10 +90,7 @@ class Choices:
         self._timers[index].tokens(len(out.new_token_ids))  # (latencies: of the engine's tokens, a dropped one too)
         out = self.shown(out)
         if out.finished:
-            timer = self._timers[index]
-            self.metrics.request_done(out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
-                                      out.num_output_tokens, timer.started, timer.first, out.queued_s,
-                                      self.max_tokens)
+            self.metrics.request_done(out, self._timers[index], self.max_tokens)
             prompt = index - index % self.group
             self._longest[prompt] = max(self._longest[prompt], out.num_output_tokens)
             self._unfinished[prompt] -= 1

@@ -157,14 +157,13 @@ class Metrics:
                 ("prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding "
                                                "cached tokens)."))}
 
-    def request_done(self, reason: str | None, prompt: int, cached: int, generated: int, started: float,
-                     first: float | None = None, queued: float | None = None, max_tokens: int | None = None) -> None:
-        """A finished choice: its token counts, its latency since `started` (and its first token at `first`, on the
-        same clock), the seconds it waited for the engine to admit it (`queued`; None: not known) and the
-        max_tokens it was given."""
-        now = time.monotonic()
-        elapsed = now - started
-        self._observe_phases(elapsed, None if first is None else first - started, queued, generated)
+    def request_done(self, out: RequestOutput, timer: TokenTimer, max_tokens: int | None = None) -> None:
+        """A finished choice: its final output, the timer of its tokens and the max_tokens it was sent with."""
+        reason, prompt, cached, generated = (out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
+                                             out.num_output_tokens)
+        elapsed = time.monotonic() - timer.started
+        self._observe_phases(elapsed, None if timer.first is None else timer.first - timer.started, out.queued_s,
+                             generated)
         if self.request_tokens:
             shape = {"prompt_tokens": prompt, "generation_tokens": generated, "params_max_tokens": max_tokens,
                      "prefill_kv_computed_tokens": prompt - cached}
@@ -181,8 +180,8 @@ class Metrics:
             counter.labels(finished_reason=reason or "abort", **family.labels).inc()
 
     def step_done(self, outputs: list[RequestOutput]) -> None:
-        """An engine step's outputs: its tokens as vLLM counts an iteration's, the tokens it
-        generated and the prompts whose prefill it finished (their first token)."""
+        """An engine step's outputs: its tokens as vLLM counts an iteration's, the tokens it generated and the prompts
+        whose prefill it finished (their first token)."""
         tokens = 0
         for out in outputs:
             new = len(out.new_token_ids)
