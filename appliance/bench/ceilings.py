@@ -42,6 +42,23 @@ def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
     return times[len(times) // 2]
 
 
+def time_cuda_queued(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Mean seconds of fn() on the current stream over `iters` calls queued back to back (no wait between them), as
+    a loop that keeps the device busy runs them: neither the host's launch of the first call nor a wait between calls
+    counts."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()  # queued first, so that the timed calls start behind work already on the device
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
 def measure_ceilings(copy_bytes: int = 2 << 30, gemm_n: int = 8192, gpus: int = 1) -> Ceilings:
     """Copy bandwidth over a buffer far larger than L2, and the GEMM rate, on the current CUDA device; with `gpus`
     above 1, also the link from GPU 0 to GPU 1."""

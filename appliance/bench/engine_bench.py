@@ -1,7 +1,7 @@
 """`muxd bench engine`: decode step latency by batch and context, prefill time by new and cached tokens, eager vs
 CUDA-graph decode, host overhead per step and start-up times, each against a floor from ceilings measured in the same
 run (bytes moved over the copy bandwidth; model FLOPs over the bf16 GEMM rate). A decode row's host time is what the
-step shows beyond its device time (wall minus the graph replay alone), with the engine's loop overlapped (its default)
+step shows beyond its device time (wall minus the graph replayed alone, back to back), with the engine's loop overlapped (its default)
 and, with `sync_rows`, synchronous for comparison.
 
 Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
@@ -24,7 +24,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from appliance.bench.ceilings import Ceilings, measure_ceilings, time_cuda
+from appliance.bench.ceilings import Ceilings, measure_ceilings, time_cuda, time_cuda_queued
 from appliance.bench.kernel_roles import RoleRow, by_role, weight_floors
 from appliance.config import Config
 from appliance.engine.engine import Engine
@@ -40,7 +40,7 @@ class Row:
     label: str
     ms: float                  # median wall time of one engine step (decode) or one prefill forward + sampling
     floor_ms: float
-    device_ms: float | None = None  # decode: replay of the captured graph alone
+    device_ms: float | None = None  # decode: replay of the captured graph alone, back to back
     host_ms: float | None = None    # decode: what the step shows beyond the device (wall minus device; without a
     # captured graph, the wall time not spent waiting for the device)
     busy_ms: float | None = None    # decode: host time per step not spent waiting for the device (hidden or not)
@@ -263,7 +263,7 @@ class EngineBench:
             graph_set = runner.graphs
             alone = self.engine.model.config.tp_size == 1  # a graph replayed on one rank alone would wait forever
             if alone and graphs and graph_set is not None and graph_set.padded_size(batch) is not None:
-                device = time_cuda(lambda: graph_set.replay(graph_set.padded_size(batch))) * 1e3
+                device = time_cuda_queued(lambda: graph_set.replay(graph_set.padded_size(batch))) * 1e3
         finally:
             runner.use_graphs = True
             self.clear(reqs)
