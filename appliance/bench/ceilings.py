@@ -42,21 +42,26 @@ def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
     return times[len(times) // 2]
 
 
-def time_cuda_queued(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Mean seconds of fn() on the current stream over `iters` calls queued back to back (no wait between them), as
-    a loop that keeps the device busy runs them: neither the host's launch of the first call nor a wait between calls
-    counts."""
+def time_cuda_queued(fn: Callable[[], object], iters: int = 10, rounds: int = 5, warmup: int = 3) -> float:
+    """Seconds of fn() on the current stream when calls are queued back to back, as a loop that keeps the device busy
+    runs them: the least, over `rounds`, of the mean of `iters` calls queued behind two more (neither the host's launch
+    of a call nor a wait between calls counts; a host that stalls while queueing a round, e.g. for another thread,
+    only lengthens that round)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()  # queued first, so that the timed calls start behind work already on the device
-    start.record()
-    for _ in range(iters):
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+        fn()  # queued first, so that the timed calls start behind work already on the device
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / iters)
+    return best
 
 
 def measure_ceilings(copy_bytes: int = 2 << 30, gemm_n: int = 8192, gpus: int = 1) -> Ceilings:
