@@ -1,8 +1,8 @@
 """`muxd bench engine`: decode step latency by batch and context, prefill time by new and cached tokens, eager vs
 CUDA-graph decode, host overhead per step and start-up times, each against a floor from ceilings measured in the same
 run (bytes moved over the copy bandwidth; model FLOPs over the bf16 GEMM rate). A decode row's host time is what the
-step shows beyond its device time (wall minus the graph replayed alone, back to back), with the engine's loop overlapped (its default)
-and, with `sync_rows`, synchronous for comparison.
+step shows beyond its device time (wall minus the graph replayed alone, back to back), with the engine's loop
+overlapped (its default) and, with `sync_rows`, synchronous for comparison.
 
 Decode requests are seated with their context taken as already computed (random KV), so a row costs seconds, not a
 prefill of its whole batch. A prefill row runs through the executor, as served: up to --prefill-graph-rows tokens
