@@ -6,9 +6,10 @@
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET[:FLAGS]] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
 # FLAGS adds `muxd serve` flags to one job, '+' between them (0:chat-short:mux:19:500::--no-temporal-prefill).
-# TRACE `chat-short` replays the synthetic short-prompt chat workload instead (`--workload chat-short`). The served
-# context is MAX_MODEL_LEN where set, else 8192 for chat-short and 32768 for a trace (as docs/PERFORMANCE.md
-# measures them), so one call can mix both.
+# TRACE `chat-short` replays the synthetic short-prompt chat workload instead (`--workload chat-short`); TRACE `random`
+# a synthetic mix of INPUT_LEN and OUTPUT_LEN (`muxd bench sweep --input-len` forms, e.g. INPUT_LEN=lognormal:800:1.2
+# OUTPUT_LEN=lognormal:200:0.6; Poisson arrivals). The served context is MAX_MODEL_LEN where set, else 8192 for
+# chat-short and random and 32768 for a trace (as docs/PERFORMANCE.md measures them), so one call can mix both.
 # GPU may name several (0,1) for a job run over tensor parallelism (FLAGS -tp+2).
 # PROFILE defaults to the shipped H200 profile (another GPU falls back to the roofline prior, with a warning);
 # PROFILE=none serves with no profile (the roofline prior, refitted online);
@@ -42,15 +43,19 @@ run_job() {
     extra="${SERVE_ARGS:-} ${flags//+/ }"
     extra=$(echo $extra)  # trimmed
     maxlen=${MAX_MODEL_LEN:-32768}
-    [ "$trace" = chat-short ] && maxlen=${MAX_MODEL_LEN:-8192}
-    name="$(basename "${trace%.*}")-$policy${budget:+$budget}-$rates-$n${SKIP:+-skip$SKIP}${SEED:+-seed$SEED}${extra:+-$(echo "$extra" | tr -d ' -')}"
+    [ "$trace" = chat-short ] || [ "$trace" = random ] && maxlen=${MAX_MODEL_LEN:-8192}
+    mix=""
+    [ "$trace" = random ] && mix="-$(echo "${INPUT_LEN:-256}-${OUTPUT_LEN:-64}" | tr ':' '_')"
+    name="$(basename "${trace%.*}")$mix-$policy${budget:+$budget}-$rates-$n${SKIP:+-skip$SKIP}${SEED:+-seed$SEED}${extra:+-$(echo "$extra" | tr -d ' -')}"
     # the same job on two GPUs (a repeat) keeps both results
     [ "$(printf '%s\n' "${jobs[@]}" | grep -c "^[0-9,]*:${1#*:}$")" -gt 1 ] && name="$name-gpu$gpu"
     serve="--load-format dummy --slo $slo --max-model-len $maxlen $extra"
     [ "$profile" != none ] && serve="$serve --profile $profile"
     [ -n "${budget:-}" ] && serve="$serve --chunk-budget $budget"
     replay="--trace $trace --max-requests $n"
-    case "$trace" in *mooncake*) replay="$replay --spread-ties";; chat-short) replay="--workload chat-short --num-prompts $n";; esac
+    case "$trace" in *mooncake*) replay="$replay --spread-ties";; chat-short) replay="--workload chat-short --num-prompts $n";;
+        random) replay="--trace-format random --input-len ${INPUT_LEN:-256} --output-len ${OUTPUT_LEN:-64} --num-prompts $n";;
+    esac
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
         $replay --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
         --slo "$slo" --attainment 0.99 --serve-args "$serve" --save-detailed \
