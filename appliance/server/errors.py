@@ -125,13 +125,32 @@ def _mismatch(error: dict[str, Any]) -> bool:
     return str(error.get("type", "")).endswith("_type")
 
 
+_ROUTING_DETAILS = ("Not Found", "Method Not Allowed")
+
+
+def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """A path this server does not serve, or a method its path does not take, named in the message (Starlette says
+    only 'Not Found')."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+        message = f"{where}: the method is not allowed on this path" + (f" (allowed: {allowed})" if allowed else "")
+        return error_response(405, message, "invalid_request_error", code="method_not_allowed",
+                              headers=exc.headers)
+    message = (f"{where}: no such endpoint; this server serves text generation for one model "
+               "(POST /v1/chat/completions, /v1/completions, /v1/responses, /tokenize, /detokenize; GET /v1/models)")
+    return error_response(404, message, "invalid_request_error", code="not_found")
+
+
 def install_handlers(app: FastAPI) -> None:
     """Route every known exception kind to its OpenAI-style body (the gate catches the unknown ones)."""
 
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(list(exc.errors()))
 
-    async def known(_: Request, exc: Exception) -> JSONResponse:
+    async def known(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, HTTPException) and exc.status_code in (404, 405) and exc.detail in _ROUTING_DETAILS:
+            return routing_error(request, exc)
         return response_for(exc)
 
     app.add_exception_handler(RequestValidationError, invalid)

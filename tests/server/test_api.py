@@ -263,6 +263,19 @@ def test_unknown_model_is_404_model_not_found(server):
     assert "gpt-4o" in response.json()["error"]["message"]
 
 
+def test_an_unserved_path_or_method_is_named_in_the_error(server):
+    missing = httpx.post(server.url + "/v1/embeddings", json={"model": "x", "input": "hi"})
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["code"] == "not_found" and error["type"] == "invalid_request_error"
+    assert "POST /v1/embeddings" in error["message"] and "/v1/chat/completions" in error["message"]
+    wrong = httpx.get(server.url + "/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    error = wrong.json()["error"]
+    assert error["code"] == "method_not_allowed" and "GET /v1/chat/completions" in error["message"]
+    assert "POST" in error["message"]
+
+
 def test_a_model_is_retrieved_as_models_lists_it_and_an_unknown_one_is_404(server, client, model_name):
     [listed] = httpx.get(server.url + "/v1/models").json()["data"]
     response = httpx.get(f"{server.url}/v1/models/{model_name}")
