@@ -1,8 +1,9 @@
 """Soak test of a real `muxd serve` process: mixed traffic for a fixed time (streams, streams cancelled at random
-points, whole responses, chat, malformed requests, bursts over capacity) while a probe request measures latency once a
-second; then resident memory, open file descriptors and free KV pages are compared with their values before the
-traffic, and the probe's p99 latency per window shows whether it drifted. Every loop is bounded in count and time and
-sends traffic only to the server it started on 127.0.0.1.
+points, whole responses, chat, requests with the features that keep state per request (several choices,
+log-probabilities, stop strings, penalties, grammars, tool calls, the Responses API), malformed requests, bursts over
+capacity) while a probe request measures latency once a second; then resident memory, open file descriptors and free
+KV pages are compared with their values before the traffic, and the probe's p99 latency per window shows whether it
+drifted. Every loop is bounded in count and time and sends traffic only to the server it started on 127.0.0.1.
 
     python scripts/soak.py --minutes 30 --out docs/soak-results.json
 """
@@ -78,11 +79,54 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, cancel_after:
         return 200
 
 
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"name": {"type": "string"}, "depth": {"type": "integer"}}, "required": ["name"]}}}
+
+
+def _featured(rng: random.Random, text: str, max_tokens: int, stream: bool) -> tuple[str, dict]:
+    """A request with a random pick of the features that keep state per request on the host (several choices,
+    log-probabilities, stop strings, penalties and bad words, grammars, tool calls, prompt log-probabilities (not
+    streamed, as vLLM refuses them streamed), echo, the Responses API): (path, body)."""
+    extra: dict[str, Any] = {}
+    if rng.random() < 0.3:
+        extra["n"] = rng.randint(2, 3)
+    if rng.random() < 0.3:
+        extra.update(stop=rng.choice([["\n"], ["def", ":"], ["x"]]))
+    if rng.random() < 0.3:
+        extra.update(rng.choice([{"presence_penalty": 1.0}, {"repetition_penalty": 1.2},
+                                 {"bad_words": ["return"]}, {"min_tokens": 4}, {"seed": rng.randrange(100)}]))
+    route = rng.choice(["chat", "chat", "completion", "responses"])
+    if route == "responses":
+        return "/v1/responses", {"input": text, "max_output_tokens": max_tokens,
+                                 **({"tools": [{"type": "function", **TOOL["function"]}]} if rng.random() < 0.5
+                                    else {})}
+    if route == "completion":
+        extra.update(rng.choice([{"logprobs": rng.randint(0, 3)}, {"echo": True},
+                                 {} if stream else {"prompt_logprobs": 1},
+                                 {"structured_outputs": {"regex": "[a-z]{2,12}"}}, {}]))
+        return "/v1/completions", {"prompt": text, "max_tokens": max_tokens, **extra}
+    extra.update(rng.choice([
+        {"logprobs": True, "top_logprobs": rng.randint(0, 5)},
+        {"tools": [TOOL], "tool_choice": rng.choice(["auto", "required",
+                                                      {"type": "function", "function": {"name": "lookup"}}])},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TOOL["function"][
+            "parameters"]}}},
+        {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}, {}]))
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                                    **extra}
+
+
 async def _one(client: httpx.AsyncClient, base: str, rng: random.Random) -> tuple[str, int]:
     """One request of a random kind; returns (kind, status)."""
-    kind = rng.choice(["stream", "stream", "cancel", "whole", "chat", "malformed"])
+    kind = rng.choice(["stream", "stream", "cancel", "whole", "chat", "malformed", "featured", "featured"])
     text = f"def function_{rng.randrange(10**6)}(x):"
     body = {"prompt": text, "max_tokens": rng.randint(8, 48), "ignore_eos": True, "temperature": rng.random()}
+    if kind == "featured":  # whole, streamed, or left mid-stream
+        how = rng.choice(["whole", "stream", "cancel"])
+        path, featured = _featured(rng, text, body["max_tokens"], how != "whole")
+        if how == "whole":
+            return kind, (await client.post(base + path, json=featured)).status_code
+        return kind, await _stream(client, base + path, featured, rng.randint(0, 12) if how == "cancel" else None)
     if kind == "malformed":
         path, raw = rng.choice(MALFORMED)
         r = await client.post(base + path, content=raw, headers={"content-type": "application/json"})

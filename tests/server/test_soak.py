@@ -1,6 +1,6 @@
-"""The soak test (scripts/soak.py) in small: mixed traffic (streams, cancellations, malformed requests, bursts) for
-a few seconds; no 5xx, and afterwards the KV pool, the open file descriptors and (within allocator slack) the resident
-memory are back where they were. docs/RELIABILITY.md has the 30-minute run."""
+"""The soak test (scripts/soak.py) in small: mixed traffic (streams, cancellations, requests with stateful features,
+malformed requests, bursts) for a few seconds; no 5xx, and afterwards the KV pool, the open file descriptors and
+(within allocator slack) the resident memory are back where they were. docs/RELIABILITY.md has the 30-minute run."""
 from __future__ import annotations
 
 import sys
@@ -19,6 +19,8 @@ def test_mixed_traffic_leaves_nothing_behind(serve):
     assert set(figures["probe_statuses"]) <= {200, 429}, figures["probe_statuses"]  # a burst may fill every place
     assert set(statuses) <= {200, 400, 429}, statuses
     assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0  # it served, and refused what was malformed
+    kinds = figures["by_kind_and_status"]
+    assert kinds.get("featured 200", 0) > 0 and "featured 400" not in kinds, kinds  # every feature's request is valid
     assert figures["leaked_kv_pages"] == 0 and figures["after"]["running"] == 0
     assert figures["leaked_fds"] <= 0, (figures["before"], figures["after"])
     assert figures["rss_growth_mib"] < 64, figures["samples"]
