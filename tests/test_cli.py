@@ -506,6 +506,16 @@ def test_bench_takes_vllm_flag_names(monkeypatch, tmp_path):
     assert (opts.result_dir, opts.result_filename, opts.percentile_metrics) == (Path("."), "r.json", ("ttft", "itl"))
     bad = runner.invoke(app, ["bench", "--percentile-metrics", "ttft,latency"])
     assert bad.exit_code == 2 and "latency" in bad.output
+    spread = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--dataset-name", "random",
+                                 "--random-input-len", "1000", "--random-output-len", "10", "--random-range-ratio",
+                                 "0.25", "--tokenizer", "embedded"])
+    assert spread.exit_code == 0, spread.output
+    assert (seen["opts"].input_len, seen["opts"].output_len) == ("uniform:750:1250", "uniform:7:13")
+    for args, named in ((["--random-range-ratio", "1"], "[0, 1)"),
+                        (["--random-input-len", "lognormal:100:0.5", "--random-range-ratio", "0.1"], "lognormal"),
+                        (["--dataset-path", "t.csv", "--random-range-ratio", "0.1"], "trace")):
+        refused = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", *args])
+        assert refused.exit_code == 2 and named in refused.output, refused.output
 
 
 def test_several_value_flags_given_no_values_are_unset():

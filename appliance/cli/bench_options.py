@@ -48,6 +48,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "output_len": (Annotated[str, typer.Option("--output-len", "--random-output-len",
                                                help="Synthetic output tokens (same forms as --input-len).",
                                                rich_help_panel=_W)], "64"),
+    "random_range_ratio": (Annotated[Optional[float], typer.Option(
+        help="vLLM's: each fixed length N of --input-len and --output-len drawn uniformly from [N(1-R), N(1+R)] "
+             "(0 <= R < 1).", rich_help_panel=_W)], None),
     "window": (Annotated[Optional[str], typer.Option(help="Part of the trace to replay, START:END seconds from its "
                                                           "start (e.g. 600:900).", rich_help_panel=_W)], None),
     "skip": (Annotated[int, typer.Option(help="Skip this many requests first.", rich_help_panel=_W)], 0),
@@ -313,6 +316,12 @@ def _options(**kw: Any) -> BenchOptions:
         if kw["trace"] is not None:
             raise ConfigError("--workload names a synthetic workload; give it or --trace, not both")
         kw["input_len"], kw["output_len"] = wl.preset(preset)
+    ratio = kw.pop("random_range_ratio")
+    if ratio is not None:
+        if kw["trace"] is not None:
+            raise ConfigError("--random-range-ratio spreads the lengths of a synthetic workload; a trace has its own")
+        kw["input_len"] = wl.LengthDist.parse(kw["input_len"], "--input-len").spread(ratio, "--random-range-ratio")
+        kw["output_len"] = wl.LengthDist.parse(kw["output_len"], "--output-len").spread(ratio, "--random-range-ratio")
     slo = _slo(kw.pop("goodput") or [], kw.pop("slo"))
     percentiles = _percentiles(kw.pop("metric_percentiles"))
     policies = parse_policies(kw.pop("policies")) if kw["policies"] else []

@@ -41,6 +41,16 @@ class LengthDist:
             raise ConfigError(f"{flag}: {text!r} is out of range (lengths >= 1, HI >= LO, SIGMA >= 0)")
         return dist
 
+    def spread(self, ratio: float, flag: str) -> str:
+        """A fixed length N as vLLM's --random-range-ratio spreads it: uniform over [N(1-ratio), N(1+ratio)], as a
+        length spec; other forms are refused (they spread already)."""
+        if not 0 <= ratio < 1:
+            raise ConfigError(f"{flag} must be in [0, 1), got {ratio:g}")
+        if self.kind != "fixed":
+            raise ConfigError(f"{flag} spreads a fixed length N; {self.kind} lengths spread already")
+        low, high = max(1, math.floor(self.a * (1 - ratio))), math.ceil(self.a * (1 + ratio))
+        return f"uniform:{low}:{high}"
+
     def sample(self, n: int, rng: np.random.Generator) -> list[int]:
         if self.kind == "fixed":
             values = np.full(n, self.a)
