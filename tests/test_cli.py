@@ -511,7 +511,11 @@ def test_bench_takes_vllm_flag_names(monkeypatch, tmp_path):
                                  "0.25", "--tokenizer", "embedded"])
     assert spread.exit_code == 0, spread.output
     assert (seen["opts"].input_len, seen["opts"].output_len) == ("uniform:750:1250", "uniform:7:13")
-    for args, named in ((["--random-range-ratio", "1"], "[0, 1)"),
+    shared = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--dataset-name", "random",
+                                 "--random-prefix-len", "100", "--tokenizer", "embedded"])
+    assert shared.exit_code == 0 and seen["opts"].prefix_len == 100, shared.output
+    for args, named in ((["--random-range-ratio", "1"], "[0, 1)"), (["--random-prefix-len", "-1"], ">= 0"),
+                        (["--dataset-path", "t.csv", "--random-prefix-len", "8"], "trace"),
                         (["--random-input-len", "lognormal:100:0.5", "--random-range-ratio", "0.1"], "lognormal"),
                         (["--dataset-path", "t.csv", "--random-range-ratio", "0.1"], "trace")):
         refused = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", *args])

@@ -38,7 +38,7 @@ class PromptSynth:
         self.seed = seed
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or 0
-        self._blocks: dict[tuple[int, int], list[int]] = {}
+        self._blocks: dict[tuple[int, int, int], list[int]] = {}
         self._words: list[int] = []
         self._text: dict[int, str] = {}
         self.num_special = 0
@@ -94,10 +94,10 @@ class PromptSynth:
             return self._draw(np.random.default_rng((self.seed, salt, 1, index)), length)
         ids: list[int] = []
         for h in spec.hash_ids:
-            block = self._blocks.get((salt, h))
+            block = self._blocks.get((salt, h, spec.block_size))  # (workloads of other block sizes apart)
             if block is None:
                 rng = np.random.default_rng((self.seed, salt, 0, h))
-                block = self._blocks[(salt, h)] = self._draw(rng, spec.block_size)
+                block = self._blocks[(salt, h, spec.block_size)] = self._draw(rng, spec.block_size)
             ids.extend(block)
             if len(ids) >= length:
                 break

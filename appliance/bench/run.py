@@ -40,6 +40,7 @@ class BenchOptions:
     num_prompts: int = 100              # synthetic
     input_len: str = "256"
     output_len: str = "64"
+    prefix_len: int = 0                 # synthetic: tokens of one prompt prefix every request shares
     window: tuple[float, float] | None = None
     skip: int = 0
     max_requests: int | None = None
@@ -106,7 +107,8 @@ def load_workload(opts: BenchOptions, synth: PromptSynth | None) -> list[Request
     if opts.trace is None:
         rate = opts.request_rate if opts.request_rate is not None else math.inf
         specs = wl.synthetic(opts.num_prompts, rate, wl.LengthDist.parse(opts.input_len, "--input-len"),
-                             wl.LengthDist.parse(opts.output_len, "--output-len"), opts.burstiness, opts.seed)
+                             wl.LengthDist.parse(opts.output_len, "--output-len"), opts.burstiness, opts.seed,
+                             opts.prefix_len)
         return wl.select(specs, opts.window, opts.skip, opts.max_requests)
     count = (lambda text: len(synth.tokenizer.encode(text))) if synth and synth.tokenizer else None
     specs = load_trace(opts.trace, opts.trace_format, count_tokens=count)

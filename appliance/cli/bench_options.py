@@ -48,6 +48,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "output_len": (Annotated[str, typer.Option("--output-len", "--random-output-len",
                                                help="Synthetic output tokens (same forms as --input-len).",
                                                rich_help_panel=_W)], "64"),
+    "prefix_len": (Annotated[int, typer.Option(
+        "--random-prefix-len", help="vLLM's: a prefix of this many tokens that every synthetic prompt starts with, "
+                                    "before its own --input-len tokens.", rich_help_panel=_W)], 0),
     "random_range_ratio": (Annotated[Optional[float], typer.Option(
         help="vLLM's: each fixed length N of --input-len and --output-len drawn uniformly from [N(1-R), N(1+R)] "
              "(0 <= R < 1).", rich_help_panel=_W)], None),
@@ -316,6 +319,10 @@ def _options(**kw: Any) -> BenchOptions:
         if kw["trace"] is not None:
             raise ConfigError("--workload names a synthetic workload; give it or --trace, not both")
         kw["input_len"], kw["output_len"] = wl.preset(preset)
+    if kw["prefix_len"] < 0:
+        raise ConfigError(f"--random-prefix-len must be >= 0, got {kw['prefix_len']}")
+    if kw["prefix_len"] and kw["trace"] is not None:
+        raise ConfigError("--random-prefix-len gives a synthetic workload a shared prefix; a trace has its own prompts")
     ratio = kw.pop("random_range_ratio")
     if ratio is not None:
         if kw["trace"] is not None:

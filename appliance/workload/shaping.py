@@ -94,13 +94,28 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
 
 
 def synthetic(n: int, rate: float, input_len: LengthDist, output_len: LengthDist, burstiness: float = 1.0,
-              seed: int = 0) -> list[RequestSpec]:
-    """A synthetic workload of n requests (seeded, so a run can be repeated exactly)."""
+              seed: int = 0, prefix_len: int = 0) -> list[RequestSpec]:
+    """A synthetic workload of n requests (seeded, so a run can be repeated exactly). `prefix_len`: every prompt
+    starts with the same prefix of that many tokens, before its own `input_len` tokens (vLLM's
+    --random-prefix-len): block 0 of each prompt is the shared one, its other blocks its own."""
     if n < 1:
         raise ConfigError(f"--num-prompts must be >= 1 for a synthetic trace, got {n}")
+    if prefix_len < 0:
+        raise ConfigError(f"--random-prefix-len must be >= 0, got {prefix_len}")
     rng = np.random.default_rng(seed + 1)
     times = arrival_times(n, rate, burstiness, seed)
-    return [RequestSpec(t, p, o) for t, p, o in zip(times, input_len.sample(n, rng), output_len.sample(n, rng))]
+    specs = [RequestSpec(t, p, o) for t, p, o in zip(times, input_len.sample(n, rng), output_len.sample(n, rng))]
+    if prefix_len == 0:
+        return specs
+    out = []
+    for i, s in enumerate(specs):
+        total = prefix_len + s.prompt_len
+        own = range(1 + i * _BLOCKS_PER_REQUEST, i * _BLOCKS_PER_REQUEST + math.ceil(total / prefix_len))
+        out.append(replace(s, prompt_len=total, hash_ids=(0, *own), block_size=prefix_len))
+    return out
+
+
+_BLOCKS_PER_REQUEST = 1 << 24  # hash ids of one synthetic request's own blocks: [1 + i * this, ...)
 
 
 _WINDOW = re.compile(r"^\s*([0-9.]*)\s*:\s*([0-9.]*)\s*$")

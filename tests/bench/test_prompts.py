@@ -1,5 +1,5 @@
 """Prompt synthesis: exact token lengths under the served tokenizer, token-id prompts without one, and Mooncake
-hash ids turned into shared token prefixes."""
+hash ids (and a synthetic workload's shared prefix) turned into shared token prefixes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ from appliance.bench.prompts import PromptSynth
 from appliance.config import EMBEDDED_MODEL_DIR
 from appliance.errors import ConfigError
 from appliance.model_zoo.tokenizer import Tokenizer
-from appliance.workload.shaping import clip_to_context
+from appliance.workload.shaping import LengthDist, clip_to_context, synthetic
 from appliance.workload.traces import RequestSpec, load_azure, load_mooncake
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -93,3 +93,20 @@ def test_bad_model_dirs(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": "big"}')
     with pytest.raises(ConfigError, match="vocab_size must be an integer"):
         PromptSynth.from_model_dir(tmp_path)
+
+
+def test_a_random_prefix_is_shared_by_every_synthetic_prompt(synth):
+    """vLLM's --random-prefix-len: one prefix of P tokens, then each prompt's own tokens."""
+    specs = synthetic(6, 2.0, LengthDist.parse("uniform:20:300"), LengthDist.parse("8"), prefix_len=64)
+    plain = synthetic(6, 2.0, LengthDist.parse("uniform:20:300"), LengthDist.parse("8"))
+    assert [s.prompt_len for s in specs] == [64 + s.prompt_len for s in plain]
+    assert all(s.block_size == 64 and s.hash_ids[0] == 0 for s in specs)
+    own = [set(s.hash_ids[1:]) for s in specs]
+    assert all(not (own[i] & own[j]) for i in range(6) for j in range(i + 1, 6))  # nothing else shared
+    tokens = [synth.token_ids(s, i) for i, s in enumerate(specs)]
+    assert [len(t) for t in tokens] == [s.prompt_len for s in specs]
+    head = synth.num_special + 64
+    assert all(t[:head] == tokens[0][:head] for t in tokens)
+    assert len({tuple(t[head:head + 16]) for t in tokens}) == 6
+    with pytest.raises(ConfigError, match="--random-prefix-len"):
+        synthetic(2, 1.0, LengthDist.parse("8"), LengthDist.parse("8"), prefix_len=-1)
