@@ -511,6 +511,10 @@ def test_bench_takes_vllm_flag_names(monkeypatch, tmp_path):
                                  "0.25", "--tokenizer", "embedded"])
     assert spread.exit_code == 0, spread.output
     assert (seen["opts"].input_len, seen["opts"].output_len) == ("uniform:750:1250", "uniform:7:13")
+    chat = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--backend", "openai-chat", "--top-p",
+                               "0.9", "--top-k", "5", "--tokenizer", "embedded"])
+    assert chat.exit_code == 0, chat.output
+    assert (seen["opts"].endpoint, seen["opts"].sampling) == ("chat", {"top_p": 0.9, "top_k": 5})
     shared = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--dataset-name", "random",
                                  "--random-prefix-len", "100", "--tokenizer", "embedded"])
     assert shared.exit_code == 0 and seen["opts"].prefix_len == 100, shared.output

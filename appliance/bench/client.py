@@ -23,6 +23,7 @@ from appliance.workload.metrics import RequestTimeline
 from appliance.workload.traces import RequestSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}  # vLLM's --backend: the endpoint
 LEAD_S = 0.05  # the replay clock starts this long after set-up, so the first sends are not late by construction
 
 
@@ -164,12 +165,14 @@ class InProcessTarget:
     is named `trace-<index>` in the engine (so a step log's request ids name the workload's requests)."""
 
     def __init__(self, engine: Any, temperature: float = 0.0, label: str = "in-process",
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, sampling: dict[str, Any] | None = None) -> None:
         self.engine, self.temperature, self.label, self.clock = engine, temperature, label, clock
+        self.sampling = dict(sampling or {})  # top_p, top_k, min_p where given
 
     async def send(self, prompt: str | list[int], spec: RequestSpec, timeline: RequestTimeline) -> None:
 
-        params = SamplingParams(max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=True)
+        params = SamplingParams(max_tokens=spec.output_len, temperature=self.temperature, ignore_eos=True,
+                                **self.sampling)
         request = self.engine.make_request(prompt, params, f"trace-{timeline.index}" if timeline.index >= 0 else None)
         async for out in self.engine.stream(request):
             now = self.clock()

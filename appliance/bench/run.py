@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,6 +61,8 @@ class BenchOptions:
     in_process: bool = False
     ready_timeout: float = 600.0
     temperature: float = 0.0
+    sampling: dict[str, Any] = field(default_factory=dict)  # top_p, top_k, min_p sent with every request
+    sharegpt_output_len: int | None = None  # a ShareGPT file's output lengths, all this
     max_concurrency: int | None = None
     request_timeout: float | None = None
     max_idle: float | None = None       # idle waits (nothing in flight) cut to this many seconds
@@ -112,6 +114,8 @@ def load_workload(opts: BenchOptions, synth: PromptSynth | None) -> list[Request
         return wl.select(specs, opts.window, opts.skip, opts.max_requests)
     count = (lambda text: len(synth.tokenizer.encode(text))) if synth and synth.tokenizer else None
     specs = load_trace(opts.trace, opts.trace_format, count_tokens=count)
+    if opts.sharegpt_output_len is not None:
+        specs = [replace(s, output_len=opts.sharegpt_output_len) for s in specs]
     specs = wl.select(specs, opts.window, opts.skip, opts.max_requests)
     return wl.spread_ties(specs, opts.seed) if opts.spread_ties else specs
 
@@ -174,7 +178,7 @@ class Session:
             self.engine = AsyncEngine(engine)
             self.engine.start()
             self.model_id, self.max_model_len = cfg.model.model_name, engine.max_model_len
-            self.target = InProcessTarget(self.engine, opts.temperature, self.label)
+            self.target = InProcessTarget(self.engine, opts.temperature, self.label, sampling=opts.sampling)
             return
         url = opts.url
         if url is None:
@@ -183,7 +187,8 @@ class Session:
             await asyncio.to_thread(self.server.__enter__)
             url = self.server.url
         self.model_id, self.max_model_len = await probe_server(url, opts.served_model_name)
-        self.target = HttpTarget(url, self.model_id, opts.endpoint, opts.temperature, label=self.label)
+        self.target = HttpTarget(url, self.model_id, opts.endpoint, opts.temperature, extra_body=opts.sampling,
+                                 label=self.label)
 
     def __exit__(self, *exc: object) -> None:
         try:

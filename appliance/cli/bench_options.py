@@ -13,7 +13,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from appliance.bench.client import ENDPOINTS
+from appliance.bench.client import BACKENDS, ENDPOINTS
 from appliance.bench.launcher import parse_cluster_args, parse_policies, parse_routers, parse_serve_args
 from appliance.bench.run import BenchOptions
 from appliance.errors import ApplianceError, ConfigError
@@ -21,7 +21,7 @@ from appliance.predictor.profile import read_profile
 from appliance.slo.contract import load_contract
 from appliance.workload import shaping as wl
 from appliance.workload.metrics import METRIC_NAMES, SLO, parse_goodput
-from appliance.workload.traces import FORMATS
+from appliance.workload.traces import FORMATS, detect_format
 
 _W, _T, _S, _O = "Workload", "Target", "SLO", "Output"
 
@@ -51,6 +51,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "prefix_len": (Annotated[int, typer.Option(
         "--random-prefix-len", help="vLLM's: a prefix of this many tokens that every synthetic prompt starts with, "
                                     "before its own --input-len tokens.", rich_help_panel=_W)], 0),
+    "sharegpt_output_len": (Annotated[Optional[int], typer.Option(
+        help="vLLM's: every request of a ShareGPT file generates this many tokens instead of its recorded answer's.",
+        rich_help_panel=_W)], None),
     "random_range_ratio": (Annotated[Optional[float], typer.Option(
         help="vLLM's: each fixed length N of --input-len and --output-len drawn uniformly from [N(1-R), N(1+R)] "
              "(0 <= R < 1).", rich_help_panel=_W)], None),
@@ -74,8 +77,11 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                   help="Base URL of a running OpenAI-compatible server (e.g. "
                                                        "http://127.0.0.1:8000); default: start muxd serve.",
                                                   rich_help_panel=_T)], None),
-    "endpoint": (Annotated[str, typer.Option(help="completions or chat (or their paths, /v1/completions, "
-                                                  "/v1/chat/completions).", rich_help_panel=_T)], "completions"),
+    "endpoint": (Annotated[Optional[str], typer.Option(help="completions or chat (or their paths, "
+                                                            "/v1/completions, /v1/chat/completions; default "
+                                                            "completions).", rich_help_panel=_T)], None),
+    "backend": (Annotated[Optional[str], typer.Option(help="vLLM's: vllm or openai (the completions endpoint), "
+                                                           "openai-chat (chat).", rich_help_panel=_T)], None),
     "served_model_name": (Annotated[Optional[str], typer.Option(help="Model name to send (default: the first of "
                                                                      "GET /v1/models).", rich_help_panel=_T)], None),
     "model": (Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory (or 'embedded') to serve "
@@ -106,6 +112,12 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                     rich_help_panel=_T)], 600.0),
     "temperature": (Annotated[float, typer.Option(help="Sampling temperature sent with every request.",
                                                   rich_help_panel=_T)], 0.0),
+    "top_p": (Annotated[Optional[float], typer.Option(help="top_p sent with every request (vLLM's).",
+                                                      rich_help_panel=_T)], None),
+    "top_k": (Annotated[Optional[int], typer.Option(help="top_k sent with every request (vLLM's).",
+                                                    rich_help_panel=_T)], None),
+    "min_p": (Annotated[Optional[float], typer.Option(help="min_p sent with every request (vLLM's).",
+                                                      rich_help_panel=_T)], None),
     "max_concurrency": (Annotated[Optional[int], typer.Option(help="Requests in flight at most (latency then "
                                                                    "counts from the send).",
                                                               rich_help_panel=_T)], None),
@@ -196,6 +208,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "ignore_eos": (Annotated[bool, typer.Option("--ignore-eos", help="Accepted as vLLM's: outputs are always forced "
                                                                      "to the recorded length (ignore_eos).",
                                                 rich_help_panel=_T)], False),
+    "trust_remote_code": (Annotated[bool, typer.Option("--trust-remote-code", help="Accepted as vLLM's: muxd runs "
+                                                                                   "no code from a model directory.",
+                                                       rich_help_panel=_T)], False),
 }
 
 
@@ -270,6 +285,17 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError("--cluster-args configures the muxd cluster that --routers starts; give --routers")
     if kw["serve_args"] and kw["url"]:
         raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
+    backend = kw.pop("backend")
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"--backend {backend!r} is not served by muxd bench; give one of "
+                              f"{', '.join(BACKENDS)} (any OpenAI-compatible server)")
+        endpoint = {path: name for name, path in ENDPOINTS.items()}.get(kw["endpoint"], kw["endpoint"])
+        if endpoint is not None and endpoint != BACKENDS[backend]:
+            raise ConfigError(f"--backend {backend} sends to the {BACKENDS[backend]} endpoint; --endpoint "
+                              f"{kw['endpoint']} names the other one")
+        kw["endpoint"] = BACKENDS[backend]
+    kw["endpoint"] = kw["endpoint"] or "completions"
     kw["endpoint"] = {path: name for name, path in ENDPOINTS.items()}.get(kw["endpoint"], kw["endpoint"])
     if kw["endpoint"] not in ENDPOINTS:
         raise ConfigError(f"--endpoint must be completions or chat (vLLM's {' or '.join(ENDPOINTS.values())}), "
@@ -323,6 +349,17 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError(f"--random-prefix-len must be >= 0, got {kw['prefix_len']}")
     if kw["prefix_len"] and kw["trace"] is not None:
         raise ConfigError("--random-prefix-len gives a synthetic workload a shared prefix; a trace has its own prompts")
+    if kw["sharegpt_output_len"] is not None:
+        if kw["sharegpt_output_len"] < 1:
+            raise ConfigError(f"--sharegpt-output-len must be >= 1, got {kw['sharegpt_output_len']}")
+        fmt = kw["trace_format"]
+        if fmt == "auto" and kw["trace"] is not None and kw["trace"].is_file():
+            fmt = detect_format(kw["trace"])
+        if kw["trace"] is None or fmt not in ("auto", "sharegpt"):
+            raise ConfigError("--sharegpt-output-len sets the output lengths of a ShareGPT file (--dataset-path); "
+                              f"this workload is {'synthetic' if kw['trace'] is None else fmt}")
+    sampling = {k: kw.pop(k) for k in ("top_p", "top_k", "min_p")}
+    kw["sampling"] = {k: v for k, v in sampling.items() if v is not None}
     ratio = kw.pop("random_range_ratio")
     if ratio is not None:
         if kw["trace"] is not None:
@@ -337,7 +374,7 @@ def _options(**kw: Any) -> BenchOptions:
     routers = parse_routers(routers_text) if routers_text is not None else []
     cluster_args = parse_cluster_args(kw.pop("cluster_args"))
     window = wl.parse_window(kw.pop("window")) if kw["window"] else None
-    for accepted in ("progress", "ignore_eos"):  # read by the command (progress) or changing nothing (ignore_eos)
+    for accepted in ("progress", "ignore_eos", "trust_remote_code"):  # read by the command, or changing nothing
         kw.pop(accepted)
     return BenchOptions(**{k: v for k, v in kw.items() if k not in ("policies", "serve_args", "window")},
                         window=window, slo=slo, percentiles=percentiles, policies=policies, serve_args=serve_args,

@@ -45,6 +45,28 @@ def test_num_prompts_limits_a_trace(fake, tmp_path):
     assert result.exit_code == 2 and "--num-prompts" in result.output and "--max-requests" in result.output
 
 
+def test_vllm_sampling_backend_and_sharegpt_flags(fake, tmp_path):
+    """--backend, --top-p/--top-k/--min-p, --trust-remote-code and --sharegpt-output-len as vLLM's bench takes them."""
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i} " * 5},
+                                              {"from": "gpt", "value": "answer " * (20 + i)}]} for i in range(4)]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    result = invoke("--url", fake.url, "--tokenizer", "embedded", "--dataset-name", "sharegpt", "--dataset-path",
+                    str(path), "--sharegpt-output-len", "3", "--backend", "vllm", "--top-p", "0.9", "--top-k", "5",
+                    "--min-p", "0.05", "--trust-remote-code", "--request-rate", "inf", "--result-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["total_output_tokens"] == 4 * 3 and saved["backend"] == "openai"
+    for args, message in (
+            (["--backend", "tgi"], "--backend 'tgi' is not served by muxd bench"),
+            (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "names the other one"),
+            (["--sharegpt-output-len", "3"], "this workload is synthetic"),
+            (["--dataset-path", AZURE, "--sharegpt-output-len", "3"], "this workload is azure"),
+            (["--dataset-path", str(path), "--sharegpt-output-len", "0"], "must be >= 1")):
+        refused = invoke("--url", "http://127.0.0.1:9", "--tokenizer", "embedded", *args)
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+
+
 class _Silent(http.server.BaseHTTPRequestHandler):
     """Lists a model, then never answers a completion (a wedged server, or another service on the port)."""
 
