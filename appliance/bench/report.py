@@ -87,20 +87,25 @@ def _rate_text(rate: Any) -> str:
     return "inf req/s (all at once)" if rate == "inf" else f"{float(rate):.2f} req/s"
 
 
-def write_results(out_dir: Path, results: Sequence[dict[str, Any]], filename: str | None = None) -> list[Path]:
+def write_results(out_dir: Path, results: Sequence[dict[str, Any]], filename: str | None = None,
+                  append: bool = False) -> list[Path]:
     """result.json (or `filename`) for one run; with several policies one result-<label>.json each and
-    comparison.json (the first's metrics and every other's ratio to it)."""
+    comparison.json (the first's metrics and every other's ratio to it). `append`: each result is added to its
+    file as one more line of JSON, as vLLM's --append-result does."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if len(results) == 1:
-        path = out_dir / (filename or "result.json")
+
+    def write(path: Path, result: dict[str, Any]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results[0], indent=2))
-        return [path]
-    paths = []
-    for r in results:
-        path = out_dir / f"result-{slug(str(r['label']))}.json"
-        path.write_text(json.dumps(r, indent=2))
-        paths.append(path)
+        if not append:
+            path.write_text(json.dumps(result, indent=2))
+            return path
+        with path.open("a+", encoding="utf-8") as f:
+            f.write(("\n" if f.tell() else "") + json.dumps(result))
+        return path
+
+    if len(results) == 1:
+        return [write(out_dir / (filename or "result.json"), results[0])]
+    paths = [write(out_dir / f"result-{slug(str(r['label']))}.json", r) for r in results]
     base = results[0]
     numeric = [k for k, v in base.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     comparison = {"baseline": base["label"], "policies": [r["label"] for r in results],

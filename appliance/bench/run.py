@@ -71,6 +71,9 @@ class BenchOptions:
     percentile_metrics: tuple[str, ...] = METRIC_NAMES
     result_dir: Path | None = None
     result_filename: str | None = None  # the result JSON's name for a single run (default result.json)
+    append_result: bool = False         # add each result JSON to its file as a line (vLLM's --append-result)
+    label: str | None = None            # the results' label, before the policy's
+    metadata: dict[str, str] = field(default_factory=dict)  # KEY=VALUE pairs written into each result JSON
     save_detailed: bool = False
     save_steps: bool = False            # --in-process: the replay's step and prefill-launch logs in its JSON
     spread_ties: bool = False           # spread requests sharing a timestamp over the gap to the next one
@@ -148,7 +151,7 @@ class Session:
     def __init__(self, opts: BenchOptions, policy: str | None = None, router: str | None = None) -> None:
         self.opts, self.policy, self.router = opts, policy, router
         routed = router and f"router {router}"
-        self.label = (" ".join(x for x in (policy, routed) if x)
+        self.label = (" ".join(x for x in (opts.label, policy, routed) if x)
                       or ("in-process" if opts.in_process else (opts.url or "muxd")))
         self.loop = asyncio.new_event_loop()
         self.server: ServerProcess | None = None
@@ -264,7 +267,7 @@ class Session:
             "trace": str(opts.trace) if opts.trace else "synthetic", "num_prompts": len(specs),
             "request_rate": _rate_value(requested), "offered_rate": _rate_value(wl.offered_rate(specs)),
             "speedup": opts.speedup, "burstiness": opts.burstiness,
-            "max_concurrency": opts.max_concurrency,
+            "max_concurrency": opts.max_concurrency, **opts.metadata,
         }
         out.update(summarize(result.timelines, result.duration, opts.slo, specs, opts.percentiles,
                              opts.save_detailed, opts.percentile_metrics))

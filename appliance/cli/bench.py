@@ -110,7 +110,7 @@ def _run_bench(ctx: typer.Context, opts: BenchOptions) -> None:
             runs[session.label] = result.timelines
     report.print_results(console(), results)
     if opts.result_dir is not None:
-        paths = report.write_results(opts.result_dir, results, opts.result_filename)
+        paths = report.write_results(opts.result_dir, results, opts.result_filename, opts.append_result)
         paths += plots.latency_cdfs(runs, opts.result_dir, _targets(opts))
         console().print("wrote " + ", ".join(str(p) for p in paths))
 

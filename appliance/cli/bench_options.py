@@ -148,6 +148,14 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "result_filename": (Annotated[Optional[str], typer.Option(help="File name of the result JSON of a single run "
                                                                    "(default: result.json).", rich_help_panel=_O)],
                         None),
+    "append_result": (Annotated[bool, typer.Option("--append-result", help="vLLM's: add the result JSON to the file "
+                                                                           "as one more line instead of replacing "
+                                                                           "it.", rich_help_panel=_O)], False),
+    "label": (Annotated[Optional[str], typer.Option(help="vLLM's: the results' label (before the policy's, with "
+                                                         "--policies).", rich_help_panel=_O)], None),
+    "metadata": (Annotated[Optional[list[str]], typer.Option(help="vLLM's: KEY=VALUE pairs written into the result "
+                                                                  "JSON (after one flag as in vLLM, or repeat the "
+                                                                  "flag).", rich_help_panel=_O)], None),
     "save_detailed": (Annotated[bool, typer.Option("--save-detailed", help="Add per-request arrays to the JSON "
                                                                            "(ttfts, itls, input/output lens).",
                                                    rich_help_panel=_O)], False),
@@ -214,27 +222,38 @@ COMMON: dict[str, tuple[Any, Any]] = {
 }
 
 
-_PAIR = re.compile(r"\w+:[-+.\w]*")
+_LISTS = {"--goodput": re.compile(r"\w+:[-+.\w]*"),  # vLLM's flags taking several values after one flag
+          "--metadata": re.compile(r"[^-=\s][^=\s]*=\S*")}
 
 
-def fold_goodput(args: list[str]) -> list[str]:
-    """vLLM's `--goodput ttft:MS tpot:MS` (several pairs after one flag) as one `--goodput` per pair."""
+def fold_lists(args: list[str]) -> list[str]:
+    """vLLM's `--goodput ttft:MS tpot:MS` and `--metadata K=V K2=V2` (several values after one flag) as one flag per
+    value."""
     out: list[str] = []
-    take = 0  # 2: the next word is --goodput's value; 1: later KEY:MS words are more pairs
+    flag, take = "", 0  # take 2: the next word is the flag's value; 1: later words of its form are more values
     for arg in args:
-        if take == 1 and _PAIR.fullmatch(arg):
-            out += ["--goodput", arg]
+        if take == 1 and _LISTS[flag].fullmatch(arg):
+            out += [flag, arg]
             continue
-        take = 2 if arg == "--goodput" else (1 if take == 2 or arg.startswith("--goodput=") else 0)
+        name = arg.split("=", 1)[0]
+        if arg in _LISTS:
+            flag, take = arg, 2
+        elif take == 2:
+            take = 1
+        elif name in _LISTS:  # --flag=VALUE
+            flag, take = name, 1
+        else:
+            take = 0
         out.append(arg)
     return out
 
 
 class BenchGroup(TyperGroup):
-    """The `muxd bench` group: takes vLLM's `--goodput` form before typer parses (for `sweep` too)."""
+    """The `muxd bench` group: takes vLLM's `--goodput` and `--metadata` forms before typer parses (for `sweep`
+    too)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, fold_goodput(args))
+        return super().parse_args(ctx, fold_lists(args))
 
 
 def _profiled_gpu(profile: Path | None) -> str | None:
@@ -321,6 +340,13 @@ def _options(**kw: Any) -> BenchOptions:
         kw["result_dir"] = Path(".")
     if kw["result_filename"] is not None and not kw["result_filename"].strip():
         raise ConfigError("--result-filename is empty; give a file name")
+    pairs = [item.split("=", 1) for item in kw.pop("metadata") or []]
+    bad = [k for k, *v in pairs if not v or not k.strip()]
+    if bad:
+        raise ConfigError(f"--metadata takes KEY=VALUE pairs, got {bad[0]!r}")
+    kw["metadata"] = {k.strip(): v.strip() for k, v in pairs}
+    if kw["append_result"] and kw["result_dir"] is None:
+        raise ConfigError("--append-result adds to a result file: give --save-result or --result-dir")
     kw["percentile_metrics"] = _metric_names(kw["percentile_metrics"])
     if kw["max_concurrency"] is not None and kw["max_concurrency"] < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")

@@ -67,6 +67,25 @@ def test_vllm_sampling_backend_and_sharegpt_flags(fake, tmp_path):
         assert refused.exit_code == 2 and message in refused.output, refused.output
 
 
+def test_label_metadata_and_appended_results(fake, tmp_path):
+    """vLLM's --label, --metadata K=V K2=V2 (several after one flag) and --append-result (one JSON a line)."""
+    args = ["--url", fake.url, "--tokenizer", "embedded", "--num-prompts", "2", "--input-len", "8", "--output-len",
+            "2", "--request-rate", "inf", "--label", "nightly", "--metadata", "version=0.3", "tp=1",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "runs.json", "--append-result"]
+    for _ in range(2):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+    lines = (tmp_path / "runs.json").read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        saved = json.loads(line)
+        assert (saved["label"], saved["version"], saved["tp"], saved["completed"]) == ("nightly", "0.3", "1", 2)
+    for bad, message in ((["--metadata", "=x"], "--metadata takes KEY=VALUE pairs"),
+                         (["--append-result"], "--append-result adds to a result file")):
+        refused = invoke("--url", "http://127.0.0.1:9", "--tokenizer", "embedded", *bad)
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+
+
 class _Silent(http.server.BaseHTTPRequestHandler):
     """Lists a model, then never answers a completion (a wedged server, or another service on the port)."""
 
