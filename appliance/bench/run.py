@@ -73,6 +73,7 @@ class BenchOptions:
     result_filename: str | None = None  # the result JSON's name for a single run (default result.json)
     append_result: bool = False         # add each result JSON to its file as a line (vLLM's --append-result)
     label: str | None = None            # the results' label, before the policy's
+    num_warmups: int = 0                # requests sent before each replay, not counted
     metadata: dict[str, str] = field(default_factory=dict)  # KEY=VALUE pairs written into each result JSON
     save_detailed: bool = False
     save_steps: bool = False            # --in-process: the replay's step and prefill-launch logs in its JSON
@@ -209,6 +210,8 @@ class Session:
                on_done: Callable[[RequestTimeline], None] | None = None) -> ReplayResult:
         assert self.target is not None, "use the session as a context manager"
         self.loop.run_until_complete(self._check(prompts[0]))
+        if self.opts.num_warmups:
+            self.loop.run_until_complete(self._warm_up(specs, prompts))
         self._gc_before = gc_pauses.recorder().snapshot() if self.engine is not None else None
         self._cpu = [self._cpu_now()] if self.engine is not None else []
         self._steps = None
@@ -252,6 +255,18 @@ class Session:
         if timeline.error or not timeline.token_times:
             raise ConfigError(f"{self.label}: the test request failed ({timeline.error or 'no token came back'}); "
                               "check --url, --endpoint, --served-model-name")
+
+    async def _warm_up(self, specs: list[RequestSpec], prompts: list[str | list[int]]) -> None:
+        """vLLM's --num-warmups: that many of the workload's first requests (in turn), all at once, before the
+        replay; their latencies are not counted."""
+        n = self.opts.num_warmups
+        timelines = [RequestTimeline(arrival=0.0) for _ in range(n)]
+        await asyncio.gather(*(self.target.send(prompts[i % len(specs)], specs[i % len(specs)], t)
+                               for i, t in enumerate(timelines)), return_exceptions=True)
+        failed = [t.error for t in timelines if t.error or not t.token_times]
+        if failed:
+            raise ConfigError(f"{self.label}: {len(failed)} of {n} warm-up requests failed "
+                              f"({failed[0] or 'no token came back'})")
 
     def summarize(self, result: ReplayResult, specs: list[RequestSpec], notes: list[str],
                   rate: float | None = None) -> dict[str, Any]:

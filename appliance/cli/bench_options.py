@@ -118,6 +118,9 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                     rich_help_panel=_T)], None),
     "min_p": (Annotated[Optional[float], typer.Option(help="min_p sent with every request (vLLM's).",
                                                       rich_help_panel=_T)], None),
+    "num_warmups": (Annotated[int, typer.Option(help="vLLM's: send this many of the workload's first requests, all "
+                                                     "at once, before each replay (not counted).",
+                                                rich_help_panel=_T)], 0),
     "max_concurrency": (Annotated[Optional[int], typer.Option(help="Requests in flight at most (latency then "
                                                                    "counts from the send).",
                                                               rich_help_panel=_T)], None),
@@ -348,6 +351,8 @@ def _options(**kw: Any) -> BenchOptions:
     if kw["append_result"] and kw["result_dir"] is None:
         raise ConfigError("--append-result adds to a result file: give --save-result or --result-dir")
     kw["percentile_metrics"] = _metric_names(kw["percentile_metrics"])
+    if kw["num_warmups"] < 0:
+        raise ConfigError(f"--num-warmups must be >= 0, got {kw['num_warmups']}")
     if kw["max_concurrency"] is not None and kw["max_concurrency"] < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {kw['max_concurrency']}")
     if kw["request_timeout"] is not None and not kw["request_timeout"] > 0:

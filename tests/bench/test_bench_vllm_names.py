@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from appliance.bench import run
 from appliance.cli.main import app
+from appliance.errors import ConfigError
+from appliance.workload.traces import RequestSpec
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 AZURE = str(DATA / "azure_code_2023_head200.csv")
@@ -80,7 +82,11 @@ def test_label_metadata_and_appended_results(fake, tmp_path):
     for line in lines:
         saved = json.loads(line)
         assert (saved["label"], saved["version"], saved["tp"], saved["completed"]) == ("nightly", "0.3", "1", 2)
+    warmed = invoke(*args[:-1], "--num-warmups", "3")  # (without --append-result: the file is replaced)
+    assert warmed.exit_code == 0, warmed.output
+    assert json.loads((tmp_path / "runs.json").read_text())["completed"] == 2  # warm-ups are not counted
     for bad, message in ((["--metadata", "=x"], "--metadata takes KEY=VALUE pairs"),
+                         (["--num-warmups", "-1"], "--num-warmups must be >= 0"),
                          (["--append-result"], "--append-result adds to a result file")):
         refused = invoke("--url", "http://127.0.0.1:9", "--tokenizer", "embedded", *bad)
         assert refused.exit_code == 2 and message in refused.output, refused.output
@@ -176,3 +182,31 @@ def test_vllm_flags_whose_behaviour_is_fixed_here_are_accepted(fake, tmp_path):
                     "--output-len", "3", "--ignore-eos", "--disable-tqdm", "--result-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "result.json").read_text())["total_output_tokens"] == 6
+
+
+class _CountingTarget:
+    """Answers every request with one token, or fails the ones past `ok`."""
+
+    def __init__(self, ok: int) -> None:
+        self.sent, self.ok = [], ok
+
+    async def send(self, prompt, spec, timeline):
+        self.sent.append((prompt, spec.output_len))
+        if len(self.sent) > self.ok:
+            timeline.error = "refused"
+        else:
+            timeline.token_times.append(0.0)
+
+
+def test_warm_ups_send_the_first_requests_at_once_and_fail_clearly():
+    specs = [RequestSpec(0.0, 4, n) for n in (3, 5)]
+    session = run.Session(run.BenchOptions(num_warmups=3))
+    try:
+        session.target = _CountingTarget(ok=3)
+        session.loop.run_until_complete(session._warm_up(specs, ["a", "b"]))
+        assert session.target.sent == [("a", 3), ("b", 5), ("a", 3)]
+        session.target = _CountingTarget(ok=1)
+        with pytest.raises(ConfigError, match="2 of 3 warm-up requests failed"):
+            session.loop.run_until_complete(session._warm_up(specs, ["a", "b"]))
+    finally:
+        session.loop.close()
