@@ -261,9 +261,11 @@ class Session:
         replay; their latencies are not counted."""
         n = self.opts.num_warmups
         timelines = [RequestTimeline(arrival=0.0) for _ in range(n)]
-        await asyncio.gather(*(self.target.send(prompts[i % len(specs)], specs[i % len(specs)], t)
-                               for i, t in enumerate(timelines)), return_exceptions=True)
-        failed = [t.error for t in timelines if t.error or not t.token_times]
+        raised = await asyncio.gather(*(self.target.send(prompts[i % len(specs)], specs[i % len(specs)], t)
+                                        for i, t in enumerate(timelines)), return_exceptions=True)
+        failed = [f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else t.error
+                  for t, exc in zip(timelines, raised)
+                  if isinstance(exc, BaseException) or t.error or not t.token_times]
         if failed:
             raise ConfigError(f"{self.label}: {len(failed)} of {n} warm-up requests failed "
                               f"({failed[0] or 'no token came back'})")

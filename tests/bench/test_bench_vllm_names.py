@@ -185,13 +185,15 @@ def test_vllm_flags_whose_behaviour_is_fixed_here_are_accepted(fake, tmp_path):
 
 
 class _CountingTarget:
-    """Answers every request with one token, or fails the ones past `ok`."""
+    """Answers the first `ok` requests with one token, refuses the next one and raises on the rest."""
 
     def __init__(self, ok: int) -> None:
         self.sent, self.ok = [], ok
 
     async def send(self, prompt, spec, timeline):
         self.sent.append((prompt, spec.output_len))
+        if len(self.sent) > self.ok + 1:
+            raise RuntimeError("connection reset")
         if len(self.sent) > self.ok:
             timeline.error = "refused"
         else:
@@ -206,7 +208,10 @@ def test_warm_ups_send_the_first_requests_at_once_and_fail_clearly():
         session.loop.run_until_complete(session._warm_up(specs, ["a", "b"]))
         assert session.target.sent == [("a", 3), ("b", 5), ("a", 3)]
         session.target = _CountingTarget(ok=1)
-        with pytest.raises(ConfigError, match="2 of 3 warm-up requests failed"):
+        with pytest.raises(ConfigError, match=r"2 of 3 warm-up requests failed \(refused\)"):
+            session.loop.run_until_complete(session._warm_up(specs, ["a", "b"]))
+        session.target = _CountingTarget(ok=-1)  # every send raises
+        with pytest.raises(ConfigError, match=r"3 of 3 warm-up requests failed \(RuntimeError: connection reset\)"):
             session.loop.run_until_complete(session._warm_up(specs, ["a", "b"]))
     finally:
         session.loop.close()
