@@ -307,18 +307,17 @@ def _options(**kw: Any) -> BenchOptions:
         raise ConfigError("--cluster-args configures the muxd cluster that --routers starts; give --routers")
     if kw["serve_args"] and kw["url"]:
         raise ConfigError("--serve-args configures the muxd serve that bench starts (or --in-process), not --url")
-    backend = kw.pop("backend")
+    given, backend = kw["endpoint"], kw.pop("backend")
+    endpoint = {path: name for name, path in ENDPOINTS.items()}.get(given, given)
     if backend is not None:
         if backend not in BACKENDS:
             raise ConfigError(f"--backend {backend!r} is not served by muxd bench; give one of "
                               f"{', '.join(BACKENDS)} (any OpenAI-compatible server)")
-        endpoint = {path: name for name, path in ENDPOINTS.items()}.get(kw["endpoint"], kw["endpoint"])
         if endpoint is not None and endpoint != BACKENDS[backend]:
-            raise ConfigError(f"--backend {backend} sends to the {BACKENDS[backend]} endpoint; --endpoint "
-                              f"{kw['endpoint']} names the other one")
-        kw["endpoint"] = BACKENDS[backend]
-    kw["endpoint"] = kw["endpoint"] or "completions"
-    kw["endpoint"] = {path: name for name, path in ENDPOINTS.items()}.get(kw["endpoint"], kw["endpoint"])
+            raise ConfigError(f"--backend {backend} sends to the {BACKENDS[backend]} endpoint; --endpoint {given} "
+                              "names the other one")
+        endpoint = BACKENDS[backend]
+    kw["endpoint"] = endpoint or "completions"
     if kw["endpoint"] not in ENDPOINTS:
         raise ConfigError(f"--endpoint must be completions or chat (vLLM's {' or '.join(ENDPOINTS.values())}), "
                           f"got {kw['endpoint']!r}")

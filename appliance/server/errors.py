@@ -133,7 +133,7 @@ def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
     only 'Not Found')."""
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+        allowed = (exc.headers or {}).get("Allow")  # (Starlette's 405 names the path's methods)
         message = f"{where}: the method is not allowed on this path" + (f" (allowed: {allowed})" if allowed else "")
         return error_response(405, message, "invalid_request_error", code="method_not_allowed",
                               headers=exc.headers)
