@@ -198,6 +198,10 @@ class _Builder:
             executor.capture(self.graph_sizes)
             self.startup["graph_capture_s"] = time.perf_counter() - start
             self.startup["graph_memory_bytes"] = executor.graph_memory_bytes()
+            if executor.one_row_graphs:  # partitions whose one row pads to the two-row graph, and their timings
+                self.startup["one_row_padded"] = [name for name, c in executor.one_row_graphs.items() if c["padded"]]
+                self.startup["one_row_ms"] = {name: [c["one_row_ms"], c["two_row_ms"]]
+                                              for name, c in executor.one_row_graphs.items()}
         if predictor is not None and executor.multiplexed:
             predictor.decode_partitions = [p.decode_sms for p in partitions.splits]
         graph_rows = self.graph_rows = self._prefill_graph_rows(executor.runner)

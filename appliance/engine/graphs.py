@@ -6,7 +6,8 @@ persistent buffers; each size has its own attention backend whose decode wrapper
 runs on the host before a replay, only `run()` is captured. Padded rows read and write the KV cache's scratch page.
 An input id may be a placeholder for a token the previous step sampled and the host has not read: the graph takes it
 from the runner's token buffer (engine/launched.py), so a step can be launched before the previous one's tokens are
-on the host.
+on the host. After capture, a partition's set times its one-row graph (the single-token graph, tiled for all SMs)
+against its two-row graph and lets one row pad to two where that runs faster (small partitions).
 """
 from __future__ import annotations
 
@@ -177,3 +178,40 @@ class DecodeGraphs:
     def replay(self, size: int) -> None:
         """Replay size's graph on its last inputs and plan (for timing the device work alone)."""
         self._graphs[size][0].replay()
+
+    @torch.inference_mode()
+    def replay_ms(self, size: int, replays: int = 5, rounds: int = 3) -> float:
+        """Device milliseconds of one replay of size's graph on its stream, queued back to back: the least mean over
+        `rounds` of `replays` replays (on its last inputs: the capture's padding rows, unless a step ran since)."""
+        stream = self.stream or torch.cuda.current_stream()
+        best = float("inf")
+        with torch.cuda.stream(stream):
+            self.replay(size)  # queued first, so that the timed replays start behind work already on the device
+            for _ in range(rounds):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(replays):
+                    self.replay(size)
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / replays)
+        return best
+
+    def choose_one_row_graph(self) -> dict[str, float | bool] | None:
+        """One row replays the single-token graph (engine/compile.py), whose kernels are tiled for all of the GPU's
+        SMs; on a partition of a few SMs the two-row graph (cuBLASLt's products) can run a row faster (an H200's
+        16-SM partition: 23 ms a step against 12). Time both and let one row pad to two rows where that is faster.
+        Returns the two timings and the choice (None without both sizes)."""
+        if 1 not in self._graphs or 2 not in self._graphs:
+            return None
+        one, two = self.replay_ms(1), self.replay_ms(2)
+        if two < one:
+            self.pad_one_row()
+        return {"one_row_ms": round(one, 3), "two_row_ms": round(two, 3), "padded": two < one}
+
+    def pad_one_row(self) -> None:
+        """One row replays the two-row graph from now on (its second row padding); the one-row graph is dropped."""
+        if 2 not in self._graphs:
+            raise RuntimeError("one row pads to the two-row graph, and this set has none")
+        self.sizes = [s for s in self.sizes if s != 1]
+        self._graphs.pop(1, None)

@@ -34,6 +34,7 @@ class _Phases(Executor):
     def __init__(self, runner: ModelRunner, partitions: PartitionSet | None = None) -> None:
         super().__init__(runner, partitions)
         self.serial_prefills = True
+        self.choose_one_row = False  # every rank replays the graph of the same size
 
     def _launch_prefill(self, *args: Any, **kwargs: Any) -> None:
         with phase("prefill"):

@@ -110,3 +110,38 @@ def test_multiplexed_outputs_equal_serial_with_switches_preemption_and_abort(cop
         assert len(used) == (decode_sms if name == "decode" else prefill_sms), (name, decode_sms, prefill_sms)
         checked += 1
     assert checked >= 4
+
+
+
+def test_one_row_graph_choice_and_padded_rows_keep_outputs(copy_model):
+    """Each partition's one-row graph was timed against its two-row graph at capture and the faster kept; one row
+    padded to two rows, decoding on every split partition beside a prefill, gives the same greedy tokens as one row
+    alone, and frees every page."""
+    ref = engine(copy_model, policy="serial", multiplex=False)
+    mux = engine(copy_model, policy="layerwise", multiplex=True)
+    names = {p.name for p in mux.partitions.partitions}
+    assert set(mux.executor.one_row_graphs) == names
+    for name, choice in mux.executor.one_row_graphs.items():
+        assert choice["one_row_ms"] > 0 and choice["two_row_ms"] > 0
+        assert mux.executor._graphs[name].padded_size(1) == (2 if choice["padded"] else 1)
+    assert mux.startup["one_row_padded"] == [n for n, c in mux.executor.one_row_graphs.items() if c["padded"]]
+    for name in names:  # as where the single-token graph ran slower
+        mux.executor._graphs[name].pad_one_row()
+        assert mux.executor._graphs[name].padded_size(1) == 2
+    mux.scheduler.planner = ShortFirstLayerwise([p.decode_sms for p in mux.partitions.splits])
+    decoder = periodic_prompt(3, 37)
+    fillers = [periodic_prompt(20 + i, 50) for i in range(16)]  # one prompt after another beside the decoding row
+    first_only = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    expected = ref.generate([decoder] + fillers, [GREEDY] + [first_only] * len(fillers))
+    replays = {p.name: mux.executor._graphs[p.name].replays for p in mux.partitions.splits}
+    outputs: dict[str, list[int]] = {}
+    steps = stepper(mux, outputs)
+    ids = [mux.add_request(decoder, GREEDY)]
+    steps(2)  # its prefill, a layer a step
+    for prompt in fillers:
+        ids.append(mux.add_request(prompt, first_only))
+        steps(2)
+    steps()
+    assert [outputs[rid] for rid in ids] == [c.token_ids for c in expected]
+    assert all(mux.executor._graphs[name].replays > n for name, n in replays.items()), replays
+    assert mux.pool.num_free_pages == mux.pool.num_pages
