@@ -73,7 +73,7 @@ class Executor:
         self._prefill_graphs: dict[str, PrefillGraphs] = {}  # per partition, all at the same row counts
         self.serial_prefills = False  # each prefill launch after the previous one, whichever streams they run on
         self.overlaps = True  # a step's tokens may be read after the next step is launched (see Engine.step)
-        # time each partition's one-row graph against its two-row graph at capture and keep the faster (off where
+        # time each split's one-row graph against its two-row graph at capture and keep the faster (off where
         # ranks must replay the same graphs: a choice made by one rank's timings could differ from another's)
         self.choose_one_row = True
         self.one_row_graphs: dict[str, dict[str, float | bool]] = {}  # partition -> the timings and the choice
@@ -146,7 +146,7 @@ class Executor:
             if graphs is not None:
                 graphs.capture()
                 self._graphs[p.name] = graphs
-                if self.choose_one_row:
+                if self.choose_one_row and p is not self.partitions.full:  # (all SMs: the graph its tiles are for)
                     choice = graphs.choose_one_row_graph()
                     if choice is not None:
                         self.one_row_graphs[p.name] = choice

@@ -6,8 +6,8 @@ persistent buffers; each size has its own attention backend whose decode wrapper
 runs on the host before a replay, only `run()` is captured. Padded rows read and write the KV cache's scratch page.
 An input id may be a placeholder for a token the previous step sampled and the host has not read: the graph takes it
 from the runner's token buffer (engine/launched.py), so a step can be launched before the previous one's tokens are
-on the host. After capture, a partition's set times its one-row graph (the single-token graph, tiled for all SMs)
-against its two-row graph and lets one row pad to two where that runs faster (small partitions).
+on the host. After capture, a split partition's set times its one-row graph (the single-token graph, tiled for all
+SMs) against its two-row graph and lets one row pad to two where that runs faster.
 """
 from __future__ import annotations
 

@@ -114,13 +114,14 @@ def test_multiplexed_outputs_equal_serial_with_switches_preemption_and_abort(cop
 
 
 def test_one_row_graph_choice_and_padded_rows_keep_outputs(copy_model):
-    """Each partition's one-row graph was timed against its two-row graph at capture and the faster kept; one row
+    """Each split's one-row graph was timed against its two-row graph at capture and the faster kept; one row
     padded to two rows, decoding on every split partition beside a prefill, gives the same greedy tokens as one row
     alone, and frees every page."""
     ref = engine(copy_model, policy="serial", multiplex=False)
     mux = engine(copy_model, policy="layerwise", multiplex=True)
     names = {p.name for p in mux.partitions.partitions}
-    assert set(mux.executor.one_row_graphs) == names
+    assert set(mux.executor.one_row_graphs) == {p.name for p in mux.partitions.splits}
+    assert mux.executor._graphs[mux.partitions.full.name].padded_size(1) == 1
     for name, choice in mux.executor.one_row_graphs.items():
         assert choice["one_row_ms"] > 0 and choice["two_row_ms"] > 0
         assert mux.executor._graphs[name].padded_size(1) == (2 if choice["padded"] else 1)
