@@ -1,6 +1,6 @@
 """The multiplex executor on the GPU: each phase's kernels run on its partition's SMs; greedy outputs with prefill and
 decode concurrent, partition switches, a preemption between layers and an abort mid-prefill equal serial execution
-token for token; no page is lost."""
+token for token; one row padded to the two-row graph on a split does too; no page is lost."""
 from __future__ import annotations
 
 import itertools
@@ -110,7 +110,6 @@ def test_multiplexed_outputs_equal_serial_with_switches_preemption_and_abort(cop
         assert len(used) == (decode_sms if name == "decode" else prefill_sms), (name, decode_sms, prefill_sms)
         checked += 1
     assert checked >= 4
-
 
 
 def test_one_row_graph_choice_and_padded_rows_keep_outputs(copy_model):
