@@ -46,14 +46,25 @@ def _calibration(traces: List[str], rates: List[float], requests: List[int]) -> 
             raise ConfigError(f"{name} is given {len(values)} times for {len(traces)} calibration traces: give it "
                               "once, or once per --calibrate-trace")
     for path in traces:
-        if not Path(path).is_file():  # found out now, not after the grid
-            raise ConfigError(f"--calibrate-trace {path}: no such file")
+        if path not in wl.PRESETS and not Path(path).is_file():  # found out now, not after the grid
+            raise ConfigError(f"--calibrate-trace {path}: no such file (nor a named workload: "
+                              f"{', '.join(wl.PRESETS)})")
     runs = [(path, rates[i % len(rates)], requests[i % len(requests)]) for i, path in enumerate(traces)]
     bad = [(rate, n) for _, rate, n in runs if rate <= 0 or n < 1]
     if bad:
         raise ConfigError(f"--calibrate-rate must be > 0 and --calibrate-requests >= 1, got {bad[0][0]:g} and "
                           f"{bad[0][1]}")
     return runs
+
+
+def calibration_requests(path: str, n: int, trace_format: str = "auto") -> list:
+    """The requests of one calibration replay: a trace's first n, or n of a named synthetic workload (`chat-short`:
+    Poisson arrivals, re-timed to the replay's rate)."""
+    if path in wl.PRESETS:
+        prompt, output = wl.preset(path)
+        return wl.synthetic(n, 1.0, wl.LengthDist.parse(prompt, "--calibrate-trace"),
+                            wl.LengthDist.parse(output, "--calibrate-trace"))
+    return wl.select(load_trace(path, trace_format), max_requests=n)
 
 
 def profile_command(app: typer.Typer) -> None:
@@ -100,7 +111,8 @@ def profile_command(app: typer.Typer) -> None:
                                                                "trace's first; default 200). Once per "
                                                                "--calibrate-trace, or once for all."),
         calibrate_trace: Optional[List[str]] = typer.Option(None, help="Trace the calibration replays (default: "
-                                                            "--trace). Repeat it to calibrate on several workloads "
+                                                            "--trace), or a named synthetic workload (chat-short). "
+                                                            "Repeat it to calibrate on several workloads "
                                                             "(short and long prompts: the split's slowdown is "
                                                             "fitted over the spans they reach)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
@@ -174,8 +186,8 @@ def profile_command(app: typer.Typer) -> None:
                 workloads = []
                 for path, rate, n in calibration:
                     console.print(f"calibrating: {n} requests of {path} at {rate:g}/s ...")
-                    workloads.append((wl.select(load_trace(path, trace_format if path == trace else "auto"),
-                                                max_requests=n), rate))
+                    workloads.append((calibration_requests(path, n, trace_format if path == trace else "auto"),
+                                      rate))
                 predictor = result.profile.predictor(engine.model.config.num_layers, "profile")
                 factors, steps, prefills = calibrate_serving(engine, workloads, predictor)
                 logs = [out.with_name(f"{out.name}.calibration-{kind}.json") for kind in ("steps", "prefills")]

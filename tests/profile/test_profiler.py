@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 import appliance.profile.calibrate as calibrate
 import appliance.profile.profiler as profiler
 from appliance.cli.main import app
+from appliance.cli.profile import _calibration, calibration_requests
 from appliance.config import Config
 from appliance.engine.compile import cache_dir
 from appliance.engine.factory import build_engine
@@ -315,11 +316,12 @@ def test_profile_command_calibrates_on_another_trace(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, [
         "profile", "--out", str(out), "--device", "cpu", "--no-progress", "--budget-minutes", "3",
         "--trace", str(DATA / "mooncake_conversation_head200.jsonl"),
-        "--calibrate-trace", str(DATA / "azure_code_2023_head200.csv"), "--calibrate-rate", "20",
-        "--calibrate-requests", "8", "--max-model-len", "2048", "--max-num-batched-tokens", "512",
-        "--max-num-seqs", "8", "--holdout", "0", "--seed", "3"])
+        "--calibrate-trace", str(DATA / "azure_code_2023_head200.csv"), "--calibrate-trace", "chat-short",
+        "--calibrate-rate", "20", "--calibrate-requests", "8", "--max-model-len", "2048",
+        "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--holdout", "0", "--seed", "3"])
     assert result.exit_code == 0, result.output
     assert "calibrating: 8 requests of" in result.output and "serving factors" in result.output
+    assert "calibrating: 8 requests of chat-short at 20/s" in result.output  # a named workload, no file
     saved = json.loads(out.read_text())
     # on the CPU the short points are measured again when the budget leaves time (a busy machine may leave none);
     # either way the output says what happened
@@ -338,6 +340,16 @@ def test_profile_command_calibrates_on_another_trace(tmp_path, monkeypatch):
                                      "--from-prefills", str(prefills), "--write-serving", str(again)])
     assert refit.exit_code == 0, refit.output
     assert json.loads(again.read_text())["serving"] == pytest.approx(saved["serving"])
+
+
+def test_a_calibration_replays_a_trace_file_or_a_named_workload():
+    chat = calibration_requests("chat-short", 60)
+    assert len(chat) == 60 and 400 < float(np.median([s.prompt_len for s in chat])) < 2500
+    assert calibration_requests("chat-short", 60) == chat  # seeded: every profile calibrates on the same requests
+    assert len(calibration_requests(str(DATA / "azure_code_2023_head200.csv"), 7)) == 7
+    assert _calibration(["chat-short"], [2.0], [60]) == [("chat-short", 2.0, 60)]
+    with pytest.raises(ConfigError, match="no-such.csv: no such file .*chat-short"):
+        _calibration(["no-such.csv"], [1.0], [10])
 
 
 def test_a_profile_whose_repeated_runs_disagree_is_called_noisy(tmp_path):
