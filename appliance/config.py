@@ -780,12 +780,25 @@ class VllmFlags:
     allowed_local_media_path: Optional[str] = flag(None, "Accepted: muxd serves text-only models, and a request "
                                                    "with media is refused whatever this says.", hidden=True)
     allowed_media_domains: Optional[list[str]] = flag(None, "Accepted: as --allowed-local-media-path.", hidden=True)
+    calculate_kv_scales: bool = flag(False, "Accepted: the KV cache keeps the model's dtype (no fp8 scales to "
+                                     "calculate).", hidden=True)
+    use_tqdm_on_load: bool = flag(True, "Accepted: muxd reads the weights without a progress bar.", hidden=True)
+    ignore_patterns: Optional[list[str]] = flag(None, "Accepted: muxd downloads nothing and reads the model "
+                                                "directory's top-level safetensors.", hidden=True)
+    model_loader_extra_config: Optional[str] = flag(None, "Only unset or {}: muxd's loader takes no options.",
+                                                    hidden=True)
+    tokenizer_pool_size: int = flag(0, "Only 0: muxd tokenizes in its own process.", hidden=True)
+    logits_processor_pattern: Optional[str] = flag(None, "Accepted: requests name no logits processors in muxd "
+                                                   "(there are none to allow).", hidden=True)
+    collect_detailed_traces: Optional[list[str]] = flag(None, "Only unset: muxd exports no OpenTelemetry traces.",
+                                                        hidden=True)
     log_config_file: Optional[str] = flag(None, "A logging configuration (JSON, Python's logging.config.dictConfig "
                                           "schema) for muxd's and the HTTP server's loggers, as vLLM's.",
                                           hidden=True)
 
     def __post_init__(self) -> None:
-        for name in ("lora_modules", "middleware", "logits_processors", "allowed_media_domains"):
+        for name in ("lora_modules", "middleware", "logits_processors", "allowed_media_domains", "ignore_patterns",
+                     "collect_detailed_traces"):
             if not getattr(self, name):  # (none given on the command line: an empty list or tuple)
                 object.__setattr__(self, name, None)
         if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
@@ -913,6 +926,12 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
                                     "parsers"),
     "headless": ((False,), "muxd has no multi-node data parallelism (each replica serves its own API; --replicas N "
                            "spreads them over a Ray cluster); leave it out"),
+    "model_loader_extra_config": ((None, "{}", ""), "muxd's loader takes no options (it reads the model directory's "
+                                                    "safetensors as they are); leave it out"),
+    "tokenizer_pool_size": ((0,), "muxd tokenizes in its own process (vLLM's tokenizer pools are gone from it too); "
+                                  "leave it out"),
+    "collect_detailed_traces": ((None,), "muxd exports no OpenTelemetry traces (requests and steps are at /metrics "
+                                         "and /debug/timeline); leave it out"),
 }
 PREFIX_HASH_ALGOS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
 

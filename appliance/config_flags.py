@@ -23,7 +23,7 @@ from appliance.errors import ConfigError
 
 # serve flags that take several values, as vLLM's nargs="+" ones
 SEVERAL = ("--served-model-name", "--cudagraph-capture-sizes", "--cuda-graph-sizes", "--lora-modules",
-           "--logits-processors", "--allowed-media-domains")
+           "--logits-processors", "--allowed-media-domains", "--ignore-patterns", "--collect-detailed-traces")
 
 
 def spread(args: list[str]) -> list[str]:

@@ -134,6 +134,9 @@ def test_generate_chat_mode(text_checkpoint):
     (["--logits-processors", "a.B", "c.D"], "--logits-processors a.B c.D: muxd runs no custom logits processors"),
     (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "muxd has no KV transfer between instances"),
     (["--kv-events-config", "{}"], "muxd publishes no KV cache events"),
+    (["--model-loader-extra-config", '{"concurrency": 4}'], "muxd's loader takes no options"),
+    (["--tokenizer-pool-size", "4"], "--tokenizer-pool-size 4: muxd tokenizes in its own process"),
+    (["--collect-detailed-traces", "model", "worker"], "--collect-detailed-traces model worker: muxd exports no"),
     (["--tool-parser-plugin", "plugin.py"], "muxd loads no tool parser plugins"),
     (["--prefix-caching-hash-algo", "md5"], "--prefix-caching-hash-algo must be one of builtin, sha256"),
     (["--scheduling-policy", "priority"], "--scheduling-policy priority: muxd admits requests in arrival order"),
@@ -265,8 +268,11 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--log-error-stack", "--hf-overrides", '{"max_position_embeddings": 1024}',
                                "--rope-theta", "1e6", "--prefix-caching-hash-algo", "xxhash",
                                "--allowed-local-media-path", "/srv/media", "--allowed-media-domains", "example.com",
-                               "example.org"]).exit_code == 0
+                               "example.org", "--calculate-kv-scales", "--use-tqdm-on-load", "--ignore-patterns",
+                               "original/**/*", "*.pt", "--model-loader-extra-config", "{}", "--tokenizer-pool-size",
+                               "0", "--logits-processor-pattern", "my_pkg\\..*"]).exit_code == 0
     more = seen["cfg"]
+    assert more.vllm.ignore_patterns == ["original/**/*", "*.pt"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),
             more.vllm.enable_server_load_tracking, more.model.config_overrides()) == (
         "flashinfer", "1000000", {"enable_thinking": False}, True,
