@@ -24,9 +24,10 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from appliance.bench.ceilings import Ceilings, measure_ceilings, time_cuda_queued
+from appliance.bench.ceilings import Ceilings, measure_ceilings
 from appliance.bench.kernel_roles import RoleRow, by_role, weight_floors
 from appliance.config import Config
+from appliance.engine.cuda_timing import time_cuda_queued
 from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
 from appliance.engine.plan import PrefillWork, StepPlan

@@ -23,6 +23,7 @@ import torch
 from appliance.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context, page_layout
 from appliance.attention.pinned import PinnedRing
 from appliance.engine.batch import HostBatch, resolve
+from appliance.engine.cuda_timing import time_cuda_queued
 from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.llama import DecoderForCausalLM
 
@@ -181,21 +182,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def replay_ms(self, size: int, replays: int = 5, rounds: int = 3) -> float:
-        """Device milliseconds of one replay of size's graph on its stream, queued back to back: the least mean over
-        `rounds` of `replays` replays (on its last inputs: the capture's padding rows, unless a step ran since)."""
-        stream = self.stream or torch.cuda.current_stream()
-        best = float("inf")
-        with torch.cuda.stream(stream):
-            self.replay(size)  # queued first, so that the timed replays start behind work already on the device
-            for _ in range(rounds):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(replays):
-                    self.replay(size)
-                end.record()
-                end.synchronize()
-                best = min(best, start.elapsed_time(end) / replays)
-        return best
+        """Device milliseconds of one replay of size's graph on its stream, queued back to back (`time_cuda_queued`:
+        the least mean over `rounds` of `replays` replays), on its last inputs: the capture's padding rows, unless a
+        step ran since."""
+        with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
+            return time_cuda_queued(lambda: self.replay(size), iters=replays, rounds=rounds) * 1e3
 
     def choose_one_row_graph(self) -> dict[str, float | bool] | None:
         """One row replays the single-token graph (engine/compile.py), whose kernels are tiled for all of the GPU's
@@ -205,9 +196,10 @@ class DecodeGraphs:
         if 1 not in self._graphs or 2 not in self._graphs:
             return None
         one, two = self.replay_ms(1), self.replay_ms(2)
-        if two < one:
+        padded = two < one
+        if padded:
             self.pad_one_row()
-        return {"one_row_ms": round(one, 3), "two_row_ms": round(two, 3), "padded": two < one}
+        return {"one_row_ms": round(one, 3), "two_row_ms": round(two, 3), "padded": padded}
 
     def pad_one_row(self) -> None:
         """One row replays the two-row graph from now on (its second row padding); the one-row graph is dropped."""
