@@ -34,7 +34,7 @@ COMMON: dict[str, tuple[Any, Any]] = {
     "trace_format": (Annotated[str, typer.Option("--trace-format", "--dataset-name", help=f"auto, "
                                                  f"{', '.join(FORMATS)}; random: a synthetic workload.",
                                                  rich_help_panel=_W)], "auto"),
-    "num_prompts": (Annotated[Optional[int], typer.Option(help="Number of requests: synthetic (default 100), or "
+    "num_prompts": (Annotated[Optional[int], typer.Option(help="Number of requests: synthetic (default 1000), or "
                                                                "the trace's first N (as --max-requests).",
                                                           rich_help_panel=_W)], None),
     "workload": (Annotated[Optional[str], typer.Option(help="A named synthetic workload instead of a trace: "
@@ -44,10 +44,10 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                      rich_help_panel=_W)], None),
     "input_len": (Annotated[str, typer.Option("--input-len", "--random-input-len",
                                               help="Synthetic prompt tokens: N, uniform:LO:HI or "
-                                                   "lognormal:MEDIAN:SIGMA.", rich_help_panel=_W)], "256"),
+                                                   "lognormal:MEDIAN:SIGMA.", rich_help_panel=_W)], "1024"),
     "output_len": (Annotated[str, typer.Option("--output-len", "--random-output-len",
                                                help="Synthetic output tokens (same forms as --input-len).",
-                                               rich_help_panel=_W)], "64"),
+                                               rich_help_panel=_W)], "128"),
     "prefix_len": (Annotated[int, typer.Option(
         "--random-prefix-len", help="vLLM's: a prefix of this many tokens that every synthetic prompt starts with, "
                                     "before its own --input-len tokens.", rich_help_panel=_W)], 0),
@@ -331,7 +331,7 @@ def _options(**kw: Any) -> BenchOptions:
     if kw["trace_format"] != "auto" and kw["trace"] is None:
         raise ConfigError(f"--dataset-name {kw['trace_format']} reads a trace file: give --dataset-path (--trace)")
     if kw["num_prompts"] is None:
-        kw["num_prompts"] = 100
+        kw["num_prompts"] = 1000
     elif kw["num_prompts"] < 1:
         raise ConfigError(f"--num-prompts must be >= 1, got {kw['num_prompts']}")
     elif kw["trace"] is not None:  # vLLM's --num-prompts with a dataset: that many of its requests

@@ -38,6 +38,26 @@ def test_a_trace_format_without_a_file_is_refused():
     assert "--dataset-name sharegpt reads a trace file: give --dataset-path" in result.output
 
 
+def test_the_synthetic_defaults_are_vllms(monkeypatch):
+    """Without lengths or a count, the synthetic workload is vLLM `bench serve`'s random dataset: 1,000 prompts of
+    1,024 tokens, 128 output tokens each."""
+    from appliance.cli import bench as bench_cli
+
+    seen = {}
+
+    def capture(opts):
+        seen["workload"] = real(opts)
+        raise ConfigError("captured")
+
+    real = bench_cli._workload
+    monkeypatch.setattr(bench_cli, "_workload", capture)
+    result = invoke("--url", "http://127.0.0.1:9", "--tokenizer", "embedded", "--dataset-name", "random")
+    assert "captured" in result.output, result.output
+    _, specs = seen["workload"]
+    assert len(specs) == 1000
+    assert {s.prompt_len for s in specs} == {1024} and {s.output_len for s in specs} == {128}
+
+
 def test_num_prompts_limits_a_trace(fake, tmp_path):
     args = ["--url", fake.url, "--tokenizer", "embedded", "--dataset-path", AZURE, "--request-rate", "inf"]
     result = invoke(*args, "--num-prompts", "3", "--result-dir", str(tmp_path))
