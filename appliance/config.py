@@ -24,6 +24,7 @@ import torch
 from appliance.attention import BACKEND_NAMES, DECODE_KERNELS
 from appliance.errors import ApplianceError, ConfigError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
+from appliance.model_zoo.hub_cache import from_cache, local_model_dir
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
 from appliance.model_zoo.tokenizer import (TEMPLATE_VARIABLES, read_sampling_defaults, read_tokenizer_config,
                                            sampling_defaults)
@@ -189,7 +190,7 @@ class ModelSettings:
 
     @property
     def model_dir(self) -> Path:
-        return EMBEDDED_MODEL_DIR if self.model == "embedded" else Path(self.model).expanduser()
+        return EMBEDDED_MODEL_DIR if self.model == "embedded" else local_model_dir(self.model)
 
     @property
     def generation_config_dir(self) -> Path | None:
@@ -224,7 +225,9 @@ class ModelSettings:
         """The names /v1/models lists, the first the model's own."""
         if self.served_model_name:
             return tuple(self.served_model_name)
-        return (EMBEDDED_NAME if self.model == "embedded" else self.model_dir.resolve().name,)
+        if self.model == "embedded":
+            return (EMBEDDED_NAME,)
+        return (self.model,) if from_cache(self.model) else (self.model_dir.resolve().name,)  # a hub id: as vLLM
 
     @property
     def accepted_names(self) -> tuple[str, ...]:

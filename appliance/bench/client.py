@@ -138,8 +138,10 @@ def _error_message(raw: bytes) -> str:
         return raw.decode("utf-8", "replace")[:500]
 
 
-async def probe_server(base_url: str, model: str | None = None, timeout: float = 10.0) -> tuple[str, int | None]:
-    """(served model name, its max_model_len if the server says) from GET /v1/models."""
+async def probe_server(base_url: str, model: str | None = None, timeout: float = 10.0,
+                       prefer: str | None = None) -> tuple[str, int | None]:
+    """(served model name, its max_model_len if the server says) from GET /v1/models: `model` where given, else
+    `prefer` where the server lists it (vLLM's bench sends its --model), else the first listed."""
     url = base_url.rstrip("/") + "/v1/models"
     try:
         async with httpx.AsyncClient(timeout=timeout) as client:
@@ -152,7 +154,7 @@ async def probe_server(base_url: str, model: str | None = None, timeout: float =
     if model is None:
         if not cards:
             raise ApplianceError(f"GET {url} lists no model; pass --served-model-name")
-        card = cards[0]
+        card = next((c for c in cards if prefer is not None and c.get("id") == prefer), cards[0])
     else:
         card = next((c for c in cards if c.get("id") == model), {"id": model})
     max_len = card.get("max_model_len")

@@ -14,13 +14,14 @@ from typing import Any, Callable
 from appliance.bench.client import HttpTarget, InProcessTarget, ReplayResult, probe_server, replay
 from appliance.bench.launcher import ServerProcess
 from appliance.bench.prompts import PromptSynth
-from appliance.config import EMBEDDED_MODEL_DIR, Config
+from appliance.config import EMBEDDED_MODEL_DIR, EMBEDDED_NAME, Config
 from appliance.config_flags import parse_serve_args
 from appliance.engine import gc_pauses
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
 from appliance.engine.steplog import StepLog, log_predictor
 from appliance.errors import ConfigError
+from appliance.model_zoo.hub_cache import local_model_dir, not_found
 from appliance.slo.attainment import evaluate
 from appliance.slo.contract import Contract
 from appliance.workload import shaping as wl
@@ -37,9 +38,9 @@ class BenchOptions:
 
     trace: Path | None = None           # None: synthetic
     trace_format: str = "auto"
-    num_prompts: int = 100              # synthetic
-    input_len: str = "256"
-    output_len: str = "64"
+    num_prompts: int = 1000             # synthetic (vLLM bench serve's random dataset: 1,000 x 1,024 in, 128 out)
+    input_len: str = "1024"
+    output_len: str = "128"
     prefix_len: int = 0                 # synthetic: tokens of one prompt prefix every request shares
     window: tuple[float, float] | None = None
     skip: int = 0
@@ -93,7 +94,9 @@ class BenchOptions:
 
 
 def model_dir(name: str) -> Path:
-    return EMBEDDED_MODEL_DIR if name == "embedded" else Path(name).expanduser()
+    """A model named as `muxd serve` takes it ('embedded', a directory, a hub id in the local Hugging Face cache);
+    with --url also by muxd's name for its embedded model."""
+    return EMBEDDED_MODEL_DIR if name in ("embedded", EMBEDDED_NAME) else local_model_dir(name)
 
 
 def prompt_synth(opts: BenchOptions) -> PromptSynth | None:
@@ -102,9 +105,10 @@ def prompt_synth(opts: BenchOptions) -> PromptSynth | None:
     source = opts.tokenizer or opts.model or (None if opts.url else "embedded")
     if source is None:
         return None
-    if source == opts.model and opts.tokenizer is None and not model_dir(source).is_dir():
-        raise ConfigError(f"--model {source}: no such model directory; --model is the model muxd serves (with --url, "
-                          "the tokenizer's directory), the name sent to a server is --served-model-name")
+    if not model_dir(source).is_dir():
+        flag = "--tokenizer" if source == opts.tokenizer else "--model"
+        raise ConfigError(f"{flag} {not_found(source)}; --model is the model muxd serves (with --url, the model "
+                          "asked for and, without --tokenizer, the tokenizer's source)")
     return PromptSynth.from_model_dir(model_dir(source), seed=opts.seed)
 
 
@@ -190,7 +194,7 @@ class Session:
                                         opts.result_dir, self.router, opts.cluster_args)
             await asyncio.to_thread(self.server.__enter__)
             url = self.server.url
-        self.model_id, self.max_model_len = await probe_server(url, opts.served_model_name)
+        self.model_id, self.max_model_len = await probe_server(url, opts.served_model_name, prefer=opts.model)
         self.target = HttpTarget(url, self.model_id, opts.endpoint, opts.temperature, extra_body=opts.sampling,
                                  label=self.label)
 

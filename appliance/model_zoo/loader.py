@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from appliance.errors import ModelLoadError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
+from appliance.model_zoo.hub_cache import local_model_dir, not_found
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.parallel import Target
 
@@ -41,9 +42,10 @@ class _SkipInit(TorchFunctionMode):
 
 
 def resolve_model_dir(path: str | Path) -> Path:
-    path = Path(path).expanduser()
+    """A model's directory: `path`, or a hub id's snapshot in the local Hugging Face cache (hub_cache)."""
+    path = local_model_dir(str(path))
     if not path.exists():
-        raise ModelLoadError(f"{path}: model directory not found")
+        raise ModelLoadError(not_found(str(path)))
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory (expected a Hugging Face model directory with config.json)")
     return path

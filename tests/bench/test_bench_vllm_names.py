@@ -189,11 +189,15 @@ def test_endpoint_takes_vllm_paths(fake, tmp_path):
     assert result.exit_code == 2 and "/v1/chat/completions" in result.output, result.output
 
 
-def test_model_as_vllm_means_it_is_named_in_the_error():
-    """vLLM's --model is the served name; here it is the model directory, so a name that is none says so."""
+def test_model_as_vllm_takes_a_name_muxd_can_find_a_tokenizer_for(monkeypatch, tmp_path):
+    """vLLM's --model is the model asked for and the tokenizer's source: muxd's embedded model by its served name is
+    taken (the replay then finds no server here); an id neither local nor cached is named, with the cache."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     result = invoke("--url", "http://127.0.0.1:9", "--model", "muxd-embedded", "--num-prompts", "2")
+    assert result.exit_code == 2 and "cannot reach http://127.0.0.1:9" in result.output, result.output
+    result = invoke("--url", "http://127.0.0.1:9", "--model", "acme/absent", "--num-prompts", "2")
     assert result.exit_code == 2, result.output
-    assert "--model muxd-embedded" in result.output and "--served-model-name" in result.output
+    assert "--model acme/absent: no such model directory" in result.output and str(tmp_path) in result.output
 
 
 def test_vllm_flags_whose_behaviour_is_fixed_here_are_accepted(fake, tmp_path):

@@ -1,0 +1,63 @@
+"""Where a model named by its Hugging Face id lies on this machine: the local Hugging Face cache that vLLM and
+`huggingface-cli download` fill (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), read the
+way the hub library reads it offline. muxd downloads nothing; an id not in the cache stays unresolved."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the hub spells repository ids
+
+
+def cache_root() -> Path:
+    """The hub cache directory the environment names (the hub library's order), whether or not it exists."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def is_model_id(name: str) -> bool:
+    """Whether `name` reads as a hub id (owner/name) rather than a path."""
+    return bool(_MODEL_ID.match(name)) and ".." not in name
+
+
+def cached_snapshot(model_id: str, revision: str = "main") -> Path | None:
+    """The cached snapshot directory of `model_id` at `revision` (a branch the cache has a ref for, or a commit);
+    without a ref for it, the only snapshot the cache holds. None when the cache holds none of it."""
+    repo = cache_root() / f"models--{model_id.replace('/', '--')}"
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / revision
+    if ref.is_file():
+        snapshot = snapshots / ref.read_text().strip()
+    elif (snapshots / revision).is_dir():
+        snapshot = snapshots / revision
+    else:
+        found = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
+        snapshot = found[0] if len(found) == 1 else None
+    return snapshot if snapshot is not None and snapshot.is_dir() else None
+
+
+def local_model_dir(name: str) -> Path:
+    """`name` as a path where it exists; else, for a hub id, its cached snapshot where the cache has one; else the
+    path (whose absence the loader reports)."""
+    path = Path(name).expanduser()
+    if not path.exists() and is_model_id(name):
+        return cached_snapshot(name) or path
+    return path
+
+
+def from_cache(name: str) -> bool:
+    """Whether `name` resolves to a cached snapshot (a hub id, not a local path)."""
+    return local_model_dir(name) != Path(name).expanduser()
+
+
+def not_found(name: str) -> str:
+    """What to say of a model `name` that is neither a directory nor cached."""
+    if is_model_id(name):
+        return (f"{name}: no such model directory, and the Hugging Face cache ({cache_root()}) holds no snapshot of "
+                "it; muxd downloads nothing: fetch it first (`huggingface-cli download " + name + "`) or give a "
+                "directory")
+    return f"{name}: model directory not found"
