@@ -22,9 +22,9 @@ from typing import Any, Optional
 import torch
 
 from appliance.attention import BACKEND_NAMES, DECODE_KERNELS
-from appliance.errors import ApplianceError, ConfigError
+from appliance.errors import ApplianceError, ConfigError, ModelLoadError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
-from appliance.model_zoo.hub_cache import from_cache, local_model_dir
+from appliance.model_zoo.hub_cache import from_cache, is_model_id, local_model_dir, not_found
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
 from appliance.model_zoo.tokenizer import (TEMPLATE_VARIABLES, read_sampling_defaults, read_tokenizer_config,
                                            sampling_defaults)
@@ -96,13 +96,20 @@ def at_least(group: Any, minimum: float, *names: str) -> None:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    model: str = flag("embedded", "Hugging Face model directory (config.json, safetensors, tokenizer.json), or "
-                      "'embedded' for the small model shipped inside muxd.", "-m")
+    model: str = flag("embedded", "Hugging Face model directory (config.json, safetensors, tokenizer.json), a "
+                      "Hugging Face id whose snapshot is in the local Hugging Face cache (nothing is downloaded), "
+                      "or 'embedded' for the small model shipped inside muxd.", "-m")
     served_model_name: Optional[list[str]] = flag(None, "Model name clients send in 'model' (default: the "
-                                                  "directory name, or muxd-embedded); several names, as vLLM's "
+                                                  "directory name, the id, or muxd-embedded); several names, as vLLM's "
                                                   "`--served-model-name a b`, are aliases: /v1/models lists them "
                                                   "all, a response names the one its request sent, metrics the "
                                                   "first.")
+    revision: Optional[str] = flag(None, "With a Hugging Face id: the revision to serve from the local Hugging Face "
+                                   "cache (a branch or tag the cache has a ref for, or a commit; default main). "
+                                   "muxd downloads nothing.")
+    download_dir: Optional[str] = flag(None, "With a Hugging Face id: the Hugging Face cache to find it in (default "
+                                       "$HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub), as vLLM's "
+                                       "--download-dir. muxd downloads nothing.")
     dtype: str = flag("auto", "Weights and KV dtype: auto (checkpoint's on GPU, float32 on CPU), bfloat16, "
                       "float16, float32.")
     load_format: str = flag("auto", "auto/safetensors reads the weights; dummy draws random ones of the right "
@@ -178,6 +185,10 @@ class ModelSettings:
             object.__setattr__(self, "served_model_name", names or None)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.revision is not None and (not is_model_id(self.model) or Path(self.model).expanduser().exists()):
+            raise ConfigError(f"--revision {self.revision}: muxd serves the model directory as it is and downloads "
+                              "nothing; a revision is read from the local Hugging Face cache only for a model given "
+                              "by its id (owner/name)")
         self.template_defaults()  # (refuses what is not a JSON object of variables the request may set)
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
             raise ConfigError(f"--generation-config must be auto, vllm or a directory holding a "
@@ -190,7 +201,15 @@ class ModelSettings:
 
     @property
     def model_dir(self) -> Path:
-        return EMBEDDED_MODEL_DIR if self.model == "embedded" else local_model_dir(self.model)
+        """The model's directory: 'embedded', a path, or a hub id's snapshot in the local Hugging Face cache (at
+        --revision, in --download-dir); an id not cached stays as given (the loader says it is missing)."""
+        if self.model == "embedded":
+            return EMBEDDED_MODEL_DIR
+        return local_model_dir(self.model, self.revision, self.download_dir)
+
+    def missing(self) -> str:
+        """What to say when the model directory does not exist."""
+        return not_found(self.model, self.revision, self.download_dir)
 
     @property
     def generation_config_dir(self) -> Path | None:
@@ -227,7 +246,9 @@ class ModelSettings:
             return tuple(self.served_model_name)
         if self.model == "embedded":
             return (EMBEDDED_NAME,)
-        return (self.model,) if from_cache(self.model) else (self.model_dir.resolve().name,)  # a hub id: as vLLM
+        if from_cache(self.model, self.revision, self.download_dir):
+            return (self.model,)  # a hub id: as vLLM names it
+        return (self.model_dir.resolve().name,)
 
     @property
     def accepted_names(self) -> tuple[str, ...]:
@@ -693,10 +714,6 @@ class VllmFlags:
     enable_log_requests: bool = flag(False, "Only off: muxd does not log requests.", hidden=True)
     tokenizer_mode: str = flag("auto", "Only auto or hf: muxd runs the fast tokenizer of tokenizer.json.",
                                hidden=True)
-    revision: Optional[str] = flag(None, "Only unset: muxd serves a model directory as it is, never downloads.",
-                                   hidden=True)
-    download_dir: Optional[str] = flag(None, "Accepted: muxd downloads nothing (the model is a directory).",
-                                       hidden=True)
     enable_request_id_headers: bool = flag(False, "Every response carries an X-Request-Id header: the request's "
                                            "own, else a new one.", hidden=True)
     return_tokens_as_token_ids: bool = flag(False, "Log-probabilities name tokens 'token_id:<id>' unless a request "
@@ -877,8 +894,6 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "tokenizer_mode": (TOKENIZER_MODES, "muxd runs the model directory's fast tokenizer (tokenizer.json), which is "
                                         "vLLM's auto (and hf); it has no slow, mistral or custom tokenizer; give auto "
                                         "or leave it out"),
-    "revision": ((None,), "muxd serves the model directory as it is and downloads nothing; fetch that revision into "
-                          "a directory (huggingface-cli download MODEL --revision REV --local-dir DIR) and serve DIR"),
     "scheduling_policy": (("fcfs",), "muxd admits requests in arrival order (--policy plans each step); it has no "
                                      "priority scheduling; give fcfs or leave it out"),
     "preemption_mode": ((None, "recompute"), "muxd preempts by recomputing a request's KV, it never swaps; give "
@@ -1047,6 +1062,8 @@ class Config:
         if self.runtime.multiplex and not device.startswith("cuda"):
             raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
+        if not self.model.model_dir.exists():
+            raise ModelLoadError(self.model.missing())
         path = resolve_model_dir(self.model.model_dir)
         cfg = ModelConfig.from_file(path / "config.json", self.model.config_overrides()).sharded(tp)
         cfg.check_max_model_len(self.model_len(cfg))

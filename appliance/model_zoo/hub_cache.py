@@ -10,8 +10,11 @@ from pathlib import Path
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the hub spells repository ids
 
 
-def cache_root() -> Path:
-    """The hub cache directory the environment names (the hub library's order), whether or not it exists."""
+def cache_root(cache_dir: str | None = None) -> Path:
+    """`cache_dir` where given (vLLM's --download-dir), else the hub cache directory the environment names (the hub
+    library's order), whether or not it exists."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
             return Path(os.environ[var]).expanduser()
@@ -24,40 +27,42 @@ def is_model_id(name: str) -> bool:
     return bool(_MODEL_ID.match(name)) and ".." not in name
 
 
-def cached_snapshot(model_id: str, revision: str = "main") -> Path | None:
-    """The cached snapshot directory of `model_id` at `revision` (a branch the cache has a ref for, or a commit);
-    without a ref for it, the only snapshot the cache holds. None when the cache holds none of it."""
-    repo = cache_root() / f"models--{model_id.replace('/', '--')}"
+def cached_snapshot(model_id: str, revision: str | None = None, cache_dir: str | None = None) -> Path | None:
+    """The cached snapshot directory of `model_id` at `revision` (a branch or tag the cache has a ref for, or a
+    commit); with no revision asked for, main's, or without a ref for main the only snapshot the cache holds. None
+    when the cache holds none of it."""
+    repo = cache_root(cache_dir) / f"models--{model_id.replace('/', '--')}"
     snapshots = repo / "snapshots"
-    ref = repo / "refs" / revision
+    ref = repo / "refs" / (revision or "main")
     if ref.is_file():
         snapshot = snapshots / ref.read_text().strip()
-    elif (snapshots / revision).is_dir():
-        snapshot = snapshots / revision
+    elif revision:
+        snapshot = snapshots / revision  # a commit
     else:
         found = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
         snapshot = found[0] if len(found) == 1 else None
     return snapshot if snapshot is not None and snapshot.is_dir() else None
 
 
-def local_model_dir(name: str) -> Path:
-    """`name` as a path where it exists; else, for a hub id, its cached snapshot where the cache has one; else the
-    path (whose absence the loader reports)."""
+def local_model_dir(name: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """`name` as a path where it exists; else, for a hub id, its cached snapshot (at `revision`, in `cache_dir`)
+    where the cache has one; else the path (whose absence the loader reports)."""
     path = Path(name).expanduser()
     if not path.exists() and is_model_id(name):
-        return cached_snapshot(name) or path
+        return cached_snapshot(name, revision, cache_dir) or path
     return path
 
 
-def from_cache(name: str) -> bool:
+def from_cache(name: str, revision: str | None = None, cache_dir: str | None = None) -> bool:
     """Whether `name` resolves to a cached snapshot (a hub id, not a local path)."""
-    return local_model_dir(name) != Path(name).expanduser()
+    return local_model_dir(name, revision, cache_dir) != Path(name).expanduser()
 
 
-def not_found(name: str) -> str:
-    """What to say of a model `name` that is neither a directory nor cached."""
+def not_found(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """What to say of a model `name` that is neither a directory nor cached (at `revision`, in `cache_dir`)."""
     if is_model_id(name):
-        return (f"{name}: no such model directory, and the Hugging Face cache ({cache_root()}) holds no snapshot of "
-                "it; muxd downloads nothing: fetch it first (`huggingface-cli download " + name + "`) or give a "
-                "directory")
+        at = f" at revision {revision}" if revision else ""
+        fetch = f"huggingface-cli download {name}" + (f" --revision {revision}" if revision else "")
+        return (f"{name}: no such model directory, and the Hugging Face cache ({cache_root(cache_dir)}) holds no "
+                f"snapshot of it{at}; muxd downloads nothing: fetch it first (`{fetch}`) or give a directory")
     return f"{name}: model directory not found"

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from appliance.errors import ModelLoadError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
-from appliance.model_zoo.hub_cache import local_model_dir, not_found
+from appliance.model_zoo.hub_cache import not_found
 from appliance.model_zoo.llama import DecoderForCausalLM
 from appliance.model_zoo.parallel import Target
 
@@ -42,8 +42,8 @@ class _SkipInit(TorchFunctionMode):
 
 
 def resolve_model_dir(path: str | Path) -> Path:
-    """A model's directory: `path`, or a hub id's snapshot in the local Hugging Face cache (hub_cache)."""
-    path = local_model_dir(str(path))
+    """A model's directory, which must exist (ModelSettings.model_dir finds a hub id's snapshot in the cache)."""
+    path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(not_found(str(path)))
     if not path.is_dir():

@@ -95,6 +95,27 @@ def test_an_id_not_in_the_cache_names_the_cache(cache):
         resolve_model_dir("./no/such/dir")
 
 
+def test_revision_and_download_dir_pick_the_snapshot(cache, tmp_path, monkeypatch):
+    """vLLM's --revision (a ref the cache holds, or a commit) and --download-dir (the cache to look in)."""
+    main = cache_model(cache, "acme/tiny", "aaaa")
+    (cache / "models--acme--tiny" / "refs" / "v2").write_text("bbbb")
+    shutil.copytree(main, cache / "models--acme--tiny" / "snapshots" / "bbbb", symlinks=True)
+    assert Config.flat(model="acme/tiny").model.model_dir == main
+    v2 = cache / "models--acme--tiny" / "snapshots" / "bbbb"
+    assert Config.flat(model="acme/tiny", revision="v2").model.model_dir == v2
+    assert Config.flat(model="acme/tiny", revision="bbbb").model.model_dir == v2
+    assert Config.flat(model="acme/tiny", revision="v2").model.served_names == ("acme/tiny",)
+    with pytest.raises(ModelLoadError) as err:
+        Config.flat(model="acme/tiny", revision="v9").check()
+    assert "at revision v9" in str(err.value) and "--revision v9" in str(err.value)
+    elsewhere = tmp_path / "elsewhere"
+    other = cache_model(elsewhere, "acme/other", "cccc")
+    assert Config.flat(model="acme/other", download_dir=str(elsewhere)).model.model_dir == other
+    assert not Config.flat(model="acme/other").model.model_dir.exists()
+    with pytest.raises(ConfigError, match="--revision v2: .*only for a model given by its id"):
+        Config.flat(model="embedded", revision="v2")
+
+
 def test_bench_takes_its_tokenizer_from_the_cache_or_muxds_embedded_name(cache):
     cache_model(cache, "acme/tiny")
     url = "http://127.0.0.1:9"
