@@ -31,6 +31,8 @@ def cached_snapshot(model_id: str, revision: str | None = None, cache_dir: str |
     """The cached snapshot directory of `model_id` at `revision` (a branch or tag the cache has a ref for, or a
     commit); with no revision asked for, main's, or without a ref for main the only snapshot the cache holds. None
     when the cache holds none of it."""
+    if revision is not None and (".." in revision or revision.startswith("/")):
+        return None  # a name, never a path out of the cache
     repo = cache_root(cache_dir) / f"models--{model_id.replace('/', '--')}"
     snapshots = repo / "snapshots"
     ref = repo / "refs" / (revision or "main")

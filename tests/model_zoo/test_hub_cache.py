@@ -105,6 +105,7 @@ def test_revision_and_download_dir_pick_the_snapshot(cache, tmp_path, monkeypatc
     assert Config.flat(model="acme/tiny", revision="v2").model.model_dir == v2
     assert Config.flat(model="acme/tiny", revision="bbbb").model.model_dir == v2
     assert Config.flat(model="acme/tiny", revision="v2").model.served_names == ("acme/tiny",)
+    assert hub_cache.cached_snapshot("acme/tiny", "../..") is None
     with pytest.raises(ModelLoadError) as err:
         Config.flat(model="acme/tiny", revision="v9").check()
     assert "at revision v9" in str(err.value) and "--revision v9" in str(err.value)
