@@ -82,15 +82,20 @@ COMMON: dict[str, tuple[Any, Any]] = {
                                                             "completions).", rich_help_panel=_T)], None),
     "backend": (Annotated[Optional[str], typer.Option(help="vLLM's: vllm or openai (the completions endpoint), "
                                                            "openai-chat (chat).", rich_help_panel=_T)], None),
-    "served_model_name": (Annotated[Optional[str], typer.Option(help="Model name to send (default: the first of "
-                                                                     "GET /v1/models).", rich_help_panel=_T)], None),
-    "model": (Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory (or 'embedded') to serve "
-                                                                          "when muxd bench starts the server; also "
-                                                                          "the tokenizer source.",
+    "served_model_name": (Annotated[Optional[str], typer.Option(help="Model name to send (default: --model where "
+                                                                     "the server lists it, else the first of GET "
+                                                                     "/v1/models).", rich_help_panel=_T)], None),
+    "model": (Annotated[Optional[str], typer.Option("--model", "-m", help="Model directory, Hugging Face id in the "
+                                                                          "local cache, or 'embedded', to serve when "
+                                                                          "muxd bench starts the server; with --url "
+                                                                          "the model asked for (where the server "
+                                                                          "lists it), as vLLM's. Also the tokenizer "
+                                                                          "source.",
                                                     rich_help_panel=_T)], None),
-    "tokenizer": (Annotated[Optional[str], typer.Option(help="Hugging Face directory whose tokenizer builds "
-                                                             "exact-length prompts (needed with --url unless the "
-                                                             "trace records prompt texts).",
+    "tokenizer": (Annotated[Optional[str], typer.Option(help="Hugging Face directory (or id in the local cache) "
+                                                             "whose tokenizer builds exact-length prompts (with "
+                                                             "--url: default --model; needed unless the trace "
+                                                             "records prompt texts).",
                                                         rich_help_panel=_T)], None),
     "policies": (Annotated[Optional[str], typer.Option(help="Comma-separated scheduling policies: start muxd serve "
                                                             "once per policy and compare them.",
