@@ -24,7 +24,7 @@ import torch
 from appliance.attention import BACKEND_NAMES, DECODE_KERNELS
 from appliance.errors import ApplianceError, ConfigError, ModelLoadError
 from appliance.model_zoo.config import ModelConfig, parse_dtype
-from appliance.model_zoo.hub_cache import from_cache, is_model_id, local_model_dir, not_found
+from appliance.model_zoo.hub_cache import is_model_id, local_model_dir, not_found
 from appliance.model_zoo.loader import LOAD_FORMATS, checkpoint_files, resolve_model_dir
 from appliance.model_zoo.tokenizer import (TEMPLATE_VARIABLES, read_sampling_defaults, read_tokenizer_config,
                                            sampling_defaults)
@@ -207,10 +207,6 @@ class ModelSettings:
             return EMBEDDED_MODEL_DIR
         return local_model_dir(self.model, self.revision, self.download_dir)
 
-    def missing(self) -> str:
-        """What to say when the model directory does not exist."""
-        return not_found(self.model, self.revision, self.download_dir)
-
     @property
     def generation_config_dir(self) -> Path | None:
         """Where the sampling defaults come from (--generation-config); None: nowhere."""
@@ -246,9 +242,10 @@ class ModelSettings:
             return tuple(self.served_model_name)
         if self.model == "embedded":
             return (EMBEDDED_NAME,)
-        if from_cache(self.model, self.revision, self.download_dir):
-            return (self.model,)  # a hub id: as vLLM names it
-        return (self.model_dir.resolve().name,)
+        path = self.model_dir
+        if path != Path(self.model).expanduser():
+            return (self.model,)  # a hub id found in the cache: as vLLM names it
+        return (path.resolve().name,)
 
     @property
     def accepted_names(self) -> tuple[str, ...]:
@@ -1063,7 +1060,7 @@ class Config:
             raise ConfigError("--multiplex needs a CUDA device (SM partitions are green contexts of a GPU)")
         self.scheduler.contract  # every problem of the contract, with its line, before the model loads
         if not self.model.model_dir.exists():
-            raise ModelLoadError(self.model.missing())
+            raise ModelLoadError(not_found(self.model.model, self.model.revision, self.model.download_dir))
         path = resolve_model_dir(self.model.model_dir)
         cfg = ModelConfig.from_file(path / "config.json", self.model.config_overrides()).sharded(tp)
         cfg.check_max_model_len(self.model_len(cfg))

@@ -55,11 +55,6 @@ def local_model_dir(name: str, revision: str | None = None, cache_dir: str | Non
     return path
 
 
-def from_cache(name: str, revision: str | None = None, cache_dir: str | None = None) -> bool:
-    """Whether `name` resolves to a cached snapshot (a hub id, not a local path)."""
-    return local_model_dir(name, revision, cache_dir) != Path(name).expanduser()
-
-
 def not_found(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
     """What to say of a model `name` that is neither a directory nor cached (at `revision`, in `cache_dir`)."""
     if is_model_id(name):
