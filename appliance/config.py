@@ -44,6 +44,7 @@ REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # server/reasoning.py read
 ALLOW_LONG_CONTEXT = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's override of the check on --max-model-len
 _LIST_EXAMPLE = """write a JSON list of strings, e.g. '["https://app.example.com"]' or '["*"]'"""
 TOKENIZER_MODES = ("auto", "hf")  # --tokenizer-mode: both are the fast tokenizer of tokenizer.json, muxd's own
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's --logprobs-mode
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ki": 2**10,
@@ -147,6 +148,10 @@ class ModelSettings:
                                                      "--generation-config's defaults (as vLLM's flag), e.g. "
                                                      "'{\"temperature\": 0.5}'; with --generation-config vllm, the "
                                                      "only defaults.")
+    logprobs_mode: str = flag("raw_logprobs", "What logprobs report, as vLLM's flag: raw_logprobs (the model's own "
+                              "distribution, before penalties, biases, masks and temperature), raw_logits, "
+                              "processed_logprobs (the distribution sampled from: after them and the top-k, top-p "
+                              "and min-p cuts) or processed_logits. Prompt logprobs are always raw.")
 
     def config_overrides(self) -> dict[str, Any]:
         """The config.json fields --hf-overrides replaces, with older vLLM's --rope-scaling and --rope-theta among
@@ -193,6 +198,8 @@ class ModelSettings:
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
             raise ConfigError(f"--generation-config must be auto, vllm or a directory holding a "
                               f"generation_config.json, got {self.generation_config!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "--dtype")
         at_least(self, 2, "max_model_len")

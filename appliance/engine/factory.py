@@ -174,6 +174,7 @@ class _Builder:
         scheduler = Scheduler(pool, mcfg.num_layers, planner, sched_cfg.max_num_seqs)
         runner = (ModelRunner if self.group is None else LeaderRunner)(model, kv_cache, rt.attention_backend, max_rows,
                                                                        rt.decode_kernel, rt.decode_blas)
+        runner.logprobs_mode = cfg.model.logprobs_mode
         executor = Executor(runner, partitions) if self.group is None else LeaderExecutor(runner, partitions,
                                                                                           self.group)
         self._capture(executor, predictor)

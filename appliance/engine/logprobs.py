@@ -1,8 +1,11 @@
 """Log-probabilities of sampled and prompt tokens, computed on the device for the rows that ask for them and read
 back to the host only when the engine reports the token (one copy per batch, however many of its rows ask).
 
-The distribution is the one the token was sampled from: the logits after penalties, biases and masks, divided by
-the temperature (greedy rows: by 1); top-k, top-p and min-p cuts are not applied, so alternatives keep finite values.
+What they report is vLLM's `--logprobs-mode` (config.LOGPROBS_MODES): `raw_logprobs` (the default) the model's own
+distribution, before every logits processor (penalties, biases, masks, a grammar's mask) and the temperature;
+`processed_logprobs` the distribution the token was sampled from: after the processors, divided by the temperature
+(greedy rows: by 1) and cut by top-k, top-p and min-p (a cut token's -inf reads -9999.0); the `_logits` modes the
+logits themselves instead of their log-softmax. Prompt tokens pass no processor: their values are always raw.
 """
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ import math
 import torch
 
 from appliance.engine.request import GREEDY_BELOW, Request, SamplingParams, TokenLogprob
+from appliance.engine.sampler import cut_logits
+
+DEFAULT_MODE = "raw_logprobs"
 
 
 class LogprobBatch:
@@ -44,40 +50,66 @@ def scale(params: SamplingParams) -> float:
     return 1.0 if params.temperature < GREEDY_BELOW else params.temperature
 
 
-def logprobs_of(logits: torch.Tensor, ids: torch.Tensor, temperatures: list[float], ks: list[int]) -> LogprobBatch:
-    """logits [R, V] (processed), the tokens whose log-probability is wanted [R], each row's temperature and how
-    many alternatives it wants."""
-    t = torch.tensor(temperatures, dtype=logits.dtype).to(logits.device, non_blocking=True)
-    lp = (logits / t.unsqueeze(1)).log_softmax(dim=-1)
+def logprobs_of(values: torch.Tensor, ids: torch.Tensor, mode: str, ks: list[int]) -> LogprobBatch:
+    """values [R, V] (raw or processed logits, as `mode` says), the tokens whose log-probability is wanted [R] and
+    how many alternatives each row wants."""
+    lp = values.float()
+    if mode.endswith("logprobs"):
+        lp = lp.log_softmax(dim=-1)
     chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
     rank = (lp > chosen.unsqueeze(1)).sum(dim=1) + 1
     k = max(ks, default=0)
     if k:
         top_lps, top_ids = lp.topk(k, dim=-1)
     else:
-        top_lps = top_ids = torch.empty(len(ks), 0, device=logits.device)
+        top_lps = top_ids = torch.empty(len(ks), 0, device=values.device)
     return LogprobBatch(chosen, rank, top_ids, top_lps, ids, ks)
 
 
-def sampled_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: torch.Tensor) -> dict[str, tuple]:
-    """{request id: (batch, row)} for the rows that asked for logprobs (empty when none did)."""
-    rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+def _asking(reqs: list[Request]) -> list[int]:
+    return [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+
+
+def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows).to(device, non_blocking=True)  # (a blocking copy waits for the queue)
+
+
+def raw_rows(logits: torch.Tensor, reqs: list[Request], mode: str = DEFAULT_MODE) -> torch.Tensor | None:
+    """In a raw mode, the logits of the rows that ask for logprobs, copied before the processors change `logits` in
+    place (None in a processed mode, or when no row asks)."""
+    rows = _asking(reqs)
+    if not rows or not mode.startswith("raw"):
+        return None
+    return logits[_rows(rows, logits.device)]  # (indexing by a tensor copies)
+
+
+def sampled_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: torch.Tensor, mode: str = DEFAULT_MODE,
+                     raw: torch.Tensor | None = None) -> dict[str, tuple]:
+    """{request id: (batch, row)} for the rows that asked for logprobs (empty when none did). logits: the batch's
+    after the processors; raw: `raw_rows` of the batch, taken before them (a raw mode)."""
+    rows = _asking(reqs)
     if not rows:
         return {}
-    index = torch.tensor(rows).to(logits.device, non_blocking=True)  # (a blocking copy waits for the queue)
-    batch = logprobs_of(logits[index], tokens[index], [scale(reqs[i].sampling) for i in rows],
-                        [reqs[i].sampling.logprobs for i in rows])
+    index = _rows(rows, logits.device)
+    if mode.startswith("raw"):
+        values = raw if raw is not None else logits[index]
+    else:
+        params = [reqs[i].sampling for i in rows]
+        t = torch.tensor([scale(p) for p in params], dtype=logits.dtype).to(logits.device, non_blocking=True)
+        values = cut_logits(logits[index] / t.unsqueeze(1), params)
+    batch = logprobs_of(values, tokens[index], mode, [reqs[i].sampling.logprobs for i in rows])
     return {reqs[i].request_id: (batch, n) for n, i in enumerate(rows)}
 
 
-def prompt_logprobs(logits: torch.Tensor, request: Request, start: int) -> tuple[int, LogprobBatch] | None:
+def prompt_logprobs(logits: torch.Tensor, request: Request, start: int,
+                    mode: str = DEFAULT_MODE) -> tuple[int, LogprobBatch] | None:
     """Log-probabilities of prompt tokens start+1.. from the logits of rows start.. of the request's prompt
     (`logits` [N, V], row i at prompt position start + i; the last prompt position predicts an output token and is
-    left out). Returns (first position covered, batch)."""
+    left out), raw in every mode (logits in the `_logits` modes). Returns (first position covered, batch)."""
     prompt = request.prompt_token_ids
     n = min(logits.shape[0], len(prompt) - 1 - start)
     if n <= 0:
         return None
     targets = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.long).to(logits.device, non_blocking=True)
     k = request.sampling.prompt_logprobs or 0
-    return start + 1, logprobs_of(logits[:n], targets, [scale(request.sampling)] * n, [k] * n)
+    return start + 1, logprobs_of(logits[:n], targets, mode, [k] * n)

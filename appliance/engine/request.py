@@ -297,8 +297,8 @@ class Request:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log-probability under the distribution it was sampled from (after penalties, biases, masks and
-    temperature), its rank there (1: the most likely) and the `top` alternatives, most likely first."""
+    """A token's log-probability (or logit) as `--logprobs-mode` says (engine/logprobs.py: by default the model's own
+    distribution), its rank there (1: the most likely) and the `top` alternatives, most likely first."""
 
     token_id: int
     logprob: float

@@ -27,7 +27,7 @@ from appliance.engine.graphs import DecodeGraphs, index_capacity
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.launched import TokenBuffer
 from appliance.engine.logits import process_logits
-from appliance.engine.logprobs import LogprobBatch, prompt_logprobs, sampled_logprobs
+from appliance.engine.logprobs import DEFAULT_MODE, LogprobBatch, prompt_logprobs, raw_rows, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.request import Request, SamplingParams, TokenLogprob
@@ -69,6 +69,7 @@ class ModelRunner:
         self.tokens = TokenBuffer(max_rows, self.device)  # the latest step's sampled ids, for the next one's inputs
         self._partials: dict[str, _Partial] = {}
         self._prompt_logprobs: dict[str, list[tuple[int, LogprobBatch]]] = {}
+        self.logprobs_mode = DEFAULT_MODE  # what logprobs report (engine/logprobs.py; --logprobs-mode)
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     def graph_set(self, max_batch: int, stream: torch.cuda.Stream | None = None, pool=None,
@@ -169,9 +170,10 @@ class ModelRunner:
             return torch.empty(0, dtype=torch.long), {}
         reqs = [requests[i] for i in ids]
         counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
+        raw = raw_rows(logits, reqs, self.logprobs_mode)
         logits = process_logits(logits, reqs, counts)
         tokens = sample_tensor(logits, [r.sampling for r in reqs], counts, out)
-        return tokens, sampled_logprobs(logits, reqs, tokens)
+        return tokens, sampled_logprobs(logits, reqs, tokens, self.logprobs_mode, raw)
 
     def take_prompt_logprobs(self, request_id: str, prompt_len: int) -> list[TokenLogprob | None] | None:
         """Its prompt tokens' log-probabilities (None for the first), once its prefill has run every layer."""
@@ -194,7 +196,7 @@ class ModelRunner:
             self._record_prompt_logprobs(r, w, self._logits_at(hidden, residual, np.arange(first, int(last) + 1)))
 
     def _record_prompt_logprobs(self, r: Request, w: PrefillWork, logits: torch.Tensor) -> None:
-        part = prompt_logprobs(logits, r, w.token_start)
+        part = prompt_logprobs(logits, r, w.token_start, self.logprobs_mode)
         if part is not None:
             self._prompt_logprobs.setdefault(r.request_id, []).append(part)
 

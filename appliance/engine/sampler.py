@@ -83,6 +83,29 @@ def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
                     min_p: torch.Tensor) -> torch.Tensor:
     """Softmax after cutting each row to the tokens at least min_p times as likely as its most likely one, to its
     top_k (0: no cut) and to the smallest prefix covering top_p."""
+    sorted_logits, order = _cut(logits, top_k, top_p, min_p)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(dim=-1))
+
+
+def cut_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] (already divided by the temperature) with -inf for the tokens each row's min_p, top_k and top_p
+    cut, as sampling cuts them (greedy rows and rows without a cut keep every token)."""
+    rows = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0)]
+    if not rows:
+        return logits
+    cols = torch.tensor([(params[i].top_p, params[i].top_k if params[i].top_k > 0 else 0, params[i].min_p)
+                         for i in rows], dtype=torch.float64).to(logits.device, non_blocking=True)
+    index = torch.tensor(rows).to(logits.device, non_blocking=True)
+    sorted_logits, order = _cut(logits[index], cols[:, 1].long(), cols[:, 0].float(), cols[:, 2].float())
+    out = logits.clone()
+    out[index] = torch.empty_like(sorted_logits).scatter_(-1, order, sorted_logits)
+    return out
+
+
+def _cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logits sorted high to low with -inf for the tokens min_p, top_k (0: no cut) and top_p cut, and
+    the order they were sorted in."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)  (min_p = 0 cuts nothing: log 0 = -inf)
@@ -94,8 +117,7 @@ def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     sorted_probs = sorted_logits.softmax(dim=-1)
     # drop a token when the tokens ranked above it already cover top_p (the first token always stays)
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(dim=-1))
+    return sorted_logits.masked_fill(drop, float("-inf")), order
 
 
 def uniform_from_key(key_lo: torch.Tensor, key_hi: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from appliance.config import Config
 from appliance.engine.factory import build_engine
 from appliance.engine.logits import process_logits
 from appliance.engine.request import Request, RequestOutput, SamplingParams
-from appliance.errors import RequestError
+from appliance.errors import ConfigError, RequestError
 
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(36)]  # three pages of 16, the last partial
 
@@ -142,10 +142,9 @@ def test_logprobs_match_transformers(llama, temperature):
     tokens = [o.new_token_ids[0] for o in outs]
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT + tokens])).logits[0].float()
-    scale = temperature or 1.0
-    for step, out in enumerate(outs):
+    for step, out in enumerate(outs):  # (the default mode, vLLM's: raw, whatever the temperature)
         [lp] = out.logprobs
-        expected = (ref[len(PROMPT) - 1 + step] / scale).log_softmax(-1)
+        expected = ref[len(PROMPT) - 1 + step].log_softmax(-1)
         assert lp.token_id == tokens[step]
         assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4)
         assert lp.rank == int((expected > expected[lp.token_id]).sum()) + 1
@@ -154,12 +153,48 @@ def test_logprobs_match_transformers(llama, temperature):
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
     prompt_lps = outs[0].prompt_logprobs
     assert len(prompt_lps) == len(PROMPT) and prompt_lps[0] is None
-    expected = (ref[:len(PROMPT) - 1] / scale).log_softmax(-1)
+    expected = ref[:len(PROMPT) - 1].log_softmax(-1)
     for pos in range(1, len(PROMPT)):
         lp = prompt_lps[pos]
         assert lp.token_id == PROMPT[pos] and len(lp.top) == 2
         assert lp.logprob == pytest.approx(expected[pos - 1, PROMPT[pos]].item(), abs=1e-4)
     assert all(o.prompt_logprobs is None for o in outs[1:])
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(llama_checkpoint, mode):
+    """vLLM's --logprobs-mode: raw values ignore the penalties and the temperature; processed ones are those sampled
+    from (penalised, divided by the temperature, top-k cut: a cut token reads -9999.0); prompt values stay raw."""
+    path, hf = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, logprobs_mode=mode))
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_k=5, seed=5, ignore_eos=True, logprobs=8,
+                            prompt_logprobs=1, frequency_penalty=1.5)
+    outs = run(engine, PROMPT, params)
+    tokens = [o.new_token_ids[0] for o in outs]
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + tokens])).logits[0].float()
+    for step, out in enumerate(outs):
+        [lp] = out.logprobs
+        values = ref[len(PROMPT) - 1 + step]
+        if mode.startswith("processed"):
+            values = _reference_penalties(values, PROMPT, tokens[:step], params) / 0.7
+            values = values.masked_fill(values < values.topk(5).values[-1], float("-inf"))
+        if mode.endswith("logprobs"):
+            values = values.log_softmax(-1)
+        assert lp.token_id == tokens[step]
+        assert lp.logprob == pytest.approx(values[lp.token_id].item(), abs=1e-3)
+        assert [t for t, _ in lp.top][:5] == values.topk(5).indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.topk(8).values.clamp(min=-9999.0).tolist(), abs=1e-3)
+    prompt_values = ref[:len(PROMPT) - 1]
+    if mode.endswith("logprobs"):
+        prompt_values = prompt_values.log_softmax(-1)
+    got = [lp.logprob for lp in outs[0].prompt_logprobs[1:]]
+    assert got == pytest.approx([prompt_values[p - 1, PROMPT[p]].item() for p in range(1, len(PROMPT))], abs=1e-3)
+
+
+def test_logprobs_mode_must_be_known():
+    with pytest.raises(ConfigError, match="--logprobs-mode must be one of raw_logprobs, raw_logits"):
+        Config.flat(logprobs_mode="raw")
 
 
 def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_chunking(llama_checkpoint):
