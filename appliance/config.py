@@ -783,6 +783,12 @@ class VllmFlags:
     scheduler_delay_factor: float = flag(0.0, "Only 0: --policy decides when prompts run.", hidden=True)
     tokenizer_revision: Optional[str] = flag(None, "Only unset: muxd downloads nothing.", hidden=True)
     code_revision: Optional[str] = flag(None, "Only unset: muxd runs no code from model directories.", hidden=True)
+    hf_token: Optional[str] = flag(None, "Accepted: muxd downloads nothing (a model id is read from the local "
+                                   "Hugging Face cache).", hidden=True)
+    hf_config_path: Optional[str] = flag(None, "Only unset: muxd reads config.json from the model directory.",
+                                         hidden=True)
+    scheduler_cls: Optional[str] = flag(None, "Only unset or vLLM's own scheduler: --policy plans each step.",
+                                        hidden=True)
     config_format: str = flag("auto", "Only auto or hf: muxd reads config.json.", hidden=True)
     enable_expert_parallel: bool = flag(False, "Only off: muxd serves dense models.", hidden=True)
     max_loras: Optional[int] = flag(None, "Accepted: muxd serves no LoRA adapters (see --enable-lora).", hidden=True)
@@ -933,6 +939,12 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "tokenizer_revision": ((None,), "muxd reads the tokenizer from the model directory and downloads nothing; leave "
                                     "it out"),
     "code_revision": ((None,), "muxd runs no code from model directories and downloads nothing; leave it out"),
+    "hf_config_path": ((None,), "muxd reads config.json from the model directory (--hf-overrides replaces its "
+                                "fields); leave it out"),
+    "scheduler_cls": ((None, "vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler",
+                       "vllm.v1.core.sched.async_scheduler.AsyncScheduler"),
+                      "muxd loads no scheduler class named on its command line; --policy chooses how each step is "
+                      "planned (chunked is vLLM's way)"),
     "config_format": (("auto", "hf"), "muxd reads the model's config.json (Hugging Face's format); give hf or leave it "
                                       "out"),
     "enable_expert_parallel": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without experts; leave "

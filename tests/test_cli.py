@@ -124,6 +124,8 @@ def test_generate_chat_mode(text_checkpoint):
     (["--scheduler-delay-factor", "0.5"], "--scheduler-delay-factor 0.5: --policy decides when prompts run"),
     (["--tokenizer-revision", "main"], "--tokenizer-revision main: muxd reads the tokenizer from the model directory"),
     (["--code-revision", "main"], "--code-revision main: muxd runs no code from model directories"),
+    (["--hf-config-path", "/other/config"], "--hf-config-path /other/config: muxd reads config.json from the model"),
+    (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls my.Scheduler: muxd loads no scheduler class"),
     (["--config-format", "mistral"], "--config-format mistral: muxd reads the model's config.json"),
     (["--enable-expert-parallel"], "--enable-expert-parallel: muxd serves dense models"),
     (["--hf-overrides", "rope_theta=1e6"], "--hf-overrides: cannot read 'rope_theta=1e6' as JSON"),
@@ -270,8 +272,11 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--allowed-local-media-path", "/srv/media", "--allowed-media-domains", "example.com",
                                "example.org", "--calculate-kv-scales", "--use-tqdm-on-load", "--ignore-patterns",
                                "original/**/*", "*.pt", "--model-loader-extra-config", "{}", "--tokenizer-pool-size",
-                               "0", "--logits-processor-pattern", "my_pkg\\..*"]).exit_code == 0
+                               "0", "--logits-processor-pattern", "my_pkg\\..*", "--hf-token", "hf_abc",
+                               "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler", "--logprobs-mode",
+                               "processed_logprobs"]).exit_code == 0
     more = seen["cfg"]
+    assert more.model.logprobs_mode == "processed_logprobs"
     assert more.vllm.ignore_patterns == ["original/**/*", "*.pt"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),
             more.vllm.enable_server_load_tracking, more.model.config_overrides()) == (
