@@ -149,7 +149,8 @@ class ModelSettings:
                                                      "'{\"temperature\": 0.5}'; with --generation-config vllm, the "
                                                      "only defaults.")
     logprobs_mode: str = flag("raw_logprobs", "What logprobs report, as vLLM's flag: raw_logprobs (the model's own "
-                              "distribution, before penalties, biases, masks and temperature), raw_logits, "
+                              "distribution, before penalties, biases, masks and temperature; after a grammar's mask, "
+                              "as vLLM's), raw_logits, "
                               "processed_logprobs (the distribution sampled from: after them and the top-k, top-p "
                               "and min-p cuts) or processed_logits. Prompt logprobs are always raw.")
 

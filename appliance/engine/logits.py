@@ -14,9 +14,11 @@ from appliance.engine.grammar import apply_masks
 from appliance.engine.request import Request
 
 
-def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] | None = None) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] | None = None,
+                   grammar: bool = True) -> torch.Tensor:
     """Apply every request's logits processors to its row of `logits` [B, V] in place; returns `logits`. `counts`:
-    each row's output tokens before the one sampled now (default: the requests' own count)."""
+    each row's output tokens before the one sampled now (default: the requests' own count); grammar=False leaves
+    the grammars' masks out (applied before, `apply_grammars`: every processor keeps a masked token at -inf)."""
     if not any(_processed(r) for r in reqs):  # (most batches: one pass over the rows, not one a processor)
         return logits
     counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
@@ -40,6 +42,11 @@ def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] 
     if blocked:
         rows, cols = zip(*blocked)
         _index_put(logits, rows, cols, float("-inf"))
+    return apply_grammars(logits, reqs) if grammar else logits
+
+
+def apply_grammars(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Keep each constrained request's row of `logits` to the tokens its grammar allows next (in place)."""
     # (a grammar that ended since the row was launched: the request finished, this row's token is dropped; one
     # waiting for the end of thinking masks nothing yet)
     constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and r.matcher.constraining]

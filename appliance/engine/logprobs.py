@@ -2,7 +2,8 @@
 back to the host only when the engine reports the token (one copy per batch, however many of its rows ask).
 
 What they report is vLLM's `--logprobs-mode` (config.LOGPROBS_MODES): `raw_logprobs` (the default) the model's own
-distribution, before every logits processor (penalties, biases, masks, a grammar's mask) and the temperature;
+distribution, before every logits processor (penalties, biases, masks) and the temperature, but, as vLLM's, over
+the tokens a constrained request's grammar allows (its mask comes first);
 `processed_logprobs` the distribution the token was sampled from: after the processors, divided by the temperature
 (greedy rows: by 1) and cut by top-k, top-p and min-p (a cut token's -inf reads -9999.0); the `_logits` modes the
 logits themselves instead of their log-softmax. Prompt tokens pass no processor: their values are always raw.

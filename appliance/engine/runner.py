@@ -26,7 +26,7 @@ from appliance.engine.batch import BatchBuilder, TokenBatch, resolve
 from appliance.engine.graphs import DecodeGraphs, index_capacity
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.launched import TokenBuffer
-from appliance.engine.logits import process_logits
+from appliance.engine.logits import apply_grammars, process_logits
 from appliance.engine.logprobs import DEFAULT_MODE, LogprobBatch, prompt_logprobs, raw_rows, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -170,8 +170,10 @@ class ModelRunner:
             return torch.empty(0, dtype=torch.long), {}
         reqs = [requests[i] for i in ids]
         counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
+        # the grammars' masks first: raw logprobs are over the tokens a grammar allows, as vLLM's
+        logits = apply_grammars(logits, reqs)
         raw = raw_rows(logits, reqs, self.logprobs_mode)
-        logits = process_logits(logits, reqs, counts)
+        logits = process_logits(logits, reqs, counts, grammar=False)
         tokens = sample_tensor(logits, [r.sampling for r in reqs], counts, out)
         return tokens, sampled_logprobs(logits, reqs, tokens, self.logprobs_mode, raw)
 

@@ -3,11 +3,14 @@ bad words, min_p, and log-probabilities (sampled and prompt) checked against a t
 checkpoint."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from appliance.config import Config
 from appliance.engine.factory import build_engine
+from appliance.engine.grammar import GrammarSpec
 from appliance.engine.logits import process_logits
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.errors import ConfigError, RequestError
@@ -190,6 +193,22 @@ def test_logprobs_modes(llama_checkpoint, mode):
         prompt_values = prompt_values.log_softmax(-1)
     got = [lp.logprob for lp in outs[0].prompt_logprobs[1:]]
     assert got == pytest.approx([prompt_values[p - 1, PROMPT[p]].item() for p in range(1, len(PROMPT))], abs=1e-3)
+
+
+def test_raw_logprobs_of_a_constrained_request_are_over_what_its_grammar_allows(text_checkpoint):
+    """As vLLM's: a grammar's mask comes before raw logprobs are taken (a token it forbids reads -9999.0), so they
+    are renormalised over the tokens it allows; the temperature still does not count."""
+    pytest.importorskip("xgrammar")
+    engine = build_engine(Config.flat(model=text_checkpoint, max_model_len=256, num_gpu_blocks_override=64))
+    params = SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=20,
+                            grammar=GrammarSpec("regex", "(yes|no)"))
+    outs = run(engine, "Answer", params)
+    assert "".join(engine.tokenizer.decode([o.new_token_ids[0]]) for o in outs) in ("yes", "no")
+    for out in outs[:-1]:  # (the last is the end of the text, the grammar's only token left)
+        [lp] = out.logprobs
+        allowed = [v for _, v in lp.top if v > -9999.0]
+        assert 0 < len(allowed) < 20 and lp.logprob > -9999.0
+        assert sum(math.exp(v) for v in allowed) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_logprobs_mode_must_be_known():
