@@ -24,8 +24,10 @@ class LogprobBatch:
     """Device results for some rows of one batch; `get(row)` converts the whole batch to the host once."""
 
     def __init__(self, chosen: torch.Tensor, rank: torch.Tensor, top_ids: torch.Tensor, top_lps: torch.Tensor,
-                 ids: torch.Tensor, ks: list[int]) -> None:
-        self._device = (ids, chosen, rank, top_ids, top_lps)
+                 ids: torch.Tensor, ks: list[int], likelihood: torch.Tensor | None = None) -> None:
+        """likelihood: the chosen tokens' log-probabilities where `chosen` holds logits (the `_logits` modes)."""
+        self._device = (ids, chosen, rank, top_ids, top_lps, chosen if likelihood is None else likelihood)
+        self._logits = likelihood is not None
         self._ks = ks
         self._host: list[list] | None = None
 
@@ -33,10 +35,11 @@ class LogprobBatch:
         if self._host is None:
             self._host = [t.tolist() for t in self._device]
             self._device = ()
-        ids, chosen, rank, top_ids, top_lps = self._host
+        ids, chosen, rank, top_ids, top_lps, likelihood = self._host
         k = self._ks[row]
         return TokenLogprob(ids[row], _finite(chosen[row]), rank[row],
-                            tuple((t, _finite(v)) for t, v in zip(top_ids[row][:k], top_lps[row][:k])))
+                            tuple((t, _finite(v)) for t, v in zip(top_ids[row][:k], top_lps[row][:k])),
+                            _finite(likelihood[row]) if self._logits else None)
 
     def __len__(self) -> int:
         return len(self._ks)
@@ -55,8 +58,11 @@ def logprobs_of(values: torch.Tensor, ids: torch.Tensor, mode: str, ks: list[int
     """values [R, V] (raw or processed logits, as `mode` says), the tokens whose log-probability is wanted [R] and
     how many alternatives each row wants."""
     lp = values.float()
+    likelihood = None
     if mode.endswith("logprobs"):
         lp = lp.log_softmax(dim=-1)
+    else:  # (what best_of ranks candidates by: a log-probability, not a logit)
+        likelihood = lp.log_softmax(dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
     chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
     rank = (lp > chosen.unsqueeze(1)).sum(dim=1) + 1
     k = max(ks, default=0)
@@ -64,7 +70,7 @@ def logprobs_of(values: torch.Tensor, ids: torch.Tensor, mode: str, ks: list[int
         top_lps, top_ids = lp.topk(k, dim=-1)
     else:
         top_lps = top_ids = torch.empty(len(ks), 0, device=values.device)
-    return LogprobBatch(chosen, rank, top_ids, top_lps, ids, ks)
+    return LogprobBatch(chosen, rank, top_ids, top_lps, ids, ks, likelihood)
 
 
 def _asking(reqs: list[Request]) -> list[int]:

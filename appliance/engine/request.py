@@ -304,6 +304,12 @@ class TokenLogprob:
     logprob: float
     rank: int
     top: tuple[tuple[int, float], ...] = ()
+    likelihood: float | None = None  # the token's log-probability where `logprob` is a logit (the `_logits` modes)
+
+    @property
+    def log_probability(self) -> float:
+        """The token's log-probability in every mode (best_of ranks candidates by their sum)."""
+        return self.logprob if self.likelihood is None else self.likelihood
 
 
 @dataclass

@@ -51,7 +51,7 @@ def best(choices: list[Choice], n: int, group: int) -> list[Choice]:
     renumbered p * n ...."""
     kept = []
     for start in range(0, len(choices), group):
-        ranked = sorted(choices[start:start + group], key=lambda c: -sum(lp.logprob for lp in c.logprobs))[:n]
+        ranked = sorted(choices[start:start + group], key=lambda c: -sum(lp.log_probability for lp in c.logprobs))[:n]
         for i, c in enumerate(ranked):
             c.index = start // group * n + i
         kept += ranked

@@ -12,7 +12,7 @@ from appliance.config import Config
 from appliance.engine.factory import build_engine
 from appliance.engine.grammar import GrammarSpec
 from appliance.engine.logits import process_logits
-from appliance.engine.request import Request, RequestOutput, SamplingParams
+from appliance.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from appliance.errors import ConfigError, RequestError
 
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(36)]  # three pages of 16, the last partial
@@ -188,6 +188,9 @@ def test_logprobs_modes(llama_checkpoint, mode):
         assert lp.logprob == pytest.approx(values[lp.token_id].item(), abs=1e-3)
         assert [t for t, _ in lp.top][:5] == values.topk(5).indices.tolist()
         assert [v for _, v in lp.top] == pytest.approx(values.topk(8).values.clamp(min=-9999.0).tolist(), abs=1e-3)
+        # a logits mode still carries the token's log-probability, which best_of ranks candidates by
+        expected = values.log_softmax(-1)[lp.token_id].item() if mode.endswith("logits") else lp.logprob
+        assert lp.log_probability == pytest.approx(expected, abs=1e-3)
     prompt_values = ref[:len(PROMPT) - 1]
     if mode.endswith("logprobs"):
         prompt_values = prompt_values.log_softmax(-1)
@@ -209,6 +212,22 @@ def test_raw_logprobs_of_a_constrained_request_are_over_what_its_grammar_allows(
         allowed = [v for _, v in lp.top if v > -9999.0]
         assert 0 < len(allowed) < 20 and lp.logprob > -9999.0
         assert sum(math.exp(v) for v in allowed) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_best_of_ranks_by_log_probability_in_every_mode():
+    from appliance.server.formatting import Choice, best
+
+    def candidates(values):
+        choices = [Choice(i) for i in range(len(values))]
+        for c, (logprob, likelihood) in zip(choices, values):
+            c.logprobs = [TokenLogprob(1, logprob, 1, (), likelihood)] * 2
+        return choices
+
+    # a `_logits` mode: logits that would rank the candidates the other way round
+    ranked = best(candidates([(9.0, -3.0), (5.0, -0.5), (7.0, -1.0)]), 2, 3)
+    assert [c.logprobs[0].likelihood for c in ranked] == [-0.5, -1.0] and [c.index for c in ranked] == [0, 1]
+    ranked = best(candidates([(-3.0, None), (-0.5, None), (-1.0, None)]), 1, 3)  # a logprobs mode
+    assert [c.logprobs[0].logprob for c in ranked] == [-0.5]
 
 
 def test_logprobs_mode_must_be_known():
