@@ -610,6 +610,9 @@ class ServerSettings:
                                  "none.")
     enable_auto_tool_choice: bool = flag(True, "Let the model choose whether to call a tool (tool_choice auto); "
                                          "off: requests with tools and tool_choice auto get HTTP 400.")
+    exclude_tools_when_tool_choice_none: bool = flag(False, "As vLLM's: a request with tool_choice none renders no "
+                                                     "tools into the prompt (by default the chat template gets them, "
+                                                     "as OpenAI's and vLLM's do; the output is never read as calls).")
     allowed_origins: str = flag('["*"]', "CORS: origins browsers may call from, a JSON list (as vLLM's flag).")
     allowed_methods: str = flag('["*"]', "CORS: methods allowed to other origins, a JSON list.")
     allowed_headers: str = flag('["*"]', "CORS: request headers allowed to other origins, a JSON list.")

@@ -274,8 +274,9 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "original/**/*", "*.pt", "--model-loader-extra-config", "{}", "--tokenizer-pool-size",
                                "0", "--logits-processor-pattern", "my_pkg\\..*", "--hf-token", "hf_abc",
                                "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler", "--logprobs-mode",
-                               "processed_logprobs"]).exit_code == 0
+                               "processed_logprobs", "--exclude-tools-when-tool-choice-none"]).exit_code == 0
     more = seen["cfg"]
+    assert more.server.exclude_tools_when_tool_choice_none
     assert more.model.logprobs_mode == "processed_logprobs"
     assert more.vllm.ignore_patterns == ["original/**/*", "*.pt"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),

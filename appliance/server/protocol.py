@@ -630,10 +630,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def active_tools(self) -> ToolsRequest | None:
-        """The tools the template sees and the output may call (none with tool_choice "none")."""
+        """The tools the output may call (none with tool_choice "none")."""
         if not self.tools or (self.tool_choice is not None and self.tool_choice.mode == "none"):
             return None
         return self.tools
+
+    def template_tools(self, exclude_when_none: bool = False) -> ToolsRequest | None:
+        """The tools the chat template sees: every tool given, as OpenAI and vLLM render them, even with tool_choice
+        "none" unless `exclude_when_none` (--exclude-tools-when-tool-choice-none)."""
+        return self.active_tools if exclude_when_none else (self.tools or None)
 
 
 def below_pattern(n: int) -> str:

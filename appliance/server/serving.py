@@ -48,6 +48,7 @@ class OpenAIServing:
         config = engine.engine.config
         self.share_prefill = config.cache.enable_prefix_caching
         self.auto_tools = config.server.enable_auto_tool_choice
+        self.exclude_tools_when_none = config.server.exclude_tools_when_tool_choice_none
         self.tool_parser = detect_parser(self.tokenizer.chat_template if self.tokenizer else None,
                                          config.server.tool_call_parser)
         self.reasoning_parser = config.server.reasoning_parser
@@ -177,10 +178,10 @@ class OpenAIServing:
 
     def _render(self, body: p.ChatCompletionRequest) -> RenderedChat:
         messages = [m.for_template() for m in body.messages]
-        tools = body.active_tools
-        if tools and not (body.tool_choice and body.tool_choice.constrains) and not self.auto_tools:
+        if body.active_tools and not (body.tool_choice and body.tool_choice.constrains) and not self.auto_tools:
             raise RequestError('tool_choice "auto" is off on this server (--no-enable-auto-tool-choice); send '
                                'tool_choice "required" or a named function', "tool_choice")
+        tools = body.template_tools(self.exclude_tools_when_none)
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         return self._tokenizer().render_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
                                              escape_control=self.escape_control,

@@ -348,6 +348,30 @@ def test_continue_final_message_continues_the_last_message(client, server, model
         assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
 
 
+TOOLS_TEMPLATE = ("{% for t in tools or [] %}<tool>{{ t['function']['name'] }}: {{ t['function']['description'] }}"
+                  "</tool>{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_tool_choice_none_renders_the_tools_unless_told_not_to(shared_serve, model_name, exclude):
+    """As OpenAI and vLLM: with tool_choice "none" the chat template still gets the tools (the output is not read as
+    calls); vLLM's --exclude-tools-when-tool-choice-none leaves them out."""
+    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", TOOLS_TEMPLATE,
+                          *(["--exclude-tools-when-tool-choice-none"] if exclude else []))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+
+    def prompt_tokens(**extra) -> int:
+        body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert not response.json()["choices"][0]["message"]["tool_calls"]
+        return response.json()["usage"]["prompt_tokens"]
+
+    plain, auto, none = prompt_tokens(), prompt_tokens(tools=tools), prompt_tokens(tools=tools, tool_choice="none")
+    assert auto > plain and none == (plain if exclude else auto)
+
+
 THINKING = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}<|assistant|>\n"
             "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
             "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}{% endif %}")
