@@ -817,6 +817,24 @@ class VllmFlags:
     calculate_kv_scales: bool = flag(False, "Accepted: the KV cache keeps the model's dtype (no fp8 scales to "
                                      "calculate).", hidden=True)
     use_tqdm_on_load: bool = flag(True, "Accepted: muxd reads the weights without a progress bar.", hidden=True)
+    mm_processor_cache_gb: Optional[float] = flag(None, "Accepted: muxd serves text-only models.", hidden=True)
+    skip_mm_profiling: bool = flag(False, "Accepted: muxd serves text-only models.", hidden=True)
+    mm_encoder_tp_mode: Optional[str] = flag(None, "Accepted: muxd serves text-only models.", hidden=True)
+    disable_hybrid_kv_cache_manager: bool = flag(False, "Accepted: muxd's KV cache is one pool of pages for every "
+                                                 "layer.", hidden=True)
+    safetensors_load_strategy: Optional[str] = flag(None, "Accepted: muxd reads the safetensors its own way.",
+                                                    hidden=True)
+    pt_load_map_location: Optional[str] = flag(None, "Accepted: muxd reads safetensors, never .pt files.",
+                                               hidden=True)
+    kv_sharing_fast_prefill: bool = flag(False, "Only off: muxd's models share no KV cache across layers.",
+                                         hidden=True)
+    enable_eplb: bool = flag(False, "Only off: muxd serves dense models.", hidden=True)
+    enable_elastic_ep: bool = flag(False, "Only off: muxd serves dense models.", hidden=True)
+    enable_dbo: bool = flag(False, "Only off: muxd has no dual-batch overlap.", hidden=True)
+    data_parallel_size_local: Optional[int] = flag(None, "Only unset or 1: replicas are --replicas N.", hidden=True)
+    pooler_config: Optional[str] = flag(None, "Only unset: muxd serves text generation.", hidden=True)
+    tool_server: Optional[str] = flag(None, "Only unset: muxd runs no built-in tools.", hidden=True)
+    stream_interval: int = flag(1, "Only 1: a stream sends each token as it is read.", hidden=True)
     ignore_patterns: Optional[list[str]] = flag(None, "Accepted: muxd downloads nothing and reads the model "
                                                 "directory's top-level safetensors.", hidden=True)
     model_loader_extra_config: Optional[str] = flag(None, "Only unset or {}: muxd's loader takes no options.",
@@ -949,6 +967,20 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
                        "vllm.v1.core.sched.async_scheduler.AsyncScheduler"),
                       "muxd loads no scheduler class named on its command line; --policy chooses how each step is "
                       "planned (chunked is vLLM's way)"),
+    "kv_sharing_fast_prefill": ((False,), "muxd's models (Llama, Qwen2.5, Qwen3) share no KV cache across layers; "
+                                          "leave it out"),
+    "enable_eplb": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without experts to balance; leave it "
+                              "out"),
+    "enable_elastic_ep": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without expert parallelism; "
+                                    "leave it out"),
+    "enable_dbo": ((False,), "muxd has no dual-batch overlap (its engine overlaps prefill and decode on SM partitions "
+                             "instead); leave it out"),
+    "data_parallel_size_local": ((None, 1), "muxd serves replicas with --replicas N (one engine per GPU, on Ray "
+                                            "Serve), not data parallelism"),
+    "pooler_config": ((None,), "muxd serves text generation (no embedding, scoring or other pooling); leave it out"),
+    "tool_server": ((None,), "muxd runs no built-in tools (the tools of a request are called by its client); leave "
+                             "it out"),
+    "stream_interval": ((1,), "a muxd stream sends each token as soon as it is read; give 1 or leave it out"),
     "config_format": (("auto", "hf"), "muxd reads the model's config.json (Hugging Face's format); give hf or leave it "
                                       "out"),
     "enable_expert_parallel": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without experts; leave "

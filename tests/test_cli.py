@@ -124,6 +124,13 @@ def test_generate_chat_mode(text_checkpoint):
     (["--scheduler-delay-factor", "0.5"], "--scheduler-delay-factor 0.5: --policy decides when prompts run"),
     (["--tokenizer-revision", "main"], "--tokenizer-revision main: muxd reads the tokenizer from the model directory"),
     (["--code-revision", "main"], "--code-revision main: muxd runs no code from model directories"),
+    (["--enable-eplb"], "--enable-eplb: muxd serves dense models"),
+    (["--enable-dbo"], "--enable-dbo: muxd has no dual-batch overlap"),
+    (["--data-parallel-size-local", "2"], "--data-parallel-size-local 2: muxd serves replicas with --replicas N"),
+    (["--tool-server", "demo"], "--tool-server demo: muxd runs no built-in tools"),
+    (["--stream-interval", "4"], "--stream-interval 4: a muxd stream sends each token as soon as it is read"),
+    (["--kv-sharing-fast-prefill"], "--kv-sharing-fast-prefill: muxd's models (Llama, Qwen2.5, Qwen3) share no KV"),
+    (["--pooler-config", "{}"], "--pooler-config {}: muxd serves text generation"),
     (["--hf-config-path", "/other/config"], "--hf-config-path /other/config: muxd reads config.json from the model"),
     (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls my.Scheduler: muxd loads no scheduler class"),
     (["--config-format", "mistral"], "--config-format mistral: muxd reads the model's config.json"),
@@ -274,7 +281,11 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "original/**/*", "*.pt", "--model-loader-extra-config", "{}", "--tokenizer-pool-size",
                                "0", "--logits-processor-pattern", "my_pkg\\..*", "--hf-token", "hf_abc",
                                "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler", "--logprobs-mode",
-                               "processed_logprobs", "--exclude-tools-when-tool-choice-none"]).exit_code == 0
+                               "processed_logprobs", "--exclude-tools-when-tool-choice-none",
+                               "--mm-processor-cache-gb", "4", "--skip-mm-profiling", "--mm-encoder-tp-mode", "data",
+                               "--disable-hybrid-kv-cache-manager", "--safetensors-load-strategy", "lazy",
+                               "--pt-load-map-location", "cpu", "--stream-interval", "1",
+                               "--data-parallel-size-local", "1"]).exit_code == 0
     more = seen["cfg"]
     assert more.server.exclude_tools_when_tool_choice_none
     assert more.model.logprobs_mode == "processed_logprobs"
