@@ -610,6 +610,9 @@ class ServerSettings:
                                  "none.")
     enable_auto_tool_choice: bool = flag(True, "Let the model choose whether to call a tool (tool_choice auto); "
                                          "off: requests with tools and tool_choice auto get HTTP 400.")
+    trust_request_chat_template: bool = flag(False, "As vLLM's: a chat request may bring its own chat_template "
+                                             "(rendered in the same sandbox as the model's); without this flag such "
+                                             "a request gets HTTP 400.")
     exclude_tools_when_tool_choice_none: bool = flag(False, "As vLLM's: a request with tool_choice none renders no "
                                                      "tools into the prompt (by default the chat template gets them, "
                                                      "as OpenAI's and vLLM's do; the output is never read as calls).")

@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
-from appliance.errors import ModelLoadError, RequestError
+from appliance.errors import ConfigError, ModelLoadError, RequestError
 from appliance.model_zoo.chat_template import Escaped, compile_chat_template, escape_strings
 
 
@@ -281,13 +281,16 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     escape_control: bool = True, continue_final: bool = False,
-                    variables: dict[str, Any] | None = None, **kwargs: Any) -> RenderedChat:
+                    variables: dict[str, Any] | None = None, template: str | None = None,
+                    **kwargs: Any) -> RenderedChat:
         """Render a conversation; with `escape_control`, control-token text inside the messages is marked as text
         for `encode_chat` (so a user cannot write `<|im_end|><|im_start|>system` and forge a turn); with
         `continue_final`, the prompt ends where the final message's content does (no end of turn after it).
         `variables` are the request's own template variables (vLLM's chat_template_kwargs), escaped as the
-        messages are; they may not replace the variables set here."""
-        if self.chat_template is None or self._template is None:
+        messages are; they may not replace the variables set here. `template`: a request's own template source,
+        used instead of the model's (compiled in the same sandbox)."""
+        compiled = _request_template(template) if template is not None else self._template
+        if compiled is None:
             raise RequestError("this model has no chat template (tokenizer_config.json lacks 'chat_template'); "
                                "use /v1/completions", "messages")
         taken = sorted(set(variables or ()) & set(TEMPLATE_VARIABLES))
@@ -301,7 +304,7 @@ class Tokenizer:
         if escaped is not None:
             payload = escaped.value
         try:
-            rendered = self._template.render(**payload, add_generation_prompt=add_generation_prompt,
+            rendered = compiled.render(**payload, add_generation_prompt=add_generation_prompt,
                                              bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except RequestError:
             raise
@@ -352,3 +355,13 @@ class Tokenizer:
                 copy.encode_special_tokens = True
                 self._as_text = copy
             return self._as_text
+
+
+@functools.lru_cache(maxsize=16)
+def _request_template(source: str) -> Any:
+    """A request's own chat template, compiled (the last few kept: clients resend theirs); a syntax error is the
+    request's."""
+    try:
+        return compile_chat_template(source, "chat_template")
+    except ConfigError as exc:
+        raise RequestError(str(exc), "chat_template") from None

@@ -88,13 +88,13 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
 # these by default, so they must not be refused.
-# Chat's `echo` and `chat_template` are chat-only (completions' echo is implemented): CHAT_OFF_VALUES.
+# Chat's `echo` is chat-only (completions' echo is implemented): CHAT_OFF_VALUES.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
                                            "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
                                            "kv_transfer_params": (), "logits_processors": ([],), "vllm_xargs": ({},),
                                            "structural_tag": (), "guided_decoding_backend": ("xgrammar", "auto"),
                                            "guided_whitespace_pattern": ()}
-CHAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False,), "chat_template": ()}
+CHAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False,)}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "functions": "the deprecated functions API is not implemented; send tools",
         "function_call": "the deprecated functions API is not implemented; send tool_choice",
@@ -108,8 +108,7 @@ _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "structural_tag": "structural tags are not implemented; send response_format or structured_outputs",
         "guided_decoding_backend": "structured outputs run on xgrammar",
         "guided_whitespace_pattern": "JSON outputs take xgrammar's whitespace",
-        "echo": "chat's echo (the last message repeated before the answer) is not implemented",
-        "chat_template": "a request may not bring its own template; start the server with --chat-template"}
+        "echo": "chat's echo (the last message repeated before the answer) is not implemented"}
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -580,9 +579,9 @@ class ChatCompletionRequest(_SamplingRequest):
                                                                       "template (RAG templates read them; others "
                                                                       "ignore them).")
     echo: bool | None = Field(False, json_schema_extra=_off_enum("echo"), description="Extension (vLLM): only false.")
-    chat_template: str | None = Field(None, json_schema_extra=_off_enum("chat_template"),
-                                      description="Extension (vLLM): not accepted; the server's --chat-template "
-                                                  "applies.")
+    chat_template: Text | None = Field(None, description="Extension (vLLM): a chat template (Jinja) for this request "
+                                                         "instead of the server's; taken only by a server started "
+                                                         "with --trust-request-chat-template (else HTTP 400).")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -613,11 +612,23 @@ class ChatCompletionRequest(_SamplingRequest):
         """The request's own chat template variables: chat_template_kwargs, and reasoning_effort and documents
         where sent."""
         variables = dict(self.chat_template_kwargs or {})
+        variables.pop("chat_template", None)  # (a template, not a variable: `own_template`)
         for name in ("reasoning_effort", "documents"):
             value = getattr(self, name)
             if value is not None and variables.setdefault(name, value) != value:
                 raise RequestError(f"{name} and chat_template_kwargs.{name} differ; send one", name, CONFLICT)
         return variables
+
+    def own_template(self) -> str | None:
+        """The request's own chat template: chat_template, or vLLM's chat_template_kwargs.chat_template."""
+        other = (self.chat_template_kwargs or {}).get("chat_template")
+        if other is not None and not isinstance(other, str):
+            raise RequestError("chat_template_kwargs.chat_template must be a string (a Jinja template)",
+                               "chat_template_kwargs")
+        if other is not None and self.chat_template is not None and other != self.chat_template:
+            raise RequestError("chat_template and chat_template_kwargs.chat_template differ; send one",
+                               "chat_template", CONFLICT)
+        return self.chat_template if self.chat_template is not None else other
 
     def grammar(self) -> GrammarSpec | None:
         spec = super().grammar()

@@ -49,6 +49,7 @@ class OpenAIServing:
         self.share_prefill = config.cache.enable_prefix_caching
         self.auto_tools = config.server.enable_auto_tool_choice
         self.exclude_tools_when_none = config.server.exclude_tools_when_tool_choice_none
+        self.trust_request_template = config.server.trust_request_chat_template
         self.tool_parser = detect_parser(self.tokenizer.chat_template if self.tokenizer else None,
                                          config.server.tool_call_parser)
         self.reasoning_parser = config.server.reasoning_parser
@@ -183,11 +184,16 @@ class OpenAIServing:
                                'tool_choice "required" or a named function', "tool_choice")
         tools = body.template_tools(self.exclude_tools_when_none)
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        template = body.own_template()
+        if template is not None and not self.trust_request_template:
+            raise RequestError("a request's own chat template is taken only by a server started with "
+                               "--trust-request-chat-template (as vLLM's); leave chat_template out to use the "
+                               "server's", "chat_template")
         return self._tokenizer().render_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
                                              escape_control=self.escape_control,
                                              continue_final=bool(body.continue_final_message),
                                              variables={**self.template_defaults, **body.template_variables()},
-                                             **extra)
+                                             template=template, **extra)
 
     def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
         if body.messages is not None:

@@ -372,6 +372,28 @@ def test_tool_choice_none_renders_the_tools_unless_told_not_to(shared_serve, mod
     assert auto > plain and none == (plain if exclude else auto)
 
 
+def test_a_requests_own_chat_template_needs_the_trust_flag(shared_serve, server, model_name, tokenizer):
+    """As vLLM's: a request's chat_template (or chat_template_kwargs.chat_template) is refused by name unless the
+    server was started with --trust-request-chat-template; then it renders the prompt instead of the model's."""
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ ((m['content'] ~ ' ') * 3) | upper }}\n{% endfor %}"
+    body = {"model": model_name, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1}
+    for extra in ({"chat_template": own}, {"chat_template_kwargs": {"chat_template": own}}):
+        refused = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template", refused.text
+        assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    trusted = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--trust-request-chat-template")
+    expected = tokenizer.encode("[user] " + "HI THERE " * 3 + "\n", add_special_tokens=False)
+    for extra in ({"chat_template": own}, {"chat_template_kwargs": {"chat_template": own}}):
+        response = httpx.post(trusted.url + "/v1/chat/completions", json={**body, **extra, "return_token_ids": True},
+                              timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["prompt_token_ids"] == expected
+    plain = httpx.post(trusted.url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=60)
+    assert plain.json()["prompt_token_ids"] != expected  # (the model's own template otherwise)
+    broken = httpx.post(trusted.url + "/v1/chat/completions", json={**body, "chat_template": "{% for %}"}, timeout=60)
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template", broken.text
+
+
 THINKING = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}<|assistant|>\n"
             "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
             "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}{% endif %}")

@@ -89,7 +89,6 @@ def test_response_ids_come_from_request_id_or_the_header(client):
     ("/v1/chat/completions", "guided_whitespace_pattern", "[ ]?", "xgrammar's whitespace"),
     ("/v1/completions", "structural_tag", "{}", "structural tags"),
     ("/v1/chat/completions", "echo", True, "chat's echo"),
-    ("/v1/chat/completions", "chat_template", "{{ 1 }}", "start the server with --chat-template"),
 ])
 def test_what_muxd_does_not_implement_is_refused_by_name(client, path, field, value, words):
     body = {**(CHAT if "chat" in path else TEXT), field: value}
