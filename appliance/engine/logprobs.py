@@ -26,8 +26,7 @@ class LogprobBatch:
     def __init__(self, chosen: torch.Tensor, rank: torch.Tensor, top_ids: torch.Tensor, top_lps: torch.Tensor,
                  ids: torch.Tensor, ks: list[int], likelihood: torch.Tensor | None = None) -> None:
         """likelihood: the chosen tokens' log-probabilities where `chosen` holds logits (the `_logits` modes)."""
-        self._device = (ids, chosen, rank, top_ids, top_lps, chosen if likelihood is None else likelihood)
-        self._logits = likelihood is not None
+        self._device = (ids, chosen, rank, top_ids, top_lps) + (() if likelihood is None else (likelihood,))
         self._ks = ks
         self._host: list[list] | None = None
 
@@ -35,11 +34,11 @@ class LogprobBatch:
         if self._host is None:
             self._host = [t.tolist() for t in self._device]
             self._device = ()
-        ids, chosen, rank, top_ids, top_lps, likelihood = self._host
+        ids, chosen, rank, top_ids, top_lps, *likelihood = self._host
         k = self._ks[row]
         return TokenLogprob(ids[row], _finite(chosen[row]), rank[row],
                             tuple((t, _finite(v)) for t, v in zip(top_ids[row][:k], top_lps[row][:k])),
-                            _finite(likelihood[row]) if self._logits else None)
+                            _finite(likelihood[0][row]) if likelihood else None)
 
     def __len__(self) -> int:
         return len(self._ks)

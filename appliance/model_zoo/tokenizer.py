@@ -305,7 +305,7 @@ class Tokenizer:
             payload = escaped.value
         try:
             rendered = compiled.render(**payload, add_generation_prompt=add_generation_prompt,
-                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+                                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except RequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template is code from the model directory: any error is the
