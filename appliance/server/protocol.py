@@ -621,14 +621,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def own_template(self) -> str | None:
         """The request's own chat template: chat_template, or vLLM's chat_template_kwargs.chat_template."""
-        other = (self.chat_template_kwargs or {}).get("chat_template")
-        if other is not None and not isinstance(other, str):
-            raise RequestError("chat_template_kwargs.chat_template must be a string (a Jinja template)",
-                               "chat_template_kwargs")
-        if other is not None and self.chat_template is not None and other != self.chat_template:
-            raise RequestError("chat_template and chat_template_kwargs.chat_template differ; send one",
-                               "chat_template", CONFLICT)
-        return self.chat_template if self.chat_template is not None else other
+        return own_template(self.chat_template, self.chat_template_kwargs)
 
     def grammar(self) -> GrammarSpec | None:
         spec = super().grammar()
@@ -650,6 +643,18 @@ class ChatCompletionRequest(_SamplingRequest):
         """The tools the chat template sees: every tool given, as OpenAI and vLLM render them, even with tool_choice
         "none" unless `exclude_when_none` (--exclude-tools-when-tool-choice-none)."""
         return self.active_tools if exclude_when_none else (self.tools or None)
+
+
+def own_template(chat_template: str | None, kwargs: dict[str, Any] | None) -> str | None:
+    """A request's own chat template: its chat_template, or vLLM's chat_template_kwargs.chat_template."""
+    other = (kwargs or {}).get("chat_template")
+    if other is not None and not isinstance(other, str):
+        raise RequestError("chat_template_kwargs.chat_template must be a string (a Jinja template)",
+                           "chat_template_kwargs")
+    if other is not None and chat_template is not None and other != chat_template:
+        raise RequestError("chat_template and chat_template_kwargs.chat_template differ; send one", "chat_template",
+                           CONFLICT)
+    return chat_template if chat_template is not None else other
 
 
 def below_pattern(n: int) -> str:

@@ -184,24 +184,30 @@ class OpenAIServing:
                                'tool_choice "required" or a named function', "tool_choice")
         tools = body.template_tools(self.exclude_tools_when_none)
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
-        template = body.own_template()
-        if template is not None and not self.trust_request_template:
-            raise RequestError("a request's own chat template is taken only by a server started with "
-                               "--trust-request-chat-template (as vLLM's); leave chat_template out to use the "
-                               "server's", "chat_template")
         return self._tokenizer().render_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
                                              escape_control=self.escape_control,
                                              continue_final=bool(body.continue_final_message),
                                              variables={**self.template_defaults, **body.template_variables()},
-                                             template=template, **extra)
+                                             template=self._trusted(body.own_template()), **extra)
+
+    def _trusted(self, template: str | None) -> str | None:
+        """A request's own chat template, where the server takes one (--trust-request-chat-template)."""
+        if template is not None and not self.trust_request_template:
+            raise RequestError("a request's own chat template is taken only by a server started with "
+                               "--trust-request-chat-template (as vLLM's); leave chat_template out to use the "
+                               "server's", "chat_template")
+        return template
 
     def _tokenize(self, body: t.TokenizeRequest) -> list[int]:
         if body.messages is not None:
             tok = self._tokenizer()
+            variables = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k != "chat_template"}
+            extra = {"tools": [tool.model_dump(exclude_none=True) for tool in body.tools]} if body.tools else {}
             chat = tok.render_chat([m.for_template() for m in body.messages],
                                    add_generation_prompt=body.add_generation_prompt, escape_control=self.escape_control,
                                    continue_final=body.continue_final_message,
-                                   variables={**self.template_defaults, **(body.chat_template_kwargs or {})})
+                                   variables={**self.template_defaults, **variables},
+                                   template=self._trusted(body.own_template()), **extra)
             self._check_text(chat.text, "messages", limit=False)
             return tok.encode_chat(chat)
         return self._encode(body.prompt, body.add_special_tokens, "prompt", limit=False)

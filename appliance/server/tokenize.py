@@ -14,7 +14,9 @@ from appliance.server.protocol import (
     TokenId,
     bounded_int,
     check_continue_final,
+    own_template,
 )
+from appliance.server.tools import ToolsRequest
 
 
 class TokenizeRequest(BaseModel):
@@ -31,6 +33,13 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: TemplateKwargs | None = Field(None, description=TEMPLATE_KWARGS_DOC)
+    tools: ToolsRequest | None = Field(None, description="The tools the chat template renders (as a chat request's).")
+    chat_template: Text | None = Field(None, description="A chat template of the request's own, as a chat "
+                                                         "request's (--trust-request-chat-template).")
+
+    def own_template(self) -> str | None:
+        """chat_template, or chat_template_kwargs.chat_template (as a chat request's)."""
+        return own_template(self.chat_template, self.chat_template_kwargs)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

@@ -370,6 +370,9 @@ def test_tool_choice_none_renders_the_tools_unless_told_not_to(shared_serve, mod
 
     plain, auto, none = prompt_tokens(), prompt_tokens(tools=tools), prompt_tokens(tools=tools, tool_choice="none")
     assert auto > plain and none == (plain if exclude else auto)
+    counted = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "tools": tools}, timeout=60).json()["count"]
+    assert counted == auto  # /tokenize renders the tools as a chat request does (vLLM's field)
 
 
 def test_a_requests_own_chat_template_needs_the_trust_flag(shared_serve, server, model_name, tokenizer):
@@ -392,6 +395,10 @@ def test_a_requests_own_chat_template_needs_the_trust_flag(shared_serve, server,
     assert plain.json()["prompt_token_ids"] != expected  # (the model's own template otherwise)
     broken = httpx.post(trusted.url + "/v1/chat/completions", json={**body, "chat_template": "{% for %}"}, timeout=60)
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template", broken.text
+    tokenize = {"messages": body["messages"], "add_generation_prompt": False, "chat_template": own}
+    refused = httpx.post(server.url + "/tokenize", json=tokenize, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template", refused.text
+    assert httpx.post(trusted.url + "/tokenize", json=tokenize, timeout=60).json()["tokens"] == expected
 
 
 THINKING = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}<|assistant|>\n"
