@@ -616,6 +616,10 @@ class ServerSettings:
     exclude_tools_when_tool_choice_none: bool = flag(False, "As vLLM's: a request with tool_choice none renders no "
                                                      "tools into the prompt (by default the chat template gets them, "
                                                      "as OpenAI's and vLLM's do; the output is never read as calls).")
+    stream_interval: int = flag(1, "As vLLM's: tokens a stream gathers into one chunk. 1 sends each token as it "
+                                "is read; N sends a choice's first token at once, then a chunk every N tokens, and "
+                                "its last ones when it ends (fewer chunks for clients that need no token-by-token "
+                                "display).")
     allowed_origins: str = flag('["*"]', "CORS: origins browsers may call from, a JSON list (as vLLM's flag).")
     allowed_methods: str = flag('["*"]', "CORS: methods allowed to other origins, a JSON list.")
     allowed_headers: str = flag('["*"]', "CORS: request headers allowed to other origins, a JSON list.")
@@ -662,7 +666,7 @@ class ServerSettings:
                               f"and {self.body_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count", "stream_interval"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -837,7 +841,6 @@ class VllmFlags:
     data_parallel_size_local: Optional[int] = flag(None, "Only unset or 1: replicas are --replicas N.", hidden=True)
     pooler_config: Optional[str] = flag(None, "Only unset: muxd serves text generation.", hidden=True)
     tool_server: Optional[str] = flag(None, "Only unset: muxd runs no built-in tools.", hidden=True)
-    stream_interval: int = flag(1, "Only 1: a stream sends each token as it is read.", hidden=True)
     ignore_patterns: Optional[list[str]] = flag(None, "Accepted: muxd downloads nothing and reads the model "
                                                 "directory's top-level safetensors.", hidden=True)
     model_loader_extra_config: Optional[str] = flag(None, "Only unset or {}: muxd's loader takes no options.",
@@ -983,7 +986,6 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "pooler_config": ((None,), "muxd serves text generation (no embedding, scoring or other pooling); leave it out"),
     "tool_server": ((None,), "muxd runs no built-in tools (the tools of a request are called by its client); leave "
                              "it out"),
-    "stream_interval": ((1,), "a muxd stream sends each token as soon as it is read; give 1 or leave it out"),
     "config_format": (("auto", "hf"), "muxd reads the model's config.json (Hugging Face's format); give hf or leave it "
                                       "out"),
     "enable_expert_parallel": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without experts; leave "

@@ -128,7 +128,6 @@ def test_generate_chat_mode(text_checkpoint):
     (["--enable-dbo"], "--enable-dbo: muxd has no dual-batch overlap"),
     (["--data-parallel-size-local", "2"], "--data-parallel-size-local 2: muxd serves replicas with --replicas N"),
     (["--tool-server", "demo"], "--tool-server demo: muxd runs no built-in tools"),
-    (["--stream-interval", "4"], "--stream-interval 4: a muxd stream sends each token as soon as it is read"),
     (["--kv-sharing-fast-prefill"], "--kv-sharing-fast-prefill: muxd's models (Llama, Qwen2.5, Qwen3) share no KV"),
     (["--pooler-config", "{}"], "--pooler-config {}: muxd serves text generation"),
     (["--hf-config-path", "/other/config"], "--hf-config-path /other/config: muxd reads config.json from the model"),
@@ -176,6 +175,7 @@ def test_generate_chat_mode(text_checkpoint):
     (["--ssl-keyfile", __file__], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
     (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/cert.pem"], "--ssl-certfile /no/cert.pem: no such file"),
     (["--h11-max-header-count", "0"], "--h11-max-header-count must be at least 1, got 0"),
+    (["--stream-interval", "0"], "--stream-interval must be at least 1, got 0"),
     (["--headless"], "--headless: muxd has no multi-node data parallelism"),
     (["--log-config-file", "/no/such/logging.json"], "--log-config-file /no/such/logging.json: cannot be read"),
     (["--log-config-file", __file__], "not valid JSON"),
@@ -284,10 +284,10 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "processed_logprobs", "--exclude-tools-when-tool-choice-none",
                                "--mm-processor-cache-gb", "4", "--skip-mm-profiling", "--mm-encoder-tp-mode", "data",
                                "--disable-hybrid-kv-cache-manager", "--safetensors-load-strategy", "lazy",
-                               "--pt-load-map-location", "cpu", "--stream-interval", "1",
+                               "--pt-load-map-location", "cpu", "--stream-interval", "4",
                                "--data-parallel-size-local", "1"]).exit_code == 0
     more = seen["cfg"]
-    assert more.server.exclude_tools_when_tool_choice_none
+    assert more.server.exclude_tools_when_tool_choice_none and more.server.stream_interval == 4
     assert more.model.logprobs_mode == "processed_logprobs"
     assert more.vllm.ignore_patterns == ["original/**/*", "*.pt"]
     assert (more.runtime.attention_backend, more.cache.kv_cache_memory, more.model.template_defaults(),

@@ -5,7 +5,7 @@ import enum
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from appliance.engine.kv_cache import PageTable
 from appliance.errors import RequestError
@@ -329,3 +329,12 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, when asked for (None first)
     stop_reason: int | str | None = None  # (finished by "stop") the stop token id or stop string; None for EOS
     queued_s: float | None = None  # (on the final output) seconds from its arrival to its first admission
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the request's next one as a single output: their deltas joined, the later totals."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            [*(self.logprobs or ()), *(later.logprobs or ())]
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_text=self.new_text + later.new_text, logprobs=logprobs,
+                       prompt_logprobs=self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs,
+                       queued_s=self.queued_s if later.queued_s is None else later.queued_s)

@@ -4,7 +4,8 @@ index, output).
 With n > 1 and the prefix cache on, each prompt's first choice is submitted alone and its others once its first
 token is out: by then the prompt's full pages are in the prefix cache, so each prompt is prefilled once. Each choice
 feeds the latency metrics, and counts the tokens the response shows (echo without generation samples a token it drops);
-closing the stream (client gone, error) aborts every choice still running.
+closing the stream (client gone, error) aborts every choice still running. `gathered` joins a stream's outputs into
+fewer chunks (--stream-interval).
 """
 from __future__ import annotations
 
@@ -105,3 +106,19 @@ class Choices:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for stream in self._streams.values():
             await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def gathered(outputs: AsyncIterator[tuple[int, RequestOutput]],
+                   interval: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`outputs` with each choice's outputs gathered as vLLM's --stream-interval gathers them: a choice's first output
+    at once, then one for every `interval` tokens, and its last one (with what it gathered) when it finishes."""
+    held: dict[int, RequestOutput] = {}
+    sent: set[int] = set()
+    async for index, out in outputs:
+        if index in held:
+            out = held.pop(index).then(out)
+        if index in sent and not out.finished and len(out.new_token_ids) < interval:
+            held[index] = out
+            continue
+        sent.add(index)
+        yield index, out

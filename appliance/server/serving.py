@@ -26,7 +26,7 @@ from appliance.model_zoo.tokenizer import RenderedChat
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server import tokenize as t
-from appliance.server.choices import Choices
+from appliance.server.choices import Choices, gathered
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
 from appliance.server.metrics import Metrics
@@ -56,6 +56,7 @@ class OpenAIServing:
         self.template_defaults = config.model.template_defaults()  # --default-chat-template-kwargs
         self.tokens_as_ids = config.vllm.return_tokens_as_token_ids  # the server's default for the request field
         self.force_usage = config.vllm.enable_force_include_usage  # every stream ends with its usage
+        self.stream_interval = config.server.stream_interval  # tokens a stream gathers into one chunk
         self.sampling_defaults = config.model.sampling_defaults()
         if self.sampling_defaults:
             where = config.model.generation_config_dir
@@ -318,7 +319,8 @@ class OpenAIServing:
         try:
             for event in fmt.first(n, r.Usage.of(prompt_tokens, 0, 0) if continuous else None):
                 yield _event(event)
-            async for index, out in outputs:
+            live = isinstance(outputs, Choices) and self.stream_interval > 1
+            async for index, out in gathered(outputs, self.stream_interval) if live else outputs:
                 states[index].add(out)
                 for event in fmt.chunk(states[index], out, own(out) if continuous else None):
                     yield _event(event)
