@@ -1,4 +1,4 @@
-"""Structured output: a request's grammar (any JSON, a JSON Schema) compiled by xgrammar, a matcher per request that
+"""Structured output: a request's grammar (any JSON, a JSON Schema, a regular expression, a grammar, a structural tag)
 follows its output (from the end of a think block, when the request waits for one), and the token masks that keep
 sampling inside the grammar.
 
@@ -27,7 +27,8 @@ UNUSABLE_GRAMMAR = "invalid_grammar"  # the same for a regular expression or an 
 @dataclass(frozen=True)
 class GrammarSpec:
     """What the output must be: `json_object` (any JSON object), `json_schema` (`schema`, JSON text), `regex` or
-    `ebnf` (`schema`, the expression or grammar), and the field of the request it came from (for error messages)."""
+    `ebnf` (`schema`, the expression or grammar), `structural_tag` (`schema`, the tag as JSON text), and the field of
+    the request it came from (for error messages)."""
 
     kind: str
     schema: str = ""
@@ -101,15 +102,28 @@ class GrammarCompiler:
                 compiled = compiler.compile_regex(spec.schema)
             elif spec.kind == "ebnf":
                 compiled = compiler.compile_grammar(spec.schema)
+            elif spec.kind == "structural_tag":
+                compiled = _structural_tag(compiler, xgr, spec.schema)
             else:
                 compiled = compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises plain errors for schemas it cannot express
             what = {"regex": "the regular expression", "ebnf": "the choices" if spec.param.endswith("choice")
-                    else "the grammar"}.get(spec.kind, "the JSON schema")
+                    else "the grammar", "structural_tag": "the structural tag"}.get(spec.kind, "the JSON schema")
             code = UNUSABLE_SCHEMA if spec.kind.startswith("json") else UNUSABLE_GRAMMAR
             raise RequestError(f"{spec.param}: {what} cannot be used for constrained decoding: "
                                f"{compiler_message(exc)}", spec.param, code) from None
         return Matcher(xgr.GrammarMatcher(compiled), spec.after)
+
+
+def _structural_tag(compiler: Any, xgr: Any, text: str) -> Any:
+    """A structural tag compiled: xgrammar's form as it is; the older form (structures of begin, JSON schema, end,
+    and the triggers that open them) through xgrammar's call for it, as vLLM compiles it."""
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema") or {}), end=s["end"])
+             for s in tag["structures"]]
+    return compiler.compile_structural_tag(items, tag["triggers"])
 
 
 def compiler_message(exc: Exception) -> str:
@@ -118,7 +132,7 @@ def compiler_message(exc: Exception) -> str:
     return _SOURCE_PREFIX.sub("", str(exc).strip())[:300]
 
 
-_SOURCE_PREFIX = re.compile(r"^(\[[\d:.]+\]\s*)?\S+\.(cc|cpp|h):\d+:\s*")
+_SOURCE_PREFIX = re.compile(r"^(\[[\d:.]+\]\s*)?\S+\.(cc|cpp|h):\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 _batch_matcher: Any = None
 _apply_backend = "auto"
 _bitmasks: dict[tuple, torch.Tensor] = {}  # (device, bitmask words) -> the reused host bitmask

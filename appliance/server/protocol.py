@@ -92,7 +92,7 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
                                            "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
                                            "kv_transfer_params": (), "logits_processors": ([],), "vllm_xargs": ({},),
-                                           "structural_tag": (), "guided_decoding_backend": ("xgrammar", "auto"),
+                                           "guided_decoding_backend": ("xgrammar", "auto"),
                                            "guided_whitespace_pattern": ()}
 CHAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False,)}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
@@ -105,7 +105,6 @@ _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "kv_transfer_params": "disaggregated prefill and decode (KV transfer) is not implemented",
         "logits_processors": "custom logits processors are not implemented",
         "vllm_xargs": "they are arguments of custom logits processors, which are not implemented",
-        "structural_tag": "structural tags are not implemented; send response_format or structured_outputs",
         "guided_decoding_backend": "structured outputs run on xgrammar",
         "guided_whitespace_pattern": "JSON outputs take xgrammar's whitespace",
         "echo": "chat's echo (the last message repeated before the answer) is not implemented"}
@@ -193,9 +192,11 @@ class _SamplingRequest(BaseModel):
     guided_grammar: str | None = Field(None, description="Extension (vLLM): the output follows this grammar (EBNF "
                                                           "as xgrammar reads it, e.g. 'root ::= \"yes\" | \"no\"').")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (vLLM): one of json, regex, "
-                                                                           "choice, grammar, as the guided_ fields.")
-    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema (strict: "
-                                                                     "the output follows the schema).")
+                                                                           "choice, grammar, structural_tag, as "
+                                                                           "the guided_ fields.")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, json_schema (strict: "
+                                                                     "the output follows the schema), or vLLM's "
+                                                                     "structural_tag.")
     truncate_prompt_tokens: Literal[-1] | Count | None = Field(
         None, description="Extension (vLLM): keep only the prompt's last k tokens (after the chat template); -1: as "
                           "many as the context leaves room for beside max_tokens.")
@@ -221,8 +222,9 @@ class _SamplingRequest(BaseModel):
                                                 description="Extension (vLLM): only null or [].")
     vllm_xargs: dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("vllm_xargs"),
                                               description="Extension (vLLM): only null or {}.")
-    structural_tag: str | None = Field(None, json_schema_extra=_off_enum("structural_tag"),
-                                       description="Extension (vLLM): only null.")
+    structural_tag: str | None = Field(None, description="Extension (vLLM): a structural tag as JSON text, as "
+                                                         "response_format's structural_tag (format, or structures "
+                                                         "and triggers).")
     guided_decoding_backend: str | None = Field(None, json_schema_extra=_off_enum("guided_decoding_backend"),
                                                 description="Extension (vLLM): only xgrammar or auto (what muxd "
                                                             "uses).")
@@ -338,7 +340,7 @@ class _SamplingRequest(BaseModel):
 
     def grammar(self) -> GrammarSpec | None:
         guided = guided_grammar(self.guided_json, self.guided_regex, self.guided_choice, self.structured_outputs,
-                                self.guided_grammar)
+                                self.guided_grammar, self.structural_tag)
         spec = self.response_format.grammar() if self.response_format is not None else None
         if guided is not None and spec is not None:
             raise RequestError(f"{guided.param} and response_format both constrain the output; send one",

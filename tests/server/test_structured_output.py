@@ -20,6 +20,7 @@ PERSON = {"type": "object", "properties": {
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"type": "string", "enum": ["C", "F"]}},
            "required": ["city", "unit"], "additionalProperties": False}
+UNIT = {"type": "string", "enum": ["C", "F"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
@@ -160,3 +161,49 @@ def test_vllm_guided_fields_constrain_the_output(client, model_name, server):
     response = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
         "messages": ASK, "guided_regex": "a", "response_format": {"type": "json_object"}})
     assert response.status_code == 400 and response.json()["error"]["param"] == "guided_regex", response.text
+
+
+def test_structural_tags_as_vllm_takes_them(client, model_name, server, served_dir):
+    """vLLM's structural_tag: xgrammar's form (`format`) in response_format holds the whole output to its tag; the
+    older form (structures and triggers, in structured_outputs as JSON text) leaves the text free and holds every
+    structure a trigger opens to its begin, schema and end. A tag the compiler cannot use is a 400 naming the field."""
+    import re
+
+    import httpx
+
+    from appliance.model_zoo.tokenizer import Tokenizer
+
+    tagged = {"type": "structural_tag", "format": {"type": "tag", "begin": "<w>", "end": "</w>", "content": {
+        "type": "regex", "pattern": "[0-9]{3}-[a-c]{2}"}}}
+    out = client.chat.completions.create(model=model_name, messages=ASK, n=3, seed=5, temperature=1.0, max_tokens=40,
+                                         response_format=tagged)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and re.fullmatch("<w>[0-9]{3}-[a-c]{2}</w>", choice.message.content), \
+            choice.message.content
+    # the older form: the trigger's token made likely, so that the output opens structures
+    trigger = Tokenizer(served_dir).encode("<", add_special_tokens=False)
+    legacy = {"structures": [{"begin": "<f=w>", "schema": UNIT, "end": "</f>"}], "triggers": ["<"]}
+    out = client.completions.create(model=model_name, prompt="x", n=2, seed=6, temperature=1.0, max_tokens=100,
+                                    logit_bias={str(t): 100 for t in trigger},
+                                    extra_body={"structured_outputs": {"structural_tag": json.dumps(legacy)}})
+    for choice in out.choices:
+        opened = choice.text.split("<f=")[1:]
+        # every "<" begins or ends a structure (the last one may be cut by max_tokens)
+        assert choice.text.count("<") in (2 * len(opened), 2 * len(opened) - 1), choice.text
+        complete = opened if choice.finish_reason == "stop" else opened[:-1]
+        assert complete, choice.text
+        for part in complete:
+            assert part.startswith("w>") and "</f>" in part, choice.text
+            jsonschema.validate(json.loads(part[2:part.index("</f>")]), UNIT)
+    for path, body, param in (
+            ("/v1/completions", {"structural_tag": "{not json"}, "structural_tag"),
+            ("/v1/completions", {"structured_outputs": {"structural_tag": '{"triggers": ["<"]}'}},
+             "structured_outputs.structural_tag"),
+            ("/v1/chat/completions", {"response_format": {"type": "structural_tag", "format": {"type": "bogus"}}},
+             "response_format"),
+            ("/v1/chat/completions", {"response_format": {"type": "structural_tag", "triggers": ["<"]}},
+             "response_format")):
+        body = {**body, **({"messages": ASK} if "chat" in path else {"prompt": "x"})}
+        response = httpx.post(server.url + path, json=body, timeout=120)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith(param), response.text
