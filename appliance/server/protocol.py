@@ -90,7 +90,7 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 # these by default, so they must not be refused.
 # Chat's `echo` is chat-only (completions' echo is implemented): CHAT_OFF_VALUES.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
-                                           "priority": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
+                                           "priority": (0,),
                                            "kv_transfer_params": (), "logits_processors": ([],), "vllm_xargs": ({},),
                                            "guided_decoding_backend": ("xgrammar", "auto"),
                                            "guided_whitespace_pattern": ()}
@@ -100,8 +100,6 @@ _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "function_call": "the deprecated functions API is not implemented; send tool_choice",
         "priority": "muxd schedules first come, first served within each SLO class, as vLLM's default policy; "
                     "slo_class sets the class",
-        "use_beam_search": "beam search is not implemented; n and best_of sample several choices",
-        "length_penalty": "it weighs beam search's beams, and beam search is not implemented",
         "kv_transfer_params": "disaggregated prefill and decode (KV transfer) is not implemented",
         "logits_processors": "custom logits processors are not implemented",
         "vllm_xargs": "they are arguments of custom logits processors, which are not implemented",
@@ -212,10 +210,11 @@ class _SamplingRequest(BaseModel):
                                                             "chunk, the prompt's on the first).")
     request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = Field(
         None, description="Extension (vLLM): the response's id is made from it (an X-Request-Id header wins).")
-    use_beam_search: bool | None = Field(False, json_schema_extra=_off_enum("use_beam_search"),
-                                         description="Extension (vLLM): only false.")
-    length_penalty: Finite | None = Field(1.0, json_schema_extra=_off_enum("length_penalty"),
-                                          description="Extension (vLLM, for beam search): only 1.")
+    use_beam_search: bool | None = Field(False, description="Extension (vLLM): the n best beams of a beam search "
+                                                            "(beam width n, at most 10) instead of sampled choices; "
+                                                            "beams end at the end of sequence or max_tokens.")
+    length_penalty: Finite | None = Field(1.0, description="Extension (vLLM, for beam search): beams are ranked by "
+                                                           "log-probability / length ** length_penalty.")
     kv_transfer_params: dict[str, Any] | None = Field(None, json_schema_extra=_off_enum("kv_transfer_params"),
                                                       description="Extension (vLLM): only null.")
     logits_processors: list[Any] | None = Field(None, json_schema_extra=_off_enum("logits_processors"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import Request, RequestOutput
 from appliance.errors import ModelNotFoundError, RequestError
 from appliance.model_zoo.tokenizer import RenderedChat
+from appliance.server import beam_search
 from appliance.server import protocol as p
 from appliance.server import responses as r
 from appliance.server import tokenize as t
@@ -258,6 +260,8 @@ class OpenAIServing:
         for request in requests:
             request.slo_class = slo_class
         each = body.num_generated  # choices generated per prompt
+        if body.use_beam_search:
+            return await self._beam_search(body, requests[::each], http, fmt)
         choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill, group=each,
                           shown=fmt.shown, max_tokens=body.requested_max_tokens())
         await choices.start()  # the first choice is accepted (or refused: 429) before any byte is sent
@@ -284,6 +288,44 @@ class OpenAIServing:
                                                group=body.num_choices),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return JSONResponse(fmt.final(states, usage).model_dump())
+
+    async def _beam_search(self, body: p._SamplingRequest, prompts: list[Request], http: HTTPRequest, fmt: Any):
+        """use_beam_search: each prompt's n best beams (server/beam_search.py) as its choices, answered once every
+        prompt's search is done (a stream sends them then, as vLLM's does)."""
+        width = body.num_choices
+        if body.num_generated > width:
+            raise RequestError("use_beam_search returns the n best beams; leave best_of out", "best_of")
+        for request in prompts:
+            beam_search.check(request, width)
+        length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
+        run = asyncio.ensure_future(beam_search.search_all(self.engine, prompts, width, length_penalty,
+                                                           set(self.engine.engine.eos_token_ids)))
+        gone = asyncio.ensure_future(_wait_disconnect(http))
+        await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not run.done():  # the client left: stop searching for it
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            return JSONResponse(status_code=499, content={"error": {
+                "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
+        gone.cancel()
+        states = []
+        for p_index, (request, beams) in enumerate(zip(prompts, run.result())):
+            for i, beam in enumerate(beams):
+                choice = Choice(p_index * width + i, keep=True)
+                choice.add(fmt.shown(beam_search.output(request, beam, functools.partial(
+                    self._decode, skip_special_tokens=request.sampling.skip_special_tokens))))
+                states.append(choice)
+        usage = usage_of(states, width)
+        if body.stream:
+            prompt_tokens = sum(len(q.prompt_token_ids) for q in prompts)
+            return StreamingResponse(self._sse(replay(states), len(states), fmt, body, prompt_tokens, usage,
+                                               group=width),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(fmt.final(states, usage).model_dump())
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """Output tokens as text ("" for a model without a tokenizer, as its outputs read)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _slo_class(self, body: p._SamplingRequest, http: HTTPRequest) -> str | None:
         """The request's SLO class: the X-SLO-Class header or the slo_class field (400 when unknown or when the

@@ -80,8 +80,6 @@ def test_response_ids_come_from_request_id_or_the_header(client):
 
 
 @pytest.mark.parametrize("path, field, value, words", [
-    ("/v1/completions", "use_beam_search", True, "beam search is not implemented"),
-    ("/v1/completions", "length_penalty", 0.5, "beam search is not implemented"),
     ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}, "KV transfer"),
     ("/v1/chat/completions", "logits_processors", ["my.Processor"], "custom logits processors"),
     ("/v1/chat/completions", "vllm_xargs", {"k": 1}, "custom logits processors"),
