@@ -850,6 +850,25 @@ class VllmFlags:
                                                    "(there are none to allow).", hidden=True)
     collect_detailed_traces: Optional[list[str]] = flag(None, "Only unset: muxd exports no OpenTelemetry traces.",
                                                         hidden=True)
+    disable_chunked_mm_input: bool = flag(False, "Accepted: muxd serves text-only models.", hidden=True)
+    guided_decoding_disable_fallback: bool = flag(False, "Accepted: structured outputs run on xgrammar alone (a "
+                                                  "grammar it cannot compile is a 400).", hidden=True)
+    aggregate_engine_logging: bool = flag(False, "Accepted: muxd runs one engine a server.", hidden=True)
+    num_lookahead_slots: int = flag(0, "Only 0: muxd has no speculative decoding.", hidden=True)
+    enable_ssl_refresh: bool = flag(False, "Only off: muxd loads the TLS certificate at start.", hidden=True)
+    kv_offloading_size: Optional[float] = flag(None, "Only unset: muxd keeps the KV cache on the GPU.", hidden=True)
+    reasoning_parser_plugin: Optional[str] = flag(None, "Only unset: muxd loads no reasoning parser plugins.",
+                                                  hidden=True)
+    enable_mfu_metrics: bool = flag(False, "Only off: muxd exports no MFU metrics.", hidden=True)
+    kv_cache_metrics: bool = flag(False, "Only off: muxd exports no KV cache residency metrics.", hidden=True)
+    cudagraph_metrics: bool = flag(False, "Only off: muxd exports no CUDA graph metrics.", hidden=True)
+    enable_layerwise_nvtx_tracing: bool = flag(False, "Only off: muxd adds no NVTX ranges.", hidden=True)
+    enable_return_routed_experts: bool = flag(False, "Only off: muxd serves dense models.", hidden=True)
+    data_parallel_hybrid_lb: bool = flag(False, "Only off: replicas are --replicas N.", hidden=True)
+    override_pooler_config: Optional[str] = flag(None, "Only unset: muxd serves text generation.", hidden=True)
+    attention_config: Optional[str] = flag(None, "Only unset or {}: --attention-backend and --decode-kernel choose "
+                                           "muxd's attention.", hidden=True)
+    ec_transfer_config: Optional[str] = flag(None, "Only unset: muxd has no encoder cache transfer.", hidden=True)
     log_config_file: Optional[str] = flag(None, "A logging configuration (JSON, Python's logging.config.dictConfig "
                                           "schema) for muxd's and the HTTP server's loggers, as vLLM's.",
                                           hidden=True)
@@ -1007,6 +1026,30 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
                                   "leave it out"),
     "collect_detailed_traces": ((None,), "muxd exports no OpenTelemetry traces (requests and steps are at /metrics "
                                          "and /debug/timeline); leave it out"),
+    "num_lookahead_slots": ((0,), "muxd has no speculative decoding (no lookahead slots to keep); leave it out"),
+    "enable_ssl_refresh": ((False,), "muxd loads the TLS certificate and key at start (restart it, e.g. with a "
+                                     "rolling restart of replicas, to take new ones); leave it out"),
+    "kv_offloading_size": ((None,), "muxd keeps the KV cache on the GPU (no CPU offloading; --kv-cache-memory sizes "
+                                    "it); leave it out"),
+    "reasoning_parser_plugin": ((None,), "muxd loads no reasoning parser plugins; --reasoning-parser takes its "
+                                         "built-in parsers"),
+    "enable_mfu_metrics": ((False,), "muxd exports no MFU metrics (`muxd bench engine` times steps against ceilings "
+                                     "measured in the same run); leave it out"),
+    "kv_cache_metrics": ((False,), "muxd exports no KV cache residency metrics (vllm:kv_cache_usage_perc and the "
+                                   "prefix cache's counters are at /metrics); leave it out"),
+    "cudagraph_metrics": ((False,), "muxd exports no CUDA graph metrics (decode steps' wall and device times are in "
+                                    "the step log: `muxd bench diagnose`); leave it out"),
+    "enable_layerwise_nvtx_tracing": ((False,), "muxd adds no NVTX ranges (the executor's timeline is at "
+                                                "/debug/timeline, and in --trace-dir); leave it out"),
+    "enable_return_routed_experts": ((False,), "muxd serves dense models (Llama, Qwen2.5, Qwen3), without experts to "
+                                               "route; leave it out"),
+    "data_parallel_hybrid_lb": ((False,), "muxd serves replicas with --replicas N (one engine per GPU, on Ray Serve), "
+                                          "not data parallelism"),
+    "override_pooler_config": ((None,), "muxd serves text generation (no embedding, scoring or other pooling); leave "
+                                        "it out"),
+    "attention_config": ((None, "{}", ""), "muxd's attention is chosen by --attention-backend and --decode-kernel; "
+                                           "leave it out"),
+    "ec_transfer_config": ((None,), "muxd serves text-only models (no encoder cache to transfer); leave it out"),
 }
 PREFIX_HASH_ALGOS = ("builtin", "sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor")
 

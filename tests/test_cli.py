@@ -129,6 +129,19 @@ def test_generate_chat_mode(text_checkpoint):
     (["--data-parallel-size-local", "2"], "--data-parallel-size-local 2: muxd serves replicas with --replicas N"),
     (["--tool-server", "demo"], "--tool-server demo: muxd runs no built-in tools"),
     (["--kv-sharing-fast-prefill"], "--kv-sharing-fast-prefill: muxd's models (Llama, Qwen2.5, Qwen3) share no KV"),
+    (["--enable-ssl-refresh"], "--enable-ssl-refresh: muxd loads the TLS certificate and key at start"),
+    (["--num-lookahead-slots", "2"], "--num-lookahead-slots 2: muxd has no speculative decoding"),
+    (["--kv-offloading-size", "8"], "--kv-offloading-size 8: muxd keeps the KV cache on the GPU"),
+    (["--reasoning-parser-plugin", "my.py"], "--reasoning-parser-plugin my.py: muxd loads no reasoning parser"),
+    (["--enable-mfu-metrics"], "--enable-mfu-metrics: muxd exports no MFU metrics"),
+    (["--kv-cache-metrics"], "--kv-cache-metrics: muxd exports no KV cache residency metrics"),
+    (["--cudagraph-metrics"], "--cudagraph-metrics: muxd exports no CUDA graph metrics"),
+    (["--enable-layerwise-nvtx-tracing"], "--enable-layerwise-nvtx-tracing: muxd adds no NVTX ranges"),
+    (["--enable-return-routed-experts"], "--enable-return-routed-experts: muxd serves dense models"),
+    (["--data-parallel-hybrid-lb"], "--data-parallel-hybrid-lb: muxd serves replicas with --replicas N"),
+    (["--override-pooler-config", "{}"], "--override-pooler-config {}: muxd serves text generation"),
+    (["--attention-config", '{"backend": "FLASH_ATTN"}'], "muxd's attention is chosen by --attention-backend"),
+    (["--ec-transfer-config", "{}"], "--ec-transfer-config {}: muxd serves text-only models"),
     (["--pooler-config", "{}"], "--pooler-config {}: muxd serves text generation"),
     (["--hf-config-path", "/other/config"], "--hf-config-path /other/config: muxd reads config.json from the model"),
     (["--scheduler-cls", "my.Scheduler"], "--scheduler-cls my.Scheduler: muxd loads no scheduler class"),
@@ -285,7 +298,9 @@ def test_a_vllm_command_line_starts_muxd_unchanged(text_checkpoint, served):
                                "--mm-processor-cache-gb", "4", "--skip-mm-profiling", "--mm-encoder-tp-mode", "data",
                                "--disable-hybrid-kv-cache-manager", "--safetensors-load-strategy", "lazy",
                                "--pt-load-map-location", "cpu", "--stream-interval", "4",
-                               "--data-parallel-size-local", "1"]).exit_code == 0
+                               "--data-parallel-size-local", "1", "--disable-chunked-mm-input",
+                               "--guided-decoding-disable-fallback", "--aggregate-engine-logging",
+                               "--num-lookahead-slots", "0", "--attention-config", "{}"]).exit_code == 0
     more = seen["cfg"]
     assert more.server.exclude_tools_when_tool_choice_none and more.server.stream_interval == 4
     assert more.model.logprobs_mode == "processed_logprobs"

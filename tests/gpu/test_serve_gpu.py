@@ -1,4 +1,5 @@
-"""`muxd serve` on the GPU with Llama-3.1-8B shapes (dummy weights): the fast path behind the HTTP API."""
+"""`muxd serve` on the GPU with Llama-3.1-8B shapes (dummy weights): the fast path behind the HTTP API, beam search
+too."""
 from __future__ import annotations
 
 import os
@@ -35,6 +36,20 @@ def test_serve_dummy_llama_8b_answers_concurrent_token_id_prompts(tmp_path):
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(complete, range(8)))
         assert all(a["usage"]["completion_tokens"] == 16 for a in answers), answers
+        # beam search (one-token requests with logprobs, through the overlapped loop and the decode graphs)
+        body = {"model": "llama-3.1-8b", "prompt": [128000, 1000, 1001, 1002], "max_tokens": 8, "ignore_eos": True,
+                "return_token_ids": True}
+        greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0}, timeout=120).json()
+        one = httpx.post(url + "/v1/completions", json={**body, "use_beam_search": True}, timeout=300).json()
+        beams = httpx.post(url + "/v1/completions", json={**body, "use_beam_search": True, "n": 4, "logprobs": 1},
+                           timeout=300).json()
+        # (the first token comes from a prefill of the same prompt in both; later ones from decode steps against
+        # prefills of the beam, whose rounding may differ where two logits nearly tie)
+        assert one["choices"][0]["token_ids"][0] == greedy["choices"][0]["token_ids"][0]
+        assert len({tuple(c["token_ids"]) for c in beams["choices"]}) == 4, beams
+        assert all(len(c["token_ids"]) == 8 and c["finish_reason"] == "length" for c in beams["choices"])
+        sums = [sum(c["logprobs"]["token_logprobs"]) for c in beams["choices"]]
+        assert sums == sorted(sums, reverse=True)
         assert "muxd:" in httpx.get(url + "/metrics").text
     finally:
         proc.terminate()
