@@ -1,8 +1,9 @@
-"""Structured output on CUDA: the token masks applied on the device keep every output inside its JSON schema (the
-embedded model, decode graphs on), and n choices of a seeded request agree with their single-choice twins."""
+"""Structured output on CUDA: the token masks applied on the device keep every output inside its JSON schema, or its
+structural tag (the embedded model, decode graphs on)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -36,4 +37,10 @@ def test_schema_outputs_validate_on_cuda():
     for out in outs:
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), SCHEMA)
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<w>", "end": "</w>",
+                                                "content": {"type": "regex", "pattern": "[0-9]{3}-[a-c]{2}"}}}
+    spec = GrammarSpec("structural_tag", json.dumps(tag))
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, grammar=spec) for s in range(8)]
+    for out in engine.generate(["<|user|>\nA code.<|end|>\n<|assistant|>\n"] * 8, params):
+        assert out.finish_reason == "stop" and re.fullmatch("<w>[0-9]{3}-[a-c]{2}</w>", out.text), out.text
     assert engine.pool.num_free_pages == engine.pool.num_pages
