@@ -241,14 +241,20 @@ class ChatFormat(_Format):
         self._calls: dict[int, CallStream] = {}
         self._forced: dict[int, ForcedCalls] = {}  # tool_choice "required": each choice's calls as they stream
         self._reasoning: dict[int, ReasoningStream] = {}
+        self.echo = body.echoed()  # the last (assistant) message, before each answer
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         return r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
 
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
-        return [r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, usage=usage, choices=[
+        chunks = [r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, usage=usage, choices=[
             r.ChatChunkChoice(index=i, delta=r.ChatDelta(role="assistant", content=""))],
             prompt_token_ids=self.prompt_ids if i == 0 else None) for i in range(n)]
+        if self.echo:  # as vLLM's: each choice's echo in a chunk of its own, after the roles
+            chunks += [r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, usage=usage,
+                                             choices=[r.ChatChunkChoice(index=i, delta=r.ChatDelta(content=self.echo))])
+                       for i in range(n)]
+        return chunks
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         delta = r.ChatDelta()
@@ -322,6 +328,8 @@ class ChatFormat(_Format):
                 reason = "tool_calls" if forced.complete else reason
             if calls and mode == "auto":
                 reason = "tool_calls"
+            if self.echo:
+                content = self.echo + (content or "")
             message = r.ChatMessageOut(content=content, reasoning=reasoning, tool_calls=[
                 r.ToolCallOut(id=t.id, function=r.FunctionCall(name=t.name, arguments=t.arguments)) for t in calls])
             bodies.append(r.ChatChoice(index=c.index, message=message, finish_reason=reason,

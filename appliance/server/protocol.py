@@ -88,13 +88,11 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
 # these by default, so they must not be refused.
-# Chat's `echo` is chat-only (completions' echo is implemented): CHAT_OFF_VALUES.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
                                            "priority": (0,),
                                            "kv_transfer_params": (), "logits_processors": ([],), "vllm_xargs": ({},),
                                            "guided_decoding_backend": ("xgrammar", "auto"),
                                            "guided_whitespace_pattern": ()}
-CHAT_OFF_VALUES: dict[str, tuple[Any, ...]] = {"echo": (False,)}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "functions": "the deprecated functions API is not implemented; send tools",
         "function_call": "the deprecated functions API is not implemented; send tool_choice",
@@ -105,7 +103,7 @@ _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "vllm_xargs": "they are arguments of custom logits processors, which are not implemented",
         "guided_decoding_backend": "structured outputs run on xgrammar",
         "guided_whitespace_pattern": "JSON outputs take xgrammar's whitespace",
-        "echo": "chat's echo (the last message repeated before the answer) is not implemented"}
+}
 
 
 def _same(value: Any, off: Any) -> bool:
@@ -116,7 +114,7 @@ def _same(value: Any, off: Any) -> bool:
 
 
 def _off_enum(name: str) -> dict[str, Any]:
-    off = {**OFF_VALUES, **CHAT_OFF_VALUES}[name]
+    off = OFF_VALUES[name]
     return {"enum": [*off, None]} if off else {"type": "null"}
 
 
@@ -579,7 +577,9 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, Text]] | None = Field(None, description="Extension (vLLM): documents for the chat "
                                                                       "template (RAG templates read them; others "
                                                                       "ignore them).")
-    echo: bool | None = Field(False, json_schema_extra=_off_enum("echo"), description="Extension (vLLM): only false.")
+    echo: bool | None = Field(False, description="Extension (vLLM): the last message's content, where it is the "
+                                                 "assistant's, opens the answer (with continue_final_message: the "
+                                                 "message and its continuation as one).")
     chat_template: Text | None = Field(None, description="Extension (vLLM): a chat template (Jinja) for this request "
                                                          "instead of the server's; taken only by a server started "
                                                          "with --trust-request-chat-template (else HTTP 400).")
@@ -587,9 +587,14 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def echoed(self) -> str:
+        """What echo puts before the answer (vLLM's): the last message's content where it is the assistant's."""
+        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+            return ""
+        return self.messages[-1].for_template().get("content") or ""
+
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
-        refuse_unimplemented(self, CHAT_OFF_VALUES)
         check_continue_final(self.continue_final_message, self.add_generation_prompt, self.messages)
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs", CONFLICT)

@@ -348,6 +348,27 @@ def test_continue_final_message_continues_the_last_message(client, server, model
         assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
 
 
+def test_chat_echo_opens_the_answer_with_the_last_assistant_message(client, model_name):
+    """As vLLM's chat echo: the final assistant message, then its continuation (streamed: the message in a chunk of
+    its own after the role); a last message of another role echoes nothing."""
+    messages = [{"role": "user", "content": "What does len do?"}, {"role": "assistant", "content": "It returns"}]
+    kw = dict(model=model_name, messages=messages, max_tokens=6, temperature=0, n=2)
+    extra = {"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**kw, extra_body=extra)
+    echoed = client.chat.completions.create(**kw, extra_body={**extra, "echo": True})
+    assert [c.message.content for c in echoed.choices] == ["It returns" + c.message.content for c in plain.choices]
+    assert echoed.usage == plain.usage
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={**extra, "echo": True}))
+    for i in range(2):
+        deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].index == i]
+        assert deltas[:2] == ["", "It returns"] and "".join(deltas) == echoed.choices[i].message.content
+    asked = client.chat.completions.create(model=model_name, messages=messages[:1], max_tokens=4, temperature=0,
+                                           extra_body={"echo": True, "ignore_eos": True})
+    same = client.chat.completions.create(model=model_name, messages=messages[:1], max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert asked.choices[0].message.content == same.choices[0].message.content
+
+
 TOOLS_TEMPLATE = ("{% for t in tools or [] %}<tool>{{ t['function']['name'] }}: {{ t['function']['description'] }}"
                   "</tool>{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
 

@@ -85,7 +85,6 @@ def test_response_ids_come_from_request_id_or_the_header(client):
     ("/v1/chat/completions", "vllm_xargs", {"k": 1}, "custom logits processors"),
     ("/v1/completions", "guided_decoding_backend", "outlines", "run on xgrammar"),
     ("/v1/chat/completions", "guided_whitespace_pattern", "[ ]?", "xgrammar's whitespace"),
-    ("/v1/chat/completions", "echo", True, "chat's echo"),
 ])
 def test_what_muxd_does_not_implement_is_refused_by_name(client, path, field, value, words):
     body = {**(CHAT if "chat" in path else TEXT), field: value}
