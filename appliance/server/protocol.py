@@ -196,6 +196,9 @@ class _SamplingRequest(BaseModel):
     truncate_prompt_tokens: Literal[-1] | Count | None = Field(
         None, description="Extension (vLLM): keep only the prompt's last k tokens (after the chat template); -1: as "
                           "many as the context leaves room for beside max_tokens.")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="Extension (vLLM): where truncate_prompt_tokens cuts: left (the default) keeps the last "
+                          "tokens, right the first.")
     prompt_logprobs: TopLogprobs | None = Field(None, description="Extension (vLLM): each prompt token's "
                                                                   "log-probability, its rank and this many "
                                                                   "alternatives (not with stream, except 0).")

@@ -149,7 +149,8 @@ class OpenAIServing:
             ids = (self._encode(prompt, body.add_special_tokens is not False, param, limit=keep is None)
                    if isinstance(prompt, str) else list(prompt))
             cut.append(keep is not None and len(ids) > keep)
-            requests += self._make(body, ids[-keep:] if keep else ids, body.max_tokens, rid, first=len(requests))
+            requests += self._make(body, _kept(ids, keep, body.truncation_side), body.max_tokens, rid,
+                                   first=len(requests))
         return requests, cut
 
     def _chat_requests(self, body: p.ChatCompletionRequest, rid: str) -> tuple[list[Request], bool | None]:
@@ -166,11 +167,12 @@ class OpenAIServing:
                 after = tuple(self._tokenizer().encode(END, add_special_tokens=False))
             else:
                 thinking = None  # the grammar holds from the first token: no think block to split off
-        requests = self._make(body, ids[-keep:] if keep else ids, body.requested_max_tokens(), rid, after=after)
+        requests = self._make(body, _kept(ids, keep, body.truncation_side), body.requested_max_tokens(), rid,
+                              after=after)
         return requests, thinking
 
     def _keep(self, body: p._SamplingRequest) -> int | None:
-        """The prompt tokens truncate_prompt_tokens keeps, the last ones (None: all); -1 keeps as many as the context
+        """How many prompt tokens truncate_prompt_tokens keeps (None: all); -1 keeps as many as the context
         leaves room for beside max_tokens (or one token when max_tokens is not given)."""
         k = body.truncate_prompt_tokens
         if k is not None and k > self.max_model_len:
@@ -389,6 +391,14 @@ def response_id(prefix: str, body: p._SamplingRequest | ResponsesRequest, http: 
 def _event(model: BaseModel) -> str:
     kind = f"event: {model.type}\n" if isinstance(model, Event) else ""  # the Responses API names its events
     return f"{kind}data: {model.model_dump_json(exclude_none=True)}\n\n"
+
+
+def _kept(ids: list[int], keep: int | None, side: str | None) -> list[int]:
+    """The prompt tokens truncate_prompt_tokens keeps (`keep`; None: all): the last ones, or with truncation_side
+    right the first ones."""
+    if not keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 async def _wait_disconnect(http: HTTPRequest) -> None:

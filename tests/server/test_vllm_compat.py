@@ -603,6 +603,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server, model_name
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 400
     fitted = _post(server, "completions", {**body, "truncate_prompt_tokens": -1})
     assert fitted["usage"]["prompt_tokens"] == 512 - 4 and fitted["usage"]["completion_tokens"] == 4
+    # vLLM's truncation_side: right keeps the first tokens (left, the default, the last)
+    first = client.completions.create(prompt=prompt, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 5, "truncation_side": "right"}})
+    head = client.completions.create(prompt=ids[:5], **kw)
+    assert first.choices[0].text == head.choices[0].text and first.choices[0].text.startswith("def")
+    last = client.completions.create(prompt=prompt, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 5, "truncation_side": "left"}})
+    assert last.choices[0].text == cut.choices[0].text
+    wrong = httpx.post(server.url + "/v1/completions", json={**body, "truncation_side": "middle"}, timeout=60)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "truncation_side"
 
 
 def test_truncate_prompt_tokens_in_chat_cuts_the_rendered_prompt(client, server, model_name):
