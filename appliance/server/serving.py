@@ -273,14 +273,8 @@ class OpenAIServing:
             return StreamingResponse(self._sse(choices, choices.n, fmt, body, prompt_tokens, group=each),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self._collect(choices, keep=ranked))
-        gone = asyncio.ensure_future(_wait_disconnect(http))
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():  # the client left: stop generating for it
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)
-            return JSONResponse(status_code=499, content={"error": {
-                "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
-        gone.cancel()
+        if not await _done_unless_gone(collect, http):
+            return _client_gone()
         states = collect.result()  # raises what ended the request early (engine error, shutdown)
         usage = usage_of(states, each)
         if ranked:
@@ -302,14 +296,8 @@ class OpenAIServing:
         length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
         run = asyncio.ensure_future(beam_search.search_all(self.engine, prompts, width, length_penalty,
                                                            set(self.engine.engine.eos_token_ids)))
-        gone = asyncio.ensure_future(_wait_disconnect(http))
-        await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not run.done():  # the client left: stop searching for it
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
-            return JSONResponse(status_code=499, content={"error": {
-                "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
-        gone.cancel()
+        if not await _done_unless_gone(run, http):
+            return _client_gone()
         states = []
         for p_index, (request, beams) in enumerate(zip(prompts, run.result())):
             for i, beam in enumerate(beams):
@@ -399,6 +387,25 @@ def _kept(ids: list[int], keep: int | None, side: str | None) -> list[int]:
     if not keep:
         return ids
     return ids[:keep] if side == "right" else ids[-keep:]
+
+
+async def _done_unless_gone(work: asyncio.Future, http: HTTPRequest) -> bool:
+    """Wait for `work` (True), unless the client leaves first: then `work` is cancelled (the engine requests it
+    holds end and free their pages) and the answer is False."""
+    gone = asyncio.ensure_future(_wait_disconnect(http))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return False
+    gone.cancel()
+    return True
+
+
+def _client_gone() -> JSONResponse:
+    """The answer to a request whose client left before it was done (nginx's 499)."""
+    return JSONResponse(status_code=499, content={"error": {
+        "message": "client disconnected", "type": "client_closed_request", "param": None, "code": None}})
 
 
 async def _wait_disconnect(http: HTTPRequest) -> None:

@@ -84,3 +84,47 @@ def test_no_page_is_left_held(client):
                                       "use_beam_search": True})
     engine = client.app.state.muxd.engine.engine
     assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_a_client_that_leaves_ends_its_search_and_frees_every_page():
+    """A client gone mid-search (its read timed out): the search stops at once, its engine requests end, no page
+    stays held, and the server answers the next request."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from live_server import free_port
+
+    from appliance.bench.launcher import wait_until_ready
+    from appliance.server.api import create_app
+
+    app = create_app(Config.flat(kv_cache_memory="64MiB", max_model_len=512))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(url, None, 120, lambda: "")
+        engine = app.state.muxd.engine.engine
+        steps = []
+        step = engine.step
+        engine.step = lambda: steps.append(1) or step()
+        long = {"prompt": PROMPT, "max_tokens": 400, "n": 4, "use_beam_search": True, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=long, timeout=httpx.Timeout(60, read=0.5))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the engine has had nothing to do for half a second
+            before = len(steps)
+            time.sleep(0.5)
+            if not engine.has_unfinished() and len(steps) == before:
+                break
+        assert not engine.has_unfinished()
+        assert len(steps) < 400  # a whole search takes at least an engine step for each of its 400 tokens
+        assert engine.pool.num_free_pages == engine.pool.num_pages
+        after = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.should_exit = True
+        thread.join(30)
