@@ -134,13 +134,7 @@ def guided_grammar(json_schema: GuidedJson | None, regex: str | None, choice: li
         return None
     param, value = given[0]
     if param.endswith("json"):
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"{param}: not JSON ({exc.msg})", param, UNUSABLE_SCHEMA) from None
-        if not isinstance(value, dict):
-            raise RequestError(f"{param}: a JSON schema is an object", param, UNUSABLE_SCHEMA)
+        value = _json_object(value, param, "a JSON schema", UNUSABLE_SCHEMA)
         return GrammarSpec("json_schema", json.dumps(value), param)
     if param.endswith("regex"):
         return GrammarSpec("regex", value, param)
@@ -154,12 +148,7 @@ def guided_grammar(json_schema: GuidedJson | None, regex: str | None, choice: li
 def structural_tag_spec(text: str, param: str) -> GrammarSpec:
     """The grammar of a structural tag sent as JSON text (vLLM's structural_tag fields): either form of
     `StructuralTagFormat`, its `type` optional; RequestError naming `param` otherwise."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"{param}: not JSON ({exc.msg})", param, UNUSABLE_GRAMMAR) from None
-    if not isinstance(value, dict):
-        raise RequestError(f"{param}: a structural tag is a JSON object", param, UNUSABLE_GRAMMAR)
+    value = _json_object(text, param, "a structural tag", UNUSABLE_GRAMMAR)
     try:
         tag = StructuralTagFormat.model_validate({"type": "structural_tag", **value})
     except ValidationError as exc:
@@ -168,3 +157,15 @@ def structural_tag_spec(text: str, param: str) -> GrammarSpec:
         raise RequestError(f"{param}{where}: {first['msg'].removeprefix('Value error, ')}", param,
                            UNUSABLE_GRAMMAR) from None
     return GrammarSpec("structural_tag", json.dumps(tag.model_dump(by_alias=True, exclude_none=True)), param)
+
+
+def _json_object(value: Any, param: str, what: str, code: str) -> dict[str, Any]:
+    """A JSON object given as itself or as JSON text; RequestError naming `param` (with `code`) otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{param}: not JSON ({exc.msg})", param, code) from None
+    if not isinstance(value, dict):
+        raise RequestError(f"{param}: {what} is a JSON object", param, code)
+    return value
