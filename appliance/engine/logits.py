@@ -1,7 +1,7 @@
 """What changes a batch's next-token logits before sampling: repetition, presence and frequency penalties,
-`logit_bias`, `allowed_token_ids`, the `min_tokens` and `bad_words` masks and a grammar's token mask — each one batched
-operation over the rows that need it (the host only gathers their ids into one tensor per kind), nothing for rows that
-need none.
+`logit_bias`, `allowed_token_ids`, a think block's budget, the `min_tokens` and `bad_words` masks and a grammar's
+token mask — each one batched operation over the rows that need it (the host only gathers their ids into one tensor
+per kind), nothing for rows that need none.
 Host data goes to the device with asynchronous copies: a blocking one would wait for every kernel queued before it,
 the next step's too.
 """
@@ -29,9 +29,14 @@ def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] 
     if biased:
         rows, cols, values = zip(*biased)
         _index_add(logits, rows, cols, torch.tensor(values, dtype=logits.dtype))
-    kept = [i for i, r in enumerate(reqs) if r.sampling.allowed_token_ids is not None]
+    kept = {i: r.sampling.allowed_token_ids for i, r in enumerate(reqs) if r.sampling.allowed_token_ids is not None}
+    # a think block whose budget is spent: its end, token by token (its request reads its output on the host)
+    for i, r in enumerate(reqs):
+        forced = r.thinking.forced(r.output_token_ids) if r.thinking is not None else None
+        if forced is not None:
+            kept[i] = [forced]
     if kept:
-        _keep_only(logits, kept, [reqs[i].sampling.allowed_token_ids for i in kept])
+        _keep_only(logits, list(kept), list(kept.values()))
     # (output tokens still on the device count: the token sampled now is the next one)
     blocked = [(i, t) for i, r in enumerate(reqs) if counts[i] < r.sampling.min_tokens
                for t in r.min_tokens_blocked]
@@ -59,7 +64,7 @@ def _processed(r: Request) -> bool:
     """Whether any processor above may change the request's row."""
     sp = r.sampling
     return (sp.penalised or bool(sp.logit_bias) or sp.allowed_token_ids is not None or sp.min_tokens > 0
-            or r.bad_words is not None or r.matcher is not None)
+            or r.bad_words is not None or r.matcher is not None or r.thinking is not None)
 
 
 def _penalise(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:

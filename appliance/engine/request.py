@@ -63,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None  # the sampled token's log-probability and this many alternatives (0: none)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     grammar: object | None = None  # a GrammarSpec (engine/grammar.py): constrains the output to it
+    thinking: ThinkingLimit | None = None  # a cap on the tokens of the output's think block (vLLM's budget)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -145,6 +146,52 @@ class SamplingParams:
         # A top_p under 1e-6 keeps only the most likely token in any vocabulary under a million (its probability is
         # at least 1/vocab): greedy too, and spared a float32 underflow that would keep no token at all.
         return self.temperature < GREEDY_BELOW or self.top_k == 1 or self.top_p < 1e-6
+
+
+@dataclass(frozen=True)
+class ThinkingLimit:
+    """At most `budget` tokens inside a think block (vLLM's thinking_token_budget): a block opens where the output
+    writes `start` (or at once, `inside`) and ends where it writes `end`; once the budget is spent, `end` is forced
+    token by token."""
+
+    budget: int
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    inside: bool = False
+
+
+class ThinkingBudget:
+    """A request's progress through its think block (ThinkingLimit), read from its output as it grows."""
+
+    def __init__(self, limit: ThinkingLimit) -> None:
+        self.limit = limit
+        self.inside, self.done = limit.inside, False
+        self.spent = 0  # tokens written inside the block
+        self._seen = 0  # output tokens read so far
+
+    @property
+    def active(self) -> bool:
+        """The block has not ended: the next token may be forced, so it is sampled with the output on the host."""
+        return not self.done
+
+    def forced(self, output: list[int]) -> int | None:
+        """The token the output must write next (the block's end, once its budget is spent), or None."""
+        lim = self.limit
+        for n in range(self._seen + 1, len(output) + 1):  # each new token, with the output up to it
+            if not self.inside and not self.done and tuple(output[max(0, n - len(lim.start)):n]) == lim.start:
+                self.inside = True
+            elif self.inside:
+                self.spent += 1
+                if tuple(output[max(0, n - len(lim.end)):n]) == lim.end:
+                    self.inside, self.done = False, True
+        self._seen = len(output)
+        if not self.inside or self.spent < lim.budget:
+            return None
+        # the budget is spent: the longest start of `end` the output ends with is continued
+        for k in range(min(len(lim.end) - 1, len(output)), -1, -1):
+            if k == 0 or tuple(output[-k:]) == lim.end[:k]:
+                return lim.end[k]
+        return lim.end[0]
 
 
 class BadWords:
@@ -240,6 +287,7 @@ class Request:
         self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
         self.min_tokens_blocked: list[int] = []  # ids masked while fewer than sampling.min_tokens are out
         self.bad_words = BadWords(sampling.bad_words_token_ids) if sampling.bad_words_token_ids else None
+        self.thinking = ThinkingBudget(sampling.thinking) if sampling.thinking is not None else None
         self.matcher = None  # the grammar's state (engine/grammar.py) when the output is constrained
         # tokens sampled by launched steps that the host has not read yet (overlapped loop, engine/engine.py); the
         # latest sits at `pending_row` of the token buffer its step wrote (engine/launched.py)
@@ -280,9 +328,10 @@ class Request:
     @property
     def reads_output(self) -> bool:
         """Its next token's logits depend on its output so far (a grammar's mask, a penalty, a bad word of several
-        tokens): it is sampled only once its latest token is on the host."""
+        tokens, a think block's budget): it is sampled only once its latest token is on the host."""
         return self.matcher is not None or self.sampling.penalised or (
-            self.bad_words is not None and self.bad_words.reads_output)
+            self.bad_words is not None and self.bad_words.reads_output) or (
+            self.thinking is not None and self.thinking.active)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

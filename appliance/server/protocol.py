@@ -580,6 +580,9 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, Text]] | None = Field(None, description="Extension (vLLM): documents for the chat "
                                                                       "template (RAG templates read them; others "
                                                                       "ignore them).")
+    thinking_token_budget: bounded_int(ge=0) | None = Field(
+        None, description="Extension (vLLM): at most this many tokens inside the answer's think block; then its end "
+                          "(</think>) is written and the answer goes on (needs --reasoning-parser).")
     echo: bool | None = Field(False, description="Extension (vLLM): the last message's content, where it is the "
                                                  "assistant's, opens the answer (with continue_final_message: the "
                                                  "message and its continuation as one).")

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from appliance.engine.admission import CONTEXT_LENGTH_EXCEEDED
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.request import Request, RequestOutput
+from appliance.engine.request import Request, RequestOutput, ThinkingLimit
 from appliance.errors import ModelNotFoundError, RequestError
 from appliance.model_zoo.tokenizer import RenderedChat
 from appliance.server import beam_search
@@ -32,7 +32,7 @@ from appliance.server.choices import Choices, gathered
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
 from appliance.server.metrics import Metrics
-from appliance.server.reasoning import END, opens_thinking, waits_for_thinking
+from appliance.server.reasoning import END, START, opens_thinking, waits_for_thinking
 from appliance.server.responses_api import Event, ResponsesFormat, ResponsesRequest, renamed
 from appliance.server.tools import detect_parser
 
@@ -168,8 +168,20 @@ class OpenAIServing:
             else:
                 thinking = None  # the grammar holds from the first token: no think block to split off
         requests = self._make(body, _kept(ids, keep, body.truncation_side), body.requested_max_tokens(), rid,
-                              after=after)
+                              after=after, thinking=self._thinking_limit(body, thinking))
         return requests, thinking
+
+    def _thinking_limit(self, body: p.ChatCompletionRequest, inside: bool | None) -> ThinkingLimit | None:
+        """The request's thinking_token_budget as a cap on its think block (`inside`: the output begins in one)."""
+        budget = body.thinking_token_budget
+        if budget is None:
+            return None
+        if self.reasoning_parser == "none":
+            raise RequestError("thinking_token_budget needs a server started with --reasoning-parser (which says "
+                               "where a think block starts and ends)", "thinking_token_budget")
+        tok = self._tokenizer()
+        return ThinkingLimit(budget, tuple(tok.encode(START, add_special_tokens=False)),
+                             tuple(tok.encode(END, add_special_tokens=False)), bool(inside))
 
     def _keep(self, body: p._SamplingRequest) -> int | None:
         """How many prompt tokens truncate_prompt_tokens keeps (None: all); -1 keeps as many as the context
@@ -236,9 +248,10 @@ class OpenAIServing:
                                CONTEXT_LENGTH_EXCEEDED)
 
     def _make(self, body: p._SamplingRequest, ids: list[int], max_tokens: int | None, rid: str,
-              first: int = 0, after: tuple[int, ...] = ()) -> list[Request]:
+              first: int = 0, after: tuple[int, ...] = (), thinking: ThinkingLimit | None = None) -> list[Request]:
         """One engine request per choice of one prompt (ids rid, rid-1, ... counted from `first`; choice i samples
-        with seed + i); `after`: the tokens a grammar waits for (the end of thinking)."""
+        with seed + i); `after`: the tokens a grammar waits for (the end of thinking); `thinking`: the cap on the
+        think block's tokens."""
         if max_tokens is None:
             room = self.max_model_len - len(ids)
             max_tokens = max(1, min(room, self.sampling_defaults.get("max_tokens", room)))
@@ -247,6 +260,7 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens, i, self.sampling_defaults)
             if params.grammar is not None and after:
                 params.grammar = dataclasses.replace(params.grammar, after=after)
+            params.thinking = thinking
             requests.append(self.engine.make_request(ids, params, request_id=rid if first + i == 0
                                                      else f"{rid}-{first + i}"))
         return requests

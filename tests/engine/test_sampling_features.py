@@ -12,7 +12,7 @@ from appliance.config import Config
 from appliance.engine.factory import build_engine
 from appliance.engine.grammar import GrammarSpec
 from appliance.engine.logits import process_logits
-from appliance.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from appliance.engine.request import Request, RequestOutput, SamplingParams, ThinkingLimit, TokenLogprob
 from appliance.errors import ConfigError, RequestError
 
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(36)]  # three pages of 16, the last partial
@@ -272,3 +272,32 @@ def test_min_tokens_with_stop_ids_outside_the_vocabulary(llama):
     engine, _ = llama
     outs = run(engine, PROMPT, SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[2**62, 10**6]))
     assert len(outs) == 3 and outs[-1].finished  # the engine keeps running
+
+
+def test_a_think_blocks_budget_forces_its_end_through_the_engine_loop(llama):
+    """ThinkingLimit (vLLM's thinking_token_budget): the block opens where the output writes `start` (or at once),
+    and once `budget` tokens were written inside it its end is forced token by token (a start of the end already
+    written is continued); a block the model ends itself forces nothing; a row without a limit beside it is as
+    alone."""
+    engine, _ = llama
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [o.new_token_ids[0] for o in run(engine, PROMPT, SamplingParams(**greedy))]
+    spare = [t for t in range(engine.model.config.vocab_size) if t not in alone][:2]
+
+    def tokens(limit: ThinkingLimit) -> tuple[list[int], list[int]]:
+        rid = engine.add_request(PROMPT, SamplingParams(**greedy, thinking=limit))
+        other = engine.add_request(PROMPT, SamplingParams(**greedy))
+        out: dict[str, list[int]] = {rid: [], other: []}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        return out[rid], out[other]
+
+    opened, beside = tokens(ThinkingLimit(3, start=tuple(alone[:2]), end=tuple(spare)))
+    assert opened[:5] == alone[:5] and opened[5:7] == spare and beside == alone
+    at_once, _ = tokens(ThinkingLimit(0, start=tuple(alone[:2]), end=tuple(spare), inside=True))
+    assert at_once[:2] == spare
+    natural, _ = tokens(ThinkingLimit(10, start=(spare[0],), end=(alone[3],), inside=True))
+    assert natural == alone
+    continued, _ = tokens(ThinkingLimit(3, start=(spare[0],), end=(alone[2], spare[1]), inside=True))
+    assert continued[:4] == [*alone[:3], spare[1]]

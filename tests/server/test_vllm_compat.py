@@ -534,6 +534,27 @@ def test_reasoning_parser_splits_reasoning_from_content_in_bodies_and_streams(sh
     assert httpx.post(server.url + "/tokenize", json={"messages": echoed}).status_code == 200  # as clients send back
 
 
+def test_thinking_token_budget_ends_the_think_block_after_its_tokens(shared_serve, server, model_name):
+    """As vLLM's thinking_token_budget: the answer thinks for at most that many tokens, then </think> is written
+    and the answer goes on as content (this model never ends its thinking itself); without --reasoning-parser it
+    is a 400 naming the field."""
+    reasoner = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--chat-template", OPENS_THINKING,
+                            "--reasoning-parser", "qwen3")
+    end = httpx.post(reasoner.url + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Is 7 prime?"}], "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    free = _post(reasoner, "chat/completions", body)["choices"][0]
+    for budget in (0, 3):
+        capped = _post(reasoner, "chat/completions", {**body, "thinking_token_budget": budget})["choices"][0]
+        ids = capped["token_ids"]
+        assert ids[:budget] == free["token_ids"][:budget] and ids[budget:budget + end["count"]] == end["tokens"]
+        assert capped["message"]["content"]
+        assert (capped["message"]["reasoning"] or "") == (free["message"]["reasoning"][:len(
+            capped["message"]["reasoning"] or "")])
+    refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "thinking_token_budget": 4}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
+
+
 def test_generation_config_sets_the_sampling_a_request_leaves_unset(defaults_server, model_name):
     """--generation-config DIR (and auto, the model's own file): its temperature and max_new_tokens stand in for a
     request's unset temperature and max_tokens; what the request sets wins."""
