@@ -111,11 +111,12 @@ def create_app(cfg: Config, on_fatal: Callable[[BaseException], None] | None = N
     async def model(model: str):
         return model_card(state.require_ready().check_model(model))
 
-    # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes
+    # bodies specialised to this model: token ids within its vocabulary, slo_class among its contract's classes,
+    # thinking_token_budget where a reasoning parser serves it
     contract = cfg.scheduler.contract
     vocab_size = ModelConfig.from_file(resolve_model_dir(cfg.model.model_dir) / "config.json",
                                        cfg.model.config_overrides()).vocab_size
-    completion_body, chat_body = p.bodies_for(vocab_size, list(contract.classes))
+    completion_body, chat_body = p.bodies_for(vocab_size, list(contract.classes), cfg.server.reasoning_parser != "none")
     detokenize_body = t.detokenize_body(vocab_size)
     response_body = responses_body(chat_body)
 

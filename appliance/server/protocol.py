@@ -689,9 +689,11 @@ def _preview(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+def bodies_for(vocab_size: int, slo_classes: list[str],
+               reasoning: bool = False) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
     """The request bodies of one served model, in validation and in the schema: token ids below its vocabulary,
-    `slo_class` one of its SLO contract's classes."""
+    `slo_class` one of its SLO contract's classes, and (the schema) thinking_token_budget only null on a server
+    without a reasoning parser, which refuses it."""
     # the engine checks the class (and the X-SLO-Class header) with its own message; the schema names the classes
     slo_class = (Text | None, Field(None, json_schema_extra={"enum": [*slo_classes, None]}, description=(
         "Extension: the request class of the SLO contract (or the X-SLO-Class header).")))
@@ -705,8 +707,11 @@ def bodies_for(vocab_size: int, slo_classes: list[str]) -> tuple[type[Completion
                               prompt=(_prompt_type(bounded_int(ge=0, le=vocab_size - 1)), ...), slo_class=slo_class,
                               logit_bias=logit_bias, allowed_token_ids=allowed)
     completion.vocab_size = vocab_size
+    budget_field = ChatCompletionRequest.model_fields["thinking_token_budget"]
+    budget = (budget_field.annotation, Field(None, description=budget_field.description,
+                                             json_schema_extra=None if reasoning else {"type": "null"}))
     chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest,
                         __doc__=ChatCompletionRequest.__doc__, slo_class=slo_class, logit_bias=logit_bias,
-                        allowed_token_ids=allowed)
+                        allowed_token_ids=allowed, thinking_token_budget=budget)
     return completion, chat
 
