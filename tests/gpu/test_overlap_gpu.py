@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from copy_model import PERIOD, periodic_prompt
+from copy_model import PERIOD, VOCAB, periodic_prompt
 from spies import step_through
 
 from appliance.attention.triton_decode import MAX_BATCH
@@ -18,7 +18,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.planners.base import Planner, admit_fcfs, chunk_end, reserve_all
-from appliance.engine.request import Request, SamplingParams
+from appliance.engine.request import Request, SamplingParams, ThinkingLimit
 from appliance.engine.scheduler import Scheduler
 
 
@@ -85,12 +85,14 @@ def stop_after(seed: int, length: int, n: int) -> int:
     return periodic_prompt(seed, length + n)[length + n - 1]
 
 
+THINK_END = tuple(t for t in range(3, VOCAB) if t not in periodic_prompt(24, 36))[:2]  # tokens the prompt lacks
 ABORTED = (3, 12)  # the requests `compare` aborts (in order of creation: a greedy one and the stop-token one)
 
 
 def workload(engine: Engine) -> dict[int, list[Request]]:
-    """max_tokens ending at every step from 1 to 12, stop tokens, seeded sampling, logprobs; staggered arrivals
-    (requests 0-11 greedy, 12 stopped by a token, 13 seeded, 14 with logprobs, 15 longer)."""
+    """max_tokens ending at every step from 1 to 12, stop tokens, seeded sampling, logprobs, a think block's budget;
+    staggered arrivals (requests 0-11 greedy, 12 stopped by a token, 13 seeded, 14 with logprobs, 15 longer, 16 its
+    think block ended after 3 tokens)."""
     greedy = [engine.make_request(periodic_prompt(s, 30 + 3 * s),
                                   SamplingParams(max_tokens=s, temperature=0, ignore_eos=True)) for s in range(1, 13)]
     others = [
@@ -101,6 +103,8 @@ def workload(engine: Engine) -> dict[int, list[Request]]:
         engine.make_request(periodic_prompt(22, 33), SamplingParams(max_tokens=10, temperature=0, logprobs=2,
                                                                     ignore_eos=True)),
         engine.make_request(periodic_prompt(23, 50), SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)),
+        engine.make_request(periodic_prompt(24, 36), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                                    thinking=ThinkingLimit(3, (1,), THINK_END, True))),
     ]
     return {0: greedy[:6] + others[:2], 2: greedy[6:], 5: others[2:]}
 
@@ -150,6 +154,7 @@ def test_overlapped_equals_synchronous_with_cuda_graphs(fast):
     lengths = sorted(sum(len(o[0]) for o in outs) for outs in sync.values())
     assert set(range(1, 13)) <= set(lengths)
     assert sync[12][-1][2] == "stop" and sum(len(o[0]) for o in sync[12]) <= 5  # the stop token
+    assert [t for o in sync[16] for t in o[0]][3:5] == list(THINK_END)  # the think block's end, forced
 
 
 def test_aborts_at_every_step_with_cuda_graphs(fast):
