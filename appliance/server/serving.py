@@ -31,7 +31,7 @@ from appliance.server import tokenize as t
 from appliance.server.choices import Choices, gathered
 from appliance.server.errors import sse_error
 from appliance.server.formatting import ChatFormat, Choice, CompletionFormat, best, replay, usage_of
-from appliance.server.metrics import Metrics
+from appliance.server.metrics import Metrics, TokenTimer
 from appliance.server.reasoning import END, START, opens_thinking, waits_for_thinking
 from appliance.server.responses_api import Event, ResponsesFormat, ResponsesRequest, renamed
 from appliance.server.tools import detect_parser
@@ -308,17 +308,22 @@ class OpenAIServing:
         for request in prompts:
             beam_search.check(request, width)
         length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
+        timers = [TokenTimer(self.metrics) for _ in prompts]  # (the answer's first token: when the search ends)
         run = asyncio.ensure_future(beam_search.search_all(self.engine, prompts, width, length_penalty,
                                                            set(self.engine.engine.eos_token_ids)))
         if not await _done_unless_gone(run, http):
             return _client_gone()
         states = []
-        for p_index, (request, beams) in enumerate(zip(prompts, run.result())):
-            for i, beam in enumerate(beams):
+        for p_index, (request, beams, timer) in enumerate(zip(prompts, run.result(), timers)):
+            outs = [beam_search.output(request, beam, functools.partial(
+                self._decode, skip_special_tokens=request.sampling.skip_special_tokens)) for beam in beams]
+            timer.tokens(max((len(out.new_token_ids) for out in outs), default=0))
+            for i, out in enumerate(outs):  # the request's metrics: each beam a finished choice, as vLLM counts
+                self.metrics.request_done(out, timer, body.requested_max_tokens())
                 choice = Choice(p_index * width + i, keep=True)
-                choice.add(fmt.shown(beam_search.output(request, beam, functools.partial(
-                    self._decode, skip_special_tokens=request.sampling.skip_special_tokens))))
+                choice.add(fmt.shown(out))
                 states.append(choice)
+            self.metrics.prompt_done(len(outs), max((o.num_output_tokens for o in outs), default=0))
         usage = usage_of(states, width)
         if body.stream:
             prompt_tokens = sum(len(q.prompt_token_ids) for q in prompts)

@@ -79,6 +79,19 @@ def test_what_beam_search_cannot_honour_is_refused_by_name(client, extra, param)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+def test_beams_are_counted_as_finished_choices(client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def successes() -> float:
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        return sum(s.value for f in families if f.name == "vllm:request_success" for s in f.samples
+                   if s.name.endswith("_total"))
+
+    before = successes()
+    _post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 3, "use_beam_search": True})
+    assert successes() == before + 3
+
+
 def test_no_page_is_left_held(client):
     _post(client, "/v1/completions", {"prompt": [PROMPT, "another prompt"], "max_tokens": 6, "n": 3,
                                       "use_beam_search": True})
