@@ -725,8 +725,10 @@ class VllmFlags:
                                                     hidden=True)
     root_path: Optional[str] = flag(None, "The path prefix a proxy serves muxd under (FastAPI's root_path): routes "
                                     "answer with and without it.", hidden=True)
-    max_log_len: Optional[int] = flag(None, "Accepted: muxd logs no prompts.", hidden=True)
-    enable_log_requests: bool = flag(False, "Only off: muxd does not log requests.", hidden=True)
+    max_log_len: Optional[int] = flag(None, "With --enable-log-requests: the characters of a prompt and output, and "
+                                      "the token ids, each log line holds (default: all).", hidden=True)
+    enable_log_requests: bool = flag(False, "As vLLM's: log each request as it arrives, its prompt (text and token "
+                                     "ids) and sampling parameters.", hidden=True)
     tokenizer_mode: str = flag("auto", "Only auto or hf: muxd runs the fast tokenizer of tokenizer.json.",
                                hidden=True)
     enable_request_id_headers: bool = flag(False, "Every response carries an X-Request-Id header: the request's "
@@ -767,7 +769,8 @@ class VllmFlags:
     enable_sleep_mode: bool = flag(False, "Only off: muxd has no sleep mode.", hidden=True)
     enable_lora: bool = flag(False, "Only off: muxd serves no LoRA adapters.", hidden=True)
     speculative_config: Optional[str] = flag(None, "Only unset: muxd has no speculative decoding.", hidden=True)
-    enable_log_outputs: bool = flag(False, "Only off: muxd does not log outputs.", hidden=True)
+    enable_log_outputs: bool = flag(False, "As vLLM's, with --enable-log-requests: log each choice's output when it "
+                                    "ends.", hidden=True)
     enable_prompt_embeds: bool = flag(False, "Only off: prompts are text or token ids.", hidden=True)
     skip_tokenizer_init: bool = flag(False, "Only off: muxd tokenizes and detokenizes itself.", hidden=True)
     enable_tokenizer_info_endpoint: bool = flag(False, "GET /tokenizer_info answers the tokenizer's configuration "
@@ -891,6 +894,8 @@ class VllmFlags:
             _structured_outputs_backend(self.structured_outputs_config)
         if self.num_scheduler_steps < 1:
             raise ConfigError(f"--num-scheduler-steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ConfigError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in levels:
             raise ConfigError(f"--uvicorn-log-level must be one of {', '.join(levels)}, got "
@@ -937,8 +942,6 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
                                      "with --tensor-parallel-size"),
     "data_parallel_size": ((1,), "muxd serves replicas with --replicas N (one engine per GPU, on Ray Serve), not "
                                  "data parallelism"),
-    "enable_log_requests": ((False,), "muxd does not log requests or their prompts (uvicorn's access log names each "
-                                      "request; /metrics counts them); leave it out"),
     "response_role": (("assistant",), "muxd's chat answers have the role assistant; leave it out"),
     "chat_template_content_format": (("auto", "string"), "muxd hands message content to the chat template as one "
                                                          "string (text parts joined), which is vLLM's string format; "
@@ -970,7 +973,6 @@ _VLLM_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_lora": ((False,), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "
                               "serve that directory)"),
     "speculative_config": ((None,), "muxd has no speculative decoding; leave it out"),
-    "enable_log_outputs": ((False,), "muxd does not log outputs; leave it out"),
     "enable_prompt_embeds": ((False,), "muxd takes prompts as text or token ids, not embeddings; leave it out"),
     "skip_tokenizer_init": ((False,), "muxd tokenizes prompts and detokenizes outputs itself; leave it out"),
     "lora_modules": ((None,), "muxd serves one model without LoRA adapters (merge an adapter into the weights and "

@@ -22,13 +22,14 @@ _END = object()
 class Choices:
     """`requests` are the choices of one prompt or of a batch of prompts, `group` to a prompt (prompt p's are the
     indices p * group ...; None: one prompt); `shown`: an output as the response shows it, as the stream yields it;
-    `max_tokens`: the request's max_tokens as sent (None: not sent), for the metrics."""
+    `max_tokens`: the request's max_tokens as sent (None: not sent), for the metrics; `on_done`: called with each
+    choice's final output."""
 
     def __init__(self, engine: AsyncEngine, requests: list[Request], metrics: Metrics, share_prefill: bool = True,
                  group: int | None = None, shown: Callable[[RequestOutput], RequestOutput] = lambda out: out,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, on_done: Callable[[RequestOutput], None] | None = None) -> None:
         self.engine, self.requests, self.metrics, self.shown = engine, requests, metrics, shown
-        self.max_tokens = max_tokens
+        self.max_tokens, self.on_done = max_tokens, on_done
         self.n = len(requests)
         self.group = group or self.n
         self.share_prefill = share_prefill and self.group > 1
@@ -92,6 +93,8 @@ class Choices:
         out = self.shown(out)
         if out.finished:
             self.metrics.request_done(out, self._timers[index], self.max_tokens)
+            if self.on_done is not None:
+                self.on_done(out)
             prompt = index - index % self.group
             self._longest[prompt] = max(self._longest[prompt], out.num_output_tokens)
             self._unfinished[prompt] -= 1

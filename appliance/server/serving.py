@@ -59,6 +59,9 @@ class OpenAIServing:
         self.tokens_as_ids = config.vllm.return_tokens_as_token_ids  # the server's default for the request field
         self.force_usage = config.vllm.enable_force_include_usage  # every stream ends with its usage
         self.stream_interval = config.server.stream_interval  # tokens a stream gathers into one chunk
+        # vLLM's request log: prompts as they arrive, outputs as they end, each cut to --max-log-len
+        self.log_requests, self.log_outputs = config.vllm.enable_log_requests, config.vllm.enable_log_outputs
+        self.max_log_len = config.vllm.max_log_len
         self.sampling_defaults = config.model.sampling_defaults()
         if self.sampling_defaults:
             where = config.model.generation_config_dir
@@ -276,10 +279,14 @@ class OpenAIServing:
         for request in requests:
             request.slo_class = slo_class
         each = body.num_generated  # choices generated per prompt
+        if self.log_requests:
+            for request in requests[::each]:
+                self._log_request(request)
         if body.use_beam_search:
             return await self._beam_search(body, requests[::each], http, fmt)
         choices = Choices(self.engine, requests, self.metrics, share_prefill=self.share_prefill, group=each,
-                          shown=fmt.shown, max_tokens=body.requested_max_tokens())
+                          shown=fmt.shown, max_tokens=body.requested_max_tokens(),
+                          on_done=self._log_output if self.log_outputs else None)
         await choices.start()  # the first choice is accepted (or refused: 429) before any byte is sent
         ranked = body.num_choices < each  # best_of > n
         prompt_tokens = sum(q.num_prompt_tokens for q in requests[::each])
@@ -320,6 +327,8 @@ class OpenAIServing:
             timer.tokens(max((len(out.new_token_ids) for out in outs), default=0))
             for i, out in enumerate(outs):  # the request's metrics: each beam a finished choice, as vLLM counts
                 self.metrics.request_done(out, timer, body.requested_max_tokens())
+                if self.log_outputs:
+                    self._log_output(out)
                 choice = Choice(p_index * width + i, keep=True)
                 choice.add(fmt.shown(out))
                 states.append(choice)
@@ -331,6 +340,16 @@ class OpenAIServing:
                                                group=width),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return JSONResponse(fmt.final(states, usage).model_dump())
+
+    def _log_request(self, request: Request) -> None:
+        ids = request.prompt_token_ids[:self.max_log_len]
+        text = self._decode(ids, skip_special_tokens=False)[:self.max_log_len]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request.request_id, text,
+                    request.sampling, ids)
+
+    def _log_output(self, out: RequestOutput) -> None:
+        logger.info("Generated response %s: output: %r, num_output_tokens: %d, finish_reason: %s", out.request_id,
+                    (out.text or "")[:self.max_log_len], out.num_output_tokens, out.finish_reason)
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         """Output tokens as text ("" for a model without a tokenizer, as its outputs read)."""

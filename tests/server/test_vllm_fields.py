@@ -346,3 +346,32 @@ def test_iteration_tokens_count_each_steps_prompts_and_generated_tokens(client):
     count1, sum1 = total()
     assert sum1 - sum0 == prompt + 5
     assert 1 <= count1 - count0 <= 5  # a step each token at most (the first comes with the prefill)
+
+
+def test_vllms_request_log_names_prompts_params_and_outputs(caplog):
+    """--enable-log-requests / --enable-log-outputs as vLLM's, each line cut to --max-log-len."""
+    import logging
+
+    cfg = Config.flat(kv_cache_memory="16MiB", max_model_len=256, enable_log_requests=True, enable_log_outputs=True,
+                      max_log_len=6)
+    with ready_app(cfg) as quiet_client, caplog.at_level(logging.INFO, logger="appliance.server.serving"):
+        _ok(quiet_client, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "n": 2,
+                                                "ignore_eos": True})
+        _ok(quiet_client, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3, "use_beam_search": True})
+        ids = quiet_client.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    received = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
+    generated = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Generated response")]
+    assert len(ids) > 6 and len(received) == 2
+    assert all(f"prompt_token_ids: {ids[:6]}" in m and "max_tokens=3" in m for m in received)
+    assert len(generated) == 3 and all("num_output_tokens: 3" in m for m in generated)
+    with ready_app(Config.flat(kv_cache_memory="16MiB", max_model_len=256)) as plain, \
+            caplog.at_level(logging.INFO, logger="appliance.server.serving"):
+        caplog.clear()
+        _ok(plain, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 2})
+    assert not [r for r in caplog.records if "Received request" in r.getMessage()]
+
+
+def _ok(client, path: str, body: dict) -> dict:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
