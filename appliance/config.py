@@ -702,7 +702,7 @@ class VllmFlags:
     is a ConfigError naming it."""
 
     trust_remote_code: bool = flag(False, "Accepted: muxd runs no code from model directories.", hidden=True)
-    disable_log_requests: bool = flag(False, "Accepted: muxd does not log requests.", hidden=True)
+    disable_log_requests: bool = flag(False, "Accepted: requests are logged only with --enable-log-requests.", hidden=True)
     disable_log_stats: bool = flag(False, "Accepted: muxd logs no statistics (they are at /metrics).", hidden=True)
     enable_chunked_prefill: Optional[bool] = flag(None, "Accepted: --policy decides how prompts are cut (chunked "
                                                   "is vLLM's way).", hidden=True)
