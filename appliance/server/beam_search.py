@@ -32,8 +32,12 @@ class Beam:
         return self.logprob / (prompt_len + len(self.tokens) - self.ended) ** length_penalty
 
 
-def check(request: Request, width: int) -> None:
-    """What beam search cannot honour, as a RequestError naming the field."""
+def check(request: Request, width: int, logprobs_mode: str) -> None:
+    """What beam search cannot honour, as a RequestError naming the field (`logprobs_mode`: the server's
+    --logprobs-mode, whose values rank the beams)."""
+    if logprobs_mode.endswith("_logits"):
+        raise RequestError(f"use_beam_search ranks beams by log-probabilities, and this server's logprobs are logits "
+                           f"(--logprobs-mode {logprobs_mode})", "use_beam_search")
     if not 1 <= width <= MAX_WIDTH:
         raise RequestError(f"use_beam_search takes n (the beam width) from 1 to {MAX_WIDTH}, got {width}", "n")
     if request.sampling.stop:

@@ -59,6 +59,7 @@ class OpenAIServing:
         self.tokens_as_ids = config.vllm.return_tokens_as_token_ids  # the server's default for the request field
         self.force_usage = config.vllm.enable_force_include_usage  # every stream ends with its usage
         self.stream_interval = config.server.stream_interval  # tokens a stream gathers into one chunk
+        self.logprobs_mode = config.model.logprobs_mode
         # vLLM's request log: prompts as they arrive, outputs as they end, each cut to --max-log-len
         self.log_requests, self.log_outputs = config.vllm.enable_log_requests, config.vllm.enable_log_outputs
         self.max_log_len = config.vllm.max_log_len
@@ -313,7 +314,7 @@ class OpenAIServing:
         if body.num_generated > width:
             raise RequestError("use_beam_search returns the n best beams; leave best_of out", "best_of")
         for request in prompts:
-            beam_search.check(request, width)
+            beam_search.check(request, width, self.logprobs_mode)
         length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
         timers = [TokenTimer(self.metrics) for _ in prompts]  # (the answer's first token: when the search ends)
         run = asyncio.ensure_future(beam_search.search_all(self.engine, prompts, width, length_penalty,

@@ -92,6 +92,13 @@ def test_beams_are_counted_as_finished_choices(client):
     assert successes() == before + 3
 
 
+def test_a_server_reporting_logits_refuses_beam_search():
+    with ready_app(Config.flat(kv_cache_memory="16MiB", max_model_len=256, logprobs_mode="raw_logits")) as logits:
+        response = logits.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "use_beam_search": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "use_beam_search", response.text
+    assert "--logprobs-mode raw_logits" in response.json()["error"]["message"]
+
+
 def test_no_page_is_left_held(client):
     _post(client, "/v1/completions", {"prompt": [PROMPT, "another prompt"], "max_tokens": 6, "n": 3,
                                       "use_beam_search": True})
