@@ -14,6 +14,7 @@ from typing import Callable
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import MAX_LOGPROBS, Request, RequestOutput, SamplingParams, TokenLogprob
 from appliance.errors import RequestError
+from appliance.server.protocol import CONFLICT
 
 MAX_WIDTH = MAX_LOGPROBS // 2  # a step asks for 2 x width alternatives, at most MAX_LOGPROBS
 _ids = itertools.count()
@@ -39,13 +40,14 @@ def check(request: Request, width: int, logprobs_mode: str) -> None:
         raise RequestError(f"use_beam_search ranks beams by log-probabilities, and this server's logprobs are logits "
                            f"(--logprobs-mode {logprobs_mode})", "use_beam_search")
     if not 1 <= width <= MAX_WIDTH:
-        raise RequestError(f"use_beam_search takes n (the beam width) from 1 to {MAX_WIDTH}, got {width}", "n")
+        raise RequestError(f"use_beam_search takes n (the beam width) from 1 to {MAX_WIDTH}, got {width}", "n",
+                           CONFLICT)
     if request.sampling.stop:
-        raise RequestError("use_beam_search ends beams at the end of sequence only; leave stop out", "stop")
+        raise RequestError("use_beam_search ends beams at the end of sequence only; leave stop out", "stop", CONFLICT)
     grammar = request.sampling.grammar
     if grammar is not None:
         param = getattr(grammar, "param", "response_format")
-        raise RequestError(f"use_beam_search does not constrain its beams; leave {param} out", param)
+        raise RequestError(f"use_beam_search does not constrain its beams; leave {param} out", param, CONFLICT)
 
 
 async def search_all(engine: AsyncEngine, requests: list[Request], width: int, length_penalty: float,

@@ -34,7 +34,8 @@ from appliance.engine.request import (
     SamplingParams,
 )
 from appliance.errors import RequestError
-from appliance.server.structured import GuidedChoice, GuidedJson, ResponseFormat, StructuredOutputs, guided_grammar
+from appliance.server.structured import (CONFLICT, GuidedChoice, GuidedJson, ResponseFormat, StructuredOutputs,
+                                         guided_grammar)
 from appliance.server.tools import ToolChoice, ToolsRequest
 
 
@@ -77,7 +78,6 @@ Seed = bounded_int(ge=-2**63, le=2**63 - 1)  # int64, as vLLM: wider seeds would
 MAX_N = 64  # choices per request
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_SEQUENCES = 1024  # prompts x choices generated for one request
-CONFLICT = "conflicting_fields"  # the error code of fields that contradict each other (no JSON Schema can say it)
 Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 TopLogprobs = bounded_int(ge=0, le=MAX_LOGPROBS)
 TemplateKwargs = dict[str, Any]
@@ -89,9 +89,8 @@ TEMPLATE_KWARGS_DOC = ('Extension (vLLM): more variables for the chat template, 
 # Options muxd does not implement, with the values that leave them off (null is always accepted too). Clients send
 # these by default, so they must not be refused.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
-                                           "priority": (0,),
-                                           "kv_transfer_params": (), "logits_processors": ([],), "vllm_xargs": ({},),
-                                           "guided_decoding_backend": ("xgrammar", "auto"),
+                                           "priority": (0,), "kv_transfer_params": (), "logits_processors": ([],),
+                                           "vllm_xargs": ({},), "guided_decoding_backend": ("xgrammar", "auto"),
                                            "guided_whitespace_pattern": ()}
 _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "functions": "the deprecated functions API is not implemented; send tools",
@@ -102,8 +101,7 @@ _WHY = {"suffix": "fill-in-the-middle is not implemented",
         "logits_processors": "custom logits processors are not implemented",
         "vllm_xargs": "they are arguments of custom logits processors, which are not implemented",
         "guided_decoding_backend": "structured outputs run on xgrammar",
-        "guided_whitespace_pattern": "JSON outputs take xgrammar's whitespace",
-}
+        "guided_whitespace_pattern": "JSON outputs take xgrammar's whitespace"}
 
 
 def _same(value: Any, off: Any) -> bool:

@@ -312,7 +312,7 @@ class OpenAIServing:
         prompt's search is done (a stream sends them then, as vLLM's does)."""
         width = body.num_choices
         if body.num_generated > width:
-            raise RequestError("use_beam_search returns the n best beams; leave best_of out", "best_of")
+            raise RequestError("use_beam_search returns the n best beams; leave best_of out", "best_of", p.CONFLICT)
         for request in prompts:
             beam_search.check(request, width, self.logprobs_mode)
         length_penalty = 1.0 if body.length_penalty is None else body.length_penalty

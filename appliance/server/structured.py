@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from appliance.engine.grammar import UNUSABLE_GRAMMAR, UNUSABLE_SCHEMA, GrammarSpec
 from appliance.errors import RequestError
 
+CONFLICT = "conflicting_fields"  # the error code of fields that contradict each other (no JSON Schema can say it)
 GuidedJson = dict[str, Any] | str
 GuidedChoice = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
 
@@ -69,9 +70,11 @@ class StructuralTagFormat(BaseModel):
     @model_validator(mode="after")
     def _one_form(self) -> StructuralTagFormat:
         if (self.format is None) == (self.structures is None and self.triggers is None):
-            raise ValueError("a structural_tag has either format, or structures and triggers")
+            raise RequestError("a structural_tag has either format, or structures and triggers", "response_format",
+                               CONFLICT)
         if self.format is None and (self.structures is None or self.triggers is None):
-            raise ValueError("a structural_tag's structures need its triggers, and its triggers its structures")
+            raise RequestError("a structural_tag's structures need its triggers, and its triggers its structures",
+                               "response_format", CONFLICT)
         return self
 
     def grammar(self) -> GrammarSpec | None:
@@ -154,8 +157,9 @@ def structural_tag_spec(text: str, param: str) -> GrammarSpec:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = "".join(f".{part}" for part in first["loc"])
-        raise RequestError(f"{param}{where}: {first['msg'].removeprefix('Value error, ')}", param,
-                           UNUSABLE_GRAMMAR) from None
+        raise RequestError(f"{param}{where}: {first['msg']}", param, UNUSABLE_GRAMMAR) from None
+    except RequestError as exc:  # (the two forms mixed: named as this field)
+        raise RequestError(f"{param}: {exc}", param, exc.code) from None
     return GrammarSpec("structural_tag", json.dumps(tag.model_dump(by_alias=True, exclude_none=True)), param)
 
 

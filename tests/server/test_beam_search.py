@@ -77,6 +77,7 @@ def test_what_beam_search_cannot_honour_is_refused_by_name(client, extra, param)
     response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "use_beam_search": True,
                                                      **extra})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert response.json()["error"]["code"] == "conflicting_fields"  # (each field alone is valid)
 
 
 def test_beams_are_counted_as_finished_choices(client):
