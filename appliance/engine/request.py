@@ -187,11 +187,13 @@ class ThinkingBudget:
         self._seen = len(output)
         if not self.inside or self.spent < lim.budget:
             return None
-        # the budget is spent: the longest start of `end` the output ends with is continued
-        for k in range(min(len(lim.end) - 1, len(output)), -1, -1):
-            if k == 0 or tuple(output[-k:]) == lim.end[:k]:
-                return lim.end[k]
-        return lim.end[0]
+        # the budget is spent: the longest start of `end` the output ends with is continued (none: end[0])
+        return lim.end[_continued(output, lim.end)]
+
+
+def _continued(output: list[int], end: tuple[int, ...]) -> int:
+    """How many of `end`'s first tokens the output ends with (fewer than all of them)."""
+    return next((k for k in range(min(len(end) - 1, len(output)), 0, -1) if tuple(output[-k:]) == end[:k]), 0)
 
 
 class BadWords:
