@@ -172,17 +172,21 @@ class OpenAIServing:
             else:
                 thinking = None  # the grammar holds from the first token: no think block to split off
         requests = self._make(body, _kept(ids, keep, body.truncation_side), body.requested_max_tokens(), rid,
-                              after=after, thinking=self._thinking_limit(body, thinking))
+                              after=after, thinking=self._thinking_limit(body, thinking, chat.text))
         return requests, thinking
 
-    def _thinking_limit(self, body: p.ChatCompletionRequest, inside: bool | None) -> ThinkingLimit | None:
-        """The request's thinking_token_budget as a cap on its think block (`inside`: the output begins in one)."""
+    def _thinking_limit(self, body: p.ChatCompletionRequest, inside: bool | None,
+                        prompt: str) -> ThinkingLimit | None:
+        """The request's thinking_token_budget as a cap on its think block (`inside`: the output begins in one);
+        None where the prompt closed the block itself (Qwen3's enable_thinking false: nothing to cap)."""
         budget = body.thinking_token_budget
         if budget is None:
             return None
         if self.reasoning_parser == "none":
             raise RequestError("thinking_token_budget needs a server started with --reasoning-parser (which says "
                                "where a think block starts and ends)", "thinking_token_budget")
+        if prompt.rstrip().endswith(END):
+            return None
         tok = self._tokenizer()
         return ThinkingLimit(budget, tuple(tok.encode(START, add_special_tokens=False)),
                              tuple(tok.encode(END, add_special_tokens=False)), bool(inside))

@@ -551,6 +551,9 @@ def test_thinking_token_budget_ends_the_think_block_after_its_tokens(shared_serv
         assert capped["message"]["content"]
         assert (capped["message"]["reasoning"] or "") == (free["message"]["reasoning"][:len(
             capped["message"]["reasoning"] or "")])
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}  # the prompt closed the block: nothing capped
+    assert _post(reasoner, "chat/completions", {**off, "thinking_token_budget": 0})["choices"][0]["token_ids"] == \
+        _post(reasoner, "chat/completions", off)["choices"][0]["token_ids"]
     refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "thinking_token_budget": 4}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget"
 
