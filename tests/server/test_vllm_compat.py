@@ -770,24 +770,3 @@ def test_bad_vllm_extension_values_are_refused_naming_the_field(server, model_na
     error = response.json()["error"]
     assert (error["param"], error["code"]) == (param, code), error
     assert param in error["message"]
-
-
-def test_stream_interval_gathers_tokens_into_fewer_chunks(shared_serve, model_name):
-    """As vLLM's --stream-interval N: a choice's first token comes at once, then a chunk every N tokens, its last
-    ones when it ends; the text and tokens are those of an unstreamed request."""
-    server = shared_serve("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--stream-interval", "3")
-    body = {"model": model_name, "prompt": "hello there", "max_tokens": 11, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "n": 2}
-    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"]
-    sizes: dict[int, list[int]] = {0: [], 1: []}
-    texts = {0: "", 1: ""}
-    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            for choice in json.loads(line[6:])["choices"]:
-                if choice["logprobs"] and choice["logprobs"]["tokens"]:
-                    sizes[choice["index"]].append(len(choice["logprobs"]["tokens"]))
-                texts[choice["index"]] += choice["text"]
-    assert sizes == {0: [1, 3, 3, 3, 1], 1: [1, 3, 3, 3, 1]}
-    assert [texts[0], texts[1]] == [c["text"] for c in sorted(whole, key=lambda c: c["index"])]

@@ -371,6 +371,26 @@ def test_vllms_request_log_names_prompts_params_and_outputs(caplog):
     assert not [r for r in caplog.records if "Received request" in r.getMessage()]
 
 
+def test_stream_interval_gathers_tokens_into_fewer_chunks():
+    """As vLLM's --stream-interval N: a choice's first token comes at once, then a chunk every N tokens, its last
+    ones when it ends; the text and tokens are those of an unstreamed request."""
+    body = {"prompt": "hello there", "max_tokens": 11, "temperature": 0, "ignore_eos": True, "logprobs": 0, "n": 2}
+    with ready_app(Config.flat(kv_cache_memory="16MiB", max_model_len=256, stream_interval=3)) as client:
+        whole = _ok(client, "/v1/completions", body)["choices"]
+        sizes: dict[int, list[int]] = {0: [], 1: []}
+        texts = {0: "", 1: ""}
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    if choice["logprobs"] and choice["logprobs"]["tokens"]:
+                        sizes[choice["index"]].append(len(choice["logprobs"]["tokens"]))
+                    texts[choice["index"]] += choice["text"]
+    assert sizes == {0: [1, 3, 3, 3, 1], 1: [1, 3, 3, 3, 1]}
+    assert [texts[0], texts[1]] == [c["text"] for c in sorted(whole, key=lambda c: c["index"])]
+
+
 def _ok(client, path: str, body: dict) -> dict:
     response = client.post(path, json=body)
     assert response.status_code == 200, response.text
