@@ -11,6 +11,7 @@ logits themselves instead of their log-softmax. Prompt tokens pass no processor:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -72,33 +73,34 @@ def logprobs_of(values: torch.Tensor, ids: torch.Tensor, mode: str, ks: list[int
     return LogprobBatch(chosen, rank, top_ids, top_lps, ids, ks, likelihood)
 
 
-def _asking(reqs: list[Request]) -> list[int]:
-    return [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+@dataclass
+class Asking:
+    """The rows of a batch that ask for logprobs, their index on the device, and in a raw mode their logits copied
+    before the processors change the batch's in place."""
+
+    rows: list[int]
+    index: torch.Tensor
+    raw: torch.Tensor | None
 
 
-def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows).to(device, non_blocking=True)  # (a blocking copy waits for the queue)
-
-
-def raw_rows(logits: torch.Tensor, reqs: list[Request], mode: str = DEFAULT_MODE) -> torch.Tensor | None:
-    """In a raw mode, the logits of the rows that ask for logprobs, copied before the processors change `logits` in
-    place (None in a processed mode, or when no row asks)."""
-    rows = _asking(reqs)
-    if not rows or not mode.startswith("raw"):
+def asking_rows(logits: torch.Tensor, reqs: list[Request], mode: str = DEFAULT_MODE) -> Asking | None:
+    """The batch's rows that ask for logprobs, taken before its processors run (None when no row asks)."""
+    rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+    if not rows:
         return None
-    return logits[_rows(rows, logits.device)]  # (indexing by a tensor copies)
+    index = torch.tensor(rows).to(logits.device, non_blocking=True)  # (a blocking copy waits for the queue)
+    return Asking(rows, index, logits[index] if mode.startswith("raw") else None)  # (indexing by a tensor copies)
 
 
 def sampled_logprobs(logits: torch.Tensor, reqs: list[Request], tokens: torch.Tensor, mode: str = DEFAULT_MODE,
-                     raw: torch.Tensor | None = None) -> dict[str, tuple]:
+                     asking: Asking | None = None) -> dict[str, tuple]:
     """{request id: (batch, row)} for the rows that asked for logprobs (empty when none did). logits: the batch's
-    after the processors; raw: `raw_rows` of the batch, taken before them (a raw mode)."""
-    rows = _asking(reqs)
-    if not rows:
+    after the processors; asking: `asking_rows` of the batch, taken before them."""
+    if asking is None:
         return {}
-    index = _rows(rows, logits.device)
+    rows, index = asking.rows, asking.index
     if mode.startswith("raw"):
-        values = raw if raw is not None else logits[index]
+        values = asking.raw
     else:
         params = [reqs[i].sampling for i in rows]
         t = torch.tensor([scale(p) for p in params], dtype=logits.dtype).to(logits.device, non_blocking=True)

@@ -27,7 +27,7 @@ from appliance.engine.graphs import DecodeGraphs, index_capacity
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.launched import TokenBuffer
 from appliance.engine.logits import apply_grammars, process_logits
-from appliance.engine.logprobs import DEFAULT_MODE, LogprobBatch, prompt_logprobs, raw_rows, sampled_logprobs
+from appliance.engine.logprobs import DEFAULT_MODE, LogprobBatch, asking_rows, prompt_logprobs, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
 from appliance.engine.request import Request, SamplingParams, TokenLogprob
@@ -172,10 +172,10 @@ class ModelRunner:
         counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
         # the grammars' masks first: raw logprobs are over the tokens a grammar allows, as vLLM's
         logits = apply_grammars(logits, reqs)
-        raw = raw_rows(logits, reqs, self.logprobs_mode)
+        asking = asking_rows(logits, reqs, self.logprobs_mode)
         logits = process_logits(logits, reqs, counts, grammar=False)
         tokens = sample_tensor(logits, [r.sampling for r in reqs], counts, out)
-        return tokens, sampled_logprobs(logits, reqs, tokens, self.logprobs_mode, raw)
+        return tokens, sampled_logprobs(logits, reqs, tokens, self.logprobs_mode, asking)
 
     def take_prompt_logprobs(self, request_id: str, prompt_len: int) -> list[TokenLogprob | None] | None:
         """Its prompt tokens' log-probabilities (None for the first), once its prefill has run every layer."""
