@@ -6,7 +6,7 @@ Before the engine, the server refuses at the door (`server/gate.py`, `server/lif
 vocabulary, not empty, stop strings and bad words need a tokenizer, which spells the bad words in tokens), the context
 length (prompt + max_tokens), its id and SLO class, the waiting queue's limit (--max-waiting and the contract's queue
 limit), and last the planner's own admission test (a contract that sheds load refuses a request whose TTFT it cannot
-meet, with a Retry-After).
+meet, with a Retry-After). A later step of work admitted before (a beam search's next tokens) skips those last two.
 """
 from __future__ import annotations
 
@@ -106,6 +106,8 @@ class Admission:
         if request.request_id in sched.requests:
             raise RequestError(f"request id {request.request_id!r} is already in use", "request_id")
         self.slo_class(request.slo_class)
+        if request.continued:
+            return  # work admitted before (Request.continued): no limit of the queue or the contract cuts it off
         limit = engine.config.scheduler.max_waiting
         if engine.config.scheduler.slo:
             limit = min(limit, engine.contract.overload.queue_limit)

@@ -65,8 +65,9 @@ async def search(engine: AsyncEngine, request: Request, width: int, length_penal
     ends = ends | set(sampling.stop_token_ids)
     ask = min(MAX_LOGPROBS, max(2 * width, sampling.logprobs or 0))
     beams, ended = [Beam()], []
-    for _ in range(sampling.max_tokens):
-        steps = await _together([_next(engine, request, prompt + beam.tokens, ask) for beam in beams])
+    for index in range(sampling.max_tokens):
+        steps = await _together([_next(engine, request, prompt + beam.tokens, ask, continued=index > 0)
+                                 for beam in beams])
         grown = []
         for beam, step in zip(beams, steps):
             candidates = {step.token_id: step.logprob, **dict(step.top)}
@@ -94,12 +95,16 @@ async def _together(coros: list) -> list:
         raise
 
 
-async def _next(engine: AsyncEngine, request: Request, ids: list[int], logprobs: int) -> TokenLogprob:
-    """One greedy token after `ids` with its `logprobs` likeliest alternatives."""
+async def _next(engine: AsyncEngine, request: Request, ids: list[int], logprobs: int,
+                continued: bool) -> TokenLogprob:
+    """One greedy token after `ids` with its `logprobs` likeliest alternatives. The first step is admitted as any
+    request is (a busy server refuses the search with a 429); later ones are `continued`: load never cuts a search
+    off midway."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=logprobs,
                             cache_salt=request.sampling.cache_salt)
     step = engine.make_request(ids, params, request_id=f"{request.request_id}-beam-{next(_ids)}")
     step.slo_class = request.slo_class
+    step.continued = continued
     last = None
     async for out in engine.stream(step):
         last = out

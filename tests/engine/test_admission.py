@@ -25,3 +25,23 @@ def test_a_burst_fills_every_seat_and_every_queue_place(llama_checkpoint):
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_a_continued_step_of_admitted_work_is_never_refused_for_load(llama_checkpoint):
+    """A beam search's later steps (Request.continued) pass a full queue: the search was admitted at its first step."""
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=path, kv_cache_memory="4MiB", max_num_seqs=2, max_waiting=1))
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    for i in range(3):
+        engine.submit(engine.make_request([1, 2, 3, i], params))
+    fresh = engine.make_request([4, 5, 6], params)
+    with pytest.raises(CapacityError):
+        engine.submit(fresh)
+    later = engine.make_request([4, 5, 6, 7], params)
+    later.continued = True
+    engine.submit(later)
+    done = {}
+    while engine.has_unfinished():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    assert done[later.request_id].num_output_tokens == 4
+    assert engine.pool.num_free_pages == engine.pool.num_pages

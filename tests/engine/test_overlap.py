@@ -6,6 +6,7 @@ step, aborts at every step, preemption under a small KV cache, logprobs, seeds a
 from __future__ import annotations
 
 import json
+import math
 from typing import Callable
 
 import pytest
@@ -39,14 +40,24 @@ def drive(engine: Engine, arrivals: dict[int, list[Request]],
     """Step the engine, submitting `arrivals[k]` and aborting `aborts[k]` before engine step k; every request's
     outputs as (token ids, finished, reason, logprobs)."""
     def record(o) -> tuple:
-        # (log-probabilities to 5 decimals: a batch of another shape may round the last bit differently)
-        lps = tuple((lp.token_id, round(lp.logprob, 5), lp.rank, tuple((t, round(v, 5)) for t, v in lp.top))
-                    for lp in o.logprobs) if o.logprobs else None
+        lps = tuple((lp.token_id, lp.logprob, lp.rank, tuple(lp.top)) for lp in o.logprobs) if o.logprobs else None
         return tuple(o.new_token_ids), o.finished, o.finish_reason, o.text, lps
 
     outs = step_through(engine, arrivals, aborts, record)
     assert_clean(engine)
     return outs
+
+
+def same(a, b) -> bool:
+    """Outputs equal, log-probabilities within 1e-4: a batch of another shape may round the last bits differently
+    (rounding both to 5 decimals still differs where a value sits on a rounding boundary)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=0.0, abs_tol=1e-4)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def assert_clean(engine: Engine) -> None:
@@ -112,7 +123,7 @@ def mixed_requests(stop: tuple[int, int]) -> Callable[[Engine], dict[int, list[R
 def test_overlapped_equals_synchronous_across_policies(llama_checkpoint, stop_token, policy, extra):
     path, _ = llama_checkpoint
     sync, overlapped = both(path, mixed_requests(stop_token), policy=policy, **extra)
-    assert overlapped == sync
+    assert same(overlapped, sync), (overlapped, sync)
     stopped = sync["req-1"]
     assert stopped[-1][2] == "stop" and len(stopped) == stop_token[1]
 
@@ -126,7 +137,7 @@ def test_max_tokens_ending_at_every_step(llama_checkpoint):
                     for n in range(1, 10)]}
 
     sync, overlapped = both(path, make)
-    assert overlapped == sync
+    assert same(overlapped, sync), (overlapped, sync)
     assert sorted(sum(len(o[0]) for o in outs) for outs in sync.values()) == list(range(1, 10))
 
 
@@ -144,7 +155,7 @@ def test_stop_strings_and_eos(text_checkpoint):
         return {0: reqs}
 
     sync, overlapped = both(text_checkpoint, make, max_model_len=256)
-    assert overlapped == sync
+    assert same(overlapped, sync), (overlapped, sync)
     assert sum(outs[-1][2] == "stop" for outs in sync.values()) >= len(cuts)
     assert both.dropped >= 1  # the tokens of the step launched before a stop was read
 
@@ -189,7 +200,7 @@ def test_preemption_under_a_small_kv_cache(llama_checkpoint):
         return {0: [engine.make_request(prompt(10 + i, 18 + 3 * i), params[i]) for i in range(8)]}
 
     sync, overlapped = both(path, make, num_gpu_blocks_override=12, enable_prefix_caching=False)
-    assert overlapped == sync
+    assert same(overlapped, sync), (overlapped, sync)
     assert any(pending) and len(pending) >= 2  # preempted at all, and once with a pending token
     solo = engine_for(path, True)
     for i in range(0, 8, 2):
@@ -218,7 +229,7 @@ def test_grammar_and_penalties_sample_once_the_token_before_is_read(text_checkpo
                                                                     repetition_penalty=1.3), "r-pen")]}
 
     sync, overlapped = both(text_checkpoint, make, max_model_len=256)
-    assert overlapped == sync
+    assert same(overlapped, sync), (overlapped, sync)
     overlapping = read_at_once[len(read_at_once) // 2:]  # (the second half: the overlapped engine's)
     assert any(constrained and over for constrained, over in overlapping)
     assert any("r-json" in ids for ids in held) and any("r-pen" in ids for ids in held)
@@ -273,7 +284,7 @@ def test_a_grammar_after_thinking_frees_the_output_until_its_end(text_checkpoint
                                         "r-think")]}
 
     sync, overlapped = both(text_checkpoint, make, max_model_len=256)
-    assert overlapped == sync
+    assert same(overlapped, sync), (overlapped, sync)
     tokens = [t for o in sync["r-think"] for t in o[0]]
     assert tokens[:4] == list(free[:4]) and sync["r-think"][-1][2] == "stop"
     assert engine.tokenizer.decode(tokens[4:]).strip() in ("true", "false")

@@ -14,6 +14,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
 from appliance.engine.request import SamplingParams
 from appliance.engine.steplog import StepLog
+from appliance.predictor.split import FACTOR_RANGE
 from appliance.profile.calibrate import calibrate_serving
 from appliance.profile.grid import Ranges, plan_points
 from appliance.profile.profiler import run_profile
@@ -116,10 +117,12 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     split = [p for p in log.prefills if p["prefill_sms"] < mux.predictor.sm_count]
     assert split and all(p["ms"] > 0 and p["pred_ms"] > 0 and p["layers"] > 0 for p in split)
     assert any(p["beside"] for p in split)  # the layers ran while decode steps did on the other SMs
-    # the engine handed those launches to the planner: online refinement of its split slowdown
+    # the engine handed each of those launches to the planner (online refinement of its split slowdown), which keeps
+    # the ones its fit may use: a stall (a first launch compiling its kernels) falls out of FACTOR_RANGE
     learned = mux.scheduler.planner.predictor.split.window
-    assert 0 < len(learned) <= sum(p["beside"] for p in split), \
-        f"the online fit kept no launch (measured / predicted: {[round(p['ms'] / p['pred_ms'], 2) for p in split]})"
+    usable = [p for p in split if p["beside"] and FACTOR_RANGE[0] <= p["ms"] / p["pred_ms"] <= FACTOR_RANGE[1]]
+    assert len(learned) == min(len(usable), learned.maxlen), \
+        f"measured / predicted: {[round(p['ms'] / p['pred_ms'], 2) for p in split]}, kept {len(learned)}"
     assert sum(len(w) for w in mux.predictor.guard.observations.values()) == len(beside)
     assert all(o.decode_sms in mux.predictor.decode_partitions and o.ms > 0 for o in beside)
     for rid, exp in zip(ids, expected):
