@@ -1,4 +1,5 @@
-"""Reference attention backend in plain torch: scatter K/V by slot, gather the batch's pages, SDPA per sequence.
+"""Reference attention backend in plain torch: scatter K/V by slot, gather the batch's pages, SDPA per sequence
+(per group of decode rows on the CPU).
 
 Runs anywhere torch runs (the CPU path) and is the reference the fast backends are checked against. On the CPU, decode
 rows (one query each) attend in groups, one SDPA a group over their pages padded to the next power of two and masked,
