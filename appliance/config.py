@@ -39,7 +39,7 @@ POLICIES = ("mux", "chunked", "serial", "layerwise", "pdmux")  # engine/planners
 POLICY_CHOICES = ("auto", *POLICIES)  # auto: mux on a CUDA GPU, serial on a CPU
 DEFAULT_GRAPH_ROWS = 2048  # --prefill-graph-rows' default: the largest prefill launch replaying piecewise graphs
 SPATIAL_POLICIES = ("mux", "layerwise", "pdmux")  # the policies that run prefill and decode on disjoint SM partitions
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # server/tools.py reads each
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic", "none")  # server/tools.py reads each
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # server/reasoning.py reads each
 ALLOW_LONG_CONTEXT = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's override of the check on --max-model-len
 _LIST_EXAMPLE = """write a JSON list of strings, e.g. '["https://app.example.com"]' or '["*"]'"""
@@ -602,8 +602,9 @@ class ServerSettings:
                                     "stops; GET /debug/timeline serves it live.")
     log_level: str = flag("info", "debug, info, warning, error.")
     tool_call_parser: str = flag("auto", "How tool calls are read from the output with tool_choice auto: hermes "
-                                 "(<tool_call> blocks: Qwen 2.5/3), llama3_json (Llama 3.x), none, or auto (from the "
-                                 "chat template).")
+                                 "(<tool_call> blocks: Qwen 2.5/3), llama3_json (Llama 3.x), pythonic ([f(a=1), g()]: "
+                                 "Llama 3.2 with a pythonic chat template), none, or auto (from the chat "
+                                 "template).")
     reasoning_parser: str = flag("none", "Return what a thinking model writes between <think> and </think> as the "
                                  "chat message's `reasoning`, apart from its content (as vLLM's flag): qwen3 (Qwen3; "
                                  "enable_thinking false in chat_template_kwargs turns thinking off), deepseek_r1, or "

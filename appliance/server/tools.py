@@ -1,10 +1,13 @@
 """Tool calling: the `tools` and `tool_choice` of a chat request, the grammar that forces a call ("required" or a
 named function), and the parsers that read calls from a model's own format when it chooses ("auto"): Hermes-style
-`<tool_call>{...}</tool_call>` blocks (Qwen 2.5 and 3) and Llama 3.x JSON (`{"name": ..., "parameters": ...}`, after
-an optional `<|python_tag|>`).
+`<tool_call>{...}</tool_call>` blocks (Qwen 2.5 and 3), Llama 3.x JSON (`{"name": ..., "parameters": ...}`, after
+an optional `<|python_tag|>`) and pythonic lists of calls (`[get_weather(city="Oslo"), get_time()]`, Llama 3.2 with a
+pythonic template and Llama 4, between optional `<|python_start|>` and `<|python_end|>`), as vLLM's parsers of those
+names read them.
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -121,6 +124,10 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
         if calls:
             content = text[:text.index("<tool_call>")].strip()
             return content or None, calls
+    if parser == "pythonic":
+        calls = _pythonic(text)
+        if calls is not None:
+            return None, calls
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if body.startswith("{"):
@@ -240,6 +247,30 @@ class ForcedCalls:
             self._key, self._value = None, False
 
 
+_PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
+
+
+def _pythonic(text: str) -> list[ToolCall] | None:
+    """The calls of an output that is one Python list of calls with keyword arguments of literal values, else None
+    (the text stays content)."""
+    body = text.strip().removeprefix(_PY_START).removesuffix(_PY_END).strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(k.arg is not None for k in node.keywords)):
+                return None
+            calls.append(ToolCall.new(node.func.id, {k.arg: ast.literal_eval(k.value) for k in node.keywords}))
+        return calls
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+
+
 def _is_call(text: str) -> bool:
     try:
         value = json.loads(text)
@@ -272,6 +303,16 @@ class CallStream:
         self.text += delta
         if self.calling or self.parser == "none":
             return self._release(len(self.text)) if self.parser == "none" else ""
+        if self.parser == "pythonic":  # the calls are the whole output: held from its first "[", sent at its end
+            lead = self.text.lstrip()
+            if not lead or _PY_START.startswith(lead):  # (the start marker may be arriving)
+                return ""
+            head = lead.removeprefix(_PY_START).lstrip()
+            if head.startswith("["):
+                self.calling = True
+            if head.startswith("[") or (not head and lead.startswith(_PY_START)):
+                return ""
+            return self._release(len(self.text))
         if self.parser == "llama3_json":
             lead = self.text.lstrip()
             if lead and "<|python_tag|>".startswith(lead):  # the tag may be arriving
@@ -291,7 +332,7 @@ class CallStream:
     def call_deltas(self) -> list[tuple[int, str | None, str | None, str]]:
         """The calls' news since the last call, as ForcedCalls.feed gives them: (call index, id and name when first
         announced else None, arguments text new since)."""
-        if not self.calling:
+        if not self.calling or self.parser == "pythonic":  # (pythonic calls are read whole, at the end)
             return []
         return self._scanner.feed(("[" + self.text[self._section:])[len(self._scanner.text):])
 

@@ -158,3 +158,73 @@ def test_arguments_written_as_a_json_string_stream_whole_once_closed():
     _, calls = stream.finish()
     assert [(name, args) for _, name, args in _joined(news)] == [("get_weather", '{"city": "Oslo"}')]
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+PYTHONIC = '[get_weather(city="Zürich", days=3), get_time(zone="CET", exact=True, at=None, hours=[1, 2.5])]'
+
+
+@pytest.mark.parametrize("text", [PYTHONIC, f"<|python_start|>{PYTHONIC}<|python_end|>", f"\n {PYTHONIC}\n"])
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_pythonic_calls_parse_whole_and_streamed(text, step):
+    """vLLM's pythonic parser: a Python list of calls with keyword arguments of literal values (Llama 4's markers
+    around it optional); streamed, nothing shows as content and the calls come whole at the end."""
+    expected = [("get_weather", {"city": "Zürich", "days": 3}),
+                ("get_time", {"zone": "CET", "exact": True, "at": None, "hours": [1, 2.5]})]
+    content, calls = parse_calls(text, "pythonic")
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    assert len({c.id for c in calls}) == 2
+    stream = CallStream("pythonic")
+    shown = "".join(stream.feed(text[i:i + step]) for i in range(0, len(text), step))
+    assert stream.call_deltas() == [] and stream.announced == 0  # (the formatter sends them whole at the end)
+    rest, streamed = stream.finish()
+    assert shown + rest == "" and [(c.name, json.loads(c.arguments)) for c in streamed] == expected
+
+
+@pytest.mark.parametrize("text", [
+    "It is sunny in [Zürich](https://example.com).", "[1, 2, 3]", "[]", '[get_weather("Zürich")]',
+    "[get_weather(city=open('x'))]", "[get_weather(**kw)]", "[os.system(cmd='ls')]", "[get_weather(city=",
+    "<|python_start|> not a list"])
+def test_pythonic_text_that_is_not_a_list_of_calls_stays_content(text):
+    assert parse_calls(text, "pythonic") == (text, [])
+    stream = CallStream("pythonic")
+    shown = "".join(stream.feed(c) for c in text)
+    rest, calls = stream.finish()
+    assert shown + rest == text and calls == []
+
+
+def test_the_pythonic_parser_is_a_serve_flag():
+    from appliance.config import Config
+    from appliance.errors import ConfigError
+
+    assert Config.flat(tool_call_parser="pythonic").server.tool_call_parser == "pythonic"
+    with pytest.raises(ConfigError, match="pythonic"):
+        Config.flat(tool_call_parser="pythonic_v2")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_pythonic_calls_through_the_chat_format(stream):
+    """With tool_choice auto and the pythonic parser, a choice's calls come as the message's tool_calls (streamed:
+    whole, in the last chunk) and the choice ends with finish_reason tool_calls; no content."""
+    from appliance.engine.request import RequestOutput
+    from appliance.server.formatting import ChatFormat, Choice, usage_of
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS})
+    fmt, choice = ChatFormat("id", "m", None, body, "pythonic"), Choice(0)
+    pieces = [PYTHONIC[i:i + 6] for i in range(0, len(PYTHONIC), 6)]
+    content, calls, reason = "", [], None
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = RequestOutput("r", [1], piece, last, "stop" if last else None, 3, 0, i + 1)
+        choice.add(out)
+        for chunk in fmt.chunk(choice, out, None) if stream else []:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            calls += [(c.function.name, json.loads(c.function.arguments)) for c in delta.tool_calls or []]
+            reason = chunk.choices[0].finish_reason or reason
+    if not stream:
+        message = fmt.final([choice], usage_of([choice])).choices[0]
+        content, reason = message.message.content or "", message.finish_reason
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.message.tool_calls]
+    assert content == "" and reason == "tool_calls"
+    assert calls == [("get_weather", {"city": "Zürich", "days": 3}),
+                     ("get_time", {"zone": "CET", "exact": True, "at": None, "hours": [1, 2.5]})]
