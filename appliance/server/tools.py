@@ -103,12 +103,17 @@ class ToolCall:
         return ToolCall(name, text, f"call_{uuid.uuid4().hex[:24]}")
 
 
+_PY_START, _PY_END = "<|python_start|>", "<|python_end|>"  # around Llama 4's pythonic calls
+
+
 def detect_parser(template: str | None, configured: str = "auto") -> str:
     """The format the model writes calls in: --tool-call-parser, or guessed from its chat template."""
     if configured != "auto":
         return configured
     if template and "<tool_call>" in template:
         return "hermes"
+    if template and (_PY_START in template or "[func_name1(" in template):  # (vLLM's pythonic templates' example)
+        return "pythonic"
     if template and ("<|python_tag|>" in template or "ipython" in template):
         return "llama3_json"
     return "none"
@@ -245,9 +250,6 @@ class ForcedCalls:
             self._value = True
         elif self._depth == 2 and c == ",":
             self._key, self._value = None, False
-
-
-_PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
 
 
 def _pythonic(text: str) -> list[ToolCall] | None:

@@ -228,3 +228,9 @@ def test_pythonic_calls_through_the_chat_format(stream):
     assert content == "" and reason == "tool_calls"
     assert calls == [("get_weather", {"city": "Zürich", "days": 3}),
                      ("get_time", {"zone": "CET", "exact": True, "at": None, "hours": [1, 2.5]})]
+
+
+def test_a_pythonic_template_is_detected():
+    llama32 = "...respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...)]..."
+    assert detect_parser(llama32) == "pythonic" and detect_parser("{{ '<|python_start|>' }}") == "pythonic"
+    assert detect_parser(llama32, "hermes") == "hermes"
