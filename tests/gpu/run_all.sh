@@ -10,8 +10,10 @@ out=${OUT:-gpu-results}
 mkdir -p "$out"
 export MUXD_CACHE_DIR=${MUXD_CACHE_DIR:-$(mktemp -d)}  # a cold compile cache: the first start below is cold
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-# GPU_TESTS: the test files to run (default: all of tests/gpu; a cold run of all of them can take over 10 minutes)
-python3 -m pytest -q -p no:cacheprovider --durations=10 ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$out/gpu-tests.log"
+# GPU_TESTS: the test files to run (default: all of tests/gpu; a cold run of all of them takes about 24 minutes on an
+# H200). Each test's outcome is written as it ends (-v), so a run cut short still names what passed and what failed.
+python3 -m pytest -v -p no:cacheprovider -rfEs --durations=10 --junitxml "$out/gpu-tests.xml" ${GPU_TESTS:-tests/gpu} \
+    2>&1 | tee "$out/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 bench_args=()
 [ "${1:-}" = "--quick" ] && bench_args=(--batches 1,64 --contexts 1024 --prefill 2048,8192 --iters 10)
