@@ -6,7 +6,8 @@ Before the engine, the server refuses at the door (`server/gate.py`, `server/lif
 vocabulary, not empty, stop strings and bad words need a tokenizer, which spells the bad words in tokens), the context
 length (prompt + max_tokens), its id and SLO class, the waiting queue's limit (--max-waiting and the contract's queue
 limit), and last the planner's own admission test (a contract that sheds load refuses a request whose TTFT it cannot
-meet, with a Retry-After). A later step of work admitted before (a beam search's next tokens) skips those last two.
+meet, with a Retry-After). Work admitted before (a beam search's next tokens, the other choices of n > 1) skips those
+last two.
 """
 from __future__ import annotations
 

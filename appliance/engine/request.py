@@ -287,8 +287,8 @@ class Request:
         self.last_token_time: float | None = None  # when the engine emitted its latest token (scheduler clock)
         self.scheduled_time: float | None = None  # when it was first admitted (scheduler clock)
         self.slo_class: str | None = None  # request class of the SLO contract; None: the contract's default
-        # a later step of work already admitted (a beam search's next tokens): the waiting queue's limit and the
-        # planner's load shedding do not refuse it, so an accepted search is never cut off with a 429 midway
+        # work already admitted (a beam search's next tokens, the other choices of n > 1): the waiting queue's limit
+        # and the planner's load shedding do not refuse it, so an accepted request is never cut off with a 429 midway
         self.continued = False
         self.min_tokens_blocked: list[int] = []  # ids masked while fewer than sampling.min_tokens are out
         self.bad_words = BadWords(sampling.bad_words_token_ids) if sampling.bad_words_token_ids else None

@@ -2,7 +2,8 @@
 index, output).
 
 With n > 1 and the prefix cache on, each prompt's first choice is submitted alone and its others once its first
-token is out: by then the prompt's full pages are in the prefix cache, so each prompt is prefilled once. Each choice
+token is out: by then the prompt's full pages are in the prefix cache, so each prompt is prefilled once (the others,
+admitted with the first, pass the waiting queue's limit and load shedding: Request.continued). Each choice
 feeds the latency metrics, and counts the tokens the response shows (echo without generation samples a token it drops);
 closing the stream (client gone, error) aborts every choice still running. `gathered` joins a stream's outputs into
 fewer chunks (--stream-interval).
@@ -33,6 +34,9 @@ class Choices:
         self.n = len(requests)
         self.group = group or self.n
         self.share_prefill = share_prefill and self.group > 1
+        if self.share_prefill:  # the others follow their first choice, admitted before them: load never refuses them
+            for i in range(self.n):
+                requests[i].continued = i % self.group > 0
         self._streams: dict[int, AsyncIterator[RequestOutput]] = {}
         self._timers = [TokenTimer(metrics) for _ in requests]
         self._unfinished = {p: self.group for p in range(0, self.n, self.group)}  # each prompt's running choices
