@@ -63,6 +63,7 @@ class OpenAIServing:
         # vLLM's request log: prompts as they arrive, outputs as they end, each cut to --max-log-len
         self.log_requests, self.log_outputs = config.vllm.enable_log_requests, config.vllm.enable_log_outputs
         self.max_log_len = config.vllm.max_log_len
+        self._markers: dict[str, tuple[int, ...]] = {}  # a think block's start and end in tokens (_marker)
         self.sampling_defaults = config.model.sampling_defaults()
         if self.sampling_defaults:
             where = config.model.generation_config_dir
@@ -168,7 +169,7 @@ class OpenAIServing:
         after: tuple[int, ...] = ()
         if body.grammar() is not None and thinking is not None:
             if waits_for_thinking(chat.text, body):
-                after = tuple(self._tokenizer().encode(END, add_special_tokens=False))
+                after = self._marker(END)
             else:
                 thinking = None  # the grammar holds from the first token: no think block to split off
         requests = self._make(body, _kept(ids, keep, body.truncation_side), body.requested_max_tokens(), rid,
@@ -187,9 +188,13 @@ class OpenAIServing:
                                "where a think block starts and ends)", "thinking_token_budget")
         if prompt.rstrip().endswith(END):
             return None
-        tok = self._tokenizer()
-        return ThinkingLimit(budget, tuple(tok.encode(START, add_special_tokens=False)),
-                             tuple(tok.encode(END, add_special_tokens=False)), bool(inside))
+        return ThinkingLimit(budget, self._marker(START), self._marker(END), bool(inside))
+
+    def _marker(self, text: str) -> tuple[int, ...]:
+        """A think block's marker (reasoning.START or END) in tokens, encoded once."""
+        if text not in self._markers:
+            self._markers[text] = tuple(self._tokenizer().encode(text, add_special_tokens=False))
+        return self._markers[text]
 
     def _keep(self, body: p._SamplingRequest) -> int | None:
         """How many prompt tokens truncate_prompt_tokens keeps (None: all); -1 keeps as many as the context
