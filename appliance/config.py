@@ -37,7 +37,8 @@ EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "model_zoo" / "embedded"
 EMBEDDED_NAME = "muxd-embedded"
 POLICIES = ("mux", "chunked", "serial", "layerwise", "pdmux")  # engine/planners/registry.py builds each
 POLICY_CHOICES = ("auto", *POLICIES)  # auto: mux on a CUDA GPU, serial on a CPU
-DEFAULT_GRAPH_ROWS = 2048  # --prefill-graph-rows' default: the largest prefill launch replaying piecewise graphs
+DEFAULT_GRAPH_ROWS = 2048  # --prefill-graph-rows' default for a layer of Llama-3.1-8B's size or larger
+REFERENCE_LAYER_PARAMS = 218_112_000  # one decoder layer of Llama-3.1-8B
 SPATIAL_POLICIES = ("mux", "layerwise", "pdmux")  # the policies that run prefill and decode on disjoint SM partitions
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "pythonic", "none")  # server/tools.py reads each
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")  # server/reasoning.py reads each
@@ -49,6 +50,18 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ki": 2**10,
           "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def default_graph_rows(model: ModelConfig | None = None) -> int:
+    """--prefill-graph-rows' default for a model (one rank's share of it): DEFAULT_GRAPH_ROWS for a layer of the 8B's
+    size or larger (unknown: the same); for a smaller layer, the largest power of two up to DEFAULT_GRAPH_ROWS times
+    the 8B's layer over this one, so that a prefill runs eagerly only where a layer's GPU time is about the 8B's at
+    2048 rows, long enough to hide the host's eager launch of it. A smaller layer's activations are smaller too, so the
+    graphs' memory stays about the 8B's (Qwen2.5-0.5B: 8192 rows, at most a step's prefill tokens)."""
+    if model is None or model.layer_params >= REFERENCE_LAYER_PARAMS:
+        return DEFAULT_GRAPH_ROWS
+    scaled = DEFAULT_GRAPH_ROWS * REFERENCE_LAYER_PARAMS // max(1, model.layer_params)
+    return 1 << (scaled.bit_length() - 1)
 
 
 def parse_size(text: str, flag: str = "--kv-cache-memory") -> int:
@@ -452,8 +465,10 @@ class RuntimeSettings:
                                                  "--cudagraph-capture-sizes.", hidden=True)
     prefill_graph_rows: Optional[int] = flag(None, "Prefill launches and mixed steps of up to this many tokens "
                                              "replay piecewise CUDA graphs (attention eager between them, as in "
-                                             "vLLM); 0: off. Default: 2048; for --policy chunked its step's budget "
-                                             "up to 2048, so that every mixed step replays them.")
+                                             "vLLM); 0: off. Default: 2048 for a layer the size of Llama-3.1-8B's "
+                                             "or larger, more for smaller layers (Qwen2.5-0.5B: 8192), whose eager "
+                                             "launches the GPU would wait for; for --policy chunked at most its "
+                                             "step's budget, so that every mixed step replays them.")
     multiplex: Optional[bool] = flag(None, "Run prefill and decode at once on disjoint SM partitions (default: on "
                                      "with CUDA for the mux and layerwise policies).")
     async_scheduling: bool = flag(True, "Overlap the engine's host work with the device: plan and launch each step "
@@ -1109,26 +1124,26 @@ class Config:
             groups[g] = dataclasses.replace(groups[g], **{name: str(value) if isinstance(value, Path) else value})
         return Config(**groups)
 
-    @property
-    def prefill_graph_rows(self) -> int:
-        """--prefill-graph-rows, else DEFAULT_GRAPH_ROWS, for chunked at most its step's budget. Launched eagerly, a
-        prefill layer costs the host 3-4x what its graph replay does, up to 1.5 ms a layer while serving: chunked's
-        mixed steps and mux's short prompts then wait for the host, not the GPU (mux on chat-short at 19.5 req/s on
-        an H200: 96.6 % of first tokens in time with graphs up to 512 rows, 100 % up to 2048)."""
+    def prefill_graph_rows(self, model: ModelConfig | None = None) -> int:
+        """--prefill-graph-rows, else `default_graph_rows(model)`, for chunked at most its step's budget. Launched
+        eagerly, a prefill layer costs the host 3-4x what its graph replay does, up to 1.5 ms a layer while serving:
+        chunked's mixed steps and mux's short prompts then wait for the host, not the GPU (mux on chat-short at 19.5
+        req/s on an H200: 96.6 % of first tokens in time with graphs up to 512 rows, 100 % up to 2048)."""
         rows = self.runtime.prefill_graph_rows
         if rows is not None:
             return rows
+        default = default_graph_rows(model)
         if self.scheduler.policy == "chunked":
-            return min(DEFAULT_GRAPH_ROWS, self.scheduler.tuned_chunk_budget or DEFAULT_GRAPH_ROWS)
-        return DEFAULT_GRAPH_ROWS
+            return min(default, self.scheduler.tuned_chunk_budget or default)
+        return default
 
-    @property
-    def captured_graph_rows(self) -> int:
-        """The prefill graph rows an engine on a GPU captures: --prefill-graph-rows' value, never above a step's
-        prefill tokens; 0 with --no-cuda-graph (the engine also needs CUDA and a graph-capable attention backend)."""
+    def captured_graph_rows(self, model: ModelConfig | None = None) -> int:
+        """The prefill graph rows an engine of `model` (one rank's share) on a GPU captures: `prefill_graph_rows`,
+        never above a step's prefill tokens; 0 with --no-cuda-graph (the engine also needs CUDA and a graph-capable
+        attention backend)."""
         if not self.runtime.cuda_graph:
             return 0
-        return min(self.prefill_graph_rows, self.scheduler.max_num_batched_tokens)
+        return min(self.prefill_graph_rows(model), self.scheduler.max_num_batched_tokens)
 
     def resolved_dtype(self) -> str | None:
         """None keeps the checkpoint's dtype (GPU default); the CPU default is float32, which CPUs run fastest."""

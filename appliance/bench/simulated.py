@@ -52,7 +52,7 @@ def simulated_bench(opts: BenchOptions, gpu: str) -> tuple[SimulatedBench, Model
     # the engine's loop: overlapped unless told otherwise
     predictor.host = predictor.host.with_loop(serve.runtime.async_scheduling)
     # prefill launches up to the engine's graph size replay graphs on a GPU (the host's cheaper launches)
-    predictor.host = predictor.host.with_graphs(serve.captured_graph_rows)
+    predictor.host = predictor.host.with_graphs(serve.captured_graph_rows(model))
     try:
         device = device_spec(gpu)
     except ConfigError:

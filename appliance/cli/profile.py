@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from appliance.config import DEFAULT_GRAPH_ROWS, Config
+from appliance.config import Config
 from appliance.engine.compile import cache_dir
 from appliance.engine.factory import build_engine
 from appliance.errors import ApplianceError, ConfigError
@@ -91,9 +91,10 @@ def profile_command(app: typer.Typer) -> None:
         max_model_len: int = typer.Option(32768, help="Longest context profiled."),
         partition_granularity: int = typer.Option(16, help="Decode partitions are multiples of this many SMs "
                                                   "(the server's --partition-granularity)."),
-        prefill_graph_rows: int = typer.Option(DEFAULT_GRAPH_ROWS, help="Prefill launches of up to this many "
-                                               "tokens replay piecewise CUDA graphs (the server's "
-                                               "--prefill-graph-rows)."),
+        prefill_graph_rows: Optional[int] = typer.Option(None, help="Prefill launches of up to this many tokens "
+                                                         "replay piecewise CUDA graphs (the server's "
+                                                         "--prefill-graph-rows; default: the server's for this "
+                                                         "model)."),
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="GPUs the model is split "
                                                  "across (the server's --tensor-parallel-size); every step is timed "
                                                  "on rank 0, collectives included, and the profile serves only this "

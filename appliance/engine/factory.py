@@ -280,7 +280,8 @@ class _Builder:
     def _prefill_graph_rows(self, runner: ModelRunner) -> int:
         """Prefill launches of up to this many tokens run as piecewise graphs (0: none, as without CUDA, decode
         graphs or a graph-capable attention backend; never above a step's prefill tokens)."""
-        return self.config.captured_graph_rows if self.cuda and runner.backend.supports_cuda_graph else 0
+        capable = self.cuda and runner.backend.supports_cuda_graph
+        return self.config.captured_graph_rows(self.model.config) if capable else 0
 
     def _gemm_table(self, predictor: Predictor | None, rows: int) -> GemmTable | None:
         """The profile's GEMM row buckets (None without), padding graph-sized launches within this engine's
@@ -322,7 +323,7 @@ class _Builder:
         graphs = self.max_graph_batch * mcfg.vocab_size * 4 + GRAPH_RESERVE_BYTES if cuda_graph else 0
         # prefill graphs: fixed buffers and a pool for one layer's activations at their largest size, taken as twice
         # the warm-up prefill's peak per token
-        rows = min(cfg.prefill_graph_rows, num_tokens) if cuda_graph else 0
+        rows = min(cfg.prefill_graph_rows(mcfg), num_tokens) if cuda_graph else 0
         graphs += 2 * peak * rows // num_tokens
         # with SM partitions: graph sets and a prefill attention workspace per partition
         return peak + sampling + graphs * len(partitions.partitions) + PREFILL_WORKSPACE_BYTES * (

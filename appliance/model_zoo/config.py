@@ -236,14 +236,19 @@ class ModelConfig:
         """The first of the whole model's KV heads that `rank` holds (replicated heads: the one its queries read)."""
         return rank * self.unsharded.num_kv_heads // self.tp_size
 
-    def num_params(self) -> int:
-        """Parameter count (for sizing and logs); one rank's under tensor parallelism."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_per_rank
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer; one rank's share under tensor parallelism."""
+        h, i = self.hidden_size, self.intermediate_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias + 2 * self.head_dim * self.qk_norm
-        per_layer = attn + 3 * h * i + (2 * i + h) * self.mlp_bias + 2 * h
+        return attn + 3 * h * i + (2 * i + h) * self.mlp_bias + 2 * h
+
+    def num_params(self) -> int:
+        """Parameter count (for sizing and logs); one rank's under tensor parallelism."""
+        h, v = self.hidden_size, self.vocab_per_rank
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + self.num_layers * self.layer_params + h + head
 
 
 def _head_dim(raw: dict[str, Any], family: dict[str, Any], hidden: int, num_heads: int, source: str) -> int:

@@ -1,11 +1,14 @@
 """Engine construction: KV-cache sizing and configuration errors."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from appliance.config import Config
+from appliance.config import Config, default_graph_rows
 from appliance.engine.factory import build_engine
 from appliance.errors import ConfigError
+from appliance.model_zoo.config import ModelConfig
 
 
 def test_pool_is_capped_at_what_max_num_seqs_full_requests_need(llama_checkpoint):
@@ -58,7 +61,37 @@ def test_unknown_setting_is_named():
 def test_prefill_graph_rows_default_to_the_policys(settings, rows):
     """Chunked prefill's mixed steps replay piecewise graphs up to its budget (capped): launched eagerly they cost
     the host 3-4x as much; the other policies replay them up to 2048 rows unless told."""
-    assert Config.flat(**settings).prefill_graph_rows == rows
+    assert Config.flat(**settings).prefill_graph_rows() == rows
+
+
+def _model(name: str) -> ModelConfig:
+    return ModelConfig.from_file(Path(__file__).resolve().parents[2] / "configs" / "models" / name / "config.json")
+
+
+@pytest.mark.parametrize("name, rows", [
+    ("llama-3.1-8b", 2048), ("qwen3-8b", 2048), ("qwen2.5-7b", 2048), ("llama-3.1-70b", 2048),
+    ("llama-3.2-1b", 4096), ("qwen2.5-0.5b", 16384),
+])
+def test_prefill_graph_rows_grow_as_a_layer_shrinks(name, rows):
+    """A smaller layer takes the GPU less time at the same rows, so its prefill graphs reach further before an eager
+    launch's host time hides behind the GPU: the largest power of two up to 2048 x (the 8B's layer / this one);
+    the 8B's size or larger (one rank's share under tensor parallelism) keeps 2048."""
+    model = _model(name)
+    assert default_graph_rows(model) == rows
+    assert Config.flat().prefill_graph_rows(model) == rows
+    assert Config.flat().captured_graph_rows(model) == min(rows, 8192)  # never above a step's prefill tokens
+    assert Config.flat(prefill_graph_rows=512).captured_graph_rows(model) == 512  # as told
+    assert Config.flat(cuda_graph=False).captured_graph_rows(model) == 0
+    assert Config.flat(policy="chunked", chunk_budget=1024).prefill_graph_rows(model) == 1024
+
+
+def test_prefill_graph_rows_of_a_sharded_layer():
+    """Under tensor parallelism each GPU runs its share of a layer: the 70B over 8 GPUs has a rank's layer half the
+    8B's, so its graphs reach twice as far."""
+    model = _model("llama-3.1-70b")
+    assert default_graph_rows(model.sharded(2)) == 2048
+    assert default_graph_rows(model.sharded(8)) == 4096
+    assert default_graph_rows(None) == 2048
 
 
 def test_negative_prefill_graph_rows_is_refused():
