@@ -156,6 +156,7 @@ def diagnose(args: DiagnoseOptions) -> None:
         print(f"  event loop (replay and streams): {loop_cpu:.2f} s of CPU in {result.duration:.1f} s "
               f"({loop_cpu / result.duration:.0%}), {loop_cpu / streamed * 1e6:.0f} us a streamed token")
     _launch_host(steps)
+    _mixed_host(steps)
     for kind, key in (("mixed", "mixed"), ("decode beside prefill", "beside"), ("decode alone", None)):
         rows = [s for s in steps if "pred_ms" in s and (
             s["mixed"] if key == "mixed" else (not s["mixed"] and bool(s.get("beside")) == (key is not None)))]
@@ -235,6 +236,25 @@ def _launch_host(steps: list[dict]) -> None:
             line = f"; least squares {fixed:.2f} ms + {slope:.3f} ms a layer"
         print(f"  prefill launches' host time ({'replaying graphs' if graphs else 'eager'}): {len(rows)} steps, "
               f"p10 {p10:.2f} ms, median {p50:.2f}, p90 {p90:.2f}, p99 {p99:.2f}{line}")
+
+
+def _mixed_host(steps: list[dict]) -> None:
+    """Print the host time of launching the mixed steps (a prompt's layers in the decode step's forward), those
+    replaying piecewise graphs and those launched eagerly apart, beside their device time: a mixed step whose launch
+    takes the host about as long as its kernels take the GPU keeps the GPU waiting (a small model's, launched
+    eagerly)."""
+    for graphs in (True, False):
+        rows = [s for s in steps if s.get("mixed") and s.get("host_launch_ms") is not None
+                and bool(s.get("prefill_graphs")) == graphs]
+        if not rows:
+            continue
+        host = np.percentile([s["host_launch_ms"] for s in rows], [50, 90])
+        tokens = statistics.median(s["prefill_tokens"] for s in rows)
+        device = [s["device_ms"] for s in rows if s.get("device_ms")]
+        timed = f", device median {statistics.median(device):.2f} ms" if device else ""
+        print(f"  mixed steps' launch host time ({'replaying graphs' if graphs else 'eager'}): {len(rows)} "
+              f"step{'s' if len(rows) > 1 else ''}, "
+              f"median {host[0]:.2f} ms, p90 {host[1]:.2f}{timed}; {tokens:.0f} prompt tokens at the median")
 
 
 def _profile_steps(engine) -> cProfile.Profile:

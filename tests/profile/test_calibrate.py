@@ -308,3 +308,22 @@ def test_the_split_slowdown_is_broken_down_by_span_and_the_decode_beside(profile
     out = CliRunner().invoke(app, ["bench", "diagnose", "--profile", str(src), "--from-prefills", str(log)])
     assert out.exit_code == 0, out.output
     assert "span    <2k, decode batch >32  : 1.300 over 2 launches (0% of their tokens reused)" in out.output
+
+
+def test_diagnose_prints_the_mixed_steps_launch_host_time_by_graphs(capsys):
+    """`muxd bench diagnose` sets a mixed step's launch (host) beside its device time, graph replays and eager
+    launches apart: a small model's eager mixed steps are where the GPU waits for the host."""
+    from appliance.profile.diagnose import _mixed_host
+    steps = [{"mixed": True, "host_launch_ms": 4.0 + i, "device_ms": 6.0, "prefill_graphs": True,
+              "prefill_tokens": 1000} for i in range(3)]
+    steps += [{"mixed": True, "host_launch_ms": 27.0, "device_ms": 26.0, "prefill_graphs": False,
+               "prefill_tokens": 3000}]
+    steps += [{"mixed": False, "host_launch_ms": 1.0, "device_ms": 1.2, "prefill_graphs": False, "prefill_tokens": 0},
+              {"mixed": True, "prefill_graphs": True, "prefill_tokens": 10}]  # (a decode step; one never launched)
+    _mixed_host(steps)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "  mixed steps' launch host time (replaying graphs): 3 steps, median 5.00 ms, p90 5.80, device median 6.00 "
+        "ms; 1000 prompt tokens at the median",
+        "  mixed steps' launch host time (eager): 1 step, median 27.00 ms, p90 27.00, device median 26.00 ms; 3000 "
+        "prompt tokens at the median"]
