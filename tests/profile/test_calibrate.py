@@ -19,6 +19,7 @@ from appliance.predictor.roofline import DEVICES
 from appliance.predictor.shapes import DecodeLoad, PrefillItem
 from appliance.predictor.synthetic import SyntheticGPU, synthetic_profile
 from appliance.profile.calibrate import MIN_STEPS, full_prefill_factor, mixed_floor, serving_factors
+from appliance.profile.diagnose import _mixed_host
 from appliance.slo.contract import default_contract
 from appliance.workload.metrics import RequestTimeline
 
@@ -313,7 +314,6 @@ def test_the_split_slowdown_is_broken_down_by_span_and_the_decode_beside(profile
 def test_diagnose_prints_the_mixed_steps_launch_host_time_by_graphs(capsys):
     """`muxd bench diagnose` sets a mixed step's launch (host) beside its device time, graph replays and eager
     launches apart: a small model's eager mixed steps are where the GPU waits for the host."""
-    from appliance.profile.diagnose import _mixed_host
     steps = [{"mixed": True, "host_launch_ms": 4.0 + i, "device_ms": 6.0, "prefill_graphs": True,
               "prefill_tokens": 1000} for i in range(3)]
     steps += [{"mixed": True, "host_launch_ms": 27.0, "device_ms": 26.0, "prefill_graphs": False,
