@@ -2,6 +2,8 @@
 
 Text is released only when it no longer ends in an incomplete UTF-8 sequence, and while stop strings are set the last
 (longest stop - 1) characters are held back so a client never sees the start of a stop string it should not see.
+A token costs the same at any output length: the text handed out is kept as pieces (joined once, at the end), and stop
+strings are looked for in the text not handed out yet, which holds every place a new match can begin.
 Each token's text comes from the `tokenizers` library's DecodeStream where it has one (0.21 and later: the same
 prefix/read-offset algorithm in Rust; 1.4 against 2.1 us a token here), else from the same algorithm in Python, which
 also takes over from a token the stream fails on: both keep the same offsets.
@@ -30,9 +32,16 @@ class Detokenizer:
         self.stop = stop
         self.matched: str | None = None  # the stop string that ended the text
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
-        self.sent = 0
+        self._sent: list[str] = []  # the text handed out, piece by piece
+        self._held = ""  # the text not handed out yet
         self._stream = self._start_stream()
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (cut before a matched stop string)."""
+        if len(self._sent) > 1:
+            self._sent = ["".join(self._sent)]
+        return (self._sent[0] if self._sent else "") + self._held
 
     def _start_stream(self):
         """A DecodeStream that has read the prompt's context tokens (their text dropped), the offsets set where it
@@ -74,20 +83,26 @@ class Detokenizer:
     def _release(self, piece: str) -> bool:
         """Append the text of the tokens read since the last release and move the offsets past them; whether a
         stop string now ends the text."""
-        start = len(self.text)
-        self.text += piece
+        start = len(self._held)
+        self._held += piece
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> bool:
+        """Whether a stop string ends in the text not handed out yet after its position `new_from` (the first new
+        character): a match that takes a new character begins at most `hold` characters before it, which `delta`
+        never hands out. The earliest match cuts the text."""
         if not self.stop:
             return False
-        begin = max(0, new_from - self.hold)
-        hits = [(i, s) for i, s in ((self.text.find(s, begin), s) for s in self.stop) if i >= 0]
-        if not hits:
+        begin, held, hit = max(0, new_from - self.hold), self._held, None
+        for stop in self.stop:
+            at = held.find(stop, begin)
+            if at >= 0 and (hit is None or (at, stop) < hit):
+                hit = (at, stop)
+        if hit is None:
             return False
-        at, stop = min(hits)
-        self.text = self.text[:at + len(stop) if self.include_stop else at]
+        at, stop = hit
+        self._held = held[:at + len(stop) if self.include_stop else at]
         self.matched = stop
         return True
 
@@ -98,14 +113,17 @@ class Detokenizer:
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
         tail = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)[len(prefix):]
         if tail:
-            start = len(self.text)
-            self.text += tail
+            start = len(self._held)
+            self._held += tail
             self.read_offset = len(self.ids)
             self._check_stop(start)
 
     def delta(self, finished: bool) -> str:
         """Text not yet handed out that may be handed out now."""
-        end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold)
-        out = self.text[self.sent:end]
-        self.sent = end
-        return out
+        held = self._held
+        end = len(held) if finished else max(0, len(held) - self.hold)
+        if not end:
+            return ""
+        self._sent.append(held[:end])
+        self._held = held[end:]
+        return self._sent[-1]

@@ -145,6 +145,26 @@ def test_stop_string_kept_with_include_stop_and_special_tokens_shown_when_asked(
     assert "".join(shown) == "".join(hidden) + tok.decode(special, skip_special_tokens=False)
 
 
+def test_a_long_output_keeps_only_the_stop_window_unsent(text_checkpoint):
+    """A token's work does not grow with the output: the text not handed out yet, where stop strings are looked for,
+    stays within the stop window and the latest piece, however long the output (the whole text is joined once, when
+    asked for); a stop string that arrives after thousands of tokens still ends it, cut as usual."""
+    tok = Tokenizer(text_checkpoint)
+    ids = tok.encode("the quick brown fox jumps over the lazy dog and runs ", add_special_tokens=False) * 300
+    tail = tok.encode("until the END of it", add_special_tokens=False)
+    d = Detokenizer(tok, [], ["END", "never seen"])
+    pieces, longest = [], 0
+    for t in ids + tail:
+        hit = d.push(t)
+        pieces.append(d.delta(finished=hit))
+        if hit:
+            break
+        longest = max(longest, len(d._held))
+    assert hit and d.matched == "END"
+    assert longest <= d.hold + max(len(tok.decode([t])) for t in ids + tail)
+    assert "".join(pieces) == d.text == tok.decode(ids) + "until the "
+
+
 def test_stop_strings_and_stop_token_ids_end_generation(engine):
     prompt = "The quick brown fox"
     free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

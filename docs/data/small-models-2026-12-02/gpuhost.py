@@ -1,6 +1,5 @@
 """Host work per decode step of a small model on the GPU: wall, device, and a cProfile of the engine's steps."""
 import cProfile, pstats, sys, time, io
-import torch
 from appliance.bench import engine_bench
 from appliance.config import Config
 
