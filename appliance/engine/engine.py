@@ -5,9 +5,9 @@ The loop is overlapped (`--async-scheduling`, on by default): the host plans and
 runs step N, then reads step N's tokens, so the host's work between steps hides behind the device's. A request whose
 latest token is not read yet decodes from it on the device (engine/launched.py); one that finishes at step N had at
 most one more step launched, whose token is dropped. A row whose sample needs its latest token on the host (a
-grammar's next mask, a penalty over the output, a bad word of several tokens: `Request.reads_output`) has its step's
-forward launched first and is sampled once step N is read (Executor.finish_sampling). With it off, every step is
-read before the next is planned.
+grammar's next mask, a bad word of several tokens, a think block's budget: `Request.reads_output`; a penalty's counts
+stay on the device) has its step's forward launched first and is sampled once step N is read
+(Executor.finish_sampling). With it off, every step is read before the next is planned.
 
 Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server. The synchronous
 `generate` is the small Python API for scripts and tests. `engine/factory.py` builds one (`build_engine`); the

@@ -319,6 +319,7 @@ class _Builder:
         del runner, tmp
         torch.cuda.empty_cache()
         sampling = cfg.scheduler.max_num_seqs * mcfg.vocab_size * 4 * 6  # logits, probs, sort values + indices, noise
+        sampling += cfg.scheduler.max_num_seqs * mcfg.vocab_size * 5  # penalised requests' counts and prompt marks
         cuda_graph = cfg.runtime.cuda_graph
         graphs = self.max_graph_batch * mcfg.vocab_size * 4 + GRAPH_RESERVE_BYTES if cuda_graph else 0
         # prefill graphs: fixed buffers and a pool for one layer's activations at their largest size, taken as twice

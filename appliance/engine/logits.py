@@ -3,9 +3,12 @@
 token mask — each one batched operation over the rows that need it (the host only gathers their ids into one tensor
 per kind), nothing for rows that need none.
 Host data goes to the device with asynchronous copies: a blocking one would wait for every kernel queued before it,
-the next step's too.
+the next step's too. The penalties read their token counts from the device (`PenaltyCounts`): a penalised row is
+sampled without its output on the host, so the overlapped loop never waits to read its latest token.
 """
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import torch
@@ -15,16 +18,18 @@ from appliance.engine.request import Request
 
 
 def process_logits(logits: torch.Tensor, reqs: list[Request], counts: list[int] | None = None,
-                   grammar: bool = True) -> torch.Tensor:
+                   grammar: bool = True, penalties: "PenaltyCounts | None" = None) -> torch.Tensor:
     """Apply every request's logits processors to its row of `logits` [B, V] in place; returns `logits`. `counts`:
     each row's output tokens before the one sampled now (default: the requests' own count); grammar=False leaves
-    the grammars' masks out (applied before, `apply_grammars`: every processor keeps a masked token at -inf)."""
+    the grammars' masks out (applied before, `apply_grammars`: every processor keeps a masked token at -inf);
+    `penalties`: the device's token counts of penalised requests (default: counted from the requests' token lists,
+    which must then hold every output token)."""
     if not any(_processed(r) for r in reqs):  # (most batches: one pass over the rows, not one a processor)
         return logits
     counts = counts if counts is not None else [r.num_output_tokens for r in reqs]
     penalised = [i for i, r in enumerate(reqs) if r.sampling.penalised]
     if penalised:
-        _penalise(logits, [reqs[i] for i in penalised], penalised)
+        _penalise(logits, [reqs[i] for i in penalised], penalised, penalties)
     biased = [(i, t, b) for i, r in enumerate(reqs) for t, b in r.sampling.logit_bias.items()]
     if biased:
         rows, cols, values = zip(*biased)
@@ -67,20 +72,29 @@ def _processed(r: Request) -> bool:
             or r.bad_words is not None or r.matcher is not None or r.thinking is not None)
 
 
-def _penalise(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+def _penalise(logits: torch.Tensor, reqs: list[Request], rows: list[int],
+              penalties: "PenaltyCounts | None" = None) -> None:
     """vLLM's semantics: repetition divides positive logits (multiplies negative ones) of every token seen in the
     prompt or the output; frequency subtracts penalty x count in the output; presence subtracts penalty once."""
     vocab, device = logits.shape[-1], logits.device
     index = to_device(torch.tensor(rows), device)
     sub = logits[index]
-    counts = _counts([r.output_token_ids for r in reqs], vocab, device)
+    if penalties is not None:
+        slots = penalties.rows(reqs)
+        counts = penalties.counts[slots].to(sub.dtype)
+        prompt_seen = penalties.seen[slots]
+    else:
+        counts = _counts([r.output_token_ids for r in reqs], vocab, device)
+        prompt_seen = None
     params = torch.tensor([(r.sampling.repetition_penalty, r.sampling.frequency_penalty,
                             r.sampling.presence_penalty) for r in reqs], dtype=logits.dtype)
     params = to_device(params, device)
     repetition, frequency, presence = (params[:, k:k + 1] for k in range(3))
     if any(r.sampling.repetition_penalty != 1.0 for r in reqs):
-        seen = (counts > 0) | (_counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else []
-                                        for r in reqs], vocab, device) > 0)
+        if prompt_seen is None:
+            prompt_seen = _counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else []
+                                   for r in reqs], vocab, device) > 0
+        seen = (counts > 0) | prompt_seen
         scaled = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, scaled, sub)
     sub = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
@@ -97,6 +111,76 @@ def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Te
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
     return counts[:, :vocab]
+
+
+class PenaltyCounts:
+    """The token counts of penalised requests on the device, a row each while they are served: the prompt's tokens
+    marked (`seen`) and the output's counted (`counts`) when a request is first sampled (from the host's lists,
+    complete then: its first sample, or its first after a preemption), and each token it samples counted on the
+    device right after (`count`), so no later sample needs its output on the host. A row is given back when its
+    request leaves or is preempted (`release`); the executor orders a launch after the step before it, so a row given
+    to another request is cleared only after every count into it. The first penalised request allocates `limit`
+    rows (the most one step samples: the factory reserves their memory), so that no row moves while a launch may
+    still count into it; without a limit (or past it) rows grow by doubling."""
+
+    def __init__(self, vocab: int, device: torch.device, limit: int | None = None) -> None:
+        self.vocab, self.device, self.limit = vocab, device, limit
+        self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+
+    def rows(self, reqs: list[Request]) -> torch.Tensor:
+        """The requests' rows (a device tensor), filling those of requests sampled here for the first time."""
+        new = [r for r in reqs if r.request_id not in self._slot]
+        for r in new:
+            self._slot[r.request_id] = self._take()
+        if new:
+            self._fill(new)
+        return to_device(torch.tensor([self._slot[r.request_id] for r in reqs]), self.device)
+
+    def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each row's sampled token (`tokens`, on the device) in its request's row `slots`."""
+        self.counts.index_put_((slots, tokens.to(torch.long)), torch.ones_like(slots, dtype=torch.int32),
+                               accumulate=True)
+
+    def release(self, request_id: str) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _take(self) -> int:
+        if not self._free:
+            n = len(self.counts)
+            grown = self.limit if self.limit and n < self.limit else max(8, 2 * n)
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(grown - n, self.vocab)])
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(grown - n, self.vocab)])
+            self._free = list(range(grown - 1, n - 1, -1))
+        return self._free.pop()
+
+    def _fill(self, reqs: list[Request]) -> None:
+        """Clear the requests' rows, mark their prompts' tokens (where a repetition penalty reads them) and count
+        their outputs' (in one copy of ids to the device each)."""
+        slots = [self._slot[r.request_id] for r in reqs]
+        index = to_device(torch.tensor(slots), self.device)
+        self.counts[index] = 0
+        self.seen[index] = False
+        outputs = [r.output_token_ids for r in reqs]
+        prompts = [r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else [] for r in reqs]
+        for lists, target in ((outputs, self.counts), (prompts, self.seen)):
+            lengths = [len(ids) for ids in lists]
+            total = sum(lengths)
+            if not total:
+                continue
+            host = np.empty((2, total), dtype=np.int64)
+            host[0] = np.repeat(slots, lengths)
+            host[1] = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
+            rows, cols = to_device(torch.from_numpy(host), self.device)
+            if target.dtype == torch.bool:
+                target[rows, cols] = True
+            else:
+                target.index_put_((rows, cols), torch.ones(total, dtype=torch.int32, device=self.device),
+                                  accumulate=True)
 
 
 def _keep_only(logits: torch.Tensor, rows: list[int], allowed: list[list[int]]) -> None:

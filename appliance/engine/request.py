@@ -332,9 +332,10 @@ class Request:
 
     @property
     def reads_output(self) -> bool:
-        """Its next token's logits depend on its output so far (a grammar's mask, a penalty, a bad word of several
-        tokens, a think block's budget): it is sampled only once its latest token is on the host."""
-        return self.matcher is not None or self.sampling.penalised or (
+        """Its next token's logits depend on its output so far as the host reads it (a grammar's mask, a bad word of
+        several tokens, a think block's budget): it is sampled only once its latest token is on the host. (A
+        penalty's counts are kept on the device: engine/logits.py.)"""
+        return self.matcher is not None or (
             self.bad_words is not None and self.bad_words.reads_output) or (
             self.thinking is not None and self.thinking.active)
 

@@ -26,7 +26,7 @@ from appliance.engine.batch import BatchBuilder, TokenBatch, resolve
 from appliance.engine.graphs import DecodeGraphs, index_capacity
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.launched import TokenBuffer
-from appliance.engine.logits import apply_grammars, process_logits
+from appliance.engine.logits import PenaltyCounts, apply_grammars, process_logits, to_device
 from appliance.engine.logprobs import DEFAULT_MODE, LogprobBatch, asking_rows, prompt_logprobs, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -62,6 +62,7 @@ class ModelRunner:
         self.backend = make_backend(self.backend_name, model.config, self.dtype, self.device)
         self.decode_kernel, self.decode_blas = decode_kernel, decode_blas
         self.batches = BatchBuilder(kv_cache.page_size, self.device)
+        self.penalties = PenaltyCounts(model.config.vocab_size, self.device, max_rows)  # penalised requests' counts
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = True  # replay captured graphs when a batch fits (off: the same forward, eagerly)
         self.last_replayed = False  # whether the latest layers run (`_layers`) replayed piecewise prefill graphs
@@ -152,6 +153,7 @@ class ModelRunner:
         self._partials.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self.batches.release(request_id)
+        self.penalties.release(request_id)
 
     # ---- one step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -173,8 +175,12 @@ class ModelRunner:
         # the grammars' masks first: raw logprobs are over the tokens a grammar allows, as vLLM's
         logits = apply_grammars(logits, reqs)
         asking = asking_rows(logits, reqs, self.logprobs_mode)
-        logits = process_logits(logits, reqs, counts, grammar=False)
+        logits = process_logits(logits, reqs, counts, grammar=False, penalties=self.penalties)
         tokens = sample_tensor(logits, [r.sampling for r in reqs], counts, out)
+        penalised = [i for i, r in enumerate(reqs) if r.sampling.penalised]
+        if penalised:  # (their rows were filled by process_logits)
+            rows = to_device(torch.tensor(penalised), tokens.device)
+            self.penalties.count(self.penalties.rows([reqs[i] for i in penalised]), tokens[rows])
         return tokens, sampled_logprobs(logits, reqs, tokens, self.logprobs_mode, asking)
 
     def take_prompt_logprobs(self, request_id: str, prompt_len: int) -> list[TokenLogprob | None] | None:

@@ -64,6 +64,7 @@ def assert_clean(engine: Engine) -> None:
     assert not engine.scheduler.requests and engine._launched is None
     assert engine.pool.num_free_pages == engine.pool.num_pages
     assert not engine.runner.batches._mirrors and not engine.executor.has_inflight()
+    assert not engine.runner.penalties._slot  # every penalised request's row given back
 
 
 def both(path, make: Callable[[Engine], dict[int, list[Request]]], aborts=None, **kw):
@@ -209,9 +210,9 @@ def test_preemption_under_a_small_kv_cache(llama_checkpoint):
 
 
 def test_grammar_and_penalties_sample_once_the_token_before_is_read(text_checkpoint):
-    """A grammar's matcher and a penalty need the latest token before the next sample: the next step's forward is
-    launched first and its rows sampled once that token is read (the loop still overlaps); outputs equal the
-    synchronous loop's."""
+    """A grammar's matcher needs the latest token before the next sample: the next step's forward is launched first
+    and its rows (a penalised one beside it too) sampled once that token is read (the loop still overlaps); outputs
+    equal the synchronous loop's."""
     pytest.importorskip("xgrammar")
     read_at_once, held = [], []
 
@@ -233,6 +234,36 @@ def test_grammar_and_penalties_sample_once_the_token_before_is_read(text_checkpo
     overlapping = read_at_once[len(read_at_once) // 2:]  # (the second half: the overlapped engine's)
     assert any(constrained and over for constrained, over in overlapping)
     assert any("r-json" in ids for ids in held) and any("r-pen" in ids for ids in held)
+
+
+def test_penalised_rows_are_never_held_and_survive_preemption(llama_checkpoint):
+    """A penalty's token counts live on the device, so penalised rows sample without their latest token on the host:
+    the overlapped loop holds no sampling for them. Under a small KV cache they are preempted (their counts given back
+    and counted again from the host's lists when they resume); every output equals the synchronous loop's and, for
+    some, their runs alone."""
+    path, _ = llama_checkpoint
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.4),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True, frequency_penalty=0.9),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, presence_penalty=1.2,
+                             repetition_penalty=0.7),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
+    held, preempted = [], []
+
+    def make(engine):
+        finish, inner = engine.executor.finish_sampling, engine.scheduler.preempt
+        engine.executor.finish_sampling = lambda step: held.append(step) or finish(step)
+        engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), inner(r))[1]
+        return {0: [engine.make_request(prompt(10 + i, 18 + 3 * i), params[i % 4], f"r{i}") for i in range(8)]}
+
+    sync, overlapped = both(path, make, num_gpu_blocks_override=12, enable_prefix_caching=False)
+    assert same(overlapped, sync), (overlapped, sync)
+    assert not held and preempted
+    solo = engine_for(path, True)
+    for i in (0, 2):
+        assert [t for o in sync[f"r{i}"] for t in o[0]] == \
+            solo.generate(prompt(10 + i, 18 + 3 * i), params[i])[0].token_ids
+    free = engine_for(path, True)  # the penalties change the output at all
+    assert free.generate(prompt(10, 18), params[3])[0].token_ids != [t for o in sync["r0"] for t in o[0]]
 
 
 def test_held_sampling_with_aborts_and_grammar_ends_at_every_step(text_checkpoint):

@@ -11,7 +11,7 @@ import torch
 from appliance.config import Config
 from appliance.engine.factory import build_engine
 from appliance.engine.grammar import GrammarSpec
-from appliance.engine.logits import process_logits
+from appliance.engine.logits import PenaltyCounts, process_logits
 from appliance.engine.request import Request, RequestOutput, SamplingParams, ThinkingLimit, TokenLogprob
 from appliance.errors import ConfigError, RequestError
 
@@ -57,6 +57,37 @@ def test_penalties_match_a_row_by_row_reference():
     got = process_logits(logits.clone(), reqs)
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.equal(got[2], logits[2])  # a row without penalties is untouched
+
+
+def test_device_token_counts_penalise_as_the_host_lists_do():
+    """The penalties' counts kept on the device (filled from the host's lists at a request's first sample, then
+    counted there as it samples) give the same logits as counting the lists; a row given back and taken by another
+    request starts from that request's own tokens."""
+    g = torch.Generator().manual_seed(1)
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4), SamplingParams(presence_penalty=0.6),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.1)]
+    reqs = []
+    for i, sp in enumerate(params):
+        r = Request(f"r{i}", [(7 * i + k) % 50 for k in range(6)], sp)
+        r.output_token_ids = [(3 * i + k) % 50 for k in range(i)]  # (none, one, two tokens so far)
+        reqs.append(r)
+    counts = PenaltyCounts(50, torch.device("cpu"))
+    for step in range(6):
+        logits = torch.randn(3, 50, generator=g) * 3
+        expected = process_logits(logits.clone(), reqs)
+        got = process_logits(logits.clone(), reqs, penalties=counts)
+        assert torch.allclose(got, expected, atol=1e-6), step
+        sampled = torch.randint(0, 50, (3,), generator=g)
+        counts.count(counts.rows(reqs), sampled)
+        for r, t in zip(reqs, sampled.tolist()):
+            r.output_token_ids.append(t)
+    counts.release("r1")
+    fresh = Request("r9", [1, 2, 3], SamplingParams(frequency_penalty=2.0, repetition_penalty=1.5))
+    fresh.output_token_ids = [4, 4]
+    logits = torch.randn(1, 50, generator=g)
+    assert torch.allclose(process_logits(logits.clone(), [fresh], penalties=counts),
+                          process_logits(logits.clone(), [fresh]), atol=1e-6)
+    assert len(counts.counts) == 8  # (the released row was taken again)
 
 
 def test_logit_bias_and_min_tokens(llama):

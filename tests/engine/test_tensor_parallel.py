@@ -42,9 +42,10 @@ def checkpoints(tmp_path_factory):
 
 
 def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
-    """Greedy outputs (and one penalised, seeded row: it is sampled once the token before it is read), preemptions,
-    how many tokens rank 0 sent the other ranks as placeholders (sampled by a step still running: the overlapped loop;
-    the other ranks read them from their token buffers), and the plans of the steps whose sampling was held."""
+    """Greedy outputs (and one penalised, seeded row with a bad word of two tokens: it is sampled once the token before
+    it is read), preemptions, how many tokens rank 0 sent the other ranks as placeholders (sampled by a step still
+    running: the overlapped loop; the other ranks read them from their token buffers), and the plans of the steps
+    whose sampling was held."""
     settings = dict(max_model_len=64, max_num_batched_tokens=32, dist_timeout=60, **extra)
     engine = build_engine(Config.flat(model=str(path), tensor_parallel_size=tp, policy=policy, **settings))
     placeholders, held = 0, []
@@ -62,7 +63,7 @@ def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
         prompts = [PREFIX + [40, 41, 42], list(range(30, 60)), PREFIX + [50, 51], [7, 8, 9, 10, 11, 12, 13]]
         greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         params = [greedy, SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=4, presence_penalty=1.5,
-                                         repetition_penalty=1.3, ignore_eos=True),
+                                         repetition_penalty=1.3, bad_words_token_ids=[[61, 62]], ignore_eos=True),
                   greedy, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, prompt_logprobs=1)]
         with mock.patch.object(step_wire, "span_tokens", spans):
             done = engine.generate(prompts, params)
@@ -79,7 +80,8 @@ def _generate(path, tp: int, policy: str, max_tokens: int = 6, **extra):
     ("llama", "serial", {"async_scheduling": False}),  # the synchronous loop: every token known when sent
 ])
 def test_two_ranks_generate_what_one_does(checkpoints, family, policy, extra):
-    """Two ranks generate what one does, the penalised, seeded row too: rank 0 launches the next forward first (and
+    """Two ranks generate what one does, the penalised, seeded row too (its bad word of two tokens reads the output
+    on the host): rank 0 launches the next forward first (and
     the step's prefill layers: layerwise) and samples that row after it (held); the other rank takes those tokens into
     its token buffer at the same point of its step, after the same collectives."""
     one, preempted_one, _, _ = _generate(checkpoints / family, 1, policy, **extra)
@@ -89,7 +91,7 @@ def test_two_ranks_generate_what_one_does(checkpoints, family, policy, extra):
     if "num_gpu_blocks_override" in extra:
         assert preempted_one > 0  # the preempted requests were sent to rank 1 again, whole
     # overlapped (the default), decode steps are launched before the tokens they continue from are read, and the
-    # penalised row's sampling is held
+    # bad word's row's sampling is held
     overlapped = extra.get("async_scheduling", True)
     assert (placeholders > 0) == overlapped
     assert bool(held) == overlapped

@@ -90,9 +90,9 @@ ABORTED = (3, 12)  # the requests `compare` aborts (in order of creation: a gree
 
 
 def workload(engine: Engine) -> dict[int, list[Request]]:
-    """max_tokens ending at every step from 1 to 12, stop tokens, seeded sampling, logprobs, a think block's budget;
-    staggered arrivals (requests 0-11 greedy, 12 stopped by a token, 13 seeded, 14 with logprobs, 15 longer, 16 its
-    think block ended after 3 tokens)."""
+    """max_tokens ending at every step from 1 to 12, stop tokens, seeded sampling, logprobs, a think block's budget,
+    penalties (counted on the device); staggered arrivals (requests 0-11 greedy, 12 stopped by a token, 13 seeded, 14
+    with logprobs, 15 longer, 16 its think block ended after 3 tokens, 17 seeded and penalised)."""
     greedy = [engine.make_request(periodic_prompt(s, 30 + 3 * s),
                                   SamplingParams(max_tokens=s, temperature=0, ignore_eos=True)) for s in range(1, 13)]
     others = [
@@ -105,6 +105,8 @@ def workload(engine: Engine) -> dict[int, list[Request]]:
         engine.make_request(periodic_prompt(23, 50), SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)),
         engine.make_request(periodic_prompt(24, 36), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                                     thinking=ThinkingLimit(3, (1,), THINK_END, True))),
+        engine.make_request(periodic_prompt(25, 2 * PERIOD + 5), SamplingParams(
+            max_tokens=14, temperature=0.8, seed=9, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)),
     ]
     return {0: greedy[:6] + others[:2], 2: greedy[6:], 5: others[2:]}
 
@@ -120,6 +122,7 @@ def drive(engine: Engine, overlap: bool, arrivals: dict[int, list[Request]],
     assert not engine.scheduler.requests and engine._launched is None
     assert engine.pool.num_free_pages == engine.pool.num_pages
     assert not engine.runner.batches._mirrors and not engine.executor.has_inflight()
+    assert not engine.runner.penalties._slot  # every penalised request's row given back
     return outs
 
 
@@ -216,7 +219,7 @@ def test_overlapped_equals_synchronous_under_the_mux_policy(copy_model):
 
 
 def test_preemption_under_a_small_kv_cache(copy_model):
-    """Twenty pages for sixteen requests: preemption, also of requests whose latest token is still on the device.
+    """Twenty pages for eighteen requests: preemption, also of requests whose latest token is still on the device.
     Under serial (mux, the default on CUDA, admits within the free pages and never preempts this workload)."""
     engine = build(copy_model, policy="serial", num_gpu_blocks_override=20, compile=False)
     pending = []
