@@ -319,10 +319,10 @@ class Engine:
         requests = [self.make_request(p, sp) for p, sp in zip(prompts, plist)]
         for r in requests:
             self.submit(r)
-        texts = {r.request_id: "" for r in requests}
+        texts: dict[str, list[str]] = {r.request_id: [] for r in requests}
         while any(not r.status.done for r in requests):
             for out in self.step():
                 if out.request_id in texts:  # other requests may be in flight too
-                    texts[out.request_id] += out.new_text
-        return [Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids), texts[r.request_id],
+                    texts[out.request_id].append(out.new_text)
+        return [Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids), "".join(texts[r.request_id]),
                            r.finish_reason, r.num_cached_tokens or 0) for r in requests]
