@@ -5,8 +5,8 @@ The loop is overlapped (`--async-scheduling`, on by default): the host plans and
 runs step N, then reads step N's tokens, so the host's work between steps hides behind the device's. A request whose
 latest token is not read yet decodes from it on the device (engine/launched.py); one that finishes at step N had at
 most one more step launched, whose token is dropped. A row whose sample needs its latest token on the host (a
-grammar's next mask, a bad word of several tokens, a think block's budget: `Request.reads_output`; a penalty's counts
-stay on the device) has its step's forward launched first and is sampled once step N is read
+grammar's next mask, a bad word of several tokens, a think block's budget near its end: `Request.needs_output_now`;
+a penalty's counts stay on the device) has its step's forward launched first and is sampled once step N is read
 (Executor.finish_sampling). With it off, every step is read before the next is planned.
 
 Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread for the server. The synchronous
@@ -216,11 +216,11 @@ class Engine:
 
     def _needs_tokens(self, previous: LaunchedStep, plan: StepPlan) -> bool:
         """The plan samples a row whose logits processing needs its token of the step before, still on the device
-        (a grammar's next mask, a penalty, a bad word's last token)."""
+        (a grammar's next mask, a bad word's last token, a think block's budget near its end)."""
         if not self._eager:
             return False
-        rows = set(previous.rows)
-        return any(rid in self._eager and rid in rows for rid in plan.decode)
+        rows, requests = set(previous.rows), self.scheduler.requests
+        return any(rid in self._eager and rid in rows and requests[rid].needs_output_now for rid in plan.decode)
 
     def _process(self, step: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens and report them; the token of a request that left since it was launched

@@ -171,8 +171,17 @@ class ThinkingBudget:
 
     @property
     def active(self) -> bool:
-        """The block has not ended: the next token may be forced, so it is sampled with the output on the host."""
+        """The block has not ended: a later token may be forced (`may_force` says when)."""
         return not self.done
+
+    def may_force(self, num_output: int) -> bool:
+        """Whether the sample after the first `num_output` output tokens may be forced, counting the tokens `forced`
+        has not read yet as any tokens: inside the block each adds at most one to what it spent, outside one of them
+        may open it. Only then is the request sampled with its output on the host."""
+        unread = num_output - self._seen
+        if self.done:
+            return False
+        return self.spent + unread >= self.limit.budget if self.inside else self.limit.budget <= unread
 
     def forced(self, output: list[int]) -> int | None:
         """The token the output must write next (the block's end, once its budget is spent), or None."""
@@ -332,12 +341,20 @@ class Request:
 
     @property
     def reads_output(self) -> bool:
-        """Its next token's logits depend on its output so far as the host reads it (a grammar's mask, a bad word of
-        several tokens, a think block's budget): it is sampled only once its latest token is on the host. (A
-        penalty's counts are kept on the device: engine/logits.py.)"""
+        """Its tokens' logits may depend on its output so far as the host reads it (a grammar's mask, a bad word of
+        several tokens, a think block's budget): such a row is sampled once its latest token is on the host where
+        `needs_output_now` says so. (A penalty's counts are kept on the device: engine/logits.py.)"""
         return self.matcher is not None or (
             self.bad_words is not None and self.bad_words.reads_output) or (
             self.thinking is not None and self.thinking.active)
+
+    @property
+    def needs_output_now(self) -> bool:
+        """Its next sample needs every output token so far on the host: a grammar's mask and a bad word of several
+        tokens always; a think block's budget only where that sample may be forced (near the budget's end)."""
+        return self.matcher is not None or (
+            self.bad_words is not None and self.bad_words.reads_output) or (
+            self.thinking is not None and self.thinking.may_force(self.num_output_tokens))
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -19,7 +19,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
 from appliance.engine.grammar import GrammarSpec
 from appliance.engine.plan import PrefillWork
-from appliance.engine.request import Request, SamplingParams
+from appliance.engine.request import Request, SamplingParams, ThinkingLimit
 from appliance.engine.steplog import StepLog
 
 POLICIES = [("serial", {}), ("chunked", {"chunk_budget": 12}), ("layerwise", {}), ("mux", {}), ("pdmux", {})]
@@ -264,6 +264,34 @@ def test_penalised_rows_are_never_held_and_survive_preemption(llama_checkpoint):
             solo.generate(prompt(10 + i, 18 + 3 * i), params[i])[0].token_ids
     free = engine_for(path, True)  # the penalties change the output at all
     assert free.generate(prompt(10, 18), params[3])[0].token_ids != [t for o in sync["r0"] for t in o[0]]
+
+
+def test_a_think_blocks_budget_holds_sampling_only_near_its_end(llama_checkpoint):
+    """A think block's budget forces its end only once the block has spent it: the overlapped loop samples such a row
+    without its latest token on the host until that may happen (the few steps around the budget's end, and each
+    forced token), and its output equals the synchronous loop's: the end forced at the budget (one token and a
+    two-token end), a block opened by its start sequence, a budget of none."""
+    path, _ = llama_checkpoint
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    free = engine_for(path, True).generate(prompt(5, 20), SamplingParams(**greedy))[0].token_ids
+    spare = [t for t in range(3, 250) if t not in free][:2]
+    limits = [ThinkingLimit(8, (), (spare[0],), inside=True), ThinkingLimit(6, (), tuple(spare), inside=True),
+              ThinkingLimit(4, tuple(free[2:4]), (spare[1],)), ThinkingLimit(0, (), (spare[0],), inside=True)]
+    held: list[set[str]] = []
+
+    def make(engine):
+        finish = engine.executor.finish_sampling
+        engine.executor.finish_sampling = lambda step: held.append(set(step.held.ids)) or finish(step)
+        return {0: [engine.make_request(prompt(5, 20), SamplingParams(**greedy, thinking=lim), f"t{i}")
+                    for i, lim in enumerate(limits)]}
+
+    sync, overlapped = both(path, make)
+    assert same(overlapped, sync), (overlapped, sync)
+    tokens = {rid: [t for o in outs for t in o[0]] for rid, outs in sync.items()}
+    assert tokens["t0"][:9] == free[:8] + [spare[0]] and tokens["t1"][6:8] == spare
+    assert tokens["t2"][:4] == free[:4] and tokens["t2"][8] == spare[1]  # opened after free[2:4], 4 tokens inside
+    assert tokens["t3"][0] == spare[0]
+    assert 0 < len(held) < 24 - 8  # held near each budget's end, not at every step the block was open
 
 
 def test_held_sampling_with_aborts_and_grammar_ends_at_every_step(text_checkpoint):
