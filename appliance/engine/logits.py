@@ -8,8 +8,6 @@ sampled without its output on the host, so the overlapped loop never waits to re
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
@@ -139,10 +137,11 @@ class PenaltyCounts:
             self._fill(new)
         return to_device(torch.tensor([self._slot[r.request_id] for r in reqs]), self.device)
 
-    def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count each row's sampled token (`tokens`, on the device) in its request's row `slots`."""
-        self.counts.index_put_((slots, tokens.to(torch.long)), torch.ones_like(slots, dtype=torch.int32),
-                               accumulate=True)
+    def count(self, reqs: list[Request], rows: list[int], tokens: torch.Tensor) -> None:
+        """Count the token each request (given its row already) sampled, at `rows` of `tokens` (on the device)."""
+        index = to_device(torch.tensor([[self._slot[r.request_id] for r in reqs], rows]), self.device)
+        self.counts.index_put_((index[0], tokens[index[1]].to(torch.long)),
+                               torch.ones(len(reqs), dtype=torch.int32, device=self.device), accumulate=True)
 
     def release(self, request_id: str) -> None:
         slot = self._slot.pop(request_id, None)
@@ -159,28 +158,12 @@ class PenaltyCounts:
         return self._free.pop()
 
     def _fill(self, reqs: list[Request]) -> None:
-        """Clear the requests' rows, mark their prompts' tokens (where a repetition penalty reads them) and count
-        their outputs' (in one copy of ids to the device each)."""
-        slots = [self._slot[r.request_id] for r in reqs]
-        index = to_device(torch.tensor(slots), self.device)
-        self.counts[index] = 0
-        self.seen[index] = False
-        outputs = [r.output_token_ids for r in reqs]
-        prompts = [r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else [] for r in reqs]
-        for lists, target in ((outputs, self.counts), (prompts, self.seen)):
-            lengths = [len(ids) for ids in lists]
-            total = sum(lengths)
-            if not total:
-                continue
-            host = np.empty((2, total), dtype=np.int64)
-            host[0] = np.repeat(slots, lengths)
-            host[1] = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
-            rows, cols = to_device(torch.from_numpy(host), self.device)
-            if target.dtype == torch.bool:
-                target[rows, cols] = True
-            else:
-                target.index_put_((rows, cols), torch.ones(total, dtype=torch.int32, device=self.device),
-                                  accumulate=True)
+        """Set the requests' rows from the host's lists: their outputs' counts and their prompts' tokens (where a
+        repetition penalty reads them)."""
+        index = to_device(torch.tensor([self._slot[r.request_id] for r in reqs]), self.device)
+        self.counts[index] = _counts([r.output_token_ids for r in reqs], self.vocab, self.device).to(torch.int32)
+        self.seen[index] = _counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else [] for r in reqs],
+                                   self.vocab, self.device) > 0
 
 
 def _keep_only(logits: torch.Tensor, rows: list[int], allowed: list[list[int]]) -> None:

@@ -26,7 +26,7 @@ from appliance.engine.batch import BatchBuilder, TokenBatch, resolve
 from appliance.engine.graphs import DecodeGraphs, index_capacity
 from appliance.engine.kv_cache import KVCache
 from appliance.engine.launched import TokenBuffer
-from appliance.engine.logits import PenaltyCounts, apply_grammars, process_logits, to_device
+from appliance.engine.logits import PenaltyCounts, apply_grammars, process_logits
 from appliance.engine.logprobs import DEFAULT_MODE, LogprobBatch, asking_rows, prompt_logprobs, sampled_logprobs
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -178,9 +178,8 @@ class ModelRunner:
         logits = process_logits(logits, reqs, counts, grammar=False, penalties=self.penalties)
         tokens = sample_tensor(logits, [r.sampling for r in reqs], counts, out)
         penalised = [i for i, r in enumerate(reqs) if r.sampling.penalised]
-        if penalised:  # (their rows were filled by process_logits)
-            rows = to_device(torch.tensor(penalised), tokens.device)
-            self.penalties.count(self.penalties.rows([reqs[i] for i in penalised]), tokens[rows])
+        if penalised:  # (process_logits gave them their rows)
+            self.penalties.count([reqs[i] for i in penalised], penalised, tokens)
         return tokens, sampled_logprobs(logits, reqs, tokens, self.logprobs_mode, asking)
 
     def take_prompt_logprobs(self, request_id: str, prompt_len: int) -> list[TokenLogprob | None] | None:

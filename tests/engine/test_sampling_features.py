@@ -78,7 +78,7 @@ def test_device_token_counts_penalise_as_the_host_lists_do():
         got = process_logits(logits.clone(), reqs, penalties=counts)
         assert torch.allclose(got, expected, atol=1e-6), step
         sampled = torch.randint(0, 50, (3,), generator=g)
-        counts.count(counts.rows(reqs), sampled)
+        counts.count(reqs, [0, 1, 2], sampled)
         for r, t in zip(reqs, sampled.tolist()):
             r.output_token_ids.append(t)
     counts.release("r1")
