@@ -167,9 +167,13 @@ class InProcessTarget:
     is named `trace-<index>` in the engine (so a step log's request ids name the workload's requests)."""
 
     def __init__(self, engine: Any, temperature: float = 0.0, label: str = "in-process",
-                 clock: Callable[[], float] = time.perf_counter, sampling: dict[str, Any] | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, sampling: dict[str, Any] | None = None,
+                 defaults: dict[str, float | int] | None = None) -> None:
         self.engine, self.temperature, self.label, self.clock = engine, temperature, label, clock
-        self.sampling = dict(sampling or {})  # top_p, top_k, min_p where given
+        # top_p, top_k, min_p where given, else what a server's --generation-config would fill in for a request
+        # that leaves them unset (as the HTTP targets' requests do; temperature is always sent)
+        unset = {k: v for k, v in (defaults or {}).items() if k in ("top_p", "top_k", "min_p", "repetition_penalty")}
+        self.sampling = {**unset, **(sampling or {})}
 
     async def send(self, prompt: str | list[int], spec: RequestSpec, timeline: RequestTimeline) -> None:
 
@@ -301,14 +305,15 @@ def client_lag_note(summary: dict[str, Any], threshold_ms: float = 10.0) -> str 
 
 
 def replay_in_process(engine: Any, specs: Sequence[RequestSpec], prompts: Sequence[str | list[int]],
-                      max_idle: float | None = None) -> ReplayResult:
-    """Replay on an Engine in this process: an AsyncEngine runs it for the replay's length, then stops."""
+                      max_idle: float | None = None, defaults: dict[str, float | int] | None = None) -> ReplayResult:
+    """Replay on an Engine in this process: an AsyncEngine runs it for the replay's length, then stops. `defaults`:
+    the sampling a served model's generation config recommends (`ModelConfig.sampling_defaults`)."""
 
     async def go() -> ReplayResult:
         aengine = AsyncEngine(engine)
         aengine.start()
         try:
-            return await replay(specs, prompts, InProcessTarget(aengine), max_idle=max_idle)
+            return await replay(specs, prompts, InProcessTarget(aengine, defaults=defaults), max_idle=max_idle)
         finally:
             aengine.shutdown()
 

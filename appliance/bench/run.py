@@ -186,7 +186,8 @@ class Session:
             self.engine = AsyncEngine(engine)
             self.engine.start()
             self.model_id, self.max_model_len = cfg.model.model_name, engine.max_model_len
-            self.target = InProcessTarget(self.engine, opts.temperature, self.label, sampling=opts.sampling)
+            self.target = InProcessTarget(self.engine, opts.temperature, self.label, sampling=opts.sampling,
+                                          defaults=cfg.model.sampling_defaults())
             return
         url = opts.url
         if url is None:

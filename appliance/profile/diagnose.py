@@ -96,7 +96,8 @@ def diagnose(args: DiagnoseOptions) -> None:
     prompts = [synth.token_ids(s, i) for i, s in enumerate(specs)]
     settings = dict(policy=args.policy, slo=args.slo, profile=args.profile, max_model_len=args.max_model_len,
                     chunk_budget=args.chunk_budget, mixed_chunks=args.mixed_chunks)
-    engine = build_engine(parse_serve_args(serve_flags(args.serve_args), **settings), model)
+    config = parse_serve_args(serve_flags(args.serve_args), **settings)
+    engine = build_engine(config, model)
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     predictor = load_predictor(args.profile, model.config, gpu) if args.profile else None
     log = StepLog(engine, predictor).attach()
@@ -104,7 +105,8 @@ def diagnose(args: DiagnoseOptions) -> None:
 
     profiler = _profile_steps(engine) if args.host_profile else None
     loop_cpu = time.thread_time()  # the replay's event loop runs in this thread, the engine in its own
-    result = replay_in_process(engine, specs, prompts, max_idle=args.max_idle)
+    defaults = config.model.sampling_defaults()  # what the server fills in for a request that leaves it unset
+    result = replay_in_process(engine, specs, prompts, max_idle=args.max_idle, defaults=defaults)
     loop_cpu = time.thread_time() - loop_cpu
     summary = summarize(result.timelines, result.duration)
     engine.executor.timeline.save(out / f"timeline-{args.policy}.json", last_seconds=30)
@@ -115,7 +117,7 @@ def diagnose(args: DiagnoseOptions) -> None:
           "index": t.index} for t in result.timelines]))
     stats = getattr(engine.scheduler.planner, "stats", None)
     print(f"{args.policy}: {len(specs)} requests at {args.rate} req/s, {len(steps)} steps, "
-          f"{gpu}")
+          f"{gpu}" + (f", sampling defaults {defaults}" if defaults else ""))
     for k in ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms"):
         print(f"  {k} {summary.get(k, float('nan')):.1f}")
     print("  modes", Counter(s["mode"] for s in steps))

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from appliance.bench.client import HttpTarget, _carries_token, replay
+from appliance.bench.client import HttpTarget, InProcessTarget, _carries_token, replay
 from appliance.errors import ConfigError
 from appliance.workload.metrics import RequestTimeline
 from appliance.workload.traces import RequestSpec
@@ -135,3 +135,35 @@ def test_request_bodies():
     plain = HttpTarget("http://h:1", "m").body([1, 2, 3], 4)
     assert plain["prompt"] == [1, 2, 3] and plain["max_tokens"] == 4 and plain["temperature"] == 0.0
     asyncio.run(target.aclose())
+
+
+class RecordingEngine:
+    """An AsyncEngine stand-in: records each request's sampling and streams one output of every token at once."""
+
+    def __init__(self) -> None:
+        self.params = []
+
+    def make_request(self, prompt, params, request_id=None):
+        self.params.append(params)
+        return params
+
+    async def stream(self, params):
+        yield type("Out", (), {"new_token_ids": [7] * params.max_tokens, "num_output_tokens": params.max_tokens,
+                               "num_prompt_tokens": 4})()
+
+
+def test_in_process_requests_sample_as_a_server_would_fill_them_in():
+    """A served model's recommended sampling (--generation-config, --override-generation-config) fills in what an
+    in-process request leaves unset, as the server does for the HTTP bench's requests; the bench's own temperature
+    and sampling flags win."""
+    engine = RecordingEngine()
+    defaults = {"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05, "top_k": 20, "max_tokens": 99}
+    target = InProcessTarget(engine, temperature=0.0, sampling={"top_p": 0.5}, defaults=defaults)
+    timeline = RequestTimeline(index=0, arrival=0.0)
+    asyncio.run(target.send([1, 2, 3, 4], RequestSpec(0.0, 4, 3), timeline))
+    (params,) = engine.params
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.0, 0.5, 20, 1.05)
+    assert params.max_tokens == 3 and len(timeline.token_times) == 3  # the workload's output length, not a default
+    plain = InProcessTarget(engine)  # no defaults: neutral sampling, as before
+    asyncio.run(plain.send([1], RequestSpec(0.0, 1, 1), RequestTimeline(index=1, arrival=0.0)))
+    assert engine.params[-1].repetition_penalty == 1.0 and engine.params[-1].top_p == 1.0
