@@ -21,6 +21,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.executor import Executor
 from appliance.engine.graphs import capture_sizes
 from appliance.engine.kv_cache import KVCache, PagePool
+from appliance.engine.memory_guard import cuda_reserve_guard
 from appliance.engine.partitions import PartitionSet, partitions_available
 from appliance.engine.planners.base import Planner
 from appliance.engine.planners.registry import build_planner
@@ -188,6 +189,8 @@ class _Builder:
         engine = Engine(cfg, model, tokenizer, kv_cache, pool, scheduler, executor, contract, predictor,
                         max_model_len)
         engine.startup, engine.compiled = self.startup, compiled
+        if self.cuda and cache_cfg.kv_cache_bytes is None and cache_cfg.num_gpu_blocks_override is None:
+            engine.memory_guard = cuda_reserve_guard(self.device, cache_cfg.gpu_memory_utilization)
         engine.max_graph_batch, engine.prefill_graph_rows = self.max_graph_batch, graph_rows
         return engine
 

@@ -34,10 +34,16 @@ print(f"KV {kv.numel() * kv.element_size() / GiB:.2f} GiB; weights {sum(p.numel(
 show("after start")
 rng = random.Random(0)
 vocab = eng.runner.model.config.vocab_size
-for burst, (n, plen, out) in enumerate([(40, 8000, 16), (300, 300, 48), (24, 30000, 4)]):
+import time
+g = eng.memory_guard
+print("GUARD limit", None if g is None else round(g.limit / GiB, 2), "GiB")
+for burst, (n, plen, out) in enumerate([(40, 8000, 16), (300, 300, 48), (24, 30000, 4), (40, 8000, 16), (300, 300, 48)]):
+    t0 = time.perf_counter()
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(plen + rng.randrange(0, 100))] for _ in range(n)]
     # short prompts alongside so decode runs on its partition while prefill runs beside it
     prompts += [[rng.randrange(100, vocab - 100) for _ in range(50)] for _ in range(200)]
     eng.generate(prompts, SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0))
-    show(f"after burst {burst} ({n} x {plen} tokens + 200 short)")
+    show(f"after burst {burst} ({n} x {plen} tokens + 200 short, {time.perf_counter() - t0:.1f} s)")
+    if g is not None:
+        print(f"  guard: {g.releases} releases, {g.released_bytes / GiB:.2f} GiB given back in {g.release_seconds * 1e3:.0f} ms")
 print("allocator retries", torch.cuda.memory_stats().get("num_alloc_retries"))

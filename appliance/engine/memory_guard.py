@@ -1,0 +1,80 @@
+"""ReserveGuard: gives the CUDA caching allocator's unused blocks back when the engine falls idle over its budget.
+
+The KV cache is sized so that the process stays within --gpu-memory-utilization with room for the largest step's
+activations. The caching allocator keeps freed blocks for the stream that allocated them, and every SM partition
+prefills and decodes on streams of its own, so as prompts of other lengths come and go the blocks it keeps add up
+past that room (measured on an H200, 8B, mux: 11 GiB over the budget with live tensors inside it). Giving them back
+(`torch.cuda.empty_cache`) waits for the device and takes about 40 ms there; done once a second under load it held
+the budget through ordinary bursts, but prompts of 30,000 tokens grew the blocks back within the second, so the
+releases stalled the loop without keeping the budget. So the guard releases only when the engine has no request
+left (nothing to stall), and where even that cannot bring the reserve under the limit (tensors in use above it) it
+says so once and asks less often.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+log = logging.getLogger("muxd.memory")
+
+GiB = float(1 << 30)
+
+
+class ReserveGuard:
+    def __init__(self, limit: int, reserved: Callable[[], int], release: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic, first_wait_s: float = 1.0, most_s: float = 60.0) -> None:
+        """`limit`: the bytes the allocator may reserve; `reserved()`: what it reserves now; `release()`: give the
+        unused blocks back. While releasing is futile, the next try waits `first_wait_s`, then twice as long each
+        time, up to `most_s`."""
+        self.limit, self._reserved, self._release, self.clock = limit, reserved, release, clock
+        self.first_wait_s, self.most_s = first_wait_s, most_s
+        self._wait = 0.0
+        self._next = clock()
+        self.releases = 0  # times the reserve was given back
+        self.released_bytes = 0
+        self.release_seconds = 0.0  # time spent giving them back (waiting for the device included)
+        self._warned = False
+
+    def idle(self) -> bool:
+        """The engine has no request left: release the unused blocks when the reserve is over the limit; whether it
+        did."""
+        now = self.clock()
+        if now < self._next:
+            return False
+        before = self._reserved()
+        if before <= self.limit:
+            self._wait = 0.0
+            return False
+        start = self.clock()
+        self._release()
+        after = self._reserved()
+        took = self.clock() - start
+        self.releases += 1
+        self.released_bytes += max(0, before - after)
+        self.release_seconds += took
+        log.info("idle with %.2f GiB reserved by the caching allocator, over the %.2f GiB the memory budget leaves it: "
+                 "gave %.2f GiB of unused blocks back in %.1f ms", before / GiB, self.limit / GiB,
+                 (before - after) / GiB, took * 1e3)
+        if after > self.limit:  # tensors still in use exceed it: releasing again soon would not help
+            self._wait = min(max(self._wait * 2, self.first_wait_s), self.most_s)
+            if not self._warned:
+                self._warned = True
+                log.warning("the caching allocator still holds %.2f GiB in use, over the %.2f GiB the memory "
+                            "budget (--gpu-memory-utilization) leaves beside the KV cache; set a smaller KV cache "
+                            "(--kv-cache-memory)", after / GiB, self.limit / GiB)
+        else:
+            self._wait = 0.0
+        self._next = now + self._wait
+        return True
+
+
+def cuda_reserve_guard(device, utilization: float) -> ReserveGuard:
+    """A guard for this process's allocator on `device`: the limit is `utilization` of the device's memory less
+    what is not the allocator's (the CUDA context, libraries' own memory), as measured now."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    others = (total - free) - torch.cuda.memory_reserved(device)
+    return ReserveGuard(int(utilization * total) - others, lambda: torch.cuda.memory_reserved(device),
+                        torch.cuda.empty_cache)
