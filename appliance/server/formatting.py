@@ -9,6 +9,7 @@ import time
 from typing import AsyncIterator
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from appliance.engine.request import RequestOutput, TokenLogprob
 from appliance.model_zoo.tokenizer import Tokenizer
@@ -125,6 +126,17 @@ class _Format:
     def first(self, n: int, usage: r.Usage | None) -> list[BaseModel]:
         return []
 
+    def plain(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> str | None:
+        """Most chunks of a stream carry new text and nothing else: such a chunk's JSON, the bytes `chunk`'s model
+        would serialize to, written from a head made once per response (building and dumping the models cost about
+        five times as much, on the event loop's thread, for every token); None where `chunk` must build it."""
+        return None
+
+    def _head(self, kind: str) -> str:
+        """The JSON of a plain chunk up to its choice's index."""
+        return (f'{{"id":{to_json(self.rid).decode()},"object":"{kind}","created":{self.created},'
+                f'"model":{to_json(self.model).decode()},"choices":[{{"index":')
+
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         """The last chunk of a stream with include_usage: no choice, the usage of all."""
         return r.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
@@ -143,6 +155,7 @@ class CompletionFormat(_Format):
         self.echoes = [self._echo_text(prompt, ids, shortened) if self.echo else ""
                        for prompt, ids, shortened in zip(body.prompts(), prompt_ids, cut)]
         self._offsets: dict[int, int] = {}
+        self._plain_head: str | None = None
 
     def _echo_text(self, prompt: str | list[int], ids: list[int], shortened: bool) -> str:
         """The prompt as sent, or the text of the tokens it was given as or cut to."""
@@ -161,6 +174,15 @@ class CompletionFormat(_Format):
         return dataclasses.replace(out, new_token_ids=[], new_text="", text="" if out.text is not None else None,
                                    logprobs=None, num_output_tokens=0,
                                    finish_reason="length" if out.finished else None, stop_reason=None)
+
+    def plain(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> str | None:
+        if (usage is not None or out.finished or not out.new_text or self.logprobs is not None or self.with_ids
+                or self.tokenizer is None or (self.echo and not choice.started)):
+            return None
+        if self._plain_head is None:
+            self._plain_head = self._head("text_completion")
+        choice.started = True
+        return f'{self._plain_head}{choice.index},"text":{to_json(out.new_text).decode()}}}]}}'
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         echoed = self.echo and not choice.started
@@ -242,6 +264,7 @@ class ChatFormat(_Format):
         self._forced: dict[int, ForcedCalls] = {}  # tool_choice "required": each choice's calls as they stream
         self._reasoning: dict[int, ReasoningStream] = {}
         self.echo = body.echoed()  # the last (assistant) message, before each answer
+        self._plain_head: str | None = None
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         return r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
@@ -255,6 +278,17 @@ class ChatFormat(_Format):
                                              choices=[r.ChatChunkChoice(index=i, delta=r.ChatDelta(content=self.echo))])
                        for i in range(n)]
         return chunks
+
+    def plain(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> str | None:
+        mode = self.choice.mode if self.choice else "none"
+        if (usage is not None or out.finished or not out.new_text or self.logprobs or self.with_ids
+                or self.tokenizer is None or self.thinking is not None or mode in ("named", "required")
+                or (mode == "auto" and self.parser != "none")):
+            return None
+        if self._plain_head is None:
+            self._plain_head = self._head("chat.completion.chunk")
+        choice.started = True
+        return f'{self._plain_head}{choice.index},"delta":{{"content":{to_json(out.new_text).decode()}}}}}]}}'
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         delta = r.ChatDelta()

@@ -352,6 +352,9 @@ class ResponsesFormat(ChatFormat):
         return [self._event("response.created", response=pending),
                 self._event("response.in_progress", response=pending)]
 
+    def plain(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> str | None:
+        return None  # its events are not chat chunks
+
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         events: list[BaseModel] = []
         for chunk in super().chunk(choice, out, None):

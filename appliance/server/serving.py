@@ -402,7 +402,12 @@ class OpenAIServing:
             live = isinstance(outputs, Choices) and self.stream_interval > 1
             async for index, out in gathered(outputs, self.stream_interval) if live else outputs:
                 states[index].add(out)
-                for event in fmt.chunk(states[index], out, own(out) if continuous else None):
+                usage_now = own(out) if continuous else None
+                plain = fmt.plain(states[index], out, usage_now)
+                if plain is not None:
+                    yield f"data: {plain}\n\n"
+                    continue
+                for event in fmt.chunk(states[index], out, usage_now):
                     yield _event(event)
             if body.include_usage or self.force_usage:
                 yield _event(fmt.usage_chunk(usage or so_far()))
