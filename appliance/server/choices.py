@@ -65,6 +65,10 @@ class Choices:
         return self._merged()
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if self.n == 1:  # one choice: its stream as it is (no task to merge it with others, one wake-up a token less)
+            async for out in self._streams[0]:
+                yield self._seen(0, out)
+            return
         waiting = set(self._streams) if self.share_prefill else set()  # leaders whose prompt is not yet cached
         self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in self._streams.items()]
         running = len(self._tasks)
