@@ -60,6 +60,7 @@ class AsyncEngine:
         self._control: dict = {}
         self._control_at = 0.0
         self._gc: dict = {}
+        self._memory: dict = {}  # the caching allocator against the memory budget (engine/memory_guard.py)
         self.engine_cpu_s = 0.0  # the engine thread's CPU time so far (its share of the interpreter, with the loop's)
         self.on_step: Callable[[list[RequestOutput]], None] | None = None  # given each step's outputs, on the loop
         self._publish_stats()
@@ -279,6 +280,10 @@ class AsyncEngine:
         if fresh_control or now - self._control_at >= CONTROL_EVERY_S:
             self._control, self._control_at = sched.planner.control_state(), now
             self._gc = gc_pauses.recorder().snapshot()
+            guard = self.engine.memory_guard
+            self._memory = {} if guard is None else {"allocator_reserved_bytes": guard.reserved_bytes(),
+                                                     "allocator_budget_bytes": guard.limit,
+                                                     "allocator_releases": guard.releases}
         executor = self.engine.executor
         planner_stats = getattr(sched.planner, "stats", None)
         self.stats = {"num_waiting": len(sched.waiting), "num_running": sched.num_running,
@@ -287,7 +292,7 @@ class AsyncEngine:
                       "decode_sms": executor.current.decode_sms, "partition_switches": executor.switches,
                       "prefill_layers_launched": executor.layers_launched,
                       "prefill_pauses": getattr(planner_stats, "pauses", 0),
-                      "control": self._control, "gc": self._gc, "engine_cpu_s": self.engine_cpu_s}
+                      "control": self._control, "gc": self._gc, "engine_cpu_s": self.engine_cpu_s, **self._memory}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         if self.on_step is not None:

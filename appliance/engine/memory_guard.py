@@ -36,6 +36,10 @@ class ReserveGuard:
         self.release_seconds = 0.0  # time spent giving them back (waiting for the device included)
         self._warned = False
 
+    def reserved_bytes(self) -> int:
+        """What the allocator reserves now."""
+        return self._reserved()
+
     def idle(self) -> bool:
         """The engine has no request left: release the unused blocks when the reserve is over the limit; whether it
         did."""

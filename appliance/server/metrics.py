@@ -104,6 +104,10 @@ class Metrics:
             # prefill-decode multiplexing: the partition in use
             "decode_sms": (mx.gauge("decode_sms", "SMs of the partition decode ran on last (0 without "
                                     "partitions)."),),
+            "allocator_reserved_bytes": (mx.gauge("gpu_allocator_reserved_bytes", "Device memory the CUDA caching "
+                                                  "allocator holds (0 without a memory budget to keep)."),),
+            "allocator_budget_bytes": (mx.gauge("gpu_allocator_budget_bytes", "What --gpu-memory-utilization "
+                                                "leaves the caching allocator (0 without one)."),),
         }
         self.prompt_tokens = (mx.counter("prompt_tokens", "Prompt tokens of finished requests."),
                               vl.counter("prompt_tokens", "Number of prefill tokens processed."))
@@ -122,6 +126,8 @@ class Metrics:
                                                    "layers."),),
             "prefill_pauses": (mx.counter("prefill_pauses", "Prefill batches paused between layers for a more "
                                           "urgent prompt (mux)."),),
+            "allocator_releases": (mx.counter("gpu_allocator_releases", "Times the engine, idle with the caching "
+                                              "allocator over its budget, gave the unused blocks back."),),
         }
         # the mux planner's closed loop, per SLO class and metric (tbt, ttft), both as fractions of the target
         control = [*mx.labels, "slo_class", "metric"]

@@ -90,3 +90,29 @@ def test_the_engine_asks_the_guard_only_when_its_last_request_leaves(llama_check
     outs, busy, empties = run(True)
     assert outs == plain
     assert busy and not any(busy) and empties == 1  # asked once idle, never with a request running
+
+
+def test_metrics_show_the_allocator_against_its_budget(llama_checkpoint):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from appliance.engine.async_engine import AsyncEngine
+    from appliance.server.metrics import Metrics
+
+    path, _ = llama_checkpoint
+    engine = build_engine(Config.flat(model=str(path), num_gpu_blocks_override=64))
+    alloc = Allocator(live=60, cached=90)
+    engine.memory_guard = ReserveGuard(100, alloc.reserved, alloc.empty_cache)
+    engine.memory_guard.idle()  # over: one release
+    alloc.cached = 30
+    aengine = AsyncEngine(engine)  # (publishes its figures at once)
+
+    def served(stats) -> dict[str, float]:
+        text = Metrics("m").render(stats).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("muxd:gpu_allocator")}
+    assert served(aengine.stats) == {"muxd:gpu_allocator_reserved_bytes": 90.0,
+                                     "muxd:gpu_allocator_budget_bytes": 100.0,
+                                     "muxd:gpu_allocator_releases_total": 1.0}
+    engine.memory_guard = None  # (a CPU engine, or a KV size given): the gauges read 0
+    aengine._publish_stats()
+    assert set(served(aengine.stats).values()) == {0.0}
