@@ -186,6 +186,10 @@ class _Builder:
                  runner.backend_name, compiled, f"{graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "off",
                  f"SM partitions (decode/prefill) {splits}" if executor.multiplexed else "no SM partitions",
                  num_pages, cache_cfg.block_size)
+        # as vLLM words them (scripts and people grep for these)
+        log.info("{} KV cache size: {:,} tokens".format("GPU" if self.cuda else "CPU", capacity))
+        log.info("Maximum concurrency for {:,} tokens per request: {:.2f}x".format(max_model_len,
+                                                                                  capacity / max_model_len))
         engine = Engine(cfg, model, tokenizer, kv_cache, pool, scheduler, executor, contract, predictor,
                         max_model_len)
         engine.startup, engine.compiled = self.startup, compiled

@@ -1,6 +1,7 @@
 """Engine construction: KV-cache sizing and configuration errors."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,15 @@ def test_pool_is_capped_at_what_max_num_seqs_full_requests_need(llama_checkpoint
                                       max_model_len=64))
     assert engine.pool.num_pages == 2 * 2 * (64 // 16)
     assert engine.kv_cache.data.shape[2] == engine.pool.num_pages + 1  # + the scratch page
+
+
+def test_kv_cache_size_is_logged_as_vllm_words_it(llama_checkpoint, caplog):
+    path, _ = llama_checkpoint
+    with caplog.at_level(logging.INFO, logger="muxd.engine"):
+        build_engine(Config.flat(model=path, num_gpu_blocks_override=100, max_model_len=320))
+    lines = [r.getMessage() for r in caplog.records]
+    assert "CPU KV cache size: 1,600 tokens" in lines  # 100 pages of 16
+    assert "Maximum concurrency for 320 tokens per request: 5.00x" in lines
 
 
 def test_pool_from_memory_budget(llama_checkpoint):
