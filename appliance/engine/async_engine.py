@@ -280,7 +280,7 @@ class AsyncEngine:
         if fresh_control or now - self._control_at >= CONTROL_EVERY_S:
             self._control, self._control_at = sched.planner.control_state(), now
             self._gc = gc_pauses.recorder().snapshot()
-            guard = self.engine.memory_guard
+            guard = self.engine.executor.memory_guard
             self._memory = {} if guard is None else {"allocator_reserved_bytes": guard.reserved_bytes(),
                                                      "allocator_budget_bytes": guard.limit,
                                                      "allocator_releases": guard.releases}

@@ -27,7 +27,6 @@ from appliance.engine.executor import Executor
 from appliance.engine.grammar import GrammarCompiler
 from appliance.engine.kv_cache import KVCache, PagePool
 from appliance.engine.launched import LaunchedStep, prefill_launches
-from appliance.engine.memory_guard import ReserveGuard
 from appliance.engine.plan import StepPlan
 from appliance.engine.request import Request, RequestOutput, SamplingParams
 from appliance.engine.scheduler import Scheduler
@@ -80,7 +79,6 @@ class Engine:
         self._eager: set[str] = set()  # requests whose next sample needs their latest token on the host
         self._deferred: list = []  # finished prefill works merged by the next step (see _defer)
         self._step_s = 0.0  # the host time of the latest step() call
-        self.memory_guard: ReserveGuard | None = None  # (CUDA, the KV cache sized by the memory budget)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -137,8 +135,7 @@ class Engine:
                 step, self._launched = self._launched, None
                 self._process(step)
             self.executor.release(self.scheduler.released())
-            if self.memory_guard is not None:  # (nothing to stall now)
-                self.memory_guard.idle()
+            self.executor.idle()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -34,6 +34,7 @@ from appliance.engine.launched import (
     mark,
     prefill_launches,
 )
+from appliance.engine.memory_guard import ReserveGuard
 from appliance.engine.partitions import Partition, PartitionSet
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.prefill_graphs import PrefillGraphs
@@ -72,6 +73,7 @@ class Executor:
         self._null_sms = 0
         self._prefill_graphs: dict[str, PrefillGraphs] = {}  # per partition, all at the same row counts
         self.serial_prefills = False  # each prefill launch after the previous one, whichever streams they run on
+        self.memory_guard: ReserveGuard | None = None  # (CUDA, the KV cache sized by the memory budget)
         self.overlaps = True  # a step's tokens may be read after the next step is launched (see Engine.step)
         # time each split's one-row graph against its two-row graph at capture and keep the faster (off where
         # ranks must replay the same graphs: a choice made by one rank's timings could differ from another's)
@@ -505,6 +507,12 @@ class Executor:
     def settle(self, request_id: str) -> None:
         """Block until every launched kernel of the request has run: its pages may then go to another request."""
         self.inflight.settle(request_id)
+
+    def idle(self) -> None:
+        """The engine has no request left: give the caching allocator's unused blocks back where they exceed the
+        memory budget (nothing to stall now; memory_guard.py)."""
+        if self.memory_guard is not None:
+            self.memory_guard.idle()
 
     def release(self, plan: StepPlan) -> None:
         """Forget the executor state of the requests the plan names as preempted or finished."""

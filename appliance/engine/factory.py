@@ -193,8 +193,6 @@ class _Builder:
         engine = Engine(cfg, model, tokenizer, kv_cache, pool, scheduler, executor, contract, predictor,
                         max_model_len)
         engine.startup, engine.compiled = self.startup, compiled
-        if self.cuda and cache_cfg.kv_cache_bytes is None and cache_cfg.num_gpu_blocks_override is None:
-            engine.memory_guard = cuda_reserve_guard(self.device, cache_cfg.gpu_memory_utilization)
         engine.max_graph_batch, engine.prefill_graph_rows = self.max_graph_batch, graph_rows
         return engine
 
@@ -229,6 +227,9 @@ class _Builder:
             start = time.perf_counter()
             executor.warm_kernels(self.config.scheduler.max_num_seqs)
             self.startup["kernel_warm_s"] = time.perf_counter() - start
+        cache = self.config.cache
+        if self.cuda and cache.kv_cache_bytes is None and cache.num_gpu_blocks_override is None:
+            executor.memory_guard = cuda_reserve_guard(self.device, cache.gpu_memory_utilization)
         return executor
 
     @property

@@ -8,7 +8,8 @@ past that room (measured on an H200, 8B, mux: 11 GiB over the budget with live t
 the budget through ordinary bursts, but prompts of 30,000 tokens grew the blocks back within the second, so the
 releases stalled the loop without keeping the budget. So the guard releases only when the engine has no request
 left (nothing to stall), and where even that cannot bring the reserve under the limit (tensors in use above it) it
-says so once and asks less often.
+says so once and asks less often. Each rank's executor holds one; under tensor parallelism rank 0 tells the others
+when its engine falls idle (step_wire.IDLE).
 """
 from __future__ import annotations
 

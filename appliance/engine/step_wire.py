@@ -20,7 +20,7 @@ from appliance.engine.batch import span_tokens
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, SamplingParams
 
-STEP, RELEASE = 1, 2
+STEP, RELEASE, IDLE = 1, 2, 3
 MIXED, MIXED_GRAPHS, USE_GRAPHS, PREFILL_AFTER_DECODE, HOLD_SAMPLING = 1, 2, 4, 8, 16
 HEADER = 10  # kind, flags, partition, released, new, token counts, page updates, decode rows, prefill works, launches
 
@@ -62,6 +62,11 @@ class WireEncoder:
         if not gone:
             return None
         return np.asarray([RELEASE, 0, -1, len(gone), 0, 0, 0, 0, 0, 0, *gone], dtype=np.int64).tobytes()
+
+    @staticmethod
+    def idle() -> bytes:
+        """The message that says rank 0's engine has no request left (each rank tidies its memory then)."""
+        return np.asarray([IDLE, 0, -1, 0, 0, 0, 0, 0, 0, 0], dtype=np.int64).tobytes()
 
     def step(self, plan: StepPlan, requests: dict[str, Request], partition: int, mixed_graphs: bool,
              use_graphs: bool, prefill_rows: tuple[int | None, ...], hold_sampling: bool = False) -> bytes:

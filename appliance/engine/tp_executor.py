@@ -24,7 +24,7 @@ from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.ranks import SHUTDOWN, RankGroup
 from appliance.engine.request import Request
 from appliance.engine.runner import ModelRunner, Sampled
-from appliance.engine.step_wire import STEP, WireDecoder, WireEncoder
+from appliance.engine.step_wire import IDLE, STEP, WireDecoder, WireEncoder
 from appliance.model_zoo.parallel import phase, share_from_first
 
 
@@ -68,6 +68,10 @@ class LeaderExecutor(_Phases):
         if payload is not None:
             self.group.send(payload)
         super()._forget(request_ids)
+
+    def idle(self) -> None:
+        self.group.send(self.wire.idle())
+        super().idle()
 
     def run(self, plan: StepPlan, requests: dict[str, Request], decisions: Decisions,
             hold_sampling: bool = False) -> LaunchedStep:
@@ -127,6 +131,8 @@ class FollowerExecutor(_Phases):
                     previous = launched
                 else:
                     self.collect(launched)
+            elif step.kind == IDLE:
+                self.idle()
             self.poll()
 
 

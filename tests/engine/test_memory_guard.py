@@ -74,7 +74,7 @@ def test_the_engine_asks_the_guard_only_when_its_last_request_leaves(llama_check
 
     def run(guarded: bool):
         engine = build_engine(Config.flat(model=str(path), num_gpu_blocks_override=64))
-        assert engine.memory_guard is None  # (CPU, a KV size given: no budget to keep)
+        assert engine.executor.memory_guard is None  # (CPU, a KV size given: no budget to keep)
         alloc = Allocator(live=10, cached=1000)
         busy = []
 
@@ -82,7 +82,7 @@ def test_the_engine_asks_the_guard_only_when_its_last_request_leaves(llama_check
             busy.append(engine.scheduler.has_work())
             return alloc.reserved()
         if guarded:
-            engine.memory_guard = ReserveGuard(100, reserved, alloc.empty_cache)
+            engine.executor.memory_guard = ReserveGuard(100, reserved, alloc.empty_cache)
         outs = [c.token_ids for c in engine.generate(prompts, params)]
         return outs, busy, alloc.empties
 
@@ -101,8 +101,8 @@ def test_metrics_show_the_allocator_against_its_budget(llama_checkpoint):
     path, _ = llama_checkpoint
     engine = build_engine(Config.flat(model=str(path), num_gpu_blocks_override=64))
     alloc = Allocator(live=60, cached=90)
-    engine.memory_guard = ReserveGuard(100, alloc.reserved, alloc.empty_cache)
-    engine.memory_guard.idle()  # over: one release
+    engine.executor.memory_guard = ReserveGuard(100, alloc.reserved, alloc.empty_cache)
+    engine.executor.memory_guard.idle()  # over: one release
     alloc.cached = 30
     aengine = AsyncEngine(engine)  # (publishes its figures at once)
 
@@ -113,6 +113,6 @@ def test_metrics_show_the_allocator_against_its_budget(llama_checkpoint):
     assert served(aengine.stats) == {"muxd:gpu_allocator_reserved_bytes": 90.0,
                                      "muxd:gpu_allocator_budget_bytes": 100.0,
                                      "muxd:gpu_allocator_releases_total": 1.0}
-    engine.memory_guard = None  # (a CPU engine, or a KV size given): the gauges read 0
+    engine.executor.memory_guard = None  # (a CPU engine, or a KV size given): the gauges read 0
     aengine._publish_stats()
     assert set(served(aengine.stats).values()) == {0.0}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from appliance.engine.batch import placeholder, span_tokens
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.request import Request, SamplingParams
-from appliance.engine.step_wire import RELEASE, STEP, WireDecoder, WireEncoder
+from appliance.engine.step_wire import IDLE, RELEASE, STEP, WireDecoder, WireEncoder
 
 
 def _request(rid: str, prompt: list[int], pages: list[int], prompt_logprobs: int | None = None) -> Request:
@@ -59,6 +59,10 @@ def test_the_other_ranks_rebuild_every_request_from_the_messages():
     step = dec.read(enc.step(StepPlan(prefill=(PrefillWork("a", 0, 5, 0, 4),)), requests, 0, False, True, (None,)))
     again = step.plan.prefill[0].request_id
     assert again != number["a"]
+    _same(dec.requests[again], a)
+    # rank 0's engine has no request left: a message that changes no request
+    idle = dec.read(enc.idle())
+    assert idle.kind == IDLE and idle.plan.empty and not idle.plan.finished
     _same(dec.requests[again], a)
 
 
