@@ -300,7 +300,8 @@ class CacheSettings:
                                           "on GPU, 512MiB on CPU).", "--kv-cache-memory-bytes")
     num_gpu_blocks_override: Optional[int] = flag(None, "KV-cache pages, overriding the size from memory (for "
                                                   "tests and experiments).", hidden=True)
-    gpu_memory_utilization: float = flag(0.9, "Fraction of GPU memory muxd may use in total.")
+    gpu_memory_utilization: float = flag(0.9, "Fraction of the GPU's memory this server may use, as vLLM's: what "
+                                         "other processes hold is not counted (two servers at 0.45 share a GPU).")
     enable_prefix_caching: bool = flag(True, "Reuse KV pages of equal prompt prefixes.",
                                        "--prefix-caching/--no-prefix-caching")
 

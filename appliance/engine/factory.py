@@ -21,7 +21,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.executor import Executor
 from appliance.engine.graphs import capture_sizes
 from appliance.engine.kv_cache import KVCache, PagePool
-from appliance.engine.memory_guard import cuda_reserve_guard
+from appliance.engine.memory_guard import MemoryBudget, cuda_reserve_guard
 from appliance.engine.partitions import PartitionSet, partitions_available
 from appliance.engine.planners.base import Planner
 from appliance.engine.planners.registry import build_planner
@@ -113,6 +113,8 @@ class _Builder:
         self.cuda = self.device.type == "cuda"
         self.startup: dict[str, float] = {}
         self.graph_rows = 0  # prefill launches of up to this many tokens replay piecewise graphs
+        # --gpu-memory-utilization's share, measured with the weights loaded and nothing else of the engine's
+        self.budget = MemoryBudget.measure(self.device, config.cache.gpu_memory_utilization) if self.cuda else None
 
     def build(self, tokenizer: Tokenizer | None) -> Engine:
         return self._build(tokenizer)
@@ -229,7 +231,7 @@ class _Builder:
             self.startup["kernel_warm_s"] = time.perf_counter() - start
         cache = self.config.cache
         if self.cuda and cache.kv_cache_bytes is None and cache.num_gpu_blocks_override is None:
-            executor.memory_guard = cuda_reserve_guard(self.device, cache.gpu_memory_utilization)
+            executor.memory_guard = cuda_reserve_guard(self.device, self.budget)
         return executor
 
     @property
@@ -349,8 +351,8 @@ class _Builder:
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
         elif self.cuda:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(cache.gpu_memory_utilization * total) - (total - free) - reserve
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = self.budget.kv_bytes(free, torch.cuda.memory_reserved(self.device), reserve)
         else:
             budget = CPU_DEFAULT_KV_BYTES
         if budget < per_page:

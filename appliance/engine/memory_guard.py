@@ -1,4 +1,9 @@
-"""ReserveGuard: gives the CUDA caching allocator's unused blocks back when the engine falls idle over its budget.
+"""The process's share of GPU memory: `MemoryBudget` (--gpu-memory-utilization as vLLM reads it) and `ReserveGuard`,
+which gives the CUDA caching allocator's unused blocks back when the engine falls idle over that budget.
+
+The budget is `utilization` of the device's memory for this process, whatever other processes hold: what was in use
+when the engine began to build (other processes, this process's CUDA context) is not counted against it, so two
+servers at 0.45 share a GPU, as two vLLM servers do.
 
 The KV cache is sized so that the process stays within --gpu-memory-utilization with room for the largest step's
 activations. The caching allocator keeps freed blocks for the stream that allocated them, and every SM partition
@@ -15,11 +20,46 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger("muxd.memory")
 
 GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    total: int  # the device's memory
+    utilization: float
+    others: int  # in use when measured, outside this process's allocator (other processes, the CUDA context)
+
+    @classmethod
+    def measure(cls, device, utilization: float) -> "MemoryBudget":
+        """Measured now, before the engine allocates anything but the weights."""
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(total, utilization, total - free - torch.cuda.memory_reserved(device))
+
+    def allocator_limit(self, free: int, reserved: int) -> int:
+        """What this process's allocator may reserve, given the device's `free` memory and the allocator's
+        `reserved` now: the budget less what the process has come to hold outside the allocator since measured
+        (libraries' handles and modules, graphs)."""
+        outside = max(0, self.total - free - reserved - self.others)
+        return int(self.utilization * self.total) - outside
+
+    def kv_bytes(self, free: int, reserved: int, reserve: int) -> int:
+        """The KV cache's bytes: what the allocator may reserve beyond what it holds and `reserve` (the largest
+        step's activations, sampling, graphs), and no more than the device has free beside `reserve` (other
+        processes may hold more than the budget leaves them)."""
+        budget = self.allocator_limit(free, reserved) - reserved - reserve
+        if budget > free - reserve:
+            log.warning("--gpu-memory-utilization %.2f leaves this process %.2f GiB, but the device has %.2f GiB free "
+                        "(other processes hold %.2f GiB): the KV cache takes what is free", self.utilization,
+                        self.utilization * self.total / GiB, free / GiB, self.others / GiB)
+            budget = free - reserve
+        return budget
 
 
 class ReserveGuard:
@@ -74,12 +114,10 @@ class ReserveGuard:
         return True
 
 
-def cuda_reserve_guard(device, utilization: float) -> ReserveGuard:
-    """A guard for this process's allocator on `device`: the limit is `utilization` of the device's memory less
-    what is not the allocator's (the CUDA context, libraries' own memory), as measured now."""
+def cuda_reserve_guard(device, budget: MemoryBudget) -> ReserveGuard:
+    """A guard for this process's allocator on `device`, its limit what `budget` leaves the allocator now."""
     import torch
 
-    free, total = torch.cuda.mem_get_info(device)
-    others = (total - free) - torch.cuda.memory_reserved(device)
-    return ReserveGuard(int(utilization * total) - others, lambda: torch.cuda.memory_reserved(device),
-                        torch.cuda.empty_cache)
+    free, _ = torch.cuda.mem_get_info(device)
+    return ReserveGuard(budget.allocator_limit(free, torch.cuda.memory_reserved(device)),
+                        lambda: torch.cuda.memory_reserved(device), torch.cuda.empty_cache)

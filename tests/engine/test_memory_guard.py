@@ -1,6 +1,7 @@
-"""ReserveGuard (engine/memory_guard.py): the caching allocator's unused blocks given back when the engine falls idle
-with its reserve over the memory budget, less often while tensors in use exceed it; the engine asks it when its last
-request leaves, never between the steps of running requests."""
+"""engine/memory_guard.py: the memory budget as vLLM reads --gpu-memory-utilization (this process's share, whatever
+others hold), and ReserveGuard: the caching allocator's unused blocks given back when the engine falls idle with its
+reserve over that budget, less often while tensors in use exceed it; the engine asks it when its last request leaves,
+never between the steps of running requests."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,7 @@ import torch
 
 from appliance.config import Config
 from appliance.engine.factory import build_engine
-from appliance.engine.memory_guard import ReserveGuard
+from appliance.engine.memory_guard import MemoryBudget, ReserveGuard
 from appliance.engine.request import SamplingParams
 
 
@@ -33,6 +34,23 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_the_budget_is_this_processs_share_whatever_others_hold(caplog):
+    # a GPU of 100 units; the weights (20) loaded, the CUDA context (1) made; by the KV sizing, warm-up left 2 more
+    # in the allocator and 1 outside it (compiled modules); 5 set aside for activations
+    alone = MemoryBudget(total=100, utilization=0.9, others=1)  # measured at free 79, reserved 20
+    assert alone.allocator_limit(free=76, reserved=22) == 89  # 90 less the 1 this process added outside since
+    assert alone.kv_bytes(free=76, reserved=22, reserve=5) == 62  # 89 - 22 - 5
+    # a second server beside one that holds 45: it gets its own 45, as a second vLLM server at 0.45 does
+    beside = MemoryBudget(total=100, utilization=0.45, others=46)  # measured at free 34, reserved 20
+    assert beside.allocator_limit(free=31, reserved=22) == 44
+    assert beside.kv_bytes(free=31, reserved=22, reserve=5) == 17
+    # more than the device has free (the other server holds more than 0.55): what is free, and a warning
+    crowded = MemoryBudget(total=100, utilization=0.45, others=66)
+    with caplog.at_level(logging.WARNING, logger="muxd.memory"):
+        assert crowded.kv_bytes(free=11, reserved=22, reserve=5) == 6
+    assert "other processes hold" in caplog.records[-1].getMessage()
 
 
 def test_the_reserve_over_the_limit_is_given_back_when_idle():
