@@ -5,10 +5,15 @@ engine's published stats at scrape time.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from appliance.engine.request import RequestOutput
@@ -42,6 +47,55 @@ def vllm_token_buckets(max_model_len: int) -> tuple[int, ...]:
 _ENGINE_COUNTERS = ("num_preemptions", "partition_switches", "prefill_layers_launched", "prefill_pauses")
 
 
+class TokenHistogram(Collector):
+    """A histogram fed once a token (the time between tokens): an observation is appended to a list, and the list is
+    folded into the buckets at once (numpy) when /metrics is read or it grows long; served as prometheus_client's
+    Histogram serves one. Its observe costs a tenth of Histogram's, which takes a lock per bucket it passes and runs
+    on the event loop's thread for every streamed token."""
+
+    FOLD_AT = 4096  # observations kept before they are folded anyway (no scrape for a while)
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str, labels: dict[str, str],
+                 buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.edges = np.asarray(buckets, dtype=np.float64)  # (+Inf after them)
+        self.le = [floatToGoString(e) for e in buckets] + ["+Inf"]
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self.sum = 0.0
+        self._values: list[float] = []
+        self._weights: list[int] = []
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        with self._lock:
+            self._values.append(value)
+            self._weights.append(count)
+            if len(self._values) >= self.FOLD_AT:
+                self._fold()
+
+    def _fold(self) -> None:
+        if not self._values:
+            return
+        values, weights = np.asarray(self._values), np.asarray(self._weights, dtype=np.int64)
+        self._values, self._weights = [], []
+        where = np.searchsorted(self.edges, values, side="left")  # the first edge >= the value (le)
+        self.counts += np.bincount(where, weights=weights, minlength=len(self.counts)).astype(np.int64)
+        self.sum += float(np.dot(values, weights))
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))]
+
+    def collect(self):
+        with self._lock:
+            self._fold()
+            cumulative, total = np.cumsum(self.counts).tolist(), self.sum
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), list(zip(self.le, cumulative)), total)
+        yield family
+
+
 class _Family:
     """One registry's metrics under one prefix and label set."""
 
@@ -54,6 +108,9 @@ class _Family:
 
     def gauge(self, name: str, doc: str):
         return Gauge(self.prefix + name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
+
+    def token_hist(self, name: str, doc: str, buckets: tuple[float, ...]) -> TokenHistogram:
+        return TokenHistogram(self.registry, self.prefix + name, doc, self.labels, buckets)
 
     def counter(self, name: str, doc: str):
         return Counter(self.prefix + name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
@@ -75,9 +132,10 @@ class Metrics:
         self.ttft = (mx.hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
                      vl.hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                              VLLM_TTFT_BUCKETS))
-        self.tbt = (mx.hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _TBT_BUCKETS),
-                    vl.hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                            VLLM_ITL_BUCKETS))
+        self.tbt = (mx.token_hist("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                                  _TBT_BUCKETS),
+                    vl.token_hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                  VLLM_ITL_BUCKETS))
         self.e2e = (mx.hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS),
                     vl.hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                             VLLM_E2E_BUCKETS))
@@ -217,8 +275,7 @@ class Metrics:
 
     def between_tokens(self, seconds: float, count: int) -> None:
         for metric in self.tbt:
-            for _ in range(count):
-                metric.observe(seconds)
+            metric.observe(seconds, count)
 
     def render(self, stats: dict[str, float]) -> bytes:
         for key, gauges in self._gauges.items():
