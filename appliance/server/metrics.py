@@ -5,7 +5,6 @@ engine's published stats at scrape time.
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -50,8 +49,8 @@ _ENGINE_COUNTERS = ("num_preemptions", "partition_switches", "prefill_layers_lau
 class TokenHistogram(Collector):
     """A histogram fed once a token (the time between tokens): an observation is appended to a list, and the list is
     folded into the buckets at once (numpy) when /metrics is read or it grows long; served as prometheus_client's
-    Histogram serves one. Its observe costs a tenth of Histogram's, which takes a lock per bucket it passes and runs
-    on the event loop's thread for every streamed token."""
+    Histogram serves one. Observed and collected on one thread, the event loop's (no lock): its observe takes 0.2
+    against Histogram's 1.0-1.1 us (a 2-core CPU, folds included), for every streamed token."""
 
     FOLD_AT = 4096  # observations kept before they are folded anyway (no scrape for a while)
 
@@ -63,34 +62,32 @@ class TokenHistogram(Collector):
         self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
         self.sum = 0.0
         self._values: list[float] = []
-        self._weights: list[int] = []
-        self._lock = threading.Lock()
         registry.register(self)
 
     def observe(self, value: float, count: int = 1) -> None:
         """`count` observations of `value`."""
-        with self._lock:
-            self._values.append(value)
-            self._weights.append(count)
-            if len(self._values) >= self.FOLD_AT:
-                self._fold()
+        values = self._values
+        if count == 1:
+            values.append(value)
+        else:
+            values.extend([value] * count)
+        if len(values) >= self.FOLD_AT:
+            self._fold()
 
     def _fold(self) -> None:
         if not self._values:
             return
-        values, weights = np.asarray(self._values), np.asarray(self._weights, dtype=np.int64)
-        self._values, self._weights = [], []
+        values, self._values = np.asarray(self._values), []
         where = np.searchsorted(self.edges, values, side="left")  # the first edge >= the value (le)
-        self.counts += np.bincount(where, weights=weights, minlength=len(self.counts)).astype(np.int64)
-        self.sum += float(np.dot(values, weights))
+        self.counts += np.bincount(where, minlength=len(self.counts))
+        self.sum += float(values.sum())
 
     def describe(self) -> list[HistogramMetricFamily]:
         return [HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))]
 
     def collect(self):
-        with self._lock:
-            self._fold()
-            cumulative, total = np.cumsum(self.counts).tolist(), self.sum
+        self._fold()
+        cumulative, total = np.cumsum(self.counts).tolist(), self.sum
         family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
         family.add_metric(list(self.labels.values()), list(zip(self.le, cumulative)), total)
         yield family
