@@ -35,7 +35,7 @@ show("after start")
 rng = random.Random(0)
 vocab = eng.runner.model.config.vocab_size
 import time
-g = eng.memory_guard
+g = eng.executor.memory_guard
 print("GUARD limit", None if g is None else round(g.limit / GiB, 2), "GiB")
 for burst, (n, plen, out) in enumerate([(40, 8000, 16), (300, 300, 48), (24, 30000, 4), (40, 8000, 16), (300, 300, 48)]):
     t0 = time.perf_counter()
