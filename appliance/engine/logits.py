@@ -90,8 +90,7 @@ def _penalise(logits: torch.Tensor, reqs: list[Request], rows: list[int],
     repetition, frequency, presence = (params[:, k:k + 1] for k in range(3))
     if any(r.sampling.repetition_penalty != 1.0 for r in reqs):
         if prompt_seen is None:
-            prompt_seen = _counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else []
-                                   for r in reqs], vocab, device) > 0
+            prompt_seen = _prompt_seen(reqs, vocab, device)
         seen = (counts > 0) | prompt_seen
         scaled = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, scaled, sub)
@@ -109,6 +108,12 @@ def _counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Te
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
     return counts[:, :vocab]
+
+
+def _prompt_seen(reqs: list[Request], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V]: the tokens of each request's prompt, where a repetition penalty reads them (else none)."""
+    return _counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else [] for r in reqs], vocab,
+                   device) > 0
 
 
 class PenaltyCounts:
@@ -162,8 +167,7 @@ class PenaltyCounts:
         repetition penalty reads them)."""
         index = to_device(torch.tensor([self._slot[r.request_id] for r in reqs]), self.device)
         self.counts[index] = _counts([r.output_token_ids for r in reqs], self.vocab, self.device).to(torch.int32)
-        self.seen[index] = _counts([r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else [] for r in reqs],
-                                   self.vocab, self.device) > 0
+        self.seen[index] = _prompt_seen(reqs, self.vocab, self.device)
 
 
 def _keep_only(logits: torch.Tensor, rows: list[int], allowed: list[list[int]]) -> None:

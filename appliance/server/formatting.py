@@ -86,6 +86,7 @@ class _Format:
         self.with_ids = bool(body.return_token_ids)  # token ids beside the text (vLLM's return_token_ids)
         self.prompt_top = body.prompt_logprobs if body.returns_prompt_logprobs else None
         self._token_text: dict[int, str] = {}
+        self._plain_head: str | None = None
 
     def text(self, token_id: int) -> str:
         """The token's text ('token_id:<id>' without a tokenizer)."""
@@ -133,9 +134,11 @@ class _Format:
         return None
 
     def _head(self, kind: str) -> str:
-        """The JSON of a plain chunk up to its choice's index."""
-        return (f'{{"id":{to_json(self.rid).decode()},"object":"{kind}","created":{self.created},'
-                f'"model":{to_json(self.model).decode()},"choices":[{{"index":')
+        """The JSON of a plain chunk up to its choice's index (made at the response's first plain chunk)."""
+        if self._plain_head is None:
+            self._plain_head = (f'{{"id":{to_json(self.rid).decode()},"object":"{kind}","created":{self.created},'
+                                f'"model":{to_json(self.model).decode()},"choices":[{{"index":')
+        return self._plain_head
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         """The last chunk of a stream with include_usage: no choice, the usage of all."""
@@ -155,7 +158,6 @@ class CompletionFormat(_Format):
         self.echoes = [self._echo_text(prompt, ids, shortened) if self.echo else ""
                        for prompt, ids, shortened in zip(body.prompts(), prompt_ids, cut)]
         self._offsets: dict[int, int] = {}
-        self._plain_head: str | None = None
 
     def _echo_text(self, prompt: str | list[int], ids: list[int], shortened: bool) -> str:
         """The prompt as sent, or the text of the tokens it was given as or cut to."""
@@ -179,10 +181,8 @@ class CompletionFormat(_Format):
         if (usage is not None or out.finished or not out.new_text or self.logprobs is not None or self.with_ids
                 or self.tokenizer is None or (self.echo and not choice.started)):
             return None
-        if self._plain_head is None:
-            self._plain_head = self._head("text_completion")
         choice.started = True
-        return f'{self._plain_head}{choice.index},"text":{to_json(out.new_text).decode()}}}]}}'
+        return f'{self._head("text_completion")}{choice.index},"text":{to_json(out.new_text).decode()}}}]}}'
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         echoed = self.echo and not choice.started
@@ -264,7 +264,6 @@ class ChatFormat(_Format):
         self._forced: dict[int, ForcedCalls] = {}  # tool_choice "required": each choice's calls as they stream
         self._reasoning: dict[int, ReasoningStream] = {}
         self.echo = body.echoed()  # the last (assistant) message, before each answer
-        self._plain_head: str | None = None
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         return r.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
@@ -285,10 +284,9 @@ class ChatFormat(_Format):
                 or self.tokenizer is None or self.thinking is not None or mode in ("named", "required")
                 or (mode == "auto" and self.parser != "none")):
             return None
-        if self._plain_head is None:
-            self._plain_head = self._head("chat.completion.chunk")
         choice.started = True
-        return f'{self._plain_head}{choice.index},"delta":{{"content":{to_json(out.new_text).decode()}}}}}]}}'
+        text = to_json(out.new_text).decode()
+        return f'{self._head("chat.completion.chunk")}{choice.index},"delta":{{"content":{text}}}}}]}}'
 
     def chunk(self, choice: Choice, out: RequestOutput, usage: r.Usage | None) -> list[BaseModel]:
         delta = r.ChatDelta()
