@@ -323,8 +323,10 @@ class SchedulerSettings:
                        "budget, the vLLM/SGLang default), serial (prefill first), layerwise, pdmux (SGLang's "
                        "PD-multiplexing policy), or auto: mux on a CUDA GPU, serial on a CPU.", "--planner")
     max_num_seqs: int = flag(256, "Requests prefilling or decoding at once.")
-    max_num_batched_tokens: int = flag(8192, "Prompt tokens prefilled per engine step (a longer prompt still runs, "
-                                       "alone); chunked's budget unless --chunk-budget or --profile sets it.")
+    max_num_batched_tokens: int = flag(8192, "Prompt tokens prefilled per engine step, or per layer-wise pass (a "
+                                       "longer prompt prefills in chunks of this many: the memory for activations "
+                                       "is sized for it); chunked's budget unless --chunk-budget or --profile sets "
+                                       "it.")
     max_waiting: int = flag(4096, "Queued requests beyond which new ones get HTTP 429.")
     chunk_budget: Optional[int] = flag(None, "Tokens per step for --policy chunked (default: with --profile, the "
                                        "largest whose step meets the contract's TBT target; without, "

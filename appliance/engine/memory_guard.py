@@ -6,15 +6,14 @@ when the engine began to build (other processes, this process's CUDA context) is
 servers at 0.45 share a GPU, as two vLLM servers do.
 
 The KV cache is sized so that the process stays within --gpu-memory-utilization with room for the largest step's
-activations. The caching allocator keeps freed blocks for the stream that allocated them, and every SM partition
-prefills and decodes on streams of its own, so as prompts of other lengths come and go the blocks it keeps add up
-past that room (measured on an H200, 8B, mux: 11 GiB over the budget with live tensors inside it). Giving them back
-(`torch.cuda.empty_cache`) waits for the device and takes about 40 ms there; done once a second under load it held
-the budget through ordinary bursts, but prompts of 30,000 tokens grew the blocks back within the second, so the
-releases stalled the loop without keeping the budget. So the guard releases only when the engine has no request
-left (nothing to stall), and where even that cannot bring the reserve under the limit (tensors in use above it) it
-says so once and asks less often. Each rank's executor holds one; under tensor parallelism rank 0 tells the others
-when its engine falls idle (step_wire.IDLE).
+activations. The caching allocator keeps freed blocks for the stream that allocated them, and the SM partitions
+prefill and decode on streams of their own, so as prompts of other lengths come and go the blocks it keeps add up
+past that room (measured on an H200, 8B, mux: 1.6 GiB over the budget with live tensors inside it, once long
+prompts prefill in passes of max_num_batched_tokens). Giving them back (`torch.cuda.empty_cache`) waits for the
+device and took about 40 ms there under load; done once a second it stalled the loop, so the guard releases only
+when the engine has no request left (nothing to stall), and where even that cannot bring the reserve under the
+limit (tensors in use above it) it says so once and asks less often. Each rank's executor holds one; under
+tensor parallelism rank 0 tells the others when its engine falls idle (step_wire.IDLE).
 """
 from __future__ import annotations
 

@@ -55,6 +55,24 @@ class Scheduler:
         works = self.inflight.get(request.request_id)
         return works[-1].layer_end if works else request.prefill_layer
 
+    def pass_layer(self, request: Request) -> int:
+        """First layer to launch of the request's current prefill pass (chunk), where a pass with every layer
+        launched and prompt tokens left after it opens the next at layer 0 (launched at once: the executor orders
+        its layers after the last pass's on the GPU)."""
+        works = self.inflight.get(request.request_id)
+        if works and works[-1].layer_end >= self.num_layers and works[-1].token_end < request.num_tokens:
+            return 0
+        return self.launched_layer(request)
+
+    def pass_start(self, request: Request) -> int:
+        """First token of the request's current prefill pass: of the pass in flight with layers left to launch, else
+        after the last pass launched, else the first token not computed."""
+        works = self.inflight.get(request.request_id)
+        if not works:
+            return request.num_computed_tokens
+        last = works[-1]
+        return last.token_start if last.layer_end < self.num_layers else last.token_end
+
     def has_inflight(self) -> bool:
         return bool(self.inflight)
 

@@ -115,7 +115,8 @@ def test_device_band_pools_three_replays(bench, specs):
     assert summary["slo_attainment"] == run.report.attainment
     assert min(b["contract_tbt_ms"] for b in band) <= run.report.tbt_ms <= max(b["contract_tbt_ms"] for b in band)
     assert band[1]["slo_attainment"] <= band[2]["slo_attainment"]
-    assert band[1]["contract_tbt_ms"] >= band[2]["contract_tbt_ms"]
+    # (the closed loop holds both tails at its target: the slower GPU's is not lower beyond a hair)
+    assert band[1]["contract_tbt_ms"] >= 0.99 * band[2]["contract_tbt_ms"]
     # the replay as timed is the band's first: the same as without a band
     alone = bench.run("mux", specs, RATE).report
     assert band[0]["slo_attainment"] == alone.attainment and band[0]["contract_tbt_ms"] == alone.tbt_ms

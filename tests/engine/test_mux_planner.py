@@ -696,3 +696,94 @@ def test_prompts_join_only_while_every_running_request_keeps_room_to_grow():
     del calls[:]
     rig.planner.batches.start(rig.sched, rig.now)
     assert len(calls) <= len(rig.sched.decoding) + len(rig.sched.prefilling) + 1
+
+
+def run_prefill_through(rig: Rig, r: Request) -> list[tuple[int, int]]:
+    """Plan and complete steps until `r` decodes; the token ranges of its passes, in order."""
+    passes: list[tuple[int, int]] = []
+    for _ in range(200):
+        if r.status is RequestStatus.DECODING:
+            return passes
+        plan = rig.plan()
+        for w in plan.prefill:
+            if w.request_id == r.request_id and (w.token_start, w.token_end) not in passes:
+                passes.append((w.token_start, w.token_end))
+        rig.finish(plan)
+    raise AssertionError(f"{r.request_id} still prefilling: {passes}")
+
+
+def test_a_long_prompt_prefills_in_passes_of_chunk_tokens():
+    """Activations grow with a pass's tokens and the engine sizes their memory for max_num_batched_tokens: a longer
+    prompt prefills in passes of that many (every layer each), and decodes once the last one ends."""
+    rig = Rig(max_prefill_tokens=8_192, chunk_tokens=8_192)
+    rig.decoding(2)
+    r = rig.request(20_000)
+    first = rig.plan()
+    assert {(w.token_start, w.token_end) for w in first.prefill} == {(0, 8_192)}
+    # the predictor plans the pass it runs: 8,192 tokens at 0.03 ms on 100 SMs = 246 ms, ceil(45 * 32 / 246) = 6
+    assert [(w.layer_start, w.layer_end) for w in first.prefill] == [(0, 6)]
+    rig.finish(first)
+    assert run_prefill_through(rig, r) == [(0, 8_192), (8_192, 16_384), (16_384, 20_000)]
+    assert r.num_computed_tokens == 20_000 and len(r.output_token_ids) == 1
+
+
+def test_passes_cut_every_plan_kind():
+    """No decode (all SMs), temporal steps and the aggregated mixed step cut the prompt alike."""
+    rig = Rig(chunk_tokens=1_000)
+    r = rig.request(2_500)
+    assert run_prefill_through(rig, r) == [(0, 1_000), (1_000, 2_000), (2_000, 2_500)]
+    rig = Rig(chunk_tokens=1_000, temporal=True)
+    rig.decoding(1)
+    r = rig.request(2_500)
+    assert run_prefill_through(rig, r) == [(0, 1_000), (1_000, 2_000), (2_000, 2_500)]
+    rig = Rig(table=Table(mixed=1.0), chunk_tokens=1_000)  # the whole prompt fits a mixed step: it still passes in 3
+    rig.decoding(1)
+    r = rig.request(2_500)
+    assert run_prefill_through(rig, r) == [(0, 1_000), (1_000, 2_000), (2_000, 2_500)]
+
+
+def test_no_cap_prefills_the_whole_prompt_in_one_pass():
+    rig = Rig()
+    rig.decoding(1)
+    r = rig.request(20_000)
+    assert run_prefill_through(rig, r) == [(0, 20_000)]
+
+
+def test_prompts_between_passes_rejoin_within_the_budget():
+    """Prompts left between passes (here: two that ran a mixed chunk each) rejoin a batch only while their tokens fit
+    the batch's budget; the one left out follows in the next batch."""
+    rig = Rig(max_prefill_tokens=5_000, chunk_tokens=5_000)
+    rig.decoding(1)
+    a, b = rig.request(4_000), rig.request(4_000)
+    for r in (a, b):  # a mixed chunk of 500 tokens each, done
+        assert rig.sched.admit(r)
+        rig.sched.update(StepPlan(prefill=(PrefillWork(r.request_id, 0, 500, 0, LAYERS),)), {})
+        assert r.num_computed_tokens == 500 and r.status is RequestStatus.PREFILLING
+    plan = rig.plan()
+    assert {w.request_id for w in plan.prefill} == {a.request_id}  # 3,500 + 3,500 > 5,000
+    assert run_prefill_through(rig, a) == [(500, 4_000)]
+    assert run_prefill_through(rig, b) == [(500, 4_000)]
+
+
+def test_the_next_pass_launches_behind_the_last_without_waiting_for_it():
+    """The executor orders a pass's layers after the last pass's on the GPU: the planner launches the next pass as
+    soon as the last has every layer launched, and the scheduler completes them in order."""
+    rig = Rig(max_prefill_tokens=1_000, chunk_tokens=1_000)
+    r = rig.request(2_500)
+    launched = []
+    for _ in range(LAYERS * 3):
+        plan = rig.plan()  # nothing completes: every launch stays in flight
+        launched += [(w.token_start, w.token_end, w.layer_start, w.layer_end) for w in plan.prefill]
+        if launched and launched[-1][1] == 2_500 and launched[-1][3] == LAYERS:
+            break
+    passes = [(a, b) for a, b, start, _ in launched if start == 0]
+    assert passes == [(0, 1_000), (1_000, 2_000), (2_000, 2_500)]
+    for (a, b, s1, e1), (c, d, s2, e2) in zip(launched, launched[1:]):  # each pass's layers in order, then the next
+        assert (c, d, s2) == ((a, b, e1) if e1 < LAYERS else (b, min(b + 1_000, 2_500), 0))
+    assert r.num_computed_tokens == 0 and rig.sched.pass_layer(r) == LAYERS and rig.sched.pass_start(r) == 2_500
+    for a, b, start, end in launched:  # the executor completes them in launch order
+        rig.sched.complete_prefill(PrefillWork(r.request_id, a, b, start, end), 0 if b == 2_500 and end == LAYERS
+                                   else None)
+        if end == LAYERS and b < 2_500:
+            assert r.num_computed_tokens == b and r.status is RequestStatus.PREFILLING
+    assert r.status is RequestStatus.DECODING and r.num_computed_tokens == 2_500 and not rig.sched.inflight

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from latency_tables import SlowTable
 
 from appliance.config import Config
 from appliance.engine.engine import Engine
@@ -19,19 +20,6 @@ from appliance.predictor.predictor import Predictor
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 NO_HOST = HostModel(0.0, 0.0, 0.0, 0.0)  # these rules are checked on device times alone
-
-
-class SlowTable:
-    """Prefill 10 ms per new token (so each step advances one layer), decode 45 ms on 32 SMs, never aggregated."""
-
-    def prefill_ms(self, items, sms):
-        return 10.0 * sum(i.new for i in items)
-
-    def decode_ms(self, load, sms):
-        return {16: 80.0, 32: 45.0}.get(sms, 20.0) if load.batch_size else 0.0
-
-    def mixed_ms(self, items, load, sms):
-        return 1e6
 
 
 class ChunkTable(SlowTable):
@@ -75,19 +63,21 @@ def reference(llama_checkpoint):
 
 @pytest.mark.parametrize("policy, extra", [
     ("chunked", {"chunk_budget": 12}), ("mux", {}), ("layerwise", {}), ("mux-spatial", {}), ("mux-chunks", {}),
-    ("mux-temporal", {}),
+    ("mux-temporal", {}), ("mux-passes", {}),
     ("pdmux", {}), ("pdmux-split", {"pdmux_token_budget": 20, "max_num_batched_tokens": 16})])
 def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
     path, _ = llama_checkpoint
     engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy=policy.split("-")[0], **extra))
-    if policy in ("mux-spatial", "mux-chunks", "mux-temporal"):
+    if policy in ("mux-spatial", "mux-chunks", "mux-temporal", "mux-passes"):
         planner = engine.scheduler.planner
         layers = engine.model.config.num_layers
-        table = {"mux-spatial": SlowTable, "mux-chunks": ChunkTable, "mux-temporal": TemporalTable}[policy]()
+        table = {"mux-spatial": SlowTable, "mux-chunks": ChunkTable, "mux-temporal": TemporalTable,
+                 "mux-passes": SlowTable}[policy]()
         engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(table, ContentionGuard(default=1.0),
                                                                          layers, 132, (16, 32), host=NO_HOST),
                                               MuxOptions(mixed_chunks=policy == "mux-chunks",
-                                                         temporal=policy == "mux-temporal", control=False))
+                                                         temporal=policy == "mux-temporal", control=False,
+                                                         chunk_tokens=16 if policy == "mux-passes" else None))
         assert isinstance(planner, MuxPlanner)
     seen, measured = [], []
     if policy == "mux-chunks":  # every mixed step's measured time is handed to the planner (online refinement)
@@ -123,6 +113,10 @@ def test_policy_matches_serial(llama_checkpoint, reference, policy, extra):
             assert tokens <= 16 and w.layer_end - w.layer_start in (max(1, 20 // tokens), n - w.layer_start)
         works = [w for p in seen for w in p.prefill]
         assert any(w.token_start > 0 for w in works) and any(w.layer_start > 0 for w in works)
+    if policy == "mux-passes":  # prompts of 17-40 tokens prefill in passes of 16, every layer each
+        works = [w for p in seen for w in p.prefill]
+        assert all(w.num_tokens <= 16 for w in works)
+        assert any(w.token_start > 0 and w.layer_start == 0 for w in works)
     if policy == "mux-temporal":  # decode rows, then prefill layers, in one step on all SMs
         assert engine.scheduler.planner.stats.temporal_steps > 0
         assert any(p.decode and p.prefill and not p.mixed and p.decode_sms is None for p in seen)

@@ -1,15 +1,16 @@
 """The overlapped step loop on CUDA: with decode CUDA graphs (flashinfer, torch.compile) and with SM partitions (green
 contexts, prefill layers beside decode, decode switching partitions), the overlapped loop's outputs equal the
 synchronous loop's token for token — greedy and seeded, stop tokens, max_tokens ending at every step, aborts at every
-step, preemption under a small KV cache — and no page is left behind; the next step's attention plan is staged in two
-pinned buffers used in turn; prefill layers run after the decode rows in the step's own stream (temporal steps)
-as correctly as beside them."""
+step, preemption under a small KV cache, long prompts in passes — and no page is left behind; the next step's
+attention plan is staged in two pinned buffers used in turn; prefill layers run after the decode rows in the step's
+own stream (temporal steps) as correctly as beside them."""
 from __future__ import annotations
 
 import itertools
 
 import pytest
 from copy_model import PERIOD, VOCAB, periodic_prompt
+from latency_tables import SlowTable
 from spies import step_through
 
 from appliance.attention.triton_decode import MAX_BATCH
@@ -18,8 +19,12 @@ from appliance.engine.engine import Engine
 from appliance.engine.factory import build_engine
 from appliance.engine.plan import PrefillWork, StepPlan
 from appliance.engine.planners.base import Planner, admit_fcfs, chunk_end, reserve_all
+from appliance.engine.planners.mux import MuxOptions, MuxPlanner
 from appliance.engine.request import Request, SamplingParams, ThinkingLimit
 from appliance.engine.scheduler import Scheduler
+from appliance.predictor.contention import ContentionGuard
+from appliance.predictor.host import HostModel
+from appliance.predictor.predictor import Predictor
 
 
 class AlternatingLayerwise(Planner):
@@ -216,6 +221,28 @@ def test_overlapped_equals_synchronous_under_the_mux_policy(copy_model):
     engine = build(copy_model, policy="mux", max_num_seqs=16)
     sync, overlapped = compare(engine)
     assert overlapped == sync
+
+
+def test_mux_prefills_long_prompts_in_passes(copy_model):
+    """Prompts longer than --max-num-batched-tokens prefill in passes of that many tokens (every layer each), the
+    next launched behind the last without waiting for it; greedy continuations stay exact, overlapped or not."""
+    engine = build(copy_model, policy="mux", max_num_seqs=16, max_num_batched_tokens=16)
+    parts = engine.partitions
+    engine.scheduler.planner = MuxPlanner(engine.contract, Predictor(
+        SlowTable(), ContentionGuard(default=1.0), engine.model.config.num_layers, parts.total_sms,
+        tuple(p.decode_sms for p in parts.splits), host=HostModel(0.0, 0.0, 0.0, 0.0)),
+        MuxOptions(max_prefill_tokens=16, chunk_tokens=16, control=False))
+    plans = []
+    inner = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(inner()) or plans[-1]
+    sync, overlapped = compare(engine)
+    assert overlapped == sync
+    for s in range(1, 13):  # the greedy requests: s tokens after a periodic prompt of 30 + 3s
+        tokens = [t for o in sync[s - 1] for t in o[0]]
+        assert tokens == periodic_prompt(s, 30 + 4 * s)[30 + 3 * s:], s
+    works = [w for p in plans for w in p.prefill]
+    assert all(w.num_tokens <= 16 for w in works) and any(w.token_start > 0 and w.layer_start == 0 for w in works)
+    assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
 def test_preemption_under_a_small_kv_cache(copy_model):

@@ -8,7 +8,9 @@ all SMs, when that prefills faster than the split would (temporal multiplexing);
 prompts prefill together, in what order, and when a short one pauses a long one is mux_batches.py's.
 
 Prefill may be asynchronous: layers launched in one step can still run steps later. The planner reads what is in
-flight from the scheduler (`launched_layer`) and never relaunches it.
+flight from the scheduler (`pass_layer`, `pass_start`) and never relaunches it. A prompt prefills in passes of at
+most `chunk_tokens` tokens (the engine's max_num_batched_tokens: what its activation memory is sized for), each
+through every layer and launched as soon as the last pass has every layer launched.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from appliance.slo.contract import Contract
 @dataclass
 class MuxOptions:
     max_prefill_tokens: int = 8192  # prompt tokens prefilled together as one layer-wise batch
+    chunk_tokens: int | None = None  # a prompt's tokens in one layer-wise pass at most (a longer one prefills in
+    #                                  passes of this many: the engine sizes activation memory for them); None: all
     control: bool = True            # closed-loop: plan to the controllers' headroom x the targets (control.py)
     prefill_pause: bool = True      # a short prompt may pause the running batch between layers (MuxWise)
     pause_margin: float = 0.2       # ... when it would miss its TTFT behind the batch with their predicted prefill
@@ -91,22 +95,23 @@ class MuxPlanner:
         batch = [sched.requests[rid] for rid in batches.batch]
         if not batch:
             return self._decode_only(sched, decode, load, tbt)
-        start = sched.launched_layer(batch[0])
-        items = [dl.item(r) for r in batch]
+        start = sched.pass_layer(batch[0])
+        items = [self._item(sched, r) for r in batch]
         if not decode:
             return self._prefill_all_sms(sched, batch, start, items, tbt)
         if start == 0 and not sched.has_inflight() and \
                 self.predictor.host.gap(load.batch_size, self.predictor.mixed_ms(items, load)) <= tbt:
             self.stats.aggregated_steps += 1
             self.stats.last_mode = "aggregated"
-            return StepPlan(decode=decode, prefill=self._works(batch, 0, self.predictor.num_layers), mixed=True)
+            return StepPlan(decode=decode, prefill=self._works(sched, batch, 0, self.predictor.num_layers),
+                            mixed=True)
         if self.options.mixed_chunks and start == 0 and not sched.has_inflight():
             chunk = self._chunk(sched, decode, load, batch, items, tbt)
             if chunk is not None:
                 return chunk
         if self.options.temporal:
             if not sched.has_inflight():
-                temporal = self._temporal(decode, load, batch, start, items, tbt)
+                temporal = self._temporal(sched, decode, load, batch, start, items, tbt)
                 if temporal is not None:
                     return temporal
             elif self._temporal_layers(load, start, items, tbt):
@@ -140,7 +145,7 @@ class MuxPlanner:
         self.stats.prefill_only_steps += 1
         self.stats.last_mode = "prefill"
         self.batches.prefill_sms = p.sm_count
-        return StepPlan(prefill=self._works(batch, start, start + k))
+        return StepPlan(prefill=self._works(sched, batch, start, start + k))
 
     def _spatial(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
                  items: list[PrefillItem], tbt: float) -> StepPlan:
@@ -165,7 +170,7 @@ class MuxPlanner:
             room = p.host.launch_room(load.batch_size, t_decode, tbt) - fixed
             if per_layer > 0:
                 k = min(k, int(room // per_layer))
-            works = self._works(batch, start, min(p.num_layers, start + max(1, k)))
+            works = self._works(sched, batch, start, min(p.num_layers, start + max(1, k)))
         return StepPlan(decode=decode, prefill=works, decode_sms=d, prefill_sms=p.sm_count - d)
 
     def _temporal_layers(self, load: DecodeLoad, start: int, items: list[PrefillItem], tbt: float) -> int:
@@ -203,7 +208,7 @@ class MuxPlanner:
                 return 0
         return k
 
-    def _temporal(self, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
+    def _temporal(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request], start: int,
                   items: list[PrefillItem], tbt: float) -> StepPlan | None:
         """Temporal multiplexing (`_temporal_layers`); None when the split is faster or no layer fits."""
         k = self._temporal_layers(load, start, items, tbt)
@@ -213,7 +218,7 @@ class MuxPlanner:
         self.stats.temporal_steps += 1
         self.stats.last_mode = "temporal"
         self.batches.prefill_sms = p.sm_count
-        return StepPlan(decode=decode, prefill=self._works(batch, start, start + k), prefill_after_decode=True)
+        return StepPlan(decode=decode, prefill=self._works(sched, batch, start, start + k), prefill_after_decode=True)
 
     def _chunk(self, sched: Scheduler, decode: tuple[str, ...], load: DecodeLoad, batch: list[Request],
                items: list[PrefillItem], tbt: float) -> StepPlan | None:
@@ -281,8 +286,23 @@ class MuxPlanner:
         return p.decode_partitions[-1]
 
     # ---- helpers ----------------------------------------------------------------------------------------------
-    def _works(self, batch: list[Request], start: int, end: int) -> tuple[PrefillWork, ...]:
-        return tuple(PrefillWork(r.request_id, r.num_computed_tokens, r.num_tokens, start, end) for r in batch)
+    def _works(self, sched: Scheduler, batch: list[Request], start: int, end: int) -> tuple[PrefillWork, ...]:
+        """Layers [start, end) of the batch's current pass: each prompt's tokens from the pass's first, cut at
+        chunk_tokens (a pass's token range stays fixed while its layers run)."""
+        cap, works = self.options.chunk_tokens, []
+        for r in batch:
+            first = sched.pass_start(r)
+            works.append(PrefillWork(r.request_id, first, r.num_tokens if cap is None else min(r.num_tokens,
+                                                                                                first + cap),
+                                     start, end))
+        return tuple(works)
+
+    def _item(self, sched: Scheduler, r: Request) -> PrefillItem:
+        """The request's current pass as the predictor sees it: its tokens (the rest of the prompt, cut at
+        chunk_tokens) and the context before them."""
+        first, cap = sched.pass_start(r), self.options.chunk_tokens
+        new = r.num_tokens - first
+        return PrefillItem(new if cap is None else min(new, cap), first)
 
     def _dl(self, sched: Scheduler) -> Deadlines:
         if self._deadlines is None or self._deadlines.pool is not sched.pool:
@@ -329,8 +349,9 @@ class MuxPlanner:
                    for rid, works in sched.inflight.items() for w in works)
 
     def _inflight_items(self, sched: Scheduler) -> list[PrefillItem]:
-        dl = self._dl(sched)
-        return [dl.item(sched.requests[rid]) for rid in sched.inflight if rid in sched.requests]
+        """The prefill passes in flight, each request's latest."""
+        return [PrefillItem(works[-1].num_tokens, works[-1].token_start) for rid, works in sched.inflight.items()
+                if works and rid in sched.requests]
 
     def observe_decode(self, load: DecodeLoad, decode_sms: int, concurrent: list[PrefillItem] | tuple,
                        measured_ms: float) -> None:

@@ -161,8 +161,10 @@ class MuxBatches:
                        lambda r: dl.deadline(r, planned=False))
 
     def tidy(self, sched: Scheduler) -> None:
-        """Forget batch members that left prefill (finished, aborted, preempted for pages) or have every layer
-        launched (their last layers are in flight; the next batch may start behind them)."""
+        """Forget batch members that left prefill (finished, aborted, preempted for pages) or have every layer of
+        their last pass launched (its last layers are in flight; the next batch may start behind them). A member
+        with prompt tokens left after the pass it launched stays: its next pass follows at once (a long prompt
+        keeps the prefill lane from pass to pass as it would in one; a more urgent prompt still pauses it)."""
         def live(rid: str) -> bool:
             r = sched.requests.get(rid)
             return r is not None and r.status is RequestStatus.PREFILLING
@@ -170,12 +172,20 @@ class MuxBatches:
         self.paused = [rid for rid in self.paused if live(rid)]
         self.chunked = {rid for rid in self.chunked if live(rid)}
         self.batch = [rid for rid in self.batch
-                      if live(rid) and sched.launched_layer(sched.requests[rid]) < self.predictor.num_layers]
+                      if live(rid) and sched.pass_layer(sched.requests[rid]) < self.predictor.num_layers]
         if not self.batch and self.paused:
             self.batch, self.paused = self.paused, []
-        if not self.batch:  # prefills admitted by someone else (another planner before this one): adopt them
+        if not self.batch:  # prompts between passes, or admitted by another planner before this one: adopt those
+            # at the first one's layer while their tokens fit the batch's budget (a pass's activations stay within
+            # what the engine sized its memory for; the rest follow in later batches)
             pending = [(r, layer) for r, layer in sched.pending_prefills() if r.request_id not in self.paused]
-            self.batch = [r.request_id for r, layer in pending if layer == pending[0][1]] if pending else []
+            tokens = 0
+            for r, layer in pending:
+                new = r.num_tokens - r.num_computed_tokens
+                if layer != pending[0][1] or (self.batch and tokens + new > self.options.max_prefill_tokens):
+                    continue
+                self.batch.append(r.request_id)
+                tokens += new
 
     def wait_before(self, sched: Scheduler, request: Request, own: float) -> float:
         """Seconds `request` (whose own prefill takes `own` seconds) would wait for the GPU's prefill: what the

@@ -77,7 +77,7 @@ def build_planner(settings: SchedulerSettings, contract: Contract | None = None,
         raise ConfigError(f"policy {name!r} has no planner; choose one of {', '.join(POLICIES)}")
     if contract is None or predictor is None:
         raise ConfigError("the mux policy needs an SLO contract and a latency predictor")
-    return MuxPlanner(contract, predictor, MuxOptions(max_prefill_tokens=max_tokens,
+    return MuxPlanner(contract, predictor, MuxOptions(max_prefill_tokens=max_tokens, chunk_tokens=max_tokens,
                                                       prefill_pause=settings.prefill_pause,
                                                       mixed_chunks=settings.mixed_chunks,
                                                       temporal=settings.temporal_prefill))
