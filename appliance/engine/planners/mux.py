@@ -292,9 +292,8 @@ class MuxPlanner:
         cap, works = self.options.chunk_tokens, []
         for r in batch:
             first = sched.pass_start(r)
-            works.append(PrefillWork(r.request_id, first, r.num_tokens if cap is None else min(r.num_tokens,
-                                                                                                first + cap),
-                                     start, end))
+            last = r.num_tokens if cap is None else min(r.num_tokens, first + cap)
+            works.append(PrefillWork(r.request_id, first, last, start, end))
         return tuple(works)
 
     def _item(self, sched: Scheduler, r: Request) -> PrefillItem:
