@@ -10,6 +10,7 @@ import pytest
 from appliance.bench.capacity import SimulatedBench, kv_pages
 from appliance.bench.simulate import SimConfig
 from appliance.config import SchedulerSettings
+from appliance.engine.planners.mux import MuxPlanner
 from appliance.engine.planners.registry import tune_chunk_budget
 from appliance.model_zoo.config import ModelConfig
 from appliance.predictor.predictor import partition_choices
@@ -62,6 +63,24 @@ def test_mux_holds_tbt_where_chunked_and_serial_do_not(bench, specs):
     for policy in ("chunked", "serial"):
         assert runs[policy].report.tbt_ms > 50.0 and not runs[policy].report.met
     assert all(t.success for t in mux.result.timelines)
+
+
+def test_mux_launches_stay_within_the_batched_token_budget(bench, specs, monkeypatch):
+    """The engine sizes activation memory for --max-num-batched-tokens prefill rows: through this slice (107 of its
+    200 prompts are longer than that, up to 120,633 tokens) no mux launch carries more, long prompts prefill in
+    passes, and every request still ends."""
+    import dataclasses
+
+    plans = []
+    inner = MuxPlanner.plan
+    monkeypatch.setattr(MuxPlanner, "plan", lambda self, sched: plans.append(inner(self, sched)) or plans[-1])
+    run = dataclasses.replace(bench, _runs={}).run("mux", specs, RATE)
+    limit = SchedulerSettings().max_num_batched_tokens
+    assert max(sum(w.num_tokens for w in p.prefill) for p in plans if p.prefill) <= limit
+    assert max(s.prompt_len for s in specs) > 10 * limit
+    ends = {(w.request_id, w.token_end) for p in plans for w in p.prefill if w.token_end - w.token_start == limit}
+    assert sum((w.request_id, w.token_start) in ends for p in plans for w in p.prefill if w.layer_start == 0) > 10
+    assert all(t.success for t in run.result.timelines) and len(run.result.timelines) == len(specs)
 
 
 def test_mux_has_the_highest_capacity(bench, specs):
