@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Goodput side by side on the device: each job replays a trace in process against one policy at the given rates
 # (`muxd bench sweep --in-process --rates`), Llama-3.1-8B shapes (MODEL=DIR for another) with dummy weights, judged by
-# configs/slo/chat-queue.yaml (SLO=FILE for another). Jobs naming the same GPU run in turn, GPUs run in parallel;
+# configs/slo/chat-queue.yaml (SLO=FILE for another) at the contract's own attainment (ATTAINMENT=F for a stricter
+# one). Jobs naming the same GPU run in turn, GPUs run in parallel;
 # results are packed into $OUT/goodput.tgz (one directory per job) and the tables printed last.
 #   bash tests/gpu/goodput.sh GPU:TRACE:POLICY:RATES:REQUESTS[:CHUNK_BUDGET[:FLAGS]] ...
 #   e.g. bash tests/gpu/goodput.sh 0:.traces/azure_code_2023.csv:mux:1.6:500 1:.traces/azure_code_2023.csv:chunked:1.0:500:1280
@@ -58,7 +59,7 @@ run_job() {
     esac
     CUDA_VISIBLE_DEVICES=$gpu timeout "${JOB_TIMEOUT:-86400}" python3 -m appliance bench sweep --in-process -m "$model" \
         $replay --max-model-len "$maxlen" --policies "$policy" --rates "$rates" \
-        --slo "$slo" --attainment 0.99 --serve-args "$serve" --save-detailed \
+        --slo "$slo" ${ATTAINMENT:+--attainment "$ATTAINMENT"} --serve-args "$serve" --save-detailed \
         ${MAX_IDLE:+--max-idle "$MAX_IDLE"} ${SKIP:+--skip "$SKIP"} ${SEED:+--seed "$SEED"} ${SAVE_STEPS:+--save-steps} \
         --result-dir "$work/$name" --no-progress > "$work/$name.log" 2>&1
     echo "job $1: exit $?" >> "$work/$name.log"
