@@ -698,6 +698,28 @@ def test_prompts_join_only_while_every_running_request_keeps_room_to_grow():
     assert len(calls) <= len(rig.sched.decoding) + len(rig.sched.prefilling) + 1
 
 
+def test_a_long_one_in_passes_counts_every_pass_left():
+    """Layers run so far are of the current pass only: a long prompt 5 layers into the first of six passes has
+    five passes left besides, and is late either way here (1.85 s of work against its 1.65 s), so a short prompt
+    that makes its own TTFT when run first pauses it. Counting the layers run against the whole prompt would leave
+    1.52 s, "on time without the pause", and keep the short one waiting until it was late too."""
+    rig = Rig(contract=long_contract(1650).replace("overload: {mode: shed}", """\
+classes:
+  bulk: {priority: 0}
+  chat: {priority: 0, targets: {ttft: {ms: 200}}}
+default_class: bulk"""), max_prefill_tokens=10_000, chunk_tokens=10_000)
+    long_ = start_long_prefill(rig, 60_000)
+    assert long_.prefill_layer == 5 and long_.num_computed_tokens == 0
+    current, later = rig.planner.batches.left_ms(rig.sched, [long_], 100)
+    assert math.isclose(current, 10_000 * 0.03 * 27 / 32) and math.isclose(later, 50_000 * 0.03)
+    rig.now = 0.1
+    short = rig.request(3_000)  # 90 ms on 100 SMs
+    short.slo_class = "chat"
+    plan = rig.plan()
+    assert rig.planner.stats.pauses == 1 and [w.request_id for w in plan.prefill] == [short.request_id]
+    assert rig.planner.batches.paused == [long_.request_id]
+
+
 def run_prefill_through(rig: Rig, r: Request) -> list[tuple[int, int]]:
     """Plan and complete steps until `r` decodes; the token ranges of its passes, in order."""
     passes: list[tuple[int, int]] = []

@@ -83,17 +83,18 @@ class MuxBatches:
             return
         # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
         # remaining time alike)
+        batch = [sched.requests[rid] for rid in self.batch]
+        if min(r.prefill_layer for r in batch) == 0 and not any(
+                r.request_id in sched.inflight or r.request_id in self.chunked for r in batch):
+            return  # not started: nothing to pause, it simply waits its turn (judged again once it has started)
         seen = (len(sched.waiting), sched.waiting[-1].request_id, tuple(self.batch),
-                sum(sched.requests[rid].num_computed_tokens for rid in self.batch) if self.chunked else 0)
+                sum(r.num_computed_tokens for r in batch))  # (computed tokens move on at chunk and pass ends)
         if seen == self._pause_seen:
             return
         self._pause_seen = seen
         dl, p = self.deadlines(sched), self.predictor
-        batch = [sched.requests[rid] for rid in self.batch]
-        done = min(r.prefill_layer for r in batch)
-        if done == 0 and not any(r.request_id in sched.inflight or r.request_id in self.chunked for r in batch):
-            return  # not started: nothing to pause, it simply waits its turn
-        remaining = p.prefill_ms([dl.item(r) for r in batch], self.prefill_sms) * (1 - done / p.num_layers) / 1e3
+        current, later = self.left_ms(sched, batch, self.prefill_sms)
+        remaining = (current + later) / 1e3
         for w in self.order(sched, now)[:PAUSE_CANDIDATES]:
             own = p.prefill_ms([dl.item(w)], self.prefill_sms) / 1e3
             deadline = dl.deadline(w)
@@ -108,6 +109,21 @@ class MuxBatches:
             return
         self.paused, self.batch = self.batch, [w.request_id]
         self.stats.pauses += 1
+
+    def left_ms(self, sched: Scheduler, batch: list[Request], sms: int) -> tuple[float, float]:
+        """Prefill time the batch has left on `sms` SMs: (the layers its current pass has not run, every later
+        pass in full). A prompt longer than `chunk_tokens` prefills in passes of that many tokens, each through every
+        layer: the layers run so far are of the current pass only."""
+        dl, p, cap = self.deadlines(sched), self.predictor, self.options.chunk_tokens
+        current, later = [], []
+        for r in batch:
+            item = dl.item(r)
+            now = item.new if cap is None else min(item.new, cap)
+            current.append(PrefillItem(now, item.reused))
+            if item.new > now:
+                later.append(PrefillItem(item.new - now, item.reused + now))
+        done = min(r.prefill_layer for r in batch) / p.num_layers
+        return p.prefill_ms(current, sms) * (1 - done), p.prefill_ms(later, sms) if later else 0.0
 
     @staticmethod
     def spares(dl: Deadlines, batch: list[Request], now: float, own: float, remaining: float) -> bool:
@@ -197,15 +213,16 @@ class MuxBatches:
         for group in (self.batch, self.paused):  # what the running (and a paused) batch still has to compute
             batch = [sched.requests[rid] for rid in group if rid in sched.requests]
             if batch:
-                done = min(r.prefill_layer for r in batch) / p.num_layers
-                remaining = p.prefill_ms([dl.item(r) for r in batch], sms) * (1 - done)
+                current, later = self.left_ms(sched, batch, sms)
+                remaining = current + later
                 # a short prompt that would miss its deadline behind the running batch pauses it when the batch
                 # keeps its own deadlines (as maybe_pause decides): it then waits for no more than a layer of it
-                started = done > 0 or any(r.request_id in sched.inflight for r in batch)
+                started = min(r.prefill_layer for r in batch) > 0 or any(r.request_id in sched.inflight
+                                                                         for r in batch)
                 if (group is self.batch and self.options.prefill_pause and not self.paused and started
                         and own * 1e3 < remaining and now + remaining / 1e3 + own > deadline
                         and self.spares(dl, batch, now, own, remaining / 1e3)):
-                    remaining /= p.num_layers
+                    remaining = current / max(1, p.num_layers - min(r.prefill_layer for r in batch))
                 wait += remaining
         # the prompts queued ahead of it (a higher priority, or its own with an earlier deadline when the planner
         # reorders by deadline, else arrived earlier), prefilled together in batches as `start` forms them
