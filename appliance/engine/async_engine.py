@@ -17,6 +17,8 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+import torch
+
 from appliance.engine import gc_pauses
 from appliance.engine.engine import Engine
 from appliance.engine.request import Request, RequestOutput, SamplingParams
@@ -185,7 +187,7 @@ class AsyncEngine:
     def _recover(self, exc: BaseException) -> bool:
         """End every request of the failed engine and of the inbox with an error, then rebuild the engine (True) or,
         past the restart budget or when rebuilding fails, stop for good and tell `on_fatal` (False)."""
-        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        log.error("engine step failed: %s: %s%s", type(exc).__name__, exc, _hint(exc), exc_info=exc)
         with self._lock:
             self.restarting = True
             pending = self._take_inbox()
@@ -314,3 +316,12 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+
+
+def _hint(exc: BaseException) -> str:
+    """What a user can change so that the failure does not come back, where the failure says (else '')."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return ("\nThe GPU ran out of memory within a step (its activations did not fit beside the weights and the KV "
+                "cache): serve with a lower --gpu-memory-utilization (a smaller KV cache, more room for activations) "
+                "or a lower --max-num-batched-tokens (smaller steps).")
+    return ""

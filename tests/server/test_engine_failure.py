@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from live_server import free_port
 
@@ -52,15 +53,17 @@ def eventually(condition, timeout: float = 30) -> bool:
     return condition()
 
 
-def break_next_step(engine, release: threading.Event | None = None) -> threading.Event:
-    """The engine's next step fails (after `release` is set, if given); returns an event set when it started."""
+def break_next_step(engine, release: threading.Event | None = None,
+                    fault: BaseException | None = None) -> threading.Event:
+    """The engine's next step fails (after `release` is set, if given) with `fault` (default: a RuntimeError);
+    returns an event set when it started."""
     entered = threading.Event()
 
     def broken_step():
         entered.set()
         if release is not None:
             release.wait(60)
-        raise RuntimeError("injected device fault")
+        raise fault or RuntimeError("injected device fault")
 
     engine.step = broken_step
     return entered
@@ -120,6 +123,24 @@ def test_a_failed_step_ends_its_requests_and_the_engine_comes_back(live_app, cap
     assert async_engine.engine.pool.num_free_pages == total_pages == async_engine.engine.pool.num_pages
     assert eventually(lambda: state.traffic.in_flight == 0)  # every seat given back
     assert httpx.get(url + "/health").status_code == 200 and not fatal
+
+
+@pytest.mark.parametrize("live_app", [{"engine_restarts": 2}], indirect=True)
+def test_a_step_out_of_memory_says_which_flags_make_room(live_app, caplog):
+    app, url, fatal = live_app
+    async_engine = app.state.muxd.engine
+    with caplog.at_level(logging.WARNING, logger="muxd.engine"):
+        entered = break_next_step(async_engine.engine, fault=torch.OutOfMemoryError("CUDA out of memory (injected)"))
+        response = httpx.post(url + "/v1/completions", json=BODY, timeout=60)
+        assert entered.is_set()
+        wait_ready(url, 10)
+    assert response.status_code == 500 and response.json()["error"]["code"] == "engine_step_failed"
+    assert "out of memory (injected)" in response.json()["error"]["message"]
+    assert "ran out of memory within a step" in caplog.text
+    assert "--gpu-memory-utilization" in caplog.text and "--max-num-batched-tokens" in caplog.text
+    assert "engine rebuilt" in caplog.text and not fatal
+    ok = httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
 @pytest.mark.parametrize("live_app", [{"engine_restarts": 1, "engine_restart_window": 3600}], indirect=True)
