@@ -120,7 +120,8 @@ def _run_bench(ctx: typer.Context, opts: BenchOptions) -> None:
 def sweep(
     ctx: typer.Context,
     opts: BenchOptions,
-    attainment: float = typer.Option(0.9, help="Fraction of requests that must be good for a rate to pass."),
+    attainment: float = typer.Option(0.9, help="Fraction of requests that must be good for a rate to pass (with a "
+                                               "YAML contract, the stricter of this and the contract's own)."),
     rates: Optional[str] = typer.Option(None, help="Measure exactly these rates (req/s) instead of searching: "
                                                    "R1,R2,... for every policy, or per policy 'mux=2,3 chunked=1,1.5'. "
                                                    "Capacity: the highest passing rate, and the crossing interpolated "

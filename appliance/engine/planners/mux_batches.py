@@ -81,12 +81,12 @@ class MuxBatches:
         for it costs the batch nothing its own deadline cannot spare (`spares`)."""
         if not sched.waiting:
             return
-        # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
-        # remaining time alike)
         batch = [sched.requests[rid] for rid in self.batch]
         if min(r.prefill_layer for r in batch) == 0 and not any(
                 r.request_id in sched.inflight or r.request_id in self.chunked for r in batch):
             return  # not started: nothing to pause, it simply waits its turn (judged again once it has started)
+        # the verdict changes only when the queue or the batch does (time moves deadlines and the batch's
+        # remaining time alike)
         seen = (len(sched.waiting), sched.waiting[-1].request_id, tuple(self.batch),
                 sum(r.num_computed_tokens for r in batch))  # (computed tokens move on at chunk and pass ends)
         if seen == self._pause_seen:
