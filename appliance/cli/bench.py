@@ -194,6 +194,8 @@ def _served_sweep(opts: BenchOptions, plan: RatePlan | None, search: Callable[..
                 # fresh prompts per point: the server's prefix cache must not carry over from the previous point
                 prompts = _prompts(synth, specs, next(salts))
                 result = _replay(session, specs, prompts, show, f"{session.label} at {rate:.3g} req/s")
+                for note in result.notes:  # failed requests and their commonest errors, short outputs, skips
+                    console().print(f"[yellow]note ({session.label} at {rate:.3g} req/s): {note}[/yellow]")
                 return session.summarize(result, specs, notes, rate)
 
             sweeps.append(search(measure, session.label, policy, wl.offered_rate(base)))

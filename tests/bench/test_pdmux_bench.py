@@ -88,3 +88,15 @@ def test_sweep_measures_mux_pdmux_and_chunked_in_process(llama_checkpoint, tmp_p
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert sorted(r["policy"] for r in rows) == ["chunked", "mux", "pdmux"]
     assert all(float(r["completed"]) == 6 for r in rows)
+
+
+def test_a_served_sweep_prints_each_point_s_replay_notes(llama_checkpoint, tmp_path):
+    """What a replay notes (failed requests and their errors, short outputs, skipped idle time) shows beside each
+    point of a served sweep, as `muxd bench` shows it beside its table."""
+    path, _ = llama_checkpoint
+    args = ["bench", "sweep", "--in-process", "--model", str(path), "--num-prompts", "4", "--input-len", "20",
+            "--output-len", "3", "--policies", "mux", "--rates", "2", "--max-idle", "0", "--slo",
+            str(ROOT / "configs" / "slo" / "chat.yaml"), "--result-dir", str(tmp_path), "--no-progress"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "note (mux at 2 req/s): --max-idle 0: " in result.output, result.output
