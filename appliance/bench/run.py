@@ -20,6 +20,7 @@ from appliance.engine import gc_pauses
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.factory import build_engine
 from appliance.engine.steplog import StepLog, log_predictor
+from appliance.engine.supervisor import RestartBudget, rebuild_engine
 from appliance.errors import ConfigError
 from appliance.model_zoo.hub_cache import local_model_dir, not_found
 from appliance.slo.attainment import evaluate
@@ -183,7 +184,11 @@ class Session:
             cfg = in_process_config(opts.model_or_default, self.policy, opts.serve_args)
             cfg.check()
             engine = await asyncio.to_thread(build_engine, cfg)
-            self.engine = AsyncEngine(engine)
+            # recovered from a failed step as `muxd serve` recovers (lifecycle.py): the replay measures what a
+            # server would have done, not the rest of its requests failing behind a dead engine
+            srv, rebuild = cfg.server, rebuild_engine if cfg.parallel.tensor_parallel_size == 1 else None
+            self.engine = AsyncEngine(engine, rebuild=rebuild,
+                                      restarts=RestartBudget(srv.engine_restarts, srv.engine_restart_window))
             self.engine.start()
             self.model_id, self.max_model_len = cfg.model.model_name, engine.max_model_len
             self.target = InProcessTarget(self.engine, opts.temperature, self.label, sampling=opts.sampling,
