@@ -118,10 +118,10 @@ class MuxBatches:
         current, later = [], []
         for r in batch:
             item = dl.item(r)
-            now = item.new if cap is None else min(item.new, cap)
-            current.append(PrefillItem(now, item.reused))
-            if item.new > now:
-                later.append(PrefillItem(item.new - now, item.reused + now))
+            this_pass = item.new if cap is None else min(item.new, cap)
+            current.append(PrefillItem(this_pass, item.reused))
+            if item.new > this_pass:
+                later.append(PrefillItem(item.new - this_pass, item.reused + this_pass))
         done = min(r.prefill_layer for r in batch) / p.num_layers
         return p.prefill_ms(current, sms) * (1 - done), p.prefill_ms(later, sms) if later else 0.0
 
