@@ -228,10 +228,18 @@ class Session:
         if self.opts.save_steps and self.engine is not None:  # (the engine is idle between replays)
             self._steps = StepLog(self.engine.engine, log_predictor(self.engine.engine),
                                   stacks_after_ms=SLOW_LAUNCH_MS).attach()
+        restarts = self.engine.restart_count if self.engine is not None else 0
         try:
-            return self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
-                                                       self.opts.request_timeout, on_done,
-                                                       max_idle=self.opts.max_idle))
+            result = self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
+                                                         self.opts.request_timeout, on_done,
+                                                         max_idle=self.opts.max_idle))
+            if self.engine is not None and self.engine.restart_count > restarts:
+                rebuilt = self.engine.restart_count - restarts
+                result.notes.append(f"the engine failed {rebuilt} time{'s' if rebuilt > 1 else ''} during this replay "
+                                    "and was rebuilt (the failed step's requests failed); the planner's figures count "
+                                    "from the last rebuild" + (", and steps after the first are not logged"
+                                                               if self._steps is not None else ""))
+            return result
         finally:
             if self._cpu:
                 self._cpu.append(self._cpu_now())

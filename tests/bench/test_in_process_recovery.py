@@ -29,5 +29,7 @@ def test_an_in_process_engine_is_rebuilt_after_a_failed_step(llama_checkpoint):
         assert session.engine.engine is not first and session.engine.restart_count == 1
         assert session.engine.engine.model is first.model
         assert any(note.startswith("1 request failed: ") for note in result.notes), result.notes
+        assert any(note.startswith("the engine failed 1 time during this replay and was rebuilt") for note in
+                   result.notes), result.notes
         pool = session.engine.engine.pool
         assert pool.num_free_pages == pool.num_pages
