@@ -415,6 +415,19 @@ def test_sheds_when_the_queue_makes_ttft_impossible():
     assert rig.planner.admission_check(rig.sched, huge) is None
 
 
+def test_admission_counts_every_pass_the_running_prompt_has_left():
+    """The wait a new prompt would have behind a prompt in passes is the rest of its current pass and every later
+    pass: 5 layers into the first of six passes, 1.75 s; the new prompt's own 1.8 s then ends at 3.65 s, past its
+    3.6 s deadline, so it is shed. (Counting the layers run against the whole prompt, 1.52 s: admitted, and late.)"""
+    rig = Rig(contract=long_contract(3500), max_prefill_tokens=10_000, chunk_tokens=10_000)
+    long_ = start_long_prefill(rig, 60_000)
+    assert long_.prefill_layer == 5
+    rig.now = 0.1
+    late = Request("y", list(range(60_000)), SamplingParams(), arrival_time=rig.now)
+    assert math.isclose(rig.planner.batches.wait_before(rig.sched, late, 1.8), 10_000 * 0.03 * 27 / 32 / 1e3 + 1.5)
+    assert rig.planner.admission_check(rig.sched, late) is not None and rig.planner.stats.shed == 1
+
+
 def test_admission_counts_the_preemption_a_short_prompt_would_get():
     """A short prompt that would miss behind a long running prefill preempts it at a layer boundary (the long one
     still makes its own deadline), so admission does not shed it; a prompt that could wait does not count on it."""
