@@ -289,19 +289,18 @@ class MuxPlanner:
     def _works(self, sched: Scheduler, batch: list[Request], start: int, end: int) -> tuple[PrefillWork, ...]:
         """Layers [start, end) of the batch's current pass: each prompt's tokens from the pass's first, cut at
         chunk_tokens (a pass's token range stays fixed while its layers run)."""
-        cap, works = self.options.chunk_tokens, []
-        for r in batch:
-            first = sched.pass_start(r)
-            last = r.num_tokens if cap is None else min(r.num_tokens, first + cap)
-            works.append(PrefillWork(r.request_id, first, last, start, end))
-        return tuple(works)
+        return tuple(PrefillWork(r.request_id, *self._pass(sched, r), start, end) for r in batch)
 
     def _item(self, sched: Scheduler, r: Request) -> PrefillItem:
-        """The request's current pass as the predictor sees it: its tokens (the rest of the prompt, cut at
-        chunk_tokens) and the context before them."""
+        """The request's current pass as the predictor sees it: its tokens and the context before them."""
+        first, last = self._pass(sched, r)
+        return PrefillItem(last - first, first)
+
+    def _pass(self, sched: Scheduler, r: Request) -> tuple[int, int]:
+        """The token range [first, last) of the request's current pass: from the pass's first token, the rest of the
+        prompt cut at chunk_tokens."""
         first, cap = sched.pass_start(r), self.options.chunk_tokens
-        new = r.num_tokens - first
-        return PrefillItem(new if cap is None else min(new, cap), first)
+        return first, r.num_tokens if cap is None else min(r.num_tokens, first + cap)
 
     def _dl(self, sched: Scheduler) -> Deadlines:
         if self._deadlines is None or self._deadlines.pool is not sched.pool:

@@ -217,12 +217,12 @@ class MuxBatches:
                 remaining = current + later
                 # a short prompt that would miss its deadline behind the running batch pauses it when the batch
                 # keeps its own deadlines (as maybe_pause decides): it then waits for no more than a layer of it
-                started = min(r.prefill_layer for r in batch) > 0 or any(r.request_id in sched.inflight
-                                                                         for r in batch)
+                done = min(r.prefill_layer for r in batch)
+                started = done > 0 or any(r.request_id in sched.inflight for r in batch)
                 if (group is self.batch and self.options.prefill_pause and not self.paused and started
                         and own * 1e3 < remaining and now + remaining / 1e3 + own > deadline
                         and self.spares(dl, batch, now, own, remaining / 1e3)):
-                    remaining = current / max(1, p.num_layers - min(r.prefill_layer for r in batch))
+                    remaining = current / max(1, p.num_layers - done)
                 wait += remaining
         # the prompts queued ahead of it (a higher priority, or its own with an earlier deadline when the planner
         # reorders by deadline, else arrived earlier), prefilled together in batches as `start` forms them
