@@ -35,6 +35,16 @@ class RestartBudget:
         return len(self._failures)
 
 
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps per (handle, stream), for every stream ever used, for the life of the
+    process: each engine's streams (SM partitions, capture streams) take their own, up to 32 MiB each on Hopper, so without
+    this every rebuild would keep the failed engine's. Only safe with no captured graph left that may replay (they
+    hold the workspace's address) and no kernel in flight; the next cuBLAS call on a stream allocates its own anew."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def rebuild_engine(old: Engine) -> Engine:
     """A fresh engine from `old`'s config around its model and tokenizer; `old` gives back its KV cache and graphs
     first (on a GPU the new cache needs that memory)."""
@@ -42,5 +52,6 @@ def rebuild_engine(old: Engine) -> Engine:
     old.free_device_memory()
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         torch.cuda.synchronize()  # raises on a sticky device fault: then rebuilding cannot help
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()
     return build_engine(config, model, tokenizer)
