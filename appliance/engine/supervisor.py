@@ -37,9 +37,9 @@ class RestartBudget:
 
 def clear_cublas_workspaces() -> None:
     """Free the cuBLAS workspaces torch keeps per (handle, stream), for every stream ever used, for the life of the
-    process: each engine's streams (SM partitions, capture streams) take their own, up to 32 MiB each on Hopper, so without
-    this every rebuild would keep the failed engine's. Only safe with no captured graph left that may replay (they
-    hold the workspace's address) and no kernel in flight; the next cuBLAS call on a stream allocates its own anew."""
+    process: each engine's streams (SM partitions, capture streams) take their own, up to 32 MiB each on Hopper, so
+    without this every rebuild would keep the failed engine's. Only safe with no captured graph left that may replay
+    (they hold the workspace's address) and no kernel in flight; the next cuBLAS call on a stream allocates anew."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
