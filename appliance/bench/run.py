@@ -228,6 +228,8 @@ class Session:
         if self.opts.save_steps and self.engine is not None:  # (the engine is idle between replays)
             self._steps = StepLog(self.engine.engine, log_predictor(self.engine.engine),
                                   stacks_after_ms=SLOW_LAUNCH_MS).attach()
+            steps = self._steps
+            self.engine.on_rebuilt = lambda engine: steps.follow(engine, log_predictor(engine))
         restarts = self.engine.restart_count if self.engine is not None else 0
         try:
             result = self.loop.run_until_complete(replay(specs, prompts, self.target, self.opts.max_concurrency,
@@ -237,13 +239,13 @@ class Session:
                 rebuilt = self.engine.restart_count - restarts
                 result.notes.append(f"the engine failed {rebuilt} time{'s' if rebuilt > 1 else ''} during this replay "
                                     "and was rebuilt (the failed step's requests failed); the planner's figures count "
-                                    "from the last rebuild" + (", and steps after the first are not logged"
-                                                               if self._steps is not None else ""))
+                                    "from the last rebuild")
             return result
         finally:
             if self._cpu:
                 self._cpu.append(self._cpu_now())
             if self._steps is not None:
+                self.engine.on_rebuilt = None
                 self._steps.detach()
 
     def _cpu_now(self) -> tuple[float, float, float]:

@@ -48,6 +48,7 @@ class AsyncEngine:
         self.rebuild, self.on_fatal = rebuild, on_fatal
         self.restarts = restarts or RestartBudget(3, 300.0)
         self.restart_count = 0
+        self.on_rebuilt: Callable[[Engine], None] | None = None  # told of each rebuilt engine before it steps
         self.restarting = False
         self._lock = threading.Lock()  # the state (restarting, dead, closed) and the inbox change together
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -204,6 +205,8 @@ class AsyncEngine:
                 self.engine = self.rebuild(old)
                 del old
                 gc_pauses.freeze()
+                if self.on_rebuilt is not None:
+                    self.on_rebuilt(self.engine)
             except BaseException as rebuild_exc:  # noqa: BLE001 - a rebuild that fails is the end
                 log.error("rebuilding the engine failed: %s: %s", type(rebuild_exc).__name__, rebuild_exc,
                           exc_info=rebuild_exc)

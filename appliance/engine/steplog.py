@@ -13,7 +13,8 @@ preempted, the prefill launches in flight, and, given a predictor, its figure fo
 measured; a temporal step also has the device time of its prefill layers after decode (`after_ms`, `after_items`).
 Beside the steps it keeps the prefill launches as they finished (`prefills`: their GPU time, prefill SMs, layers,
 whether decode ran beside them, and the profile's solo figure). `StepLog.attach` wraps the engine's scheduler and
-executor; `detach` restores them; `log_predictor` picks the predictor for an engine's log.
+executor; `detach` restores them; `follow` moves the log to an engine rebuilt after a failed step; `log_predictor`
+picks the predictor for an engine's log.
 """
 from __future__ import annotations
 
@@ -154,11 +155,23 @@ class StepLog:
         sched.schedule, executor.start, executor.collect = timed_schedule, timed_start, timed_collect
         return self
 
-    def detach(self) -> None:
+    def follow(self, engine: Any, predictor: Predictor | None = None) -> None:
+        """Log `engine` from now on, in the same rows: the engine that replaced this one after a failed step
+        (engine/supervisor.py); the old one's launches not yet read are dropped. Call it while neither steps."""
+        self._restore()
+        self.engine, self.predictor = engine, predictor
+        self._seen = engine.executor.prefills_seen
+        self._launch_end, self._waited, self._rows = None, 0.0, {}
+        self.attach()
+
+    def _restore(self) -> None:
         if self._originals is not None:
             sched, executor = self.engine.scheduler, self.engine.executor
             sched.schedule, executor.start, executor.collect = self._originals
             self._originals = None
+
+    def detach(self) -> None:
+        self._restore()
         if self._stacks is not None:
             self._stacks.close()
             self._stacks = None

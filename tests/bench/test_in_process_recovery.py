@@ -1,6 +1,7 @@
 """An in-process replay's engine recovers from a failed step as `muxd serve`'s does (tests/server/
 test_engine_failure.py): the step's request ends with its error, the engine is rebuilt around the same weights,
-and the requests after it are served; before, every later request of the replay failed behind a dead engine."""
+and the requests after it are served; before, every later request of the replay failed behind a dead engine. With
+--save-steps the step log follows the rebuilt engine."""
 from __future__ import annotations
 
 from appliance.bench.run import BenchOptions, Session
@@ -11,7 +12,7 @@ FAULTY = 7  # a prompt of this token fails the engine step that holds it
 
 def test_an_in_process_engine_is_rebuilt_after_a_failed_step(llama_checkpoint):
     path, _ = llama_checkpoint
-    with Session(BenchOptions(model=str(path), in_process=True), "mux") as session:
+    with Session(BenchOptions(model=str(path), in_process=True, save_steps=True), "mux") as session:
         first = session.engine.engine
         step = first.step
 
@@ -33,3 +34,6 @@ def test_an_in_process_engine_is_rebuilt_after_a_failed_step(llama_checkpoint):
                    result.notes), result.notes
         pool = session.engine.engine.pool
         assert pool.num_free_pages == pool.num_pages
+        prefilled = [rid for row in session._steps.steps for rid in row["prefill_ids"]]
+        assert "trace-0" in prefilled and "trace-2" in prefilled  # logged before the failure and after the rebuild
+        assert session.engine.on_rebuilt is None  # (the replay's log is detached)
