@@ -205,8 +205,6 @@ class AsyncEngine:
                 self.engine = self.rebuild(old)
                 del old
                 gc_pauses.freeze()
-                if self.on_rebuilt is not None:
-                    self.on_rebuilt(self.engine)
             except BaseException as rebuild_exc:  # noqa: BLE001 - a rebuild that fails is the end
                 log.error("rebuilding the engine failed: %s: %s", type(rebuild_exc).__name__, rebuild_exc,
                           exc_info=rebuild_exc)
@@ -215,6 +213,11 @@ class AsyncEngine:
             self._die(exc)
             return False
         self.restart_count += 1
+        if self.on_rebuilt is not None:
+            try:
+                self.on_rebuilt(self.engine)
+            except Exception:  # noqa: BLE001 - an observer's failure does not stop the serving engine
+                log.exception("a hook on the rebuilt engine failed")
         with self._lock:
             self.restarting = False
         log.warning("engine rebuilt in %.1f s after a failed step (%d failures in the last %.0f s, %d allowed); "
