@@ -75,8 +75,10 @@ class ModelNotFoundError(RequestError):
 
 
 class UnavailableError(ApplianceError):
-    """The server cannot serve a request now (loading or shutting down); another replica, or a later retry, can."""
+    """The server cannot serve a request now (loading, restarting its engine or shutting down); another replica, or a
+    later retry, can: after `retry_after` seconds where it is known (None: the default wait of a 503)."""
 
-    def __init__(self, message: str, code: str = "unavailable") -> None:
+    def __init__(self, message: str, code: str = "unavailable", retry_after: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after = retry_after

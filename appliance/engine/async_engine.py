@@ -27,6 +27,8 @@ from appliance.errors import RequestError, UnavailableError
 
 log = logging.getLogger("muxd.engine")
 RESTARTING = "engine_restarting"  # the 503 code while a new engine is built
+MAX_RETRY_AFTER_S = 60.0  # the longest Retry-After a rebuild's 503 asks for (clients such as OpenAI's SDK honour up
+#                           to 60 s and back off on their own beyond; a retry still too early gets the time left)
 CONTROL_EVERY_S = 0.5  # the closed loop's state is published this often while steps run
 
 
@@ -48,6 +50,8 @@ class AsyncEngine:
         self.rebuild, self.on_fatal = rebuild, on_fatal
         self.restarts = restarts or RestartBudget(3, 300.0)
         self.restart_count = 0
+        self._restart_began: float | None = None  # (monotonic) when the engine being rebuilt failed
+        self._rebuild_s: float | None = None  # how long the last rebuild took
         self.on_rebuilt: Callable[[Engine], None] | None = None  # told of each rebuilt engine before it steps
         self.restarting = False
         self._lock = threading.Lock()  # the state (restarting, dead, closed) and the inbox change together
@@ -147,7 +151,18 @@ class AsyncEngine:
         if self._closed is not None:
             raise self._closed
         if self.restarting:
-            raise UnavailableError("the engine is restarting after a failed step; retry in a few seconds", RESTARTING)
+            raise self._restarting_error()
+
+    def _restarting_error(self) -> UnavailableError:
+        """The 503 of a request met by a rebuild: with the seconds the rebuild likely has left (the last rebuild's
+        time, else the failed engine's build), at most MAX_RETRY_AFTER_S, as its Retry-After."""
+        expected = self._rebuild_s or self.engine.startup.get("build_s")
+        if not expected or self._restart_began is None:
+            return UnavailableError("the engine is restarting after a failed step; retry in a few seconds", RESTARTING)
+        left = expected - (time.monotonic() - self._restart_began)
+        wait = min(MAX_RETRY_AFTER_S, left if left >= 1.0 else 5.0)
+        return UnavailableError(f"the engine is restarting after a failed step (the last engine build took "
+                                f"{expected:.0f} s); retry in about {wait:.0f} s", RESTARTING, retry_after=wait)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
@@ -190,14 +205,13 @@ class AsyncEngine:
         past the restart budget or when rebuilding fails, stop for good and tell `on_fatal` (False)."""
         log.error("engine step failed: %s: %s%s", type(exc).__name__, exc, _hint(exc), exc_info=exc)
         with self._lock:
+            self._restart_began = time.monotonic()
             self.restarting = True
             pending = self._take_inbox()
         old = self.engine
         failed = EngineStepError(f"the engine failed while serving this request ({type(exc).__name__}: {exc}); it "
                                  "was ended and the engine restarted: retry it")
-        self._end(list(old.scheduler.requests), failed, pending,
-                  UnavailableError("the engine is restarting after a failed step; retry in a few seconds",
-                                   RESTARTING))
+        self._end(list(old.scheduler.requests), failed, pending, self._restarting_error())
         allowed = self.rebuild is not None and self.restarts.allow(time.monotonic())
         if allowed:
             started = time.monotonic()
@@ -213,6 +227,7 @@ class AsyncEngine:
             self._die(exc)
             return False
         self.restart_count += 1
+        self._rebuild_s = time.monotonic() - started
         if self.on_rebuilt is not None:
             try:
                 self.on_rebuilt(self.engine)

@@ -117,7 +117,10 @@ class _Builder:
         self.budget = MemoryBudget.measure(self.device, config.cache.gpu_memory_utilization) if self.cuda else None
 
     def build(self, tokenizer: Tokenizer | None) -> Engine:
-        return self._build(tokenizer)
+        start = time.perf_counter()
+        engine = self._build(tokenizer)
+        self.startup["build_s"] = time.perf_counter() - start  # (what a rebuild around the same weights repeats)
+        return engine
 
     def build_follower(self) -> FollowerExecutor:
         """A rank other than 0: the same steps in the same order (several are collectives), no scheduler."""

@@ -62,8 +62,10 @@ def describe(exc: BaseException) -> tuple[int, ErrorInfo]:
 def response_for(exc: BaseException) -> JSONResponse:
     status, info = describe(exc)
     headers = dict(getattr(exc, "headers", None) or {})
-    if isinstance(exc, CapacityError):  # the SLO contract's shedding says when to come back
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    retry_after = getattr(exc, "retry_after", None)
+    if isinstance(exc, (CapacityError, UnavailableError)) and retry_after is not None:
+        # the SLO contract's shedding, or the engine's rebuild, says when to come back
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
     return error_response(status, info.message, info.type, info.param, info.code, headers)
 
 
