@@ -156,7 +156,7 @@ class AsyncEngine:
     def _restarting_error(self) -> UnavailableError:
         """The 503 of a request met by a rebuild: with the seconds the rebuild likely has left (the last rebuild's
         time, else the failed engine's build), at most MAX_RETRY_AFTER_S, as its Retry-After."""
-        expected = self._rebuild_s or self.engine.startup.get("build_s")
+        expected = self._rebuild_s or getattr(self.engine, "startup", {}).get("build_s")
         if not expected or self._restart_began is None:
             return UnavailableError("the engine is restarting after a failed step; retry in a few seconds", RESTARTING)
         left = expected - (time.monotonic() - self._restart_began)
