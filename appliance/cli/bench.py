@@ -142,15 +142,16 @@ def sweep(
     plan = _rate_plan(rates, {"--start-rate": start_rate, "--min-rate": min_rate, "--max-rate": max_rate,
                               "--tolerance": tolerance, "--max-points": max_points})
     conditions = criteria(attainment, opts.slo)
+    target = conditions[0].target  # the stricter of --attainment and the contract's own: what a point must reach
 
     def passes(summary: dict[str, Any]) -> bool:
         return summary.get("contract_met", True)  # with a YAML contract, its percentile targets too
 
     def search(measure: Callable[[float], dict[str, Any]], label: str, policy: str | None, own: float) -> SweepResult:
         if plan is not None:
-            return measure_rates(measure, plan.for_policy(policy), attainment, label, passes, conditions)
+            return measure_rates(measure, plan.for_policy(policy), target, label, passes, conditions)
         first = start_rate or (own if math.isfinite(own) else 1.0)
-        return find_capacity(measure, attainment, first, 0.05 if tolerance is None else tolerance,
+        return find_capacity(measure, target, first, 0.05 if tolerance is None else tolerance,
                              12 if max_points is None else max_points, min_rate or first / 64,
                              math.inf if max_rate is None else max_rate, label=label, passes=passes)
 

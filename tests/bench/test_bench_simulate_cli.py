@@ -172,3 +172,19 @@ def test_simulate_plans_for_the_gpu_the_profile_was_measured_on(tmp_path):
     result = runner.invoke(app, [*args, "--gpu", "h100"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "using the roofline prior for H100" in " ".join(result.output.split())
+
+
+def test_sweep_reports_the_contracts_stricter_attainment(tmp_path):
+    """A contract asking 99 % of requests beats the default --attainment 0.9: the capacity line and sweep.json name
+    the target the points were judged against, not the option's."""
+    profile = synthetic_profile_file(tmp_path)
+    out = tmp_path / "sweep"
+    args = ["bench", "sweep", "--simulate", "--policies", "serial", "--trace", str(TRACE), "--max-requests", "10",
+            "--spread-ties", "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100", "--slo", str(SLO),
+            "--rates", "0.5", "--result-dir", str(out), "--no-progress"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "99% attainment" in text and "90% attainment" not in text, text
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [s["target_attainment"] for s in sweep] == [0.99]
