@@ -65,12 +65,14 @@ class SimulatedBench:
     def planner(self, policy: str) -> Any:
         options = dataclasses.replace(self.options or SchedulerSettings(), policy=policy)
         if policy == "chunked" and options.chunk_budget is None:
-            # the baseline as the papers tuned it: the largest budget whose step meets TBT on an idle GPU, found on
-            # the machine itself (here: the step timer)
-            budget = tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms, host=self.host_model)
-            options = dataclasses.replace(options, chunk_budget=budget)
+            options = dataclasses.replace(options, chunk_budget=self.idle_chunk_budget())
         # each replay starts from the profile, as a fresh server does: what one replay learns online stays there
         return build_planner(options, self.contract, copy.deepcopy(self.predictor))
+
+    def idle_chunk_budget(self) -> int:
+        """The baseline as the papers tuned it: the largest budget whose step meets TBT on an idle GPU, found on the
+        machine itself (here: the step timer)."""
+        return tune_chunk_budget(self.timer, self.contract.slo_for(None).tbt_ms, host=self.host_model)
 
     def tune_chunk_budget(self, specs: Sequence[RequestSpec], step: int = 128, max_budget: int = 8192,
                           max_requests: int = 200) -> int:

@@ -3,6 +3,7 @@ executor (the profile's predictor as the clock), judges each replay against the 
 policy's capacity, and prints one table; `muxd bench sweep --simulate` takes its replays from here too."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from appliance.bench.capacity import PolicyRun, SimulatedBench, kv_pages
 from appliance.bench.run import BenchOptions, load_workload, model_dir, shape
 from appliance.bench.simulate import ServingClock, SimConfig
 from appliance.bench.sweep import SweepResult
-from appliance.config import POLICIES, Config
+from appliance.config import POLICIES, Config, SchedulerSettings
 from appliance.config_flags import parse_serve_args
 from appliance.engine.compile import cache_dir
 from appliance.errors import ConfigError
@@ -147,10 +148,17 @@ def _prepare(opts: BenchOptions, gpu: str) -> tuple[list[str], SimulatedBench, l
         notes.append(f"pdmux stream groups (SGLang's prefill/decode SMs -> muxd's): {groups}")
     if "chunked" in policies and (bench.options is None or bench.options.chunk_budget is None):
         slo = bench.contract.slo_for(None)
-        notes.append(f"chunked budget {bench.tune_chunk_budget(specs)} tokens (the largest, in steps of 128, whose "
-                     f"replay of this workload at its own times keeps p{slo.tbt_percentile:g} TBT <= "
-                     f"{slo.tbt_ms:g} ms; not always chunked's best: compare budgets with --serve-args "
-                     f"\"--chunk-budget N\")")
+        compare = "not always chunked's best: compare budgets with --serve-args \"--chunk-budget N\""
+        if math.isfinite(wl.offered_rate(specs)):
+            notes.append(f"chunked budget {bench.tune_chunk_budget(specs)} tokens (the largest, in steps of 128, "
+                         f"whose replay of this workload at its own times keeps p{slo.tbt_percentile:g} TBT <= "
+                         f"{slo.tbt_ms:g} ms; {compare})")
+        else:  # every request at once: a budget tuned on that burst would be the least one, whatever the rate
+            budget = bench.idle_chunk_budget()
+            bench.options = dataclasses.replace(bench.options or SchedulerSettings(), chunk_budget=budget)
+            notes.append(f"chunked budget {budget} tokens (the largest whose step keeps TBT <= {slo.tbt_ms:g} ms on "
+                         "an idle GPU, as `muxd serve --policy chunked` takes it: this workload has no arrival "
+                         f"times to tune on, --request-rate gives it some; {compare})")
     return policies, bench, specs, notes
 
 

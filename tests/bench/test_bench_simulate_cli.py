@@ -188,3 +188,24 @@ def test_sweep_reports_the_contracts_stricter_attainment(tmp_path):
     assert "99% attainment" in text and "90% attainment" not in text, text
     sweep = json.loads((out / "sweep.json").read_text())
     assert [s["target_attainment"] for s in sweep] == [0.99]
+
+
+def test_simulate_tunes_chunked_on_an_idle_gpu_when_everything_arrives_at_once(tmp_path):
+    """A synthetic workload without --request-rate arrives all at once: chunked's budget is then the one `muxd serve`
+    takes (the largest whose step meets TBT on an idle GPU), not the least one, which a burst of every request
+    would leave whatever rate the sweep replays; with a rate, it is tuned on the workload at that rate."""
+    profile = synthetic_profile_file(tmp_path)
+    base = ["bench", "sweep", "--simulate", "--policies", "chunked", "--input-len", "2000", "--output-len", "64",
+            "--num-prompts", "40", "--model", str(MODEL), "--profile", str(profile), "--gpu", "h100", "--slo",
+            str(SLO), "--rates", "1", "--no-progress"]
+    result = runner.invoke(app, [*base, "--result-dir", str(tmp_path / "a")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "on an idle GPU" in text, text
+    budget = int(text.split("chunked budget ")[1].split()[0])
+    point = json.loads((tmp_path / "a" / "points" / "chunked-1.json").read_text())
+    assert point["chunk_budget"] == budget > 128
+    result = runner.invoke(app, [*base, "--request-rate", "1", "--result-dir", str(tmp_path / "b")],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "at its own times" in " ".join(result.output.split())
