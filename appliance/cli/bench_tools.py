@@ -91,6 +91,8 @@ def diagnose_command(bench_app: typer.Typer) -> None:
                                   "'embedded' for the model shipped inside muxd."),
         num_requests: int = typer.Option(80, "-n", "--num-requests", help="Requests of the trace to replay."),
         skip: int = typer.Option(0, help="Leave out the trace's first SKIP requests."),
+        seed: int = typer.Option(0, help="--workload: seed of its arrivals and lengths (another draw of the same "
+                                         "workload), as `muxd bench --seed`."),
         max_idle: Optional[float] = typer.Option(None, help="Cut idle waits to this many seconds."),
         rate: float = typer.Option(2.0, help="Requests per second."),
         policy: str = typer.Option("mux", help="Scheduling policy."),
@@ -121,7 +123,7 @@ def diagnose_command(bench_app: typer.Typer) -> None:
         launch, the predictor's error, and (with --profile) serving factors."""
 
         try:
-            run(DiagnoseOptions(model=model, trace=trace, workload=workload, n=num_requests, skip=skip,
+            run(DiagnoseOptions(model=model, trace=trace, workload=workload, n=num_requests, skip=skip, seed=seed,
                                 max_idle=max_idle, rate=rate, policy=policy, slo=slo, profile=profile,
                                 chunk_budget=chunk_budget,
                                 mixed_chunks=mixed_chunks, max_model_len=max_model_len, out=out, device=device,

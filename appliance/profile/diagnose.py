@@ -47,6 +47,7 @@ class DiagnoseOptions:
     workload: str | None = None  # a named synthetic workload instead of a trace (workload/shaping.py PRESETS)
     n: int = 80
     skip: int = 0
+    seed: int = 0  # a synthetic workload's draw
     max_idle: float | None = None
     rate: float = 2.0
     policy: str = "mux"
@@ -81,8 +82,10 @@ def diagnose(args: DiagnoseOptions) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.workload:
+        if args.skip:
+            raise ConfigError("--skip slices a trace; another draw of a synthetic workload is --seed")
         prompt_len, output_len = (wl.LengthDist.parse(d) for d in wl.preset(args.workload))
-        specs = wl.synthetic(args.n, args.rate, prompt_len, output_len)
+        specs = wl.synthetic(args.n, args.rate, prompt_len, output_len, seed=args.seed)
     else:
         raw = load_trace(args.trace)
         specs = wl.select(wl.spread_ties(raw) if "mooncake" in args.trace else raw, skip=args.skip,

@@ -3,6 +3,7 @@ gets its planning and launch time and the host time since the previous launch; `
 trace slice and prints where the time went."""
 from __future__ import annotations
 
+import json
 import os
 import pstats
 import subprocess
@@ -90,6 +91,14 @@ def test_diagnose_replays_a_synthetic_workload(llama_checkpoint, tmp_path):
     assert bad.exit_code == 2 and "--no-such-flag" in bad.stderr
     both = CliRunner().invoke(app, [*base, "--trace", "x.csv"])
     assert both.exit_code == 2 and "not both" in both.stderr
+    sliced = CliRunner().invoke(app, [*base, "--skip", "5"])  # a trace's slice: no meaning for a synthetic draw
+    assert sliced.exit_code == 2 and "--seed" in sliced.stderr
+    first = json.loads((tmp_path / "requests-serial.json").read_text())
+    other = CliRunner().invoke(app, [*base, "-n", "2", "--rate", "50", "--policy", "serial", "--max-model-len", "4096",
+                                     "--serve-args", "--max-num-seqs 2", "--seed", "3"])
+    assert other.exit_code == 0, other.output[-2000:]
+    drawn = json.loads((tmp_path / "requests-serial.json").read_text())
+    assert [r["prompt_tokens"] for r in drawn] != [r["prompt_tokens"] for r in first]
 
 
 def test_the_host_gap_leaves_out_the_wait_for_the_devices_tokens(llama_checkpoint, monkeypatch):
