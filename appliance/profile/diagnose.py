@@ -146,6 +146,9 @@ def diagnose(args: DiagnoseOptions) -> None:
         for (lo, hi), (n, wall, dev, launch) in decode_by_batch(timed).items():
             print(f"    batch {lo}-{hi}: {n} steps, mean wall {wall:.2f} ms, mean device {dev:.2f} ms "
                   f"(wall / device {wall / dev:.3f}), launch's host time {launch:.2f} ms at the median")
+        for kind, (n, wall, dev) in decode_by_previous(steps).items():
+            print(f"    after {kind}: {n} steps, mean wall {wall:.2f} ms, mean device {dev:.2f} ms with its own "
+                  f"prefill layers (wall / device {wall / dev:.3f})")
         for kind, (n, wall, dev, launch) in decode_by_next(steps).items():
             print(f"    before {kind}: {n} steps, mean wall {wall:.2f} ms, mean device {dev:.2f} ms with its own "
                   f"prefill layers (wall / device {wall / dev:.3f}), the next launch's host time {launch:.2f} ms "
@@ -216,6 +219,21 @@ def decode_by_next(steps: list[dict]) -> dict[str, tuple[int, float, float, floa
     return {kind: (len(rows), statistics.fmean(s["launch_ms"] for s, _ in rows),
                    statistics.fmean(_own_device_ms(s) for s, _ in rows),
                    statistics.median(n.get("host_launch_ms") or 0.0 for _, n in rows))
+            for kind, rows in sorted(bins.items())}
+
+
+def decode_by_previous(steps: list[dict]) -> dict[str, tuple[int, float, float]]:
+    """Decode steps timed on the device, by the step before them: {"a decode step" or "a prefill step" (mixed,
+    temporal or launching prefill): (steps, mean wall ms, mean device ms counting the step's own prefill layers)}.
+    The overlapped loop launches a step while the one before still runs, so after a longer step the rest of its
+    device time lands in this step's wall: after decode steps alone is wall against device the host's share."""
+    bins: dict[str, list[dict]] = {}
+    for before, step in zip(steps, steps[1:]):
+        if step.get("device_ms") and step["decode"] and not step["mixed"] and "launch_ms" in step:
+            plain = not before.get("mixed") and not before.get("prefill_tokens") and not before.get("after_ms")
+            bins.setdefault("a decode step" if plain else "a prefill step", []).append(step)
+    return {kind: (len(rows), statistics.fmean(s["launch_ms"] for s in rows),
+                   statistics.fmean(_own_device_ms(s) for s in rows))
             for kind, rows in sorted(bins.items())}
 
 

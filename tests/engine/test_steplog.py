@@ -185,6 +185,25 @@ def test_decode_steps_are_broken_down_by_the_step_after_them():
     assert table["a prefill launch"] == (2, 19.0, 8.0, 25.0)  # read once the next launch returned
 
 
+def test_decode_steps_are_broken_down_by_the_step_before_them():
+    """After a mixed or temporal step a decode step's wall holds the rest of that step's device time (the overlapped
+    loop launched it while the longer step ran): the breakdown keeps those apart from decode steps after decode
+    steps, whose wall against device time is the host's share."""
+    from appliance.profile.diagnose import decode_by_previous
+
+    def step(wall, device, prefill=0, mixed=False, after=None):
+        return {"decode": 30, "launch_ms": wall, "device_ms": device, "prefill_tokens": prefill, "mixed": mixed,
+                "after_ms": after}
+
+    steps = [step(8.0, 8.0), step(8.2, 8.0), step(30.0, 35.0, prefill=900, mixed=True), step(13.0, 8.0),
+             step(8.4, 8.0), step(24.0, 8.0, prefill=800, after=17.0), step(10.0, 8.0)]
+    table = decode_by_previous(steps)
+    assert list(table) == ["a decode step", "a prefill step"]
+    n, wall, device = table["a decode step"]  # the first step has no step before it; the mixed one is no decode step
+    assert n == 3 and wall == pytest.approx((8.2 + 8.4 + 24.0) / 3) and device == pytest.approx((8.0 + 8.0 + 25.0) / 3)
+    assert table["a prefill step"] == (2, 11.5, 8.0)
+
+
 def test_a_slow_launch_is_logged_with_where_the_engine_thread_was(llama_checkpoint):
     path, _ = llama_checkpoint
     engine = build_engine(Config.flat(model=path, num_gpu_blocks_override=64, policy="mux"))
