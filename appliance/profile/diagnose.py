@@ -136,7 +136,7 @@ def diagnose(args: DiagnoseOptions) -> None:
         if gaps:
             print(f"  host after {kind} steps: {len(gaps)}, median {statistics.median(gaps):.2f} ms, "
                   f"p90 {gaps[int(0.9 * len(gaps))]:.2f}, p99 {gaps[int(0.99 * len(gaps))]:.2f}")
-    timed = [s for s in steps if s.get("device_ms") and s["decode"] and not s["mixed"] and "launch_ms" in s]
+    timed = [s for s in steps if _timed_decode(s)]
     if timed:  # (CUDA only) what the host adds to a decode step: none once the loop hides it behind the device
         wall, dev = (statistics.fmean(s[k] for s in timed) for k in ("launch_ms", "device_ms"))
         own = statistics.fmean(_own_device_ms(s) for s in timed)
@@ -213,7 +213,7 @@ def decode_by_next(steps: list[dict]) -> dict[str, tuple[int, float, float, floa
     launch, the device busy meanwhile."""
     bins: dict[str, list[tuple[dict, dict]]] = {}
     for step, nxt in zip(steps, steps[1:]):
-        if step.get("device_ms") and step["decode"] and not step["mixed"] and "launch_ms" in step:
+        if _timed_decode(step):
             kind = "a prefill launch" if nxt["mixed"] or nxt.get("prefill_tokens") else "a decode step"
             bins.setdefault(kind, []).append((step, nxt))
     return {kind: (len(rows), statistics.fmean(s["launch_ms"] for s, _ in rows),
@@ -229,12 +229,17 @@ def decode_by_previous(steps: list[dict]) -> dict[str, tuple[int, float, float]]
     device time lands in this step's wall: after decode steps alone is wall against device the host's share."""
     bins: dict[str, list[dict]] = {}
     for before, step in zip(steps, steps[1:]):
-        if step.get("device_ms") and step["decode"] and not step["mixed"] and "launch_ms" in step:
+        if _timed_decode(step):
             plain = not before.get("mixed") and not before.get("prefill_tokens") and not before.get("after_ms")
             bins.setdefault("a decode step" if plain else "a prefill step", []).append(step)
     return {kind: (len(rows), statistics.fmean(s["launch_ms"] for s in rows),
                    statistics.fmean(_own_device_ms(s) for s in rows))
             for kind, rows in sorted(bins.items())}
+
+
+def _timed_decode(step: dict) -> bool:
+    """A decode step (no prefill in its forward) whose wall and device time the log has."""
+    return bool(step.get("device_ms")) and bool(step["decode"]) and not step["mixed"] and "launch_ms" in step
 
 
 def _own_device_ms(step: dict) -> float:
