@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from appliance.attention import AttentionBackend, make_backend
-from appliance.engine.graphs import DecodeGraphs
+from appliance.engine.graphs import DecodeGraphs, quiet_capture
 from appliance.engine.inflight import Done, PrefillsInFlight
 from appliance.engine.launched import (
     Decisions,
@@ -117,17 +117,18 @@ class Executor:
         def metadata_for(size: int):
             return runner.scratch_batch([size]).metadata
 
-        for p in self.partitions.partitions:
-            backend = self._prefill_backends.get(p.name, runner.backend)
-            # a split's prefill launches pad to its GEMM table's targets alone (mixed steps, which pad to the next
-            # captured size, run on all SMs): the other buckets would never replay
-            kept = sizes
-            if self._gemm is not None and p is not self.partitions.full:
-                targets = set(self._gemm.pad_targets(p.prefill_sms or self._null_sms))
-                kept = tuple(r for r in sizes if r in targets) or sizes
-            graphs = PrefillGraphs(runner.model, runner.kv_cache, backend, list(kept), stream=p.prefill_stream)
-            graphs.capture(metadata_for)
-            self._prefill_graphs[p.name] = graphs
+        with quiet_capture():  # (one collection for every partition's captures)
+            for p in self.partitions.partitions:
+                backend = self._prefill_backends.get(p.name, runner.backend)
+                # a split's prefill launches pad to its GEMM table's targets alone (mixed steps, which pad to the
+                # next captured size, run on all SMs): the other buckets would never replay
+                kept = sizes
+                if self._gemm is not None and p is not self.partitions.full:
+                    targets = set(self._gemm.pad_targets(p.prefill_sms or self._null_sms))
+                    kept = tuple(r for r in sizes if r in targets) or sizes
+                graphs = PrefillGraphs(runner.model, runner.kv_cache, backend, list(kept), stream=p.prefill_stream)
+                graphs.capture(metadata_for)
+                self._prefill_graphs[p.name] = graphs
 
     @property
     def multiplexed(self) -> bool:
@@ -143,17 +144,18 @@ class Executor:
             self._graphs[self.partitions.full.name] = runner.capture_graphs(sizes[-1], sizes=sizes)
             return
         pool = torch.cuda.graph_pool_handle()
-        for p in self.partitions.partitions:
-            graphs = runner.graph_set(sizes[-1], stream=p.decode_stream, pool=pool, sizes=sizes)
-            if graphs is not None:
-                graphs.capture()
-                self._graphs[p.name] = graphs
-                if self.choose_one_row and p is not self.partitions.full:  # (all SMs: the graph its tiles are for)
-                    choice = graphs.choose_one_row_graph()
-                    if choice is not None:
-                        self.one_row_graphs[p.name] = choice
-            self._prefill_backends[p.name] = make_backend(runner.backend_name, runner.model.config, runner.dtype,
-                                                          runner.device)
+        with quiet_capture():  # (one collection for every partition's captures)
+            for p in self.partitions.partitions:
+                graphs = runner.graph_set(sizes[-1], stream=p.decode_stream, pool=pool, sizes=sizes)
+                if graphs is not None:
+                    graphs.capture()
+                    self._graphs[p.name] = graphs
+                    if self.choose_one_row and p is not self.partitions.full:  # (all SMs: its tiles' graph)
+                        choice = graphs.choose_one_row_graph()
+                        if choice is not None:
+                            self.one_row_graphs[p.name] = choice
+                self._prefill_backends[p.name] = make_backend(runner.backend_name, runner.model.config,
+                                                              runner.dtype, runner.device)
         runner.graphs = self._graphs.get(self.partitions.full.name)
 
     def drop_graphs(self) -> None:

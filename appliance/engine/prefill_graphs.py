@@ -26,7 +26,7 @@ from appliance.attention import (AttentionBackend, AttentionMetadata, ForwardCon
                                  set_layer)
 from appliance.attention.context import rotates_in_attention
 from appliance.attention.kv_write import launch_rope_write_kv, rope_kernel_takes
-from appliance.engine.graphs import CAPTURE_MODE, quiet_capture
+from appliance.engine.graphs import CAPTURE_MODE, WARM_LAYERS, quiet_capture
 from appliance.engine.kv_cache import KVCache
 from appliance.model_zoo.layers import settle
 from appliance.model_zoo.llama import DecoderForCausalLM
@@ -85,7 +85,7 @@ class PrefillGraphs:
                     self.hidden.zero_()
                     self.slots.fill_(self.scratch_slot)
                     ctx.cut = self._size_inputs
-                    self._layers(size)  # warm-up on the capture stream (library handles, kernel loading)
+                    self._layers(size, end=WARM_LAYERS)  # warm-up on the capture stream (handles, kernel loading)
                     stream.synchronize()
                     ctx.cut = self._cut
                     self._capturing = []
@@ -104,10 +104,10 @@ class PrefillGraphs:
         log.info("captured prefill graphs (%d..%d rows, %d sizes) in %.1f s, %.0f MiB", self.sizes[0],
                  self.sizes[-1], len(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
 
-    def _layers(self, size: int, capture: bool = False) -> None:
-        """Every layer on the fixed buffers' first `size` rows; when capturing, a graph begins at each layer's start
-        and ends at its end (attention's cut splits it in two)."""
-        layers, positions = self.model.model.layers, self.positions[:size]
+    def _layers(self, size: int, capture: bool = False, end: int | None = None) -> None:
+        """The layers before `end` (every layer by default) on the fixed buffers' first `size` rows; when capturing,
+        a graph begins at each layer's start and ends at its end (attention's cut splits it in two)."""
+        layers, positions = self.model.model.layers[:end], self.positions[:size]
         hidden, residual = self.hidden[:size], self.residual[:size]
         for i, layer in enumerate(layers):
             set_layer(i)
