@@ -41,7 +41,7 @@ def engine(path, **kw) -> Engine:
                                     compile=True, **kw))
 
 
-def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tmp_path):
+def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tmp_path, caplog):
     prof_engine = engine(copy_model, multiplex=True, max_num_batched_tokens=2048, enable_prefix_caching=False)
     timer = StepTimer(prof_engine, reps=2, decode_steps=4, contended_steps=4)
     assert timer.decode_partitions == [p.decode_sms for p in prof_engine.partitions.splits]
@@ -77,7 +77,10 @@ def test_profile_on_partitions_then_mux_on_the_multiplex_executor(copy_model, tm
     assert any(s.get("mode") == "decode" for s in steps)  # the mux planner's steps (chunked leaves no mode)
     assert set(factors) <= {"decode", "prefill", "prefill_full", "prefill_split", "prefill_split_per_1k",
                             "mixed_floor"}  # (the mixed steps' floor as served, where the replay fits one)
-    assert "prefill_full" in factors  # mux's temporal steps or, too few of them, the serial replay
+    # prefill on all SMs measured (mux's temporal steps or, too few of them, the serial replay) and kept, or, where a
+    # 2-layer model's prefill is so short that the host's launches set its time (5.2x the profile's once on an
+    # H200), reported as out of the range a profile keeps
+    assert "prefill_full" in factors or "prefill_full came out" in caplog.text
     assert all(r.get("ms") is not None and r["items"] and "decode_beside" in r for r in prefills)  # the split's data
     assert prof_engine.pool.num_free_pages == prof_engine.pool.num_pages and not prof_engine.executor.has_inflight()
     del prof_engine, timer
