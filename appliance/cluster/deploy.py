@@ -85,6 +85,10 @@ def app_builder(args: dict[str, Any]) -> Any:
     return build_app(engine, settings)
 
 
+PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_S = 60  # a local cluster's first wait for a starting HTTP proxy (Serve's default: 5 s)
+
+
 def start_ray(engine: Config, settings: ClusterSettings) -> None:
     """Join --ray ADDRESS, or start a local Ray cluster with room for every replica."""
     import ray  # defers the optional cluster dependency (Ray)
@@ -96,7 +100,11 @@ def start_ray(engine: Config, settings: ClusterSettings) -> None:
         return
     # a local cluster: logical CPUs for every replica (tests and laptops run more replicas than cores)
     cpus = max(os.cpu_count() or 1, math.ceil(settings.max_count * settings.replica_cpus) + 1)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (_package_root(), os.environ.get("PYTHONPATH")) if p)}
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (_package_root(), os.environ.get("PYTHONPATH")) if p),
+           # Serve gives a starting HTTP proxy 5 s (then 10, 15, ...) to answer, three times, before it kills and
+           # restarts it: on a loaded machine a proxy can take longer to start, and each restart throws its start-up
+           # away (seen on 2 busy cores: no proxy up after 5 minutes). A longer first wait, unless set already
+           PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, str(PROXY_READY_S))}
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
 
 

@@ -93,6 +93,27 @@ def test_deploy_goes_on_when_serves_proxies_start_slower_than_its_wait(monkeypat
     assert runs == [("the app", {"name": APP_NAME, "route_prefix": "/", "blocking": False})]
 
 
+@pytest.mark.parametrize("given", [None, "7"])
+def test_a_local_cluster_gives_starting_proxies_longer_than_serves_5_s(monkeypatch, given):
+    """A local Ray cluster's Serve waits PROXY_READY_S for a starting HTTP proxy before it counts a failed check (on a
+    loaded machine it killed and restarted proxies that had not started in 5 s, again and again); a value set in
+    the environment is kept."""
+    import ray
+
+    from appliance.cluster.deploy import PROXY_READY_ENV, PROXY_READY_S, start_ray
+
+    inits = []
+    if given is None:
+        monkeypatch.delenv(PROXY_READY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PROXY_READY_ENV, given)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **options: inits.append(options))
+    start_ray(Config.flat(), ClusterSettings(replicas=2))
+    env = inits[0]["runtime_env"]["env_vars"]
+    assert env[PROXY_READY_ENV] == (given or str(PROXY_READY_S)) and "PYTHONPATH" in env
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster and the muxd app with two replicas of two seats each (so requests queue)."""

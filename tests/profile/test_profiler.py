@@ -225,7 +225,7 @@ def test_profile_is_written_loaded_and_scored_on_held_out_points(timer, held_out
 
 
 def test_calibration_replays_under_chunked_and_measures_serving_against_the_profile(timer, full_profile,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, caplog):
     # (on the CPU the engine is not multiplexed: only the chunked replay runs; tests/gpu/test_profile_mux.py has mux)
     # the serial replay idles after each request it replays alone (0.2 s each); a shorter idle keeps them alone
     monkeypatch.setattr(calibrate, "SERIAL_IDLE_S", 0.02)
@@ -241,8 +241,11 @@ def test_calibration_replays_under_chunked_and_measures_serving_against_the_prof
     factors, steps, prefills = calibrate_serving(engine, [(specs, 400.0), (longer, 100.0)], predictor)
     assert engine.scheduler.planner is planner and engine.scheduler.schedule == schedule  # all put back
     assert not engine.scheduler.requests and engine.pool.num_free_pages == engine.pool.num_pages
-    # over MIN_STEPS steps; the mixed steps' floor where the profile fitted a mixed model (it depends on the timings)
-    assert set(factors) <= {"decode", "prefill", "prefill_full", "mixed_floor"} and "decode" in factors
+    # over MIN_STEPS steps; the mixed steps' floor where the profile fitted a mixed model (it depends on the timings).
+    # The decode factor is measured and kept, or, where a busy machine timed the profile and the replay at different
+    # speeds (0.44 once, with two other processes on two cores), reported as out of the range a profile keeps
+    assert set(factors) <= {"decode", "prefill", "prefill_full", "mixed_floor"}
+    assert "decode" in factors or "decode came out" in caplog.text
     assert any(s.get("mixed") and "pred_ms" in s for s in steps)  # it ran chunked prefill, predicted step by step
     # both workloads' steps are in the fit: decode rows of the longer prompts hold over 100 cached tokens each (the
     # first workload's at most 96); whether their prefills share a step with decode rows depends on the timings
